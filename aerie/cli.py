@@ -1,0 +1,71 @@
+"""The `aerie` command: presets, config inspection, and running the pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from aerie.config import PipelineConfig, apply_overrides, load_yaml, to_yaml
+from aerie.errors import AerieError
+from aerie.presets import PRESETS, get_preset
+
+
+def _config(preset_or_file: str, overrides: list[str]) -> PipelineConfig:
+    if preset_or_file.endswith((".yaml", ".yml")):
+        cfg = load_yaml(preset_or_file)
+    else:
+        cfg = get_preset(preset_or_file)
+    return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+def _cmd_presets(_: argparse.Namespace) -> int:
+    for name, factory in PRESETS.items():
+        doc = (factory.__doc__ or "").strip().splitlines()[0]
+        print(f"{name:16s} {doc}")
+    return 0
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    print(to_yaml(_config(args.preset, args.overrides)), end="")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    cfg = _config(args.preset, args.overrides)
+    from flows.pipeline import run_pipeline  # Prefect is imported only when a run is asked for
+
+    report = run_pipeline(cfg)
+    print(report)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aerie", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("presets", help="list the presets").set_defaults(func=_cmd_presets)
+    config = sub.add_parser("config", help="inspect configs").add_subparsers(
+        dest="config_command", required=True
+    )
+    show = config.add_parser("show", help="print a preset (or YAML file) with overrides applied, as YAML")
+    show.add_argument("preset", help=f"a preset ({', '.join(PRESETS)}) or a YAML file")
+    show.add_argument("overrides", nargs="*", help="key=value, e.g. train.epochs=2")
+    show.set_defaults(func=_cmd_config_show)
+    run = sub.add_parser("run", help="run the pipeline flow locally and print the report")
+    run.add_argument("preset", help=f"a preset ({', '.join(PRESETS)}) or a YAML file")
+    run.add_argument("overrides", nargs="*", help="key=value, e.g. train.epochs=2")
+    run.set_defaults(func=_cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except AerieError as exc:
+        print(f"aerie: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""aerie's one error tree.
+
+Every error aerie raises on purpose is an ``AerieError``; lower-level errors (httpx, botocore, OSError,
+pydantic) are translated at the module boundary with ``raise ... from exc`` so callers catch one tree::
+
+    AerieError
+    ├── ConfigError                 a bad field, value, override or preset name
+    ├── StoreError                  the artifact store (local dir or S3)
+    │   ├── ObjectNotFoundError     no object under that key
+    │   └── IntegrityError          a checksum that does not match (corrupted or partial object)
+    ├── DataError                   source datasets and the corpus
+    │   ├── SourceNotFoundError     a missing file, directory or data package
+    │   └── SchemaError             a dataset whose columns or fields do not match its spec
+    ├── TargetError                 resolving or converting the target model
+    ├── EndpointError               the generation endpoint (OpenRouter / OpenAI-compatible)
+    │   ├── EndpointAuthError       401/403: the key was rejected (fix the key; never retried)
+    │   └── EndpointRequestError    400/404: the request itself is wrong (fix the spec; never retried)
+    ├── ServerError                 a model server's lifecycle
+    │   ├── ServerLaunchError       refused before any wait (wrong interpreter, missing module, bad spec)
+    │   │   └── PortInUseError      something already answers on the port (a stale server)
+    │   ├── ServerCrashedError      the process or container exited while starting or serving
+    │   ├── ServerTimeoutError      not ready by the deadline (carries the last progress seen)
+    │   └── ServerIdentityError     the server that answers is not the one launched (nonce mismatch)
+    ├── ExtractionError             hidden-state extraction
+    │   ├── PreflightError          not enough disk for the estimated bytes (says how much)
+    │   └── CanaryError             the canary sample proved hidden states are wrong or missing
+    ├── TrainingError               the drafter trainer
+    └── EvaluationError             speculative decoding, benchmarks, promotion
+"""
+
+from __future__ import annotations
+
+
+class AerieError(Exception):
+    """Base of every error aerie raises on purpose."""
+
+
+class ConfigError(AerieError, ValueError):
+    """A bad config field, value, override or preset name."""
+
+
+class StoreError(AerieError):
+    """The artifact store failed."""
+
+
+class ObjectNotFoundError(StoreError, FileNotFoundError):
+    """No object under that key."""
+
+
+class IntegrityError(StoreError):
+    """An object's checksum does not match what was recorded."""
+
+
+class DataError(AerieError):
+    """A source dataset or the corpus is unusable."""
+
+
+class SourceNotFoundError(DataError, FileNotFoundError):
+    """A dataset file, directory or data package is missing."""
+
+
+class SchemaError(DataError):
+    """A dataset's columns or fields do not match its spec."""
+
+
+class TargetError(AerieError):
+    """The target model cannot be resolved or converted."""
+
+
+class EndpointError(AerieError):
+    """The generation endpoint failed."""
+
+
+class EndpointAuthError(EndpointError):
+    """The endpoint rejected the API key (401/403)."""
+
+
+class EndpointRequestError(EndpointError):
+    """The endpoint rejected the request itself (400/404)."""
+
+
+class ServerError(AerieError):
+    """A model server's lifecycle failed."""
+
+
+class ServerLaunchError(ServerError):
+    """The launch was refused before any wait."""
+
+
+class PortInUseError(ServerLaunchError):
+    """Something already answers on the port."""
+
+
+class ServerCrashedError(ServerError):
+    """The server process or container exited."""
+
+
+class ServerTimeoutError(ServerError, TimeoutError):
+    """The server was not ready by its deadline."""
+
+
+class ServerIdentityError(ServerError):
+    """The server answering is not the one that was launched."""
+
+
+class ExtractionError(AerieError):
+    """Hidden-state extraction failed."""
+
+
+class PreflightError(ExtractionError):
+    """Not enough free space for the estimated bytes."""
+
+
+class CanaryError(ExtractionError):
+    """The canary sample proved the hidden states wrong or missing."""
+
+
+class TrainingError(AerieError):
+    """The drafter trainer failed."""
+
+
+class EvaluationError(AerieError):
+    """Evaluation, benchmarking or promotion failed."""

@@ -1,0 +1,1 @@
+"""Regenerate training conversations with the target through an OpenAI-compatible endpoint."""

@@ -1,0 +1,149 @@
+"""Presets are functions that derive a config from a base and change only what differs.
+
+base() ── smollm2_local()   embedded default: SmolLM2-135M on CPU, the whole pipeline in minutes
+      ├── smollm2_gpu()     the same target on one H200, every ShareGPT conversation
+      └── kimi_k25_8gpu()   Kimi-K2.5 through OpenRouter, SGLang in Docker on 8 GPUs, S3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aerie.config import PipelineConfig
+from aerie.datasets import SourceSpec
+from aerie.errors import ConfigError
+from aerie.generate.config import DatasetSpec, EndpointConfig, SamplingParams
+
+
+def base() -> PipelineConfig:
+    """Defaults shared by every preset: the production recipe's training settings."""
+    return PipelineConfig(preset="base")
+
+
+def smollm2_local() -> PipelineConfig:
+    """Embedded default: runs on a 2-core laptop with no GPU and no network."""
+    cfg = base()
+    cfg.preset = "smollm2-local"
+    cfg.run = "smollm2-local"
+    cfg.generate.endpoint = EndpointConfig(base_url=None, concurrency=16)
+    cfg.generate.datasets = [
+        DatasetSpec(
+            name="sharegpt",
+            source=SourceSpec(kind="sharegpt"),
+            num_samples=48,
+            max_turns=2,
+            sampling=SamplingParams(temperature=0.0, max_tokens=96),
+        )
+    ]
+    cfg.corpus.max_length = 384
+    cfg.corpus.eval_fraction = 0.125
+    cfg.corpus.num_workers = 1
+    cfg.extract.batch_tokens = 4096
+    cfg.extract.shard_bytes = 64 << 20
+    cfg.train.draft_vocab_size = 2048
+    cfg.train.epochs = 30
+    cfg.train.lr = 1e-3
+    cfg.train.batch_tokens = 2048
+    cfg.train.max_length = 384
+    cfg.train.eval_every = 50
+    cfg.train.checkpoint_every = 100
+    cfg.train.device = "cpu"
+    cfg.server.device = "cpu"
+    cfg.evaluate.num_steps = [3, 7]
+    cfg.evaluate.max_new_tokens = 48
+    cfg.evaluate.mtbench_questions = 8
+    cfg.evaluate.heldout_samples = 4
+    cfg.deploy.concurrency = [1, 4]
+    cfg.deploy.num_prompts = 8
+    cfg.deploy.max_new_tokens = 48
+    return cfg
+
+
+def smollm2_gpu() -> PipelineConfig:
+    """SmolLM2-135M as target on one H200: every complete ShareGPT conversation, regenerated."""
+    cfg = base()
+    cfg.preset = "smollm2-gpu"
+    cfg.run = "smollm2-gpu"
+    cfg.generate.endpoint = EndpointConfig(base_url=None, concurrency=256)
+    cfg.generate.datasets = [
+        DatasetSpec(
+            name="sharegpt",
+            source=SourceSpec(kind="sharegpt"),
+            sampling=SamplingParams(temperature=0.0, max_tokens=512),
+        )
+    ]
+    cfg.corpus.max_length = 2048
+    cfg.corpus.eval_fraction = 0.01
+    cfg.server.device = "cuda"
+    cfg.extract.batch_tokens = 65536
+    cfg.extract.requests_in_flight = 4
+    cfg.train.device = "cuda"
+    cfg.train.draft_vocab_size = 16384
+    cfg.train.epochs = 4
+    cfg.train.lr = 3e-4
+    cfg.train.batch_tokens = 65536
+    cfg.train.eval_every = 250
+    cfg.evaluate.device = "cuda"
+    cfg.evaluate.max_new_tokens = 256
+    cfg.evaluate.heldout_samples = 80
+    return cfg
+
+
+def kimi_k25_8gpu() -> PipelineConfig:
+    """Kimi-K2.5 (61 layers, hidden 7168, vocab 163840): OpenRouter generation, SGLang in Docker, S3."""
+    cfg = base()
+    cfg.preset = "kimi-k2.5-8gpu"
+    cfg.run = "kimi-k2.5"
+    cfg.store.uri = "s3://aerie-artifacts/kimi-k2.5"
+    cfg.target.name = "moonshotai/Kimi-K2.5"
+    cfg.target.trust_remote_code = True
+    cfg.generate.endpoint = EndpointConfig(
+        base_url="https://openrouter.ai/api/v1",
+        model="moonshotai/kimi-k2.5",
+        concurrency=128,
+        requests_per_minute=1200,
+        title="aerie",
+    )
+    cfg.generate.datasets = [
+        DatasetSpec(
+            name="sharegpt",
+            source=SourceSpec(kind="sharegpt"),
+            sampling=SamplingParams(temperature=0.6, max_tokens=4096),
+        ),
+    ]
+    cfg.generate.max_parallel_datasets = 4
+    cfg.corpus.max_length = 4096
+    cfg.corpus.num_workers = 16
+    cfg.server.backend = "sglang"
+    cfg.server.launcher = "docker"
+    cfg.server.tp_size = 8
+    cfg.server.device = "cuda"
+    cfg.extract.storage_dtype = "fp8"
+    cfg.extract.batch_tokens = 65536
+    cfg.extract.requests_in_flight = 4
+    cfg.extract.delete_local_after_upload = True
+    cfg.train.device = "cuda"
+    cfg.train.num_gpus = 8
+    cfg.train.epochs = 10
+    cfg.train.lr = 5e-5
+    cfg.train.batch_tokens = 16384
+    cfg.train.max_length = 4096
+    cfg.evaluate.device = "cuda"
+    cfg.deploy.num_steps = 3
+    cfg.deploy.num_draft_tokens = 4
+    return cfg
+
+
+PRESETS: dict[str, Callable[[], PipelineConfig]] = {
+    "smollm2-local": smollm2_local,
+    "smollm2-gpu": smollm2_gpu,
+    "kimi-k2.5-8gpu": kimi_k25_8gpu,
+}
+
+
+def get_preset(name: str) -> PipelineConfig:
+    try:
+        factory = PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}") from None
+    return factory()

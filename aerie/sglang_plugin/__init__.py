@@ -1,0 +1,1 @@
+"""aerie.sglang_plugin."""

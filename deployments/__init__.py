@@ -1,0 +1,1 @@
+"""Deployment definitions used by prefect.yaml."""

@@ -1,0 +1,1 @@
+"""Prefect flows: thin wrappers that compose, retry and report aerie stages."""
