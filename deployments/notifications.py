@@ -1,0 +1,78 @@
+"""Failure notifications as code: a webhook block and an automation on failed/crashed/timed-out runs.
+
+The automation lives on the Prefect server, so it fires even when the worker running the flow dies
+(the flow's in-process `on_failure` hook cannot). Apply it once per server:
+
+    python -m deployments.notifications --webhook-url "$AERIE_WEBHOOK_URL"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from uuid import UUID
+
+from prefect.automations import Automation
+from prefect.blocks.notifications import CustomWebhookNotificationBlock
+from prefect.events.actions import SendNotification
+from prefect.events.schemas.automations import EventTrigger, Posture
+
+BLOCK_NAME = "aerie-failures"
+AUTOMATION_NAME = "aerie-run-failed"
+FAILED_EVENTS = {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"}
+
+
+def save_webhook_block(url: str) -> UUID:
+    """A Slack-compatible webhook block; the URL is stored as a secret field, never shown in the UI."""
+    block = CustomWebhookNotificationBlock(
+        name=BLOCK_NAME,
+        url="{{ webhook_url }}",
+        json_data={"text": "{{ subject }}\n{{ body }}"},
+        secrets={"webhook_url": url},
+    )
+    return block.save(BLOCK_NAME, overwrite=True)
+
+
+def failure_automation(block_id: UUID) -> Automation:
+    return Automation(
+        name=AUTOMATION_NAME,
+        description="An aerie flow run failed, crashed or timed out.",
+        trigger=EventTrigger(
+            posture=Posture.Reactive,
+            expect=FAILED_EVENTS,
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            match_related={"prefect.resource.role": "tag", "prefect.resource.id": "prefect.tag.aerie"},
+            threshold=1,
+            within=0,
+        ),
+        actions=[
+            SendNotification(
+                block_document_id=block_id,
+                subject="aerie: {{ flow_run.name }} is {{ flow_run.state.name }}",
+                body="{{ flow.name }}/{{ flow_run.name }}: {{ flow_run.state.message }}",
+            )
+        ],
+    )
+
+
+def apply(url: str) -> UUID:
+    """Create or replace the block and the automation; returns the automation id."""
+    block_id = save_webhook_block(url)
+    try:
+        Automation.read(name=AUTOMATION_NAME).delete()
+    except ValueError:  # Prefect raises ValueError when no automation has that name
+        pass
+    return failure_automation(block_id).create().id
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--webhook-url", default=os.environ.get("AERIE_WEBHOOK_URL"), help="Slack-compatible URL")
+    args = parser.parse_args()
+    if not args.webhook_url:
+        parser.error("--webhook-url or AERIE_WEBHOOK_URL is required")
+    print(f"automation {apply(args.webhook_url)} notifies on {', '.join(sorted(FAILED_EVENTS))}")
+
+
+if __name__ == "__main__":
+    main()
