@@ -1,0 +1,393 @@
+"""Hidden-state shards: many samples concatenated along tokens in ~1 GB safetensors files.
+
+Peers write one file per sample (millions of small files, a `torch.load` per step). aerie packs samples
+into append-only shards instead, so training reads contiguous token ranges and the store holds a few
+hundred objects. One shard holds::
+
+    offsets     int64    [S+1]   sample i is tokens offsets[i]:offsets[i+1]
+    input_ids   int32    [N]
+    loss_mask   uint8    [N]
+    aux_hidden  bf16|fp8 [N, 3H] residual stream entering the three captured layers, concatenated
+    last_hidden bf16|fp8 [N, H]  after the final norm (the target lm_head's input)
+    aux_scale   float32  [N, 3]  fp8 only: one scale per token per captured layer
+    last_scale  float32  [N, 1]  fp8 only
+
+fp8 is float8_e4m3fn with a per-token (per layer) absmax scale: the residual stream's magnitude grows
+with depth and varies a lot between tokens (attention sinks), so one scale per tensor would crush the
+small ones. e4m3 keeps 3 mantissa bits: every element is within 2^-4 of its own magnitude, at half
+the bytes of bf16.
+
+The safetensors metadata carries the schema version, storage dtype, hidden size and the sample ids
+(JSON). A shard is written once, atomically (temp file + fsync + rename), and never modified.
+The writer streams the safetensors layout itself (header, then each tensor's chunks in order) so a
+1 GB shard is never concatenated in memory a second time, and its sha256 is computed while writing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+
+from aerie.errors import DataError, ExtractionError
+
+SHARD_SCHEMA_VERSION = 1
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+STORAGE_DTYPES = ("bf16", "fp8")
+Storage = Literal["bf16", "fp8"]
+
+# safetensors dtype names of the torch dtypes a shard uses.
+_ST_DTYPE = {
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float32: "F32",
+}
+# Order of tensors in the data section: widest alignment first, so every tensor starts aligned to its
+# element size (the header is padded to 8 bytes, sizes of later tensors keep the alignment).
+_ORDER = ("offsets", "aux_scale", "last_scale", "input_ids", "aux_hidden", "last_hidden", "loss_mask")
+
+
+@dataclass
+class HiddenSample:
+    """One sample's hidden states, as the extraction client hands them to the writer and the reader
+    gives them back (dequantized)."""
+
+    id: str
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool
+    aux_hidden: torch.Tensor  # [T, 3H]
+    last_hidden: torch.Tensor  # [T, H]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class ShardInfo:
+    """A closed shard: what the manifest and the progress file record."""
+
+    name: str
+    path: Path
+    samples: int
+    tokens: int
+    bytes: int
+    sha256: str
+    sample_ids: list[str] = field(repr=False)
+
+    def record(self) -> dict[str, Any]:
+        """The manifest entry (no local path: the shard moves to the store)."""
+        return {
+            "name": self.name,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+        }
+
+
+def bytes_per_token(storage: Storage, hidden_size: int) -> int:
+    """Bytes one token costs in a shard (offsets, 8 bytes per sample, are left out)."""
+    ids_and_mask = 4 + 1
+    if storage == "bf16":
+        return 4 * hidden_size * 2 + ids_and_mask
+    return 4 * hidden_size + 4 * (3 + 1) + ids_and_mask
+
+
+def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize [N, G*D] to float8_e4m3fn with one absmax scale per row per group: returns
+    (q [N, G*D] float8_e4m3fn, scale [N, G] float32). Dequantized = q * scale."""
+    if x.dim() != 2 or x.shape[1] % groups:
+        raise ValueError(f"quantize_fp8 wants [N, G*D] with G={groups}, got {tuple(x.shape)}")
+    n, width = x.shape
+    xf = x.float().reshape(n, groups, width // groups)
+    amax = xf.abs().amax(dim=2, keepdim=True)
+    # A zero row gets scale 1 (its q is all zeros); non-finite values are refused upstream.
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(n, width), scale.reshape(n, groups)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of `quantize_fp8`: [N, G*D] in `dtype` (computed in float32, then cast)."""
+    n, width = q.shape
+    groups = scale.shape[1]
+    x = q.float().reshape(n, groups, width // groups) * scale.float().reshape(n, groups, 1)
+    return x.reshape(n, width).to(dtype)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes (little-endian, C order) without a copy when it is already contiguous."""
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class ShardWriter:
+    """Packs samples, in the order given, into shards of about `shard_bytes` each.
+
+    A sample never spans two shards: when adding it would push the open shard past `shard_bytes`, the
+    open shard is closed first. Which samples land in which shard therefore depends only on the sample
+    order and sizes, which makes re-runs reproduce the same shards (resume relies on it).
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        storage: Storage,
+        shard_bytes: int,
+        hidden_size: int,
+        prefix: str = "shard",
+        first_index: int = 0,
+    ) -> None:
+        if storage not in STORAGE_DTYPES:
+            raise ValueError(f"storage must be one of {STORAGE_DTYPES}, got {storage!r}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.storage: Storage = storage
+        self.shard_bytes = shard_bytes
+        self.hidden_size = hidden_size
+        self.prefix = prefix
+        self.index = first_index
+        self._bpt = bytes_per_token(storage, hidden_size)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._chunks: dict[str, list[torch.Tensor]] = {name: [] for name in _ORDER}
+        self._ids: list[str] = []
+        self._lengths: list[int] = []
+        self._tokens = 0
+
+    @property
+    def pending_samples(self) -> int:
+        return len(self._ids)
+
+    def _pending_bytes(self) -> int:
+        return self._tokens * self._bpt + 8 * (len(self._ids) + 1)
+
+    def add(self, sample: HiddenSample) -> ShardInfo | None:
+        """Append one sample; returns the info of the shard this closed, if any."""
+        t = self._check(sample)
+        closed = None
+        if self._ids and self._pending_bytes() + t * self._bpt + 8 > self.shard_bytes:
+            closed = self._flush()
+        h = self.hidden_size
+        self._chunks["input_ids"].append(sample.input_ids.to(torch.int32))
+        self._chunks["loss_mask"].append(sample.loss_mask.to(torch.uint8))
+        if self.storage == "bf16":
+            self._chunks["aux_hidden"].append(sample.aux_hidden.to(torch.bfloat16))
+            self._chunks["last_hidden"].append(sample.last_hidden.to(torch.bfloat16))
+        else:
+            aux_q, aux_s = quantize_fp8(sample.aux_hidden.reshape(t, 3 * h), groups=3)
+            last_q, last_s = quantize_fp8(sample.last_hidden.reshape(t, h), groups=1)
+            self._chunks["aux_hidden"].append(aux_q)
+            self._chunks["aux_scale"].append(aux_s)
+            self._chunks["last_hidden"].append(last_q)
+            self._chunks["last_scale"].append(last_s)
+        self._ids.append(sample.id)
+        self._lengths.append(t)
+        self._tokens += t
+        return closed
+
+    def close(self) -> ShardInfo | None:
+        """Write the open shard, if it holds any sample."""
+        return self._flush() if self._ids else None
+
+    def _check(self, s: HiddenSample) -> int:
+        t = int(s.input_ids.shape[0])
+        h = self.hidden_size
+        want = {
+            "input_ids": (t,),
+            "loss_mask": (t,),
+            "aux_hidden": (t, 3 * h),
+            "last_hidden": (t, h),
+        }
+        for name, shape in want.items():
+            got = tuple(getattr(s, name).shape)
+            if got != shape:
+                raise ExtractionError(f"sample {s.id!r}: {name} has shape {got}, expected {shape}")
+        if t == 0:
+            raise ExtractionError(f"sample {s.id!r} has no tokens")
+        if t and (int(s.input_ids.min()) < 0 or int(s.input_ids.max()) >= 2**31):
+            raise ExtractionError(f"sample {s.id!r}: token ids outside int32")
+        return t
+
+    def _flush(self) -> ShardInfo:
+        name = f"{self.prefix}-{self.index:05d}.safetensors"
+        offsets = torch.zeros(len(self._lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(self._lengths, dtype=torch.int64).cumsum(0)
+        self._chunks["offsets"] = [offsets]
+        h = self.hidden_size
+        n = self._tokens
+        widths = {"aux_hidden": 3 * h, "last_hidden": h, "aux_scale": 3, "last_scale": 1}
+        tensors: list[tuple[str, torch.dtype, list[int], list[torch.Tensor]]] = []
+        for key in _ORDER:
+            chunks = self._chunks[key]
+            if not chunks:
+                continue
+            shape = [len(self._lengths) + 1] if key == "offsets" else [n]
+            if key in widths:
+                shape.append(widths[key])
+            tensors.append((key, chunks[0].dtype, shape, chunks))
+        metadata = {
+            "schema_version": str(SHARD_SCHEMA_VERSION),
+            "storage": self.storage,
+            "hidden_size": str(h),
+            "samples": str(len(self._ids)),
+            "tokens": str(n),
+            "sample_ids": json.dumps(self._ids),
+        }
+        path = self.out_dir / name
+        size, digest = _write_safetensors(path, tensors, metadata)
+        info = ShardInfo(
+            name=name,
+            path=path,
+            samples=len(self._ids),
+            tokens=n,
+            bytes=size,
+            sha256=digest,
+            sample_ids=list(self._ids),
+        )
+        self.index += 1
+        self._reset()
+        return info
+
+
+def _write_safetensors(
+    path: Path,
+    tensors: list[tuple[str, torch.dtype, list[int], list[torch.Tensor]]],
+    metadata: dict[str, str],
+) -> tuple[int, str]:
+    """Write the safetensors layout (u64 header length, JSON header, data) streaming each tensor's
+    chunks; temp file + fsync + rename. Returns (bytes, sha256)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, chunks in tensors:
+        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        header[name] = {"dtype": _ST_DTYPE[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path.with_name(f".{path.name}.tmp")
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as f:
+            for part in (struct.pack("<Q", len(blob)), blob):
+                f.write(part)
+                h.update(part)
+            for _, _, _, chunks in tensors:
+                for c in chunks:
+                    raw = _raw(c)
+                    f.write(raw)
+                    h.update(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ExtractionError(f"cannot write shard {path}: {exc}") from exc
+    return 8 + len(blob) + offset, h.hexdigest()
+
+
+class ShardReader:
+    """Reads a shard (memory-mapped by safetensors): per sample or by contiguous token range.
+
+    fp8 tensors are dequantized to `dtype` on read; `token_slice(..., dequantize=False)` returns the
+    raw fp8 codes and scales instead, so a trainer can move half the bytes to the GPU and dequantize
+    there.
+    """
+
+    def __init__(self, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> None:
+        self.path = Path(path)
+        self.device = device
+        self.dtype = dtype
+        try:
+            self._f = safe_open(str(self.path), framework="pt", device=device)
+        except Exception as exc:  # safetensors raises its own SafetensorError / OSError
+            raise DataError(f"cannot open shard {self.path}: {exc}") from exc
+        meta = self._f.metadata() or {}
+        try:
+            version = int(meta["schema_version"])
+            self.storage: Storage = meta["storage"]  # type: ignore[assignment]
+            self.hidden_size = int(meta["hidden_size"])
+            self.sample_ids: list[str] = json.loads(meta["sample_ids"])
+        except (KeyError, ValueError) as exc:
+            raise DataError(f"{self.path} is not an aerie hidden-state shard (metadata: {exc})") from exc
+        if version != SHARD_SCHEMA_VERSION:
+            raise DataError(
+                f"{self.path}: shard schema version {version}, this aerie reads {SHARD_SCHEMA_VERSION}"
+            )
+        self.offsets: torch.Tensor = self._f.get_tensor("offsets").cpu()
+        self.tokens = int(self.offsets[-1])
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def __iter__(self) -> Iterator[HiddenSample]:
+        for i in range(len(self)):
+            yield self.sample(i)
+
+    def sample(self, i: int) -> HiddenSample:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {self.path.name} ({len(self)} samples)")
+        i %= len(self)
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        part = self.token_slice(start, end)
+        return HiddenSample(
+            id=self.sample_ids[i],
+            input_ids=part["input_ids"],
+            loss_mask=part["loss_mask"],
+            aux_hidden=part["aux_hidden"],
+            last_hidden=part["last_hidden"],
+        )
+
+    def token_slice(self, start: int, end: int, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
+        """Tokens [start, end) of the shard (across sample boundaries): input_ids int64, loss_mask
+        bool, aux_hidden [n, 3H], last_hidden [n, H] (plus aux_scale/last_scale when fp8 and not
+        dequantized)."""
+        if not 0 <= start <= end <= self.tokens:
+            raise IndexError(
+                f"token range [{start}, {end}) out of range for {self.path.name} ({self.tokens})"
+            )
+        out = {
+            "input_ids": self._f.get_slice("input_ids")[start:end].long(),
+            "loss_mask": self._f.get_slice("loss_mask")[start:end].bool(),
+        }
+        aux = self._f.get_slice("aux_hidden")[start:end]
+        last = self._f.get_slice("last_hidden")[start:end]
+        if self.storage == "fp8":
+            aux_s = self._f.get_slice("aux_scale")[start:end]
+            last_s = self._f.get_slice("last_scale")[start:end]
+            if not dequantize:
+                out.update(aux_hidden=aux, last_hidden=last, aux_scale=aux_s, last_scale=last_s)
+                return out
+            aux, last = dequantize_fp8(aux, aux_s, self.dtype), dequantize_fp8(last, last_s, self.dtype)
+        else:
+            aux, last = aux.to(self.dtype), last.to(self.dtype)
+        out.update(aux_hidden=aux, last_hidden=last)
+        return out

@@ -1,0 +1,176 @@
+"""Hidden-state shards: exact bf16 round trip, fp8 within its rounding bound, packing, atomicity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from aerie.errors import DataError, ExtractionError
+from aerie.extract.shards import (
+    HiddenSample,
+    ShardReader,
+    ShardWriter,
+    bytes_per_token,
+    dequantize_fp8,
+    quantize_fp8,
+)
+
+H = 64
+
+
+def make_sample(i: int, t: int, gen: torch.Generator) -> HiddenSample:
+    # Residual-stream-like values: per-layer magnitudes growing with depth and a few outlier tokens
+    # (attention sinks) that are 50x larger than the rest.
+    layer_scale = torch.tensor([1.0, 8.0, 40.0]).repeat_interleave(H)
+    aux = torch.randn(t, 3 * H, generator=gen) * layer_scale
+    aux[0] *= 50.0
+    last = torch.randn(t, H, generator=gen) * 3.0
+    return HiddenSample(
+        id=f"s{i}",
+        input_ids=torch.randint(0, 49152, (t,), generator=gen),
+        loss_mask=torch.rand(t, generator=gen) > 0.4,
+        aux_hidden=aux.to(torch.bfloat16),
+        last_hidden=last.to(torch.bfloat16),
+    )
+
+
+def write_all(tmp_path, samples, storage, shard_bytes=1 << 30):
+    w = ShardWriter(tmp_path, storage=storage, shard_bytes=shard_bytes, hidden_size=H)
+    infos = [info for s in samples if (info := w.add(s))]
+    if (last := w.close()) is not None:
+        infos.append(last)
+    return infos
+
+
+@pytest.fixture
+def samples():
+    gen = torch.Generator().manual_seed(0)
+    return [make_sample(i, t, gen) for i, t in enumerate([7, 33, 1, 120, 64, 5])]
+
+
+def test_bf16_round_trip_is_exact(tmp_path, samples):
+    (info,) = write_all(tmp_path, samples, "bf16")
+    assert info.samples == len(samples) and info.tokens == sum(s.tokens for s in samples)
+    assert info.bytes == info.path.stat().st_size
+    assert info.sha256 == hashlib.sha256(info.path.read_bytes()).hexdigest()
+    r = ShardReader(info.path)
+    assert len(r) == len(samples) and r.sample_ids == [s.id for s in samples] and r.tokens == info.tokens
+    for want, got in zip(samples, r, strict=True):
+        assert got.id == want.id
+        assert got.input_ids.dtype == torch.int64 and torch.equal(got.input_ids, want.input_ids)
+        assert got.loss_mask.dtype == torch.bool and torch.equal(got.loss_mask, want.loss_mask)
+        assert torch.equal(got.aux_hidden, want.aux_hidden)
+        assert torch.equal(got.last_hidden, want.last_hidden)
+    # A contiguous slice across sample boundaries is the concatenation of the samples' tokens.
+    part = r.token_slice(3, 50)
+    cat = torch.cat([s.aux_hidden for s in samples])
+    assert torch.equal(part["aux_hidden"], cat[3:50])
+    assert torch.equal(part["input_ids"], torch.cat([s.input_ids for s in samples])[3:50])
+
+
+def test_file_is_plain_safetensors_with_metadata(tmp_path, samples):
+    (info,) = write_all(tmp_path, samples, "fp8")
+    with safe_open(str(info.path), framework="pt") as f:
+        meta = f.metadata()
+        assert set(f.keys()) == {
+            "input_ids",
+            "loss_mask",
+            "offsets",
+            "aux_hidden",
+            "last_hidden",
+            "aux_scale",
+            "last_scale",
+        }
+        n = info.tokens
+        assert f.get_tensor("input_ids").dtype == torch.int32
+        assert f.get_tensor("loss_mask").dtype == torch.uint8
+        assert f.get_tensor("aux_hidden").dtype == torch.float8_e4m3fn
+        assert tuple(f.get_tensor("aux_hidden").shape) == (n, 3 * H)
+        assert tuple(f.get_tensor("aux_scale").shape) == (n, 3)
+        assert tuple(f.get_tensor("last_scale").shape) == (n, 1)
+        assert f.get_tensor("offsets").tolist() == [0, 7, 40, 41, 161, 225, 230]
+    assert meta["storage"] == "fp8" and meta["hidden_size"] == str(H) and meta["schema_version"] == "1"
+    assert json.loads(meta["sample_ids"]) == [s.id for s in samples]
+
+
+def fp8_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Largest error e4m3 rounding may make. Normals (|x/scale| >= 2^-6) keep 3 mantissa bits, so
+    round-to-nearest is off by at most half a spacing = 2^-4 of the value itself; subnormals have a
+    fixed spacing of 2^-9 (in units of the scale), so at most 2^-10 * scale. Float32 arithmetic adds
+    ~2^-23 relative, covered by the 1e-6 term."""
+    return 2.0**-4 * x.abs() + 2.0**-10 * scale + 1e-6 * x.abs()
+
+
+def test_fp8_round_trip_within_rounding_bound(tmp_path, samples):
+    (info,) = write_all(tmp_path, samples, "fp8")
+    r = ShardReader(info.path, dtype=torch.float32)
+    raw = r.token_slice(0, r.tokens, dequantize=False)
+    for want, got, start in zip(samples, r, r.offsets[:-1].tolist(), strict=True):
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.loss_mask, want.loss_mask)
+        t = want.tokens
+        x = want.aux_hidden.float().reshape(t, 3, H)
+        scale = raw["aux_scale"][start : start + t].reshape(t, 3, 1)
+        err = (got.aux_hidden.reshape(t, 3, H) - x).abs()
+        assert bool((err <= fp8_bound(x, scale)).all())
+        # Per token and layer, the worst error is at most 2^-4 of that token's (layer's) max.
+        assert bool((err.amax(-1) <= 2.0**-4 * x.abs().amax(-1) + 1e-6).all())
+        y = want.last_hidden.float()
+        err_last = (got.last_hidden - y).abs()
+        assert bool((err_last <= fp8_bound(y, raw["last_scale"][start : start + t])).all())
+    # Per-layer scales matter: the small first layer keeps its precision next to the large third one.
+    assert bool((raw["aux_scale"][:, 2] > 10 * raw["aux_scale"][:, 0]).all())
+
+
+def test_fp8_is_half_the_bytes_of_bf16(tmp_path, samples):
+    (bf16,) = write_all(tmp_path / "bf16", samples, "bf16")
+    (fp8,) = write_all(tmp_path / "fp8", samples, "fp8")
+    tokens = bf16.tokens
+    # Per token: fp8 stores 4H bytes + 16 bytes of scales + 5 of ids/mask, bf16 8H + 5.
+    overhead = 16 * tokens + 5 * tokens + 2048  # scales, ids/mask, header
+    assert fp8.bytes <= 0.5 * bf16.bytes + overhead
+    assert bytes_per_token("fp8", 7168) / bytes_per_token("bf16", 7168) < 0.502
+
+
+def test_quantize_handles_zero_rows_and_groups():
+    x = torch.zeros(2, 6)
+    x[1, 3:] = torch.tensor([1.0, -896.0, 2.0])
+    q, s = quantize_fp8(x, groups=2)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2)
+    assert s[0].tolist() == [1.0, 1.0]  # an all-zero group gets scale 1, not a division by zero
+    assert torch.equal(dequantize_fp8(q, s, torch.float32), x)  # scale 2: 0.5, -448 and 1 are exact in e4m3
+    with pytest.raises(ValueError):
+        quantize_fp8(x, groups=4)
+
+
+def test_shards_split_by_size_without_splitting_samples(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    samples = [make_sample(i, 50, gen) for i in range(10)]
+    per_sample = 50 * bytes_per_token("bf16", H) + 8
+    w = ShardWriter(tmp_path, storage="bf16", shard_bytes=3 * per_sample + 8, hidden_size=H, prefix="x")
+    closed = [(i, info) for i, s in enumerate(samples) if (info := w.add(s))]
+    # A shard closes when the next sample would not fit: after samples 0-2, 3-5, 6-8.
+    assert [i for i, _ in closed] == [3, 6, 9]
+    last = w.close()
+    assert last is not None and last.samples == 1 and w.close() is None
+    infos = [info for _, info in closed] + [last]
+    assert [i.name for i in infos] == [f"x-{n:05d}.safetensors" for n in range(4)]
+    assert sum(i.samples for i in infos) == 10
+    assert [sid for i in infos for sid in ShardReader(i.path).sample_ids] == [s.id for s in samples]
+    # No temp files are left behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [i.name for i in infos]
+
+
+def test_bad_samples_and_files_are_refused(tmp_path, samples):
+    w = ShardWriter(tmp_path, storage="bf16", shard_bytes=1 << 20, hidden_size=H)
+    bad = samples[0]
+    bad.last_hidden = bad.last_hidden[:, :10]
+    with pytest.raises(ExtractionError, match="last_hidden has shape"):
+        w.add(bad)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a shard")
+    with pytest.raises(DataError, match="cannot open shard"):
+        ShardReader(junk)
