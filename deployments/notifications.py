@@ -9,7 +9,9 @@ The automation lives on the Prefect server, so it fires even when the worker run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from typing import cast
 from uuid import UUID
 
 from prefect.automations import Automation
@@ -30,7 +32,7 @@ def save_webhook_block(url: str) -> UUID:
         json_data={"text": "{{ subject }}\n{{ body }}"},
         secrets={"webhook_url": url},
     )
-    return block.save(BLOCK_NAME, overwrite=True)
+    return cast(UUID, block.save(BLOCK_NAME, overwrite=True))
 
 
 def failure_automation(block_id: UUID) -> Automation:
@@ -58,16 +60,17 @@ def failure_automation(block_id: UUID) -> Automation:
 def apply(url: str) -> UUID:
     """Create or replace the block and the automation; returns the automation id."""
     block_id = save_webhook_block(url)
-    try:
-        Automation.read(name=AUTOMATION_NAME).delete()
-    except ValueError:  # Prefect raises ValueError when no automation has that name
-        pass
-    return failure_automation(block_id).create().id
+    with contextlib.suppress(ValueError):  # Prefect raises ValueError when no automation has that name
+        cast(Automation, Automation.read(name=AUTOMATION_NAME)).delete()
+    created = cast(Automation, failure_automation(block_id).create())
+    return cast(UUID, created.id)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--webhook-url", default=os.environ.get("AERIE_WEBHOOK_URL"), help="Slack-compatible URL")
+    parser.add_argument(
+        "--webhook-url", default=os.environ.get("AERIE_WEBHOOK_URL"), help="Slack-compatible URL"
+    )
     args = parser.parse_args()
     if not args.webhook_url:
         parser.error("--webhook-url or AERIE_WEBHOOK_URL is required")

@@ -11,7 +11,8 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 import httpx
 from prefect import get_run_logger
@@ -34,7 +35,7 @@ def artifact_key(*parts: str) -> str:
 
 def prefect_progress(key: str, description: str, min_interval_s: float = 1.0) -> ProgressFn:
     """A ProgressFn that drives a Prefect progress artifact and logs every 10%."""
-    artifact_id = create_progress_artifact(0.0, key=artifact_key(key), description=description)
+    artifact_id = cast(UUID, create_progress_artifact(0.0, key=artifact_key(key), description=description))
     logger = get_run_logger()
     lock = threading.Lock()
     state = {"last": 0.0, "decile": -1}
@@ -50,7 +51,9 @@ def prefect_progress(key: str, description: str, min_interval_s: float = 1.0) ->
             if decile != state["decile"]:
                 state["decile"] = decile
                 logger.info("%s: %.0f%% %s", description, pct, message)
-        update_progress_artifact(artifact_id=artifact_id, progress=pct, description=f"{description}: {message}")
+        update_progress_artifact(
+            artifact_id=artifact_id, progress=pct, description=f"{description}: {message}"
+        )
 
     return update
 
