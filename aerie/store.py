@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,8 +24,10 @@ from pydantic import Field
 
 from aerie.configbase import StrictModel
 from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
+from aerie.progress import ProgressFn
 
 CHUNK = 8 << 20
+MIB = 1 << 20
 
 
 class StoreConfig(StrictModel):
@@ -36,6 +38,11 @@ class StoreConfig(StrictModel):
     s3_region: str | None = Field(None, description="S3 region; None = boto3's default.")
     multipart_chunk_mb: int = Field(64, ge=5, description="Multipart upload part size (MiB).")
     max_concurrency: int = Field(8, ge=1, description="Parallel parts per transfer.")
+    s3_max_attempts: int = Field(
+        10, ge=1, description="Attempts per S3 request (botocore 'standard' retries, with backoff)."
+    )
+    s3_connect_timeout_s: float = Field(10.0, gt=0, description="S3 connect timeout (seconds).")
+    s3_read_timeout_s: float = Field(60.0, gt=0, description="S3 read timeout per request (seconds).")
 
 
 @dataclass(frozen=True)
@@ -51,9 +58,17 @@ class ArtifactStore(Protocol):
     root: str
 
     def uri(self, key: str) -> str: ...
-    def put_file(self, key: str, path: str | Path) -> ObjectInfo: ...
+    def put_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> ObjectInfo:
+        """Upload a file atomically; `progress` gets (fraction, message) as bytes go out. An exception
+        raised by `progress` aborts the upload and leaves no object (nor any partial state) behind."""
+        ...
+
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo: ...
-    def get_file(self, key: str, path: str | Path) -> Path: ...
+    def get_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> Path:
+        """Download to `path`, verified: a corrupt object raises `IntegrityError` and `path` is not
+        touched (the bytes land in a temp file beside it and are renamed only once verified)."""
+        ...
+
     def get_bytes(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str = "") -> list[str]: ...
@@ -72,11 +87,42 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _check_key(key: str) -> str:
+class ByteProgress:
+    """Turns byte counts, reported from any thread, into throttled `(fraction, message)` calls.
+
+    Transfers report every few hundred KiB; a Prefect progress artifact must not be updated that often,
+    so a call happens only when the fraction moved by `step` (and always at the end)."""
+
+    def __init__(self, progress: ProgressFn, total: int, label: str, step: float = 0.01) -> None:
+        self._progress, self._total, self._label, self._step = progress, total, label, step
+        self._done = 0
+        self._last = -1.0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:  # held while calling, so fractions arrive in order
+            self._done += nbytes  # s3transfer reports negative counts when it retries a part
+            fraction = min(1.0, max(0.0, self._done / self._total)) if self._total else 1.0
+            if fraction - self._last >= self._step or (fraction >= 1.0 > self._last):
+                self._last = fraction
+                self._progress(fraction, f"{self._label} {self._done / MIB:.1f}/{self._total / MIB:.1f} MiB")
+
+    def finish(self) -> None:
+        """Report completion even when the transfer reported no bytes (an empty file)."""
+        with self._lock:
+            if self._last < 1.0:
+                self._last = 1.0
+                self._progress(1.0, f"{self._label} {self._total / MIB:.1f} MiB")
+
+
+def check_key(key: str) -> str:
+    """The normalized key, or StoreError. Parts starting with '.' are refused: a store keeps its temp
+    files and checksum sidecars under such names, and `list()` must never show them."""
     parts = key.strip("/").split("/")
-    if not key or any(p in ("", ".", "..") for p in parts):
+    if not key.strip("/") or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
         raise StoreError(
-            f"invalid artifact key {key!r}: use a relative path without '.', '..' or empty parts"
+            f"invalid artifact key {key!r}: use a relative '/'-separated path without empty parts "
+            "or parts starting with '.'"
         )
     return "/".join(parts)
 
@@ -90,7 +136,7 @@ class LocalStore:
         self.root = str(self._root)
 
     def _path(self, key: str) -> Path:
-        return self._root / _check_key(key)
+        return self._root / check_key(key)
 
     @staticmethod
     def _sidecar(path: Path) -> Path:
@@ -115,6 +161,9 @@ class LocalStore:
                 yield f, dest
                 f.flush()
                 os.fsync(f.fileno())
+            # The old sidecar goes first: a crash before the new one is written leaves an object that
+            # is unverified, never one that fails verification against the previous object's digest.
+            self._sidecar(dest).unlink(missing_ok=True)
             os.replace(tmp, dest)
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
@@ -125,66 +174,116 @@ class LocalStore:
     def _record(self, key: str, dest: Path, digest: str) -> ObjectInfo:
         side = self._sidecar(dest)
         tmp = side.with_suffix(".tmp")
-        tmp.write_text(digest)
-        os.replace(tmp, side)
-        return ObjectInfo(key=_check_key(key), uri=str(dest), size=dest.stat().st_size, sha256=digest)
+        try:
+            tmp.write_text(digest)
+            os.replace(tmp, side)
+        except OSError as exc:
+            raise StoreError(f"cannot write the checksum of {dest}: {exc}") from exc
+        return ObjectInfo(key=check_key(key), uri=str(dest), size=dest.stat().st_size, sha256=digest)
 
-    def put_file(self, key: str, path: str | Path) -> ObjectInfo:
+    def put_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> ObjectInfo:
         h = hashlib.sha256()
         try:
             src_f = open(path, "rb")  # noqa: SIM115 - closed by the with below; open errors need their own message
+            total = os.fstat(src_f.fileno()).st_size
         except OSError as exc:
             raise StoreError(f"cannot read {path}: {exc}") from exc
+        meter = ByteProgress(progress, total, f"upload {key}") if progress else None
         with src_f, self._atomic(key) as (f, dest):
             while block := src_f.read(CHUNK):
                 h.update(block)
                 f.write(block)
-        return self._record(key, dest, h.hexdigest())
+                if meter:
+                    meter.add(len(block))
+        info = self._record(key, dest, h.hexdigest())
+        if meter:
+            meter.finish()
+        return info
 
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         with self._atomic(key) as (f, dest):
             f.write(data)
         return self._record(key, dest, hashlib.sha256(data).hexdigest())
 
-    def _verified(self, key: str) -> Path:
+    def _existing(self, key: str) -> tuple[Path, str | None]:
+        """The object's path and its recorded sha256 (None for an object written without one)."""
         path = self._path(key)
         if not path.is_file():
             raise ObjectNotFoundError(f"no artifact {key!r} in {self.root}")
         side = self._sidecar(path)
-        if side.exists():
-            want = side.read_text().strip()
-            got = sha256_file(path)
-            if got != want:
-                raise IntegrityError(f"{path}: sha256 {got[:12]}… does not match the recorded {want[:12]}…")
+        return path, side.read_text().strip() if side.exists() else None
+
+    @staticmethod
+    def _check(path: Path, want: str | None, got: str) -> None:
+        if want is not None and got != want:
+            raise IntegrityError(
+                f"{path}: sha256 {got[:12]}… does not match the recorded {want[:12]}…; the object is "
+                "corrupt: delete it and re-run the stage that wrote it"
+            )
+
+    def _verified(self, key: str) -> Path:
+        path, want = self._existing(key)
+        if want is not None:
+            self._check(path, want, sha256_file(path))
         return path
 
-    def get_file(self, key: str, path: str | Path) -> Path:
-        src = self._verified(key)
+    def get_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> Path:
+        src, want = self._existing(key)
         dest = Path(path)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if src.resolve() != dest.resolve():
-            shutil.copyfile(src, dest)
+        if dest.exists() and src.resolve() == dest.resolve():
+            self._verified(key)
+            return dest
+        meter = ByteProgress(progress, src.stat().st_size, f"download {key}") if progress else None
+        # Copy and hash in one pass into a temp file beside `dest`; rename only once verified.
+        h = hashlib.sha256()
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+        except OSError as exc:
+            raise StoreError(f"cannot write {dest}: {exc}") from exc
+        try:
+            with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
+                while block := f.read(CHUNK):
+                    h.update(block)
+                    out.write(block)
+                    if meter:
+                        meter.add(len(block))
+            self._check(src, want, h.hexdigest())
+            os.replace(tmp, dest)
+        except BaseException as exc:
+            Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise StoreError(f"cannot copy {src} to {dest}: {exc}") from exc
+            raise
+        if meter:
+            meter.finish()
         return dest
 
     def get_bytes(self, key: str) -> bytes:
-        return self._verified(key).read_bytes()
+        path, want = self._existing(key)
+        data = path.read_bytes()
+        self._check(path, want, hashlib.sha256(data).hexdigest())
+        return data
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
     def list(self, prefix: str = "") -> list[str]:
-        base = self._root / prefix.strip("/") if prefix.strip("/") else self._root
+        base = self._path(prefix) if prefix.strip("/") else self._root
         if not base.exists():
             return []
         files = [base] if base.is_file() else base.rglob("*")
-        return sorted(
-            p.relative_to(self._root).as_posix() for p in files if p.is_file() and not p.name.startswith(".")
-        )
+        keys = (p.relative_to(self._root).as_posix() for p in files if p.is_file())
+        # Temp files and sidecars have a part starting with '.', which valid keys never have.
+        return sorted(k for k in keys if not any(part.startswith(".") for part in k.split("/")))
 
     def delete(self, key: str) -> None:
         path = self._path(key)
-        path.unlink(missing_ok=True)
-        self._sidecar(path).unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+            self._sidecar(path).unlink(missing_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot delete {path}: {exc}") from exc
 
     def open(self, key: str) -> BinaryIO:
         return open(self._verified(key), "rb")
