@@ -190,6 +190,11 @@ def _looks_cut_off(exc: json.JSONDecodeError, buffer_end: int) -> bool:
     return exc.msg.startswith("Unterminated string") or exc.pos >= buffer_end - 16
 
 
+def _past_space(text: str, pos: int) -> int:
+    match = _SPACE.match(text, pos)  # matches the empty string too, so never None in practice
+    return match.end() if match else pos
+
+
 class _ArrayReader:
     """Streams the elements of one top-level JSON array, tolerating a file cut off mid-record.
 
@@ -217,7 +222,7 @@ class _ArrayReader:
     def _skip_space(self) -> bool:
         """Moves past whitespace; False at the true end of the file."""
         while True:
-            self.pos = _SPACE.match(self.buf, self.pos).end()  # type: ignore[union-attr]  # zero-width ok: always matches
+            self.pos = _past_space(self.buf, self.pos)
             if self.pos < len(self.buf):
                 return True
             if not self._read_more():
@@ -258,7 +263,7 @@ class _ArrayReader:
             if self.buf[self.pos] == ",":
                 self.pos += 1
             elif self.buf[self.pos] != "]":
-                self._broken(index, f"expected ',' or ']', found {self.buf[self.pos : self.pos + 20]!r}")
+                self._broken(f"expected ',' or ']', found {self.buf[self.pos : self.pos + 20]!r}")
                 return
 
     def _decode(self) -> Any:
@@ -269,7 +274,7 @@ class _ArrayReader:
             except json.JSONDecodeError as exc:
                 pending = len(self.buf) - self.pos
                 if not _looks_cut_off(exc, len(self.buf)) or pending > _MAX_RECORD_CHARS:
-                    self._broken(None, f"{exc.msg} at character {self.base + exc.pos}")
+                    self._broken(f"{exc.msg} at character {self.base + exc.pos}")
                     return _BROKEN
                 if not self._read_more(at_least=pending):
                     # The file ends inside this record: the documented state of the ShareGPT dump.
@@ -277,7 +282,7 @@ class _ArrayReader:
                     self.report.skip("truncated_tail", f"{self.path} character {self.base + self.pos}")
                     return _BROKEN
 
-    def _broken(self, index: int | None, detail: str) -> None:
+    def _broken(self, detail: str) -> None:
         """Broken JSON inside the array: nothing after it can be trusted to be a record boundary."""
         self.report.skip("invalid_json", f"{self.path} character {self.base + self.pos}", detail)
         self.report.truncated = f"{self.path}: reading stopped at broken JSON: {detail}"
