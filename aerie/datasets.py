@@ -349,11 +349,13 @@ def _read_parquet(path: Path, spec: SourceSpec, report: LoadReport) -> Iterator[
     """Rows as dicts, read in slices so that `limit` stops early without reading the whole file."""
     import polars as pl
 
-    _parquet_columns(path, spec)
     frame = pl.scan_parquet(path).select(spec.id_field, spec.messages_field)
     offset = 0
     while True:
-        batch = frame.slice(offset, _PARQUET_BATCH_ROWS).collect()
+        try:
+            batch = frame.slice(offset, _PARQUET_BATCH_ROWS).collect()
+        except Exception as exc:  # a corrupt row group: polars' own error family
+            raise DataError(f"{path}: rows from {offset} cannot be read: {exc}") from exc
         if batch.height == 0:
             return
         for i, row in enumerate(batch.iter_rows(named=True)):
@@ -528,11 +530,22 @@ def _records(spec: SourceSpec, path: Path, report: LoadReport) -> Iterator[tuple
 def iter_conversations(
     spec: SourceSpec, name: str, *, limit: int | None = None, report: LoadReport | None = None
 ) -> Iterator[Conversation]:
-    """Streams the source's conversations, normalized; passes over the first `spec.skip` records,
-    stops after `limit` conversations without reading further. Counts go to `report` (pass one to
-    read them while or after iterating)."""
+    """Streams the source's conversations, normalized; passes over the first `spec.skip` records
+    (parsed records: a JSONL line that is not JSON is not one), stops after `limit` conversations
+    without reading further. Counts go to `report` (pass one to read them while or after iterating).
+
+    A missing file or package, or a Parquet schema that lacks the spec's columns, raises here, at the
+    call, not at the first `next()`."""
     report = report if report is not None else LoadReport(source=name)
     path = _source_path(spec)
+    if spec.kind == "parquet":
+        _parquet_columns(path, spec)
+    return _conversations(spec, name, path, limit, report)
+
+
+def _conversations(
+    spec: SourceSpec, name: str, path: Path, limit: int | None, report: LoadReport
+) -> Iterator[Conversation]:
     if limit is not None and limit <= 0:
         return
     ids = _Ids()

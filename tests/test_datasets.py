@@ -298,7 +298,7 @@ def test_mtbench_with_a_malformed_line_is_refused(tmp_path: Path) -> None:
 def test_a_missing_file_is_source_not_found_with_its_path(tmp_path: Path) -> None:
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(SourceNotFoundError, match="nope.jsonl"):
-        load_conversations(SourceSpec(kind="jsonl", path=str(missing)), "x")
+        iter_conversations(SourceSpec(kind="jsonl", path=str(missing)), "x")  # at the call, before next()
     with pytest.raises(SourceNotFoundError):
         load_mtbench(str(missing))
 
