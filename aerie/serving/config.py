@@ -10,7 +10,7 @@ from aerie.configbase import StrictModel
 
 
 class ServerConfig(StrictModel):
-    """How the pipeline launches and waits for a model server."""
+    """How the pipeline launches, waits for and tears down a model server."""
 
     backend: Literal["reference", "sglang"] = Field(
         "reference",
@@ -19,9 +19,13 @@ class ServerConfig(StrictModel):
     launcher: Literal["process", "docker"] = Field(
         "process", description="Run as a local process or a container."
     )
-    python: str = Field("python", description="Interpreter for the process launcher (checked before launch).")
+    python: str | None = Field(
+        None,
+        description="Interpreter for the process launcher (checked before launch); None = the one running aerie.",
+    )
+    container_python: str = Field("python3", description="Interpreter inside the container image.")
     image: str = Field("aerie/sglang-extract:latest", description="Container image for the docker launcher.")
-    host: str = Field("127.0.0.1", description="Host the server binds.")
+    host: str = Field("127.0.0.1", description="Host the server binds (docker: the host side of the port).")
     port: int = Field(
         30000, ge=1, le=65535, description="HTTP port; refused if something already answers there."
     )
@@ -29,8 +33,36 @@ class ServerConfig(StrictModel):
     tp_size: int = Field(1, ge=1, description="Tensor parallel size (SGLang).")
     gpus: int = Field(-1, description="GPUs given to the container (-1 = all).")
     shm_size: str = Field("32g", description="Container /dev/shm size.")
+    hf_cache: str | None = Field(
+        "~/.cache/huggingface",
+        description="Host HF cache mounted into the container at /root/.cache/huggingface (None = none).",
+    )
     startup_timeout_s: float | None = Field(
         None, gt=0, description="Readiness deadline; None = derived from the model's size on disk."
+    )
+    startup_read_mb_s: float = Field(
+        200.0,
+        gt=0,
+        description="Assumed weight-loading speed (MB/s) used to derive the deadline from the model size.",
+    )
+    grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds between SIGTERM and SIGKILL at teardown (SGLang drains up to ~15 s, then reaps).",
+    )
+    poll_interval_s: float = Field(
+        0.2, gt=0, le=5, description="Readiness poll interval (readiness is noticed within one interval)."
+    )
+    sweep_shm: bool = Field(
+        True, description="After teardown, unlink SGLang /dev/shm segments left by dead processes."
+    )
+    shm_dir: str = Field("/dev/shm", description="Where SGLang leaves shared-memory segments.")
+    sglang_serve_module: str = Field(
+        "sglang.launch_server", description="Module that starts SGLang for serving."
+    )
+    sglang_extract_module: str = Field(
+        "aerie.sglang_plugin.launch",
+        description="Module that starts SGLang with aerie's hidden-state dump plugin (extraction).",
     )
     extra_args: list[str] = Field(
         default_factory=list, description="Extra server arguments, appended verbatim."

@@ -1,0 +1,249 @@
+"""`DockerLauncher`: the server as a container (SGLang's official image plus aerie's plugin).
+
+The request mirrors SGLang's documented `docker run` (research/sglang.md §1.3): GPUs through a device
+request, `--shm-size`, `--ipc=host`, the HTTP port published on the host, the HF cache and the dump dir
+mounted. The container gets a unique name and an `aerie.run=<nonce>` label so a leftover one can be
+found and removed; its logs are streamed by a thread into the same log file the process launcher
+writes, and its state comes from the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import re
+import threading
+import time
+from typing import Any
+
+from aerie.errors import ServerError, ServerLaunchError
+from aerie.serving.launcher import _FIND_SPEC, Launcher, StopResult
+from aerie.serving.spec import ServerSpec
+
+log = logging.getLogger(__name__)
+
+LABEL_RUN = "aerie.run"
+LABEL_SERVER = "aerie.server"
+# Passed through from aerie's environment when set (gated models); never logged.
+PASSTHROUGH_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+def _sdk(module: str = "docker") -> Any:
+    """The docker SDK, imported lazily (only the docker launcher needs it) and by name: the repo's own
+    `docker/` folder of Dockerfiles would otherwise shadow it for the type checker."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # pragma: no cover - docker comes with prefect-docker
+        raise ServerLaunchError("the docker launcher needs the `docker` package (prefect-docker)") from exc
+
+
+def _errors() -> Any:
+    return _sdk("docker.errors")
+
+
+def container_name(spec: ServerSpec) -> str:
+    safe = re.sub(r"[^a-zA-Z0-9_.-]", "-", spec.name)
+    return f"aerie-{safe}-{spec.nonce[:12]}"
+
+
+def container_env(spec: ServerSpec) -> dict[str, str]:
+    env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
+    env.update(spec.env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_kwargs(spec: ServerSpec) -> dict[str, Any]:
+    """The keyword arguments of `docker.DockerClient.containers.run` for this spec."""
+    DeviceRequest = _sdk("docker.types").DeviceRequest
+
+    if spec.image is None:
+        raise ServerLaunchError(f"server {spec.name}: the docker launcher needs an image")
+    kwargs: dict[str, Any] = {
+        "image": spec.image,
+        "command": list(spec.command),
+        "name": container_name(spec),
+        "labels": {LABEL_RUN: spec.nonce, LABEL_SERVER: spec.name},
+        "detach": True,
+        "environment": container_env(spec),
+        # The server listens on spec.port inside; publish it on the host address the spec names only.
+        "ports": {f"{spec.port}/tcp": (spec.host, spec.port)},
+        "volumes": {
+            host: {"bind": inside, "mode": "ro" if host in spec.read_only_volumes else "rw"}
+            for host, inside in spec.volumes.items()
+        },
+    }
+    if spec.cwd:
+        kwargs["working_dir"] = spec.cwd
+    if spec.ipc_mode:
+        kwargs["ipc_mode"] = spec.ipc_mode
+    if spec.shm_size:
+        # Moot with ipc_mode=host (the host's /dev/shm is used) but kept, as SGLang's docs do, so a
+        # spec without host IPC still gets a large enough /dev/shm for NCCL.
+        kwargs["shm_size"] = spec.shm_size
+    if spec.gpus is not None and spec.gpus != 0:
+        kwargs["device_requests"] = [DeviceRequest(count=spec.gpus, capabilities=[["gpu"]])]
+    return kwargs
+
+
+def docker_client() -> Any:
+    """A client of the local engine, or a `ServerLaunchError` saying why there is none."""
+    try:
+        client = _sdk().from_env()
+        client.ping()
+    except Exception as exc:  # docker raises DockerException, requests' errors, FileNotFoundError...
+        raise ServerLaunchError(f"no Docker engine reachable (DOCKER_HOST / docker.sock): {exc}") from exc
+    return client
+
+
+class DockerLauncher(Launcher):
+    """One server container: preflight (engine, image, interpreter), run, stream logs, stop, remove."""
+
+    host_pids = False
+
+    def __init__(self, client: Any | None = None) -> None:
+        self._client = client
+        self._container: Any | None = None
+        self._log_thread: threading.Thread | None = None
+        self._stopped: StopResult | None = None
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = docker_client()
+        return self._client
+
+    @property
+    def container(self) -> Any | None:
+        return self._container
+
+    def preflight(self, spec: ServerSpec) -> None:
+        errors = _errors()
+        if spec.image is None:
+            raise ServerLaunchError(f"server {spec.name}: the docker launcher needs an image")
+        try:
+            self.client.images.get(spec.image)
+        except errors.ImageNotFound:
+            log.info("pulling %s (not present on the engine)", spec.image)
+            try:
+                self.client.images.pull(spec.image)
+            except errors.APIError as exc:
+                raise ServerLaunchError(f"cannot pull image {spec.image}: {exc}") from exc
+        if spec.interpreter and spec.module:
+            self._check_interpreter(spec)
+
+    def _check_interpreter(self, spec: ServerSpec) -> None:
+        """The seed's `No module named sglang.launch_server`, caught inside the image before the launch."""
+        errors = _errors()
+        assert spec.interpreter is not None and spec.module is not None and spec.image is not None
+        try:
+            self.client.containers.run(
+                spec.image,
+                entrypoint=[spec.interpreter],
+                command=["-c", _FIND_SPEC, spec.module],
+                environment=container_env(spec),
+                remove=True,
+                stdout=True,
+                stderr=True,
+            )
+        except errors.ContainerError as exc:
+            stderr = exc.stderr.decode(errors="replace").strip() if exc.stderr else ""
+            detail = stderr.splitlines()[-1] if stderr else f"No module named {spec.module}"
+            raise ServerLaunchError(
+                f"image {spec.image}: interpreter {spec.interpreter} cannot import the server module "
+                f"{spec.module} ({detail}). Fix server.container_python or the image."
+            ) from exc
+        except errors.APIError as exc:
+            raise ServerLaunchError(f"image {spec.image}: cannot run {spec.interpreter}: {exc}") from exc
+
+    def start(self, spec: ServerSpec) -> None:
+        errors = _errors()
+        if self._container is not None:
+            raise ServerError(f"server {spec.name} was already started ({self.describe()})")
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._container = self.client.containers.run(**run_kwargs(spec))
+        except errors.APIError as exc:
+            raise ServerLaunchError(f"server {spec.name}: the engine refused the container: {exc}") from exc
+        self._log_thread = threading.Thread(
+            target=self._stream_logs, args=(spec,), name=f"logs-{container_name(spec)}", daemon=True
+        )
+        self._log_thread.start()
+        log.info("started %s: %s (log %s)", spec.name, self.describe(), spec.log_path)
+
+    def _stream_logs(self, spec: ServerSpec) -> None:
+        """Copy the container's stdout+stderr into the log file until the container ends."""
+        assert self._container is not None
+        try:
+            with spec.log_path.open("ab") as out:
+                for chunk in self._container.logs(stream=True, follow=True):
+                    out.write(chunk)
+                    out.flush()
+        except Exception as exc:  # the container was removed under the stream: nothing more to copy
+            log.debug("log stream of %s ended: %s", self.describe(), exc)
+
+    def _state(self) -> dict[str, Any]:
+        assert self._container is not None
+        self._container.reload()
+        state: dict[str, Any] = self._container.attrs.get("State", {})
+        return state
+
+    def exit_code(self) -> int | None:
+        errors = _errors()
+        if self._container is None:
+            return None
+        if self._stopped is not None:
+            return self._stopped.exit_code
+        try:
+            state = self._state()
+        except errors.NotFound:
+            return -1  # removed behind our back: it is certainly not serving
+        if state.get("Status") in ("exited", "dead"):
+            return int(state.get("ExitCode", -1))
+        return None
+
+    def oom_killed(self) -> bool:
+        try:
+            return bool(self._state().get("OOMKilled"))
+        except Exception:
+            return False
+
+    def describe(self) -> str:
+        if self._container is None:
+            return "no container"
+        return f"container {self._container.name} ({self._container.short_id})"
+
+    def stop(self, grace_s: float) -> StopResult:
+        errors = _errors()
+        if self._stopped is not None:
+            return self._stopped
+        if self._container is None:
+            return StopResult(None, False, 0.0)
+        began = time.monotonic()
+        code: int | None = None
+        try:
+            # The engine sends SIGTERM, waits `timeout`, then SIGKILLs every process of the container.
+            self._container.stop(timeout=max(1, int(round(grace_s))))
+            code = int(self._state().get("ExitCode", -1))
+        except errors.NotFound:
+            pass
+        except errors.APIError as exc:
+            log.warning("stopping %s failed (%s); removing it by force", self.describe(), exc)
+        with contextlib.suppress(errors.NotFound):
+            self._container.remove(force=True)
+        if self._log_thread is not None:
+            self._log_thread.join(timeout=5)
+        killed = code == 137 and grace_s > 0
+        self._stopped = StopResult(code, killed, time.monotonic() - began)
+        return self._stopped
+
+    def shares_shm(self) -> bool:
+        """Another running container with host IPC may own segments whose pids mean nothing here."""
+        try:
+            running = self.client.containers.list(filters={"status": "running"})
+        except Exception:
+            return True  # cannot tell: do not sweep
+        mine = self._container.id if self._container is not None else None
+        return any(c.id != mine and c.attrs.get("HostConfig", {}).get("IpcMode") == "host" for c in running)

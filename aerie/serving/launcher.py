@@ -1,0 +1,264 @@
+"""Launchers: start a server described by a `ServerSpec`, watch it, stop it. `ProcessLauncher` lives here;
+`aerie.serving.container.DockerLauncher` implements the same interface for containers.
+
+Both write the server's stdout and stderr to `spec.log_path`, so readiness reads one file either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import IO
+
+import psutil
+
+from aerie.errors import ServerError, ServerLaunchError
+from aerie.serving.spec import ServerSpec
+
+log = logging.getLogger(__name__)
+
+# Run by the server's own interpreter before the launch: can it find the server module?
+# (`python -c` puts the cwd first on sys.path exactly as `python -m` does.)
+_FIND_SPEC = (
+    "import importlib.util, sys\n"
+    "try:\n"
+    "    found = importlib.util.find_spec(sys.argv[1]) is not None\n"
+    "except Exception as exc:\n"
+    "    print(f'{type(exc).__name__}: {exc}', file=sys.stderr)\n"
+    "    sys.exit(2)\n"
+    "print(sys.executable)\n"
+    "sys.exit(0 if found else 1)\n"
+)
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """How a server went down: its exit code and whether it had to be killed."""
+
+    exit_code: int | None
+    killed: bool
+    seconds: float
+
+
+def describe_exit(code: int | None) -> str:
+    """`-9` -> "killed by SIGKILL (exit code -9)"; docker's 128+n reads the same way."""
+    if code is None:
+        return "still running"
+    signum = -code if code < 0 else (code - 128 if 128 < code < 160 else None)
+    if signum is not None:
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return f"killed by {name} (exit code {code})"
+    return f"exit code {code}"
+
+
+class Launcher(ABC):
+    """One server's life: preflight (refuse before any wait), start, watch, stop.
+
+    A launcher instance drives one launch; `ModelServer` makes one from the spec unless given one.
+    """
+
+    #: Whether the server's pids are pids of this host (a container has its own pid namespace, so the
+    #: pid embedded in a `/dev/shm` segment name means nothing here).
+    host_pids: bool = True
+
+    @abstractmethod
+    def preflight(self, spec: ServerSpec) -> None:
+        """Raise `ServerLaunchError` if this launch cannot work (wrong interpreter, no engine...)."""
+
+    @abstractmethod
+    def start(self, spec: ServerSpec) -> None:
+        """Start the server with its output going to `spec.log_path`; return at once."""
+
+    @abstractmethod
+    def exit_code(self) -> int | None:
+        """None while the server runs; its exit code once it has exited."""
+
+    def is_alive(self) -> bool:
+        return self.exit_code() is None
+
+    @abstractmethod
+    def stop(self, grace_s: float) -> StopResult:
+        """SIGTERM, `grace_s` to exit, then kill everything the server started. Idempotent."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Which process or container this is, for messages ("pid 123 (pgid 123)")."""
+
+    def shares_shm(self) -> bool:
+        """Whether another server may be using the same `/dev/shm` right now (blocks a sweep)."""
+        return False
+
+
+def _resolve_executable(program: str, env: dict[str, str]) -> str | None:
+    if os.sep in program:
+        return program if os.path.isfile(program) and os.access(program, os.X_OK) else None
+    return shutil.which(program, path=env.get("PATH"))
+
+
+def check_interpreter(
+    python: str,
+    module: str,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    timeout: float = 120,
+) -> str:
+    """Prove that `python` exists and can import `module`; return the interpreter's sys.executable.
+
+    The seed launched `/usr/bin/python3 -m sglang.launch_server`, which died at once with
+    `No module named sglang.launch_server` while its wait loop polled on for minutes. Here that is a
+    `ServerLaunchError` before any wait, naming the interpreter and the module.
+    """
+    full_env = {**os.environ, **(env or {})}
+    exe = _resolve_executable(python, full_env)
+    if exe is None:
+        raise ServerLaunchError(
+            f"interpreter {python!r} not found (not an executable path, not on PATH); it was to run "
+            f"`-m {module}`. Set server.python to the interpreter of the environment that has {module}."
+        )
+    try:
+        done = subprocess.run(
+            [exe, "-c", _FIND_SPEC, module],
+            env=full_env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise ServerLaunchError(f"interpreter {exe} took over {timeout:.0f} s to look up {module}") from exc
+    except OSError as exc:
+        raise ServerLaunchError(f"interpreter {exe} cannot be run: {exc}") from exc
+    if done.returncode == 0:
+        return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else exe
+    detail = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"No module named {module}"
+    raise ServerLaunchError(
+        f"interpreter {exe} cannot import the server module {module} ({detail}); the server would die at "
+        f"once with `{exe}: No module named {module}`. Set server.python to the interpreter of the "
+        f"environment where {module} is installed."
+    )
+
+
+class ProcessLauncher(Launcher):
+    """The server as a local process in its own session, so its whole process group can be killed.
+
+    SGLang's schedulers can be reparented away from the launcher (research/sglang.md §2.6), so a walk
+    of the launcher's children misses them; `killpg` of the session's group does not.
+    """
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._stopped: StopResult | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def pgid(self) -> int | None:
+        # start_new_session=True makes the child a session and group leader: pgid == pid.
+        return self._proc.pid if self._proc else None
+
+    def preflight(self, spec: ServerSpec) -> None:
+        if not spec.command:
+            raise ServerLaunchError(f"server {spec.name}: empty command")
+        if spec.interpreter and spec.module:
+            check_interpreter(spec.interpreter, spec.module, env=spec.env, cwd=spec.cwd)
+        elif _resolve_executable(spec.command[0], {**os.environ, **spec.env}) is None:
+            raise ServerLaunchError(f"server {spec.name}: program {spec.command[0]!r} not found")
+
+    def start(self, spec: ServerSpec) -> None:
+        if self._proc is not None:
+            raise ServerError(f"server {spec.name} was already started ({self.describe()})")
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **spec.env}
+        env.setdefault("PYTHONUNBUFFERED", "1")  # log lines as they happen, not at exit
+        self._log = spec.log_path.open("ab")
+        try:
+            self._proc = subprocess.Popen(
+                spec.command,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=spec.cwd,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            self._log.close()
+            raise ServerLaunchError(f"server {spec.name}: cannot start {spec.command[0]}: {exc}") from exc
+        log.info("started %s: %s (log %s)", spec.name, self.describe(), spec.log_path)
+
+    def exit_code(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def describe(self) -> str:
+        return f"pid {self.pid} (process group {self.pgid})" if self._proc else "not started"
+
+    def group_members(self) -> list[int]:
+        """Live (non-zombie) processes still in the server's process group."""
+        return live_group_members(self.pgid) if self.pgid is not None else []
+
+    def stop(self, grace_s: float) -> StopResult:
+        if self._stopped is not None:
+            return self._stopped
+        if self._proc is None or self.pgid is None:
+            return StopResult(None, False, 0.0)
+        began = time.monotonic()
+        pgid = self.pgid
+        killed = False
+        if self.group_members():
+            _killpg(pgid, signal.SIGTERM)
+            if not self._wait_group_gone(grace_s):
+                log.warning("%s still running %.0f s after SIGTERM: killing its process group", pgid, grace_s)
+                _killpg(pgid, signal.SIGKILL)
+                killed = True
+                self._wait_group_gone(30.0)
+        code: int | None
+        try:
+            code = self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            code = self._proc.poll()
+        if self._log is not None:
+            self._log.close()
+        self._stopped = StopResult(code, killed, time.monotonic() - began)
+        return self._stopped
+
+    def _wait_group_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            self._proc.poll()  # reap the leader, or it lingers as a zombie in the group
+            if not self.group_members():
+                return True
+            time.sleep(0.05)
+        return not self.group_members()
+
+
+def _killpg(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group is already gone
+        os.killpg(pgid, sig)
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids in process group `pgid` that are not zombies (a zombie holds no port, memory or GPU)."""
+    members = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(proc.pid)
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            continue
+    return members

@@ -1,0 +1,276 @@
+"""`ServerSpec`: everything needed to launch one model server, and `spec_for`, which builds it.
+
+A spec is plain data: the argv (or the image and the argv run inside it), the port, the nonce the
+server must echo back, the log file, the deadline. Launchers only read it, so the same spec can be
+printed, tested and launched.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from aerie.errors import ConfigError
+from aerie.serving.config import ServerConfig
+
+REFERENCE_MODULE = "aerie.refserver"
+CONTAINER_HF_CACHE = "/root/.cache/huggingface"
+
+# The deadline derived from the model size (see `startup_deadline`): a fixed part for what does not
+# scale with the weights (interpreter and torch import, NCCL init, KV-cache allocation, CUDA-graph
+# capture, warmup), plus the weights read at an assumed, deliberately pessimistic disk speed.
+STARTUP_BASE_S = {"reference": 120.0, "sglang": 600.0}
+UNKNOWN_SIZE_DEADLINE_S = 3600.0
+
+Mode = Literal["serve", "extract"]
+
+
+@dataclass(frozen=True)
+class SpeculativeArgs:
+    """SGLang speculative decoding with an EAGLE-3 drafter (None fields: SGLang picks them)."""
+
+    draft_model_path: str
+    num_steps: int | None = None
+    eagle_topk: int | None = None
+    num_draft_tokens: int | None = None
+
+    def to_args(self) -> list[str]:
+        args = [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            self.draft_model_path,
+        ]
+        for flag, value in (
+            ("--speculative-num-steps", self.num_steps),
+            ("--speculative-eagle-topk", self.eagle_topk),
+            ("--speculative-num-draft-tokens", self.num_draft_tokens),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        return args
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server launch. `image` set = a container running `command`; unset = a local process."""
+
+    name: str
+    command: list[str]
+    model_path: str
+    host: str
+    port: int
+    nonce: str
+    log_path: Path
+    startup_timeout_s: float
+    # Environment values may hold secrets (HF_TOKEN): kept out of repr, never logged.
+    env: dict[str, str] = field(default_factory=dict, repr=False)
+    image: str | None = None
+    module: str | None = None  # the Python module the interpreter must be able to import
+    cwd: str | None = None  # working directory (docker: inside the container)
+    dump_dir: Path | None = None
+    clean_dump_dir: bool = False
+    grace_s: float = 30.0
+    poll_interval_s: float = 0.2
+    sweep_shm: bool = True
+    shm_dir: Path = Path("/dev/shm")
+    # docker only
+    gpus: int | None = None  # None = no GPU request, -1 = all
+    shm_size: str | None = None
+    ipc_mode: str | None = "host"
+    volumes: dict[str, str] = field(default_factory=dict)  # host path -> container path
+    read_only_volumes: frozenset[str] = frozenset()  # host paths mounted read-only
+
+    @property
+    def weight_version(self) -> str:
+        """The value the server must echo in `/server_info.weight_version`: proof it is ours."""
+        return f"run-{self.nonce}"
+
+    @property
+    def client_host(self) -> str:
+        """Where clients connect: a wildcard bind is reached through the loopback."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.client_host}:{self.port}"
+
+    @property
+    def interpreter(self) -> str | None:
+        """The Python running `module` (`python -m module ...`), if the command is one."""
+        return self.command[0] if self.module and self.command else None
+
+    def describe(self) -> str:
+        """The launch in one line, without environment values (they may hold secrets)."""
+        where = f"image {self.image}: " if self.image else ""
+        return f"{where}{' '.join(self.command)}"
+
+    def with_(self, **changes: object) -> ServerSpec:
+        """A copy with some fields changed (tests and scenarios use this)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def new_nonce() -> str:
+    return uuid.uuid4().hex
+
+
+def model_size_on_disk(model_path: str | os.PathLike[str]) -> int | None:
+    """Bytes of weights under a local model dir (or file); None for a hub id that is not local."""
+    path = Path(model_path).expanduser()
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return None
+    total = 0
+    for child in path.rglob("*"):
+        if child.is_file():
+            total += child.stat().st_size
+    return total
+
+
+def startup_deadline(
+    size_bytes: int | None, backend: Literal["reference", "sglang"], read_mb_s: float = 200.0
+) -> float:
+    """Seconds a start may take: a fixed part for the backend + the weights at `read_mb_s`.
+
+    reference: 120 s + size / 200 MB/s (SmolLM2-135M, 270 MB: ~121 s; the fixed part covers the torch
+    import and warm-up on a busy 2-core machine). sglang: 600 s + size / 200 MB/s (Kimi-K2.5 INT4,
+    ~595 GB: ~56 min; the seed's 15-minute loop would have given up on such a load). Unknown size
+    (a hub id not on local disk): one hour. `ServerConfig.startup_timeout_s` overrides all of this.
+    """
+    if size_bytes is None:
+        return UNKNOWN_SIZE_DEADLINE_S
+    return STARTUP_BASE_S[backend] + size_bytes / (read_mb_s * 1e6)
+
+
+def _default_log_path(name: str, nonce: str) -> Path:
+    return Path(tempfile.gettempdir()) / "aerie-servers" / f"{name}-{nonce[:12]}.log"
+
+
+def _reference_command(
+    cfg: ServerConfig, python: str, model_path: str, weight_version: str, mode: Mode, dump_dir: Path | None
+) -> list[str]:
+    cmd = [python, "-m", REFERENCE_MODULE, "--model-path", model_path, "--port", str(cfg.port)]
+    cmd += ["--host", cfg.host, "--weight-version", weight_version, "--mode", mode]
+    if dump_dir is not None:
+        cmd += ["--dump-dir", str(dump_dir)]
+    if cfg.device != "auto":
+        cmd += ["--device", cfg.device]
+    return cmd
+
+
+def _sglang_command(
+    cfg: ServerConfig, python: str, module: str, model_path: str, weight_version: str, mode: Mode, host: str
+) -> list[str]:
+    cmd = [python, "-m", module, "--model-path", model_path, "--host", host, "--port", str(cfg.port)]
+    cmd += ["--weight-version", weight_version, "--tp-size", str(cfg.tp_size)]
+    if mode == "extract":
+        # Prefill-only requests of token ids; chunked prefill would split a sample's hidden states
+        # across forward passes and the radix cache would skip the prefix of a repeated prompt.
+        cmd += ["--skip-tokenizer-init", "--chunked-prefill-size", "-1", "--disable-radix-cache"]
+    return cmd
+
+
+def spec_for(
+    cfg: ServerConfig,
+    *,
+    model_path: str,
+    mode: Mode = "serve",
+    name: str | None = None,
+    nonce: str | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
+    clean_dump_dir: bool = False,
+    log_path: str | os.PathLike[str] | None = None,
+    speculative: SpeculativeArgs | None = None,
+    model_size_bytes: int | None = None,
+    module: str | None = None,
+    extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerSpec:
+    """Build the launch of the configured backend for `model_path`.
+
+    `mode="extract"` starts the hidden-state extraction variant: the reference server with
+    `--mode extract --dump-dir`, or SGLang through `cfg.sglang_extract_module` (aerie's plugin
+    launcher; `module=` swaps it) with the extraction flags and `AERIE_DUMP_DIR` in its environment.
+    """
+    nonce = nonce or new_nonce()
+    name = name or f"{cfg.backend}-{mode}"
+    weight_version = f"run-{nonce}"
+    dump = Path(dump_dir).expanduser().resolve() if dump_dir is not None else None
+    docker = cfg.launcher == "docker"
+    python = cfg.container_python if docker else (cfg.python or sys.executable)
+    server_env = {**cfg.env, **(env or {})}
+
+    if cfg.backend == "reference":
+        if docker:
+            raise ConfigError("server.launcher=docker runs SGLang; the reference server runs as a process")
+        if speculative is not None:
+            raise ConfigError("the reference server has no speculative decoding; use server.backend=sglang")
+        command = _reference_command(cfg, python, model_path, weight_version, mode, dump)
+        server_module = module or REFERENCE_MODULE
+    else:
+        server_module = module or (
+            cfg.sglang_extract_module if mode == "extract" else cfg.sglang_serve_module
+        )
+        # In a container the server must listen on every interface for the published port to reach it.
+        host = "0.0.0.0" if docker else cfg.host
+        command = _sglang_command(cfg, python, server_module, model_path, weight_version, mode, host)
+        if speculative is not None:
+            command += speculative.to_args()
+        # SGLang's warmup request goes to its own URL; a proxy in the environment breaks it (§6 #4).
+        server_env.setdefault("no_proxy", "localhost,127.0.0.1,0.0.0.0")
+        if mode == "extract" and dump is not None:
+            server_env["AERIE_DUMP_DIR"] = str(dump)
+    command += list(cfg.extra_args) + list(extra_args or [])
+
+    if cfg.startup_timeout_s is not None:
+        deadline = cfg.startup_timeout_s
+    else:
+        size = model_size_bytes if model_size_bytes is not None else model_size_on_disk(model_path)
+        deadline = startup_deadline(size, cfg.backend, cfg.startup_read_mb_s)
+
+    volumes: dict[str, str] = {}
+    read_only: set[str] = set()
+    if docker:
+        if cfg.hf_cache:
+            volumes[str(Path(cfg.hf_cache).expanduser())] = CONTAINER_HF_CACHE
+        local_model = Path(model_path).expanduser()
+        if local_model.exists():
+            # A local checkpoint is mounted at the same path, so the argv stays valid inside.
+            volumes[str(local_model.resolve())] = str(local_model.resolve())
+            read_only.add(str(local_model.resolve()))
+        if dump is not None:
+            volumes[str(dump)] = str(dump)
+        if speculative is not None and Path(speculative.draft_model_path).exists():
+            draft = str(Path(speculative.draft_model_path).resolve())
+            volumes[draft] = draft
+            read_only.add(draft)
+
+    return ServerSpec(
+        name=name,
+        command=command,
+        model_path=model_path,
+        host=cfg.host,
+        port=cfg.port,
+        nonce=nonce,
+        log_path=Path(log_path) if log_path is not None else _default_log_path(name, nonce),
+        startup_timeout_s=deadline,
+        env=server_env,
+        image=cfg.image if docker else None,
+        module=server_module,
+        dump_dir=dump,
+        clean_dump_dir=clean_dump_dir,
+        grace_s=cfg.grace_s,
+        poll_interval_s=cfg.poll_interval_s,
+        sweep_shm=cfg.sweep_shm,
+        shm_dir=Path(cfg.shm_dir),
+        gpus=cfg.gpus if docker else None,
+        shm_size=cfg.shm_size if docker else None,
+        volumes=volumes,
+        read_only_volumes=frozenset(read_only),
+    )
