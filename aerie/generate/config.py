@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
 from aerie.configbase import StrictModel
@@ -9,42 +11,68 @@ from aerie.datasets import SourceSpec
 
 
 class SamplingParams(StrictModel):
-    """Sampling parameters sent with every chat completion."""
+    """Sampling parameters sent with every chat completion. They are part of the generation-params hash,
+    so changing any of them regenerates the dataset instead of mixing two policies in one output."""
 
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature; 0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int = Field(256, ge=1, description="Maximum completion tokens per assistant turn.")
+    top_k: int | None = Field(None, ge=1, description="Top-k sampling (SGLang/vLLM/OpenRouter); None = off.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Presence penalty; None = off.")
+    seed: int | None = Field(None, description="Sampling seed, for endpoints that honour it; None = unset.")
+    extra_body: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra request fields passed through verbatim, e.g. {'reasoning': {'effort': 'low'}} "
+        "(OpenRouter) or {'chat_template_kwargs': {'enable_thinking': False}} (SGLang/vLLM).",
+    )
 
 
 class EndpointConfig(StrictModel):
-    """Where completions come from: OpenRouter, any OpenAI-compatible server, or the reference server."""
+    """Where completions come from: OpenRouter, any OpenAI-compatible server, or the reference server.
+    Only `model` changes what is generated; the other fields say how to reach it and how hard to push."""
 
     base_url: str | None = Field(
         None,
         description="OpenAI-compatible base URL (e.g. https://openrouter.ai/api/v1). None: the pipeline "
         "launches the reference server with the target and uses its /v1.",
     )
-    model: str | None = Field(None, description="Model name sent in requests; None = the endpoint's own.")
-    api_key_env: str = Field("OPENROUTER_API_KEY", description="Environment variable that holds the API key.")
+    model: str | None = Field(
+        None, description="Model name sent in requests; None = omitted, the endpoint serves its own."
+    )
+    api_key_env: str = Field(
+        "OPENROUTER_API_KEY",
+        description="Environment variable that holds the API key; unset = no Authorization header (local).",
+    )
     concurrency: int = Field(32, ge=1, description="Requests in flight at most.")
     requests_per_minute: float | None = Field(None, gt=0, description="Rate limit on requests; None = none.")
-    tokens_per_minute: float | None = Field(None, gt=0, description="Rate limit on tokens; None = none.")
+    tokens_per_minute: float | None = Field(
+        None, gt=0, description="Rate limit on prompt+completion tokens; None = none."
+    )
     connect_timeout_s: float = Field(10.0, gt=0, description="TCP connect timeout.")
     read_timeout_s: float = Field(300.0, gt=0, description="Read timeout of one completion.")
     max_retries: int = Field(
-        6, ge=0, description="Retries of a transient failure (timeouts, 408/409/429/5xx)."
+        6, ge=0, description="Retries of a transient failure (timeouts, 408/409/429/5xx, bad JSON)."
     )
-    referer: str | None = Field(None, description="OpenRouter HTTP-Referer header.")
-    title: str | None = Field(None, description="OpenRouter X-Title header.")
-    provider: dict[str, object] | None = Field(
-        None, description="OpenRouter provider routing, passed through."
+    backoff_base_s: float = Field(1.0, gt=0, description="First retry delay; doubles per attempt, jittered.")
+    backoff_max_s: float = Field(60.0, gt=0, description="Longest delay between two retries.")
+    max_retry_after_s: float = Field(
+        300.0, gt=0, description="Cap on a server's Retry-After (a bogus huge value must not stall the run)."
+    )
+    referer: str | None = Field(None, description="OpenRouter HTTP-Referer header (app attribution).")
+    title: str | None = Field(None, description="OpenRouter X-Title header (app attribution).")
+    provider: dict[str, Any] | None = Field(
+        None,
+        description="OpenRouter provider routing (order, allow_fallbacks, quantizations...), passed through.",
     )
 
 
 class DatasetSpec(StrictModel):
     """One source dataset (B1..Bn) to regenerate with the target."""
 
-    name: str = Field(description="Dataset name; becomes the `source` column.")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Dataset name; becomes the `source` column and the stage name.",
+    )
     source: SourceSpec = Field(description="Where the prompts come from and how fields map.")
     num_samples: int | None = Field(None, ge=1, description="Conversations to take; None = all.")
     system_prompt: str | None = Field(
@@ -63,3 +91,20 @@ class GenerateConfig(StrictModel):
     endpoint: EndpointConfig = Field(default_factory=EndpointConfig)
     datasets: list[DatasetSpec] = Field(default_factory=list, description="Source datasets B1..Bn.")
     max_parallel_datasets: int = Field(2, ge=1, description="Datasets generated at the same time.")
+    max_failure_fraction: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="Share of conversations that may fail permanently (after retries) and still complete "
+        "the dataset; above it the stage fails and a re-run retries the failures.",
+    )
+    work_dir: str | None = Field(
+        None,
+        description="Local directory of the resumable journals when the store is not local; None = "
+        "<cache_dir>/generate. With a local store the journals live in the store itself.",
+    )
+    journal_upload_interval_s: float = Field(
+        60.0,
+        gt=0,
+        description="With a remote store: how often the journal is copied to it, so another machine can resume.",
+    )

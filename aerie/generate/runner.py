@@ -1,0 +1,197 @@
+"""The core of one dataset's generation, independent of where conversations come from or go to.
+
+`generate_conversations` takes any iterable of `Conversation`s, skips what the journal already holds,
+runs the rest through the client with bounded concurrency and appends each finished conversation to
+the journal the moment it completes. Failures are counted against a budget: once more conversations
+have failed than the dataset may lose, the outcome is decided and the run stops early instead of
+spending hours (and money) on a dataset that will be rejected anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aerie.conversation import Conversation
+from aerie.generate.client import ChatClient, RequestFailedError
+from aerie.generate.config import DatasetSpec
+from aerie.generate.journal import Journal
+from aerie.generate.turns import Prepared, keep, prepare, regenerate
+from aerie.progress import ProgressFn, no_progress
+
+
+@dataclass
+class Outcome:
+    """What one run did. Token and request figures count this run's work only."""
+
+    requested_ids: list[str] = field(default_factory=list)  # usable conversations, input order
+    done_before: int = 0
+    done_now: int = 0
+    failures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: Counter[str] = field(default_factory=Counter)
+    allowed_failures: int = 0
+    aborted: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float = 0.0
+    requests: int = 0
+    seconds: float = 0.0
+
+    @property
+    def requested(self) -> int:
+        return len(self.requested_ids)
+
+    @property
+    def finished(self) -> int:
+        return self.done_before + self.done_now
+
+    def errors_by_kind(self) -> dict[str, int]:
+        return dict(Counter(f["kind"] for f in self.failures.values()))
+
+
+class _BudgetExceeded(Exception):
+    """More conversations failed than the dataset may lose: stop now (internal)."""
+
+
+def select(
+    conversations: Iterable[Conversation], spec: DatasetSpec, done: set[str], outcome: Outcome
+) -> list[Prepared]:
+    """The conversations still to generate, in input order; fills the outcome's counts."""
+    seen: set[str] = set()
+    pending: list[Prepared] = []
+    for conversation in conversations:
+        if conversation.id in seen:
+            outcome.skipped["duplicate_id"] += 1  # resume keys on the id: a second copy would be ambiguous
+            continue
+        seen.add(conversation.id)
+        prepared = prepare(conversation, spec)
+        if isinstance(prepared, str):
+            outcome.skipped[prepared] += 1
+            continue
+        outcome.requested_ids.append(prepared.id)
+        if prepared.id in done:
+            outcome.done_before += 1
+        else:
+            pending.append(prepared)
+    return pending
+
+
+async def generate_conversations(
+    conversations: Iterable[Conversation],
+    spec: DatasetSpec,
+    journal: Journal,
+    *,
+    client: ChatClient | None,
+    concurrency: int,
+    max_failure_fraction: float,
+    progress: ProgressFn = no_progress,
+    progress_interval_s: float = 1.0,
+    on_tick: Callable[[], None] | None = None,
+    tick_interval_s: float = 60.0,
+) -> Outcome:
+    """Generate every conversation the journal does not hold yet. `client` may be None only for a
+    dataset that keeps its own assistant turns. Raises `EndpointAuthError`/`EndpointRequestError`."""
+    outcome = Outcome()
+    pending = select(conversations, spec, journal.done(), outcome)
+    outcome.allowed_failures = math.floor(max_failure_fraction * outcome.requested)
+    started = time.monotonic()
+    ticker = asyncio.create_task(
+        _tick(outcome, started, progress, progress_interval_s, on_tick, tick_interval_s)
+    )
+    try:
+        if not spec.regenerate:
+            for prepared in pending:
+                journal.append(keep(prepared, journal.params_hash))
+                outcome.done_now += 1
+        else:
+            if client is None:
+                raise ValueError("a regenerated dataset needs a client")
+            await _run_workers(pending, spec, journal, client, concurrency, outcome)
+    finally:
+        ticker.cancel()
+        outcome.seconds = time.monotonic() - started
+        if client is not None:
+            outcome.requests = client.stats.requests
+    return outcome
+
+
+async def _run_workers(
+    pending: list[Prepared],
+    spec: DatasetSpec,
+    journal: Journal,
+    client: ChatClient,
+    concurrency: int,
+    outcome: Outcome,
+) -> None:
+    queue = iter(pending)  # shared by the workers; next() never awaits, so no lock is needed
+
+    async def worker() -> None:
+        for prepared in queue:
+            try:
+                rec = await regenerate(client, prepared, spec.sampling, journal.params_hash)
+            except RequestFailedError as exc:
+                outcome.failures[prepared.id] = {
+                    "id": prepared.id,
+                    "kind": exc.kind,
+                    "message": str(exc),
+                    "attempts": exc.attempts,
+                }
+                journal.append_error(outcome.failures[prepared.id])
+                if len(outcome.failures) > outcome.allowed_failures:
+                    raise _BudgetExceeded() from exc
+                continue
+            journal.append(rec)
+            outcome.done_now += 1
+            outcome.prompt_tokens += rec["prompt_tokens"]
+            outcome.completion_tokens += rec["completion_tokens"]
+            outcome.cost += rec["cost"] or 0.0
+
+    workers = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(pending)))]
+    if not workers:
+        return
+    done, running = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    for task in done:
+        exc = task.exception()
+        if isinstance(exc, _BudgetExceeded):
+            outcome.aborted = True
+        elif exc is not None:
+            raise exc
+
+
+async def _tick(
+    outcome: Outcome,
+    started: float,
+    progress: ProgressFn,
+    interval_s: float,
+    on_tick: Callable[[], None] | None,
+    tick_interval_s: float,
+) -> None:
+    last_tick = time.monotonic()
+    while True:
+        await asyncio.sleep(interval_s)
+        progress(fraction(outcome), progress_message(outcome, time.monotonic() - started))
+        if on_tick is not None and time.monotonic() - last_tick >= tick_interval_s:
+            last_tick = time.monotonic()
+            await asyncio.to_thread(on_tick)
+
+
+def fraction(outcome: Outcome) -> float:
+    if outcome.requested == 0:
+        return 1.0
+    return (outcome.finished + len(outcome.failures)) / outcome.requested
+
+
+def progress_message(outcome: Outcome, seconds: float) -> str:
+    rate = outcome.done_now / seconds if seconds > 0 else 0.0
+    return (
+        f"{outcome.finished}/{outcome.requested} conversations, {len(outcome.failures)} failed, "
+        f"{rate:.1f} conv/s"
+    )

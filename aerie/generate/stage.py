@@ -1,0 +1,345 @@
+"""The generation stage for one dataset: `run(cfg, spec, store=..., run_name=...) -> StageResult`.
+
+One call = one dataset = stage `generate-<name>`. Its key covers what decides the output (the dataset
+spec, its sampling and the endpoint's model) and not how it is reached (URL, key, concurrency,
+timeouts), so a run against a freshly launched reference server on another port is still a cache hit.
+
+Resume works below the stage key: the journal is keyed by the dataset's source and the hash of the
+generation parameters only, so raising `num_samples` reuses every conversation already generated.
+With a local store the journal lives in the store; with a remote one it lives in a local work dir and
+is copied to the store every `journal_upload_interval_s` (another machine can resume from it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from collections.abc import Coroutine, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from dotenv import dotenv_values
+
+from aerie.conversation import Conversation
+from aerie.datasets import LoadReport, iter_conversations
+from aerie.errors import ConfigError, EndpointError
+from aerie.generate.client import ChatClient, public_url
+from aerie.generate.config import DatasetSpec, GenerateConfig
+from aerie.generate.journal import Journal
+from aerie.generate.output import SCHEMA, write_conversations
+from aerie.generate.runner import Outcome, generate_conversations, progress_message
+from aerie.manifest import StageDir, StageResult, canonical_json, stage_key
+from aerie.progress import ProgressFn, no_progress
+from aerie.settings import get_settings
+from aerie.store import ArtifactStore
+
+T = TypeVar("T")
+CONVERSATIONS = "conversations.parquet"
+ERRORS = "errors.jsonl"
+
+
+def stage_name(spec: DatasetSpec) -> str:
+    return f"generate-{spec.name}"
+
+
+def generation_params(cfg: GenerateConfig, spec: DatasetSpec) -> dict[str, Any]:
+    """Everything that changes what the target is asked or how it samples: the resume key."""
+    return {
+        "model": cfg.endpoint.model,
+        "sampling": spec.sampling.model_dump(mode="json"),
+        "system_prompt": spec.system_prompt,
+        "max_turns": spec.max_turns,
+        "regenerate": spec.regenerate,
+    }
+
+
+def params_hash(cfg: GenerateConfig, spec: DatasetSpec) -> str:
+    return hashlib.sha256(canonical_json(generation_params(cfg, spec))).hexdigest()[:16]
+
+
+def key_of(cfg: GenerateConfig, spec: DatasetSpec) -> str:
+    return stage_key(stage_name(spec), {"dataset": spec.model_dump(mode="json"), "model": cfg.endpoint.model})
+
+
+def read_api_key(env_name: str) -> str | None:
+    """The key from the environment, else from `./.env` (as .env.example documents); None if unset."""
+    value = os.environ.get(env_name)
+    if not value and Path(".env").is_file():
+        value = dotenv_values(".env").get(env_name)
+    return (value or "").strip() or None
+
+
+def run(
+    cfg: GenerateConfig,
+    spec: DatasetSpec,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    base_url: str | None = None,
+    progress: ProgressFn = no_progress,
+) -> StageResult:
+    """Generate one dataset (or return its cached result). `base_url` overrides `cfg.endpoint.base_url`:
+    the pipeline passes the URL of the reference server it launched."""
+    stage_dir = StageDir(store, run_name, stage_name(spec), key_of(cfg, spec))
+    cached = stage_dir.cached_result()
+    if cached is not None:
+        progress(1.0, "cached")
+        return cached
+    _endpoint_url(cfg, spec, base_url)  # fail on a missing URL before reading any data
+    report = LoadReport(source=spec.name)
+    conversations = iter_conversations(spec.source, spec.name, limit=spec.num_samples, report=report)
+    return generate_dataset(
+        conversations, cfg, spec, stage_dir=stage_dir, base_url=base_url, report=report, progress=progress
+    )
+
+
+def _endpoint_url(cfg: GenerateConfig, spec: DatasetSpec, base_url: str | None) -> str | None:
+    url = base_url or cfg.endpoint.base_url
+    if spec.regenerate and not url:
+        raise ConfigError(
+            f"dataset {spec.name!r} is regenerated but no endpoint is set: give generate.endpoint.base_url "
+            "(e.g. https://openrouter.ai/api/v1) or let the pipeline launch the reference server"
+        )
+    return url
+
+
+def generate_dataset(
+    conversations: Iterable[Conversation],
+    cfg: GenerateConfig,
+    spec: DatasetSpec,
+    *,
+    stage_dir: StageDir,
+    base_url: str | None = None,
+    report: LoadReport | None = None,
+    progress: ProgressFn = no_progress,
+) -> StageResult:
+    """The stage's work on any iterable of conversations: generate, write the Parquet and errors,
+    finish with the manifest. Raises `EndpointError` when more conversations failed than allowed."""
+    url = _endpoint_url(cfg, spec, base_url)
+    phash = params_hash(cfg, spec)
+    local_dir, remote_prefix = journal_location(cfg, spec, stage_dir, phash)
+    mirror = JournalMirror(stage_dir.store, remote_prefix, local_dir) if remote_prefix else None
+    if mirror is not None:
+        mirror.pull()
+    progress(0.0, f"generating {spec.name}")
+    with Journal(local_dir, phash) as journal:
+        try:
+            outcome, client_stats = _run_sync(
+                _generate(conversations, cfg, spec, journal, url, progress, mirror)
+            )
+        finally:
+            journal.flush()
+            if mirror is not None:
+                mirror.push()
+        errors_info = _put_errors(stage_dir, outcome, local_dir)
+        _check_failures(spec, outcome, stage_dir)
+        return _finish(
+            stage_dir, cfg, spec, journal, outcome, client_stats, url, report, errors_info, progress
+        )
+
+
+async def _generate(
+    conversations: Iterable[Conversation],
+    cfg: GenerateConfig,
+    spec: DatasetSpec,
+    journal: Journal,
+    url: str | None,
+    progress: ProgressFn,
+    mirror: JournalMirror | None,
+) -> tuple[Outcome, dict[str, Any]]:
+    client = (
+        ChatClient(cfg.endpoint, url, read_api_key(cfg.endpoint.api_key_env))
+        if spec.regenerate and url
+        else None
+    )
+    try:
+        outcome = await generate_conversations(
+            conversations,
+            spec,
+            journal,
+            client=client,
+            concurrency=cfg.endpoint.concurrency,
+            max_failure_fraction=cfg.max_failure_fraction,
+            progress=progress,
+            on_tick=mirror.push if mirror else None,
+            tick_interval_s=cfg.journal_upload_interval_s,
+        )
+    finally:
+        if client is not None:
+            await client.aclose()
+    stats: dict[str, Any] = {}
+    if client is not None:
+        stats = {
+            "requests": client.stats.requests,
+            "retries_by_kind": dict(client.stats.retries),
+            "models_served": dict(client.stats.models),
+        }
+    return outcome, stats
+
+
+def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion, also from a thread whose event loop is already running
+    (a notebook, an async flow): then in a fresh thread with its own loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def journal_location(
+    cfg: GenerateConfig, spec: DatasetSpec, stage_dir: StageDir, phash: str
+) -> tuple[Path, str | None]:
+    """(local journal dir, store prefix to mirror it to or None when the journal is in the store)."""
+    digest = hashlib.sha256(
+        canonical_json({"name": spec.name, "source": spec.source.model_dump(mode="json"), "params": phash})
+    ).hexdigest()[:16]
+    prefix = f"{stage_dir.run}/{stage_dir.stage}/journal/{digest}"
+    local = stage_dir.store.local_path(prefix)
+    if local is not None:
+        return local, None
+    root = Path(cfg.work_dir).expanduser() if cfg.work_dir else get_settings().cache_dir / "generate"
+    return root / stage_dir.run / stage_dir.stage / digest, prefix
+
+
+class JournalMirror:
+    """Keeps a remote store's copy of a local journal: pulled before a run, pushed while it runs."""
+
+    def __init__(self, store: ArtifactStore, prefix: str, local_dir: Path) -> None:
+        self.store, self.prefix, self.local_dir = store, prefix, local_dir
+        self._pushed: dict[str, tuple[int, int]] = {}
+
+    def pull(self) -> None:
+        """Download the parts this machine lacks (written by a run elsewhere)."""
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        for key in self.store.list(self.prefix):
+            dest = self.local_dir / key.rsplit("/", 1)[-1]
+            if not dest.exists():
+                self.store.get_file(key, dest)
+                st = dest.stat()
+                self._pushed[dest.name] = (st.st_size, st.st_mtime_ns)
+
+    def push(self) -> None:
+        """Upload the parts that changed since the last push (a torn last line is dropped on read)."""
+        for path in sorted(self.local_dir.glob("*.jsonl")):
+            st = path.stat()
+            if self._pushed.get(path.name) != (st.st_size, st.st_mtime_ns):
+                self.store.put_file(f"{self.prefix}/{path.name}", path)
+                self._pushed[path.name] = (st.st_size, st.st_mtime_ns)
+
+
+def _put_errors(stage_dir: StageDir, outcome: Outcome, local_dir: Path) -> dict[str, Any]:
+    """errors.jsonl: the conversations that failed in this run (every earlier failure was retried)."""
+    path = local_dir / f".{ERRORS}.tmp"
+    with open(path, "w", encoding="utf-8") as f:
+        for failure in outcome.failures.values():
+            f.write(json.dumps(failure, ensure_ascii=False) + "\n")
+    info = stage_dir.store.put_file(stage_dir.path(ERRORS), path)
+    path.unlink(missing_ok=True)
+    return {"key": info.key, "sha256": info.sha256, "bytes": info.size, "rows": len(outcome.failures)}
+
+
+def _check_failures(spec: DatasetSpec, outcome: Outcome, stage_dir: StageDir) -> None:
+    failed = len(outcome.failures)
+    if not outcome.aborted and failed <= outcome.allowed_failures:
+        return
+    share = failed / max(1, outcome.requested)
+    stopped = " (stopped early: the dataset could no longer pass)" if outcome.aborted else ""
+    raise EndpointError(
+        f"dataset {spec.name!r}: {failed} of {outcome.requested} conversations failed ({share:.1%}), "
+        f"more than generate.max_failure_fraction allows ({outcome.allowed_failures}){stopped}; "
+        f"errors by kind: {outcome.errors_by_kind()}; details in {stage_dir.uri(ERRORS)}. "
+        f"{outcome.finished} finished conversations are kept: a re-run retries only the failures."
+    )
+
+
+def _finish(
+    stage_dir: StageDir,
+    cfg: GenerateConfig,
+    spec: DatasetSpec,
+    journal: Journal,
+    outcome: Outcome,
+    client_stats: dict[str, Any],
+    url: str | None,
+    report: LoadReport | None,
+    errors_info: dict[str, Any],
+    progress: ProgressFn,
+) -> StageResult:
+    wanted = set(outcome.requested_ids)
+    by_id = {rec["id"]: rec for rec in journal.records() if rec["id"] in wanted}
+    ordered = [by_id[i] for i in outcome.requested_ids if i in by_id]
+    tmp = journal.dir / f".{CONVERSATIONS}.tmp"
+    rows = write_conversations(ordered, tmp)
+    info = stage_dir.store.put_file(stage_dir.path(CONVERSATIONS), tmp)
+    tmp.unlink(missing_ok=True)
+
+    prompt_tokens = sum(r["prompt_tokens"] for r in ordered)
+    completion_tokens = sum(r["completion_tokens"] for r in ordered)
+    costs = [r["cost"] for r in ordered if r["cost"] is not None]
+    truncated = sum(1 for r in ordered if "length" in r["finish_reasons"])
+    seconds = max(outcome.seconds, 1e-9)
+    throughput = {
+        "requests": outcome.requests,
+        "requests_per_s": round(outcome.requests / seconds, 3),
+        "completion_tokens_per_s": round(outcome.completion_tokens / seconds, 3),
+        "tokens_per_s": round((outcome.prompt_tokens + outcome.completion_tokens) / seconds, 3),
+        "wall_seconds": round(outcome.seconds, 3),
+        "conversations_this_run": outcome.done_now,
+    }
+    counts = {
+        "requested": outcome.requested,
+        "done": rows,
+        "done_in_earlier_runs": outcome.done_before,
+        "failed": len(outcome.failures),
+        "skipped_by_loader": report.total_skipped if report else 0,
+        "skipped": dict(outcome.skipped),
+        "truncated": truncated,
+    }
+    figures = {
+        "records": rows,
+        "failed": len(outcome.failures),
+        "skipped": (report.total_skipped if report else 0) + sum(outcome.skipped.values()),
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cost_usd": round(sum(costs), 6) if costs else None,
+        "truncated": truncated,
+        "requests_per_s": throughput["requests_per_s"],
+        "tokens_per_s": throughput["completion_tokens_per_s"],
+        "wall_s": throughput["wall_seconds"],
+    }
+    manifest = {
+        "figures": figures,
+        "dataset": spec.model_dump(mode="json"),
+        "endpoint": {
+            "base_url": public_url(url) if url else None,
+            "model": cfg.endpoint.model,
+            "provider": cfg.endpoint.provider,
+            "models_served": client_stats.get("models_served", {}),
+        },
+        "generation": {"params": generation_params(cfg, spec), "params_hash": journal.params_hash},
+        "counts": counts,
+        "loader": _loader_summary(report),
+        "tokens": {"prompt": prompt_tokens, "completion": completion_tokens},
+        "cost_usd": figures["cost_usd"],
+        "errors_by_kind": outcome.errors_by_kind(),
+        "retries_by_kind": client_stats.get("retries_by_kind", {}),
+        "throughput": throughput,
+        "files": {
+            CONVERSATIONS: {"key": info.key, "sha256": info.sha256, "bytes": info.size, "rows": rows},
+            ERRORS: errors_info,
+        },
+        "schema": {name: str(dtype) for name, dtype in SCHEMA.items()},
+    }
+    result = stage_dir.finish(manifest)
+    progress(1.0, progress_message(outcome, outcome.seconds))
+    return result
+
+
+def _loader_summary(report: LoadReport | None) -> dict[str, Any]:
+    if report is None:
+        return {}
+    return {"loaded": report.loaded, "skipped": dict(report.skipped), "truncated": report.truncated}

@@ -1,0 +1,130 @@
+"""Turn-by-turn regeneration of one conversation (SpecForge and speculators do the same).
+
+A drafter learns the *target's* outputs, so the data's assistant turns are dropped and, for every user
+turn, the target answers given the regenerated history so far: multi-turn data stays on-policy. The
+history sent back holds only visible answers; a thinking model's reasoning is stored beside each turn
+but never fed back (the providers ask for that, and it is what the model sees when serving).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aerie.conversation import Conversation, Message
+from aerie.generate.client import ChatClient
+from aerie.generate.config import DatasetSpec, SamplingParams
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A conversation ready to generate: the messages to send (regenerate) or to keep as they are."""
+
+    id: str
+    source: str
+    messages: tuple[Message, ...]
+
+
+def prepare(conversation: Conversation, spec: DatasetSpec) -> Prepared | str:
+    """The turns to use, or the reason the conversation cannot be used (counted as skipped).
+
+    When regenerating, each assistant turn that remains is a placeholder: the target answers there,
+    given everything before it. Consecutive user turns are answered once (where the data answered
+    them), a conversation that ends on a user turn gets an answer after it, and an assistant turn
+    before any user turn (a greeting) is dropped: there is nothing to answer yet."""
+    messages = _first_user_turns(list(conversation.messages), spec.max_turns)
+    if spec.regenerate:
+        messages = _answer_slots(messages)
+    else:
+        while messages and messages[-1].role == "user":
+            messages.pop()  # a trailing question without its answer teaches the drafter nothing
+    if not spec.regenerate and not any(m.role == "assistant" for m in messages):
+        return "no_assistant_turn"
+    if not any(m.role == "user" for m in messages):
+        return "no_user_turn"
+    if any(m.role == "user" and not m.content.strip() for m in messages):
+        return "empty_user_turn"
+    if spec.system_prompt is not None and not any(m.role == "system" for m in messages):
+        messages.insert(0, Message(role="system", content=spec.system_prompt))
+    return Prepared(id=conversation.id, source=conversation.source, messages=tuple(messages))
+
+
+def _answer_slots(messages: list[Message]) -> list[Message]:
+    slot = Message(role="assistant", content="")
+    out: list[Message] = []
+    for message in messages:
+        if message.role != "assistant":
+            out.append(message)
+        elif any(m.role == "user" for m in out) and out[-1].role != "assistant":
+            out.append(slot)
+    if out and out[-1].role == "user":
+        out.append(slot)
+    return out
+
+
+def _first_user_turns(messages: list[Message], max_turns: int | None) -> list[Message]:
+    """Messages up to (not including) the user turn after the first `max_turns`."""
+    if max_turns is None:
+        return messages
+    users = 0
+    for i, message in enumerate(messages):
+        if message.role == "user":
+            users += 1
+            if users > max_turns:
+                return messages[:i]
+    return messages
+
+
+def record(prepared: Prepared, params_hash: str, messages: list[Message], **usage: Any) -> dict[str, Any]:
+    """The journal/Parquet record of a finished conversation."""
+    return {
+        "id": prepared.id,
+        "source": prepared.source,
+        "params_hash": params_hash,
+        "messages": [{"role": m.role, "content": m.content, "reasoning": m.reasoning} for m in messages],
+        "finish_reasons": usage.get("finish_reasons", []),
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "completion_tokens": usage.get("completion_tokens", 0),
+        "cost": usage.get("cost"),
+        "requests": usage.get("requests", 0),
+    }
+
+
+async def regenerate(
+    client: ChatClient, prepared: Prepared, sampling: SamplingParams, params_hash: str
+) -> dict[str, Any]:
+    """Ask the target for each assistant slot, in order, with the regenerated history so far."""
+    history: list[dict[str, str]] = []
+    out: list[Message] = []
+    finish_reasons: list[str] = []
+    prompt_tokens = completion_tokens = requests = 0
+    costs: list[float] = []
+    for message in prepared.messages:
+        if message.role != "assistant":
+            out.append(message)
+            history.append({"role": message.role, "content": message.content})
+            continue
+        completion = await client.complete(history, sampling)
+        out.append(Message(role="assistant", content=completion.content, reasoning=completion.reasoning))
+        history.append({"role": "assistant", "content": completion.content})
+        finish_reasons.append(completion.finish_reason)
+        prompt_tokens += completion.prompt_tokens
+        completion_tokens += completion.completion_tokens
+        requests += completion.attempts
+        if completion.cost is not None:
+            costs.append(completion.cost)
+    return record(
+        prepared,
+        params_hash,
+        out,
+        finish_reasons=finish_reasons,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cost=sum(costs) if costs else None,
+        requests=requests,
+    )
+
+
+def keep(prepared: Prepared, params_hash: str) -> dict[str, Any]:
+    """A dataset that is not regenerated keeps the data's own assistant turns, in the same schema."""
+    return record(prepared, params_hash, list(prepared.messages))
