@@ -119,7 +119,9 @@ class LogTail:
         self.path = path
         self._offset = 0
         self._partial = ""
-        self._bar = ""  # the latest redraw of an unfinished `\r` line
+        self._bar = ""  # the unfinished line as last drawn (kept tail)
+        self._pending = ""  # the unfinished line's last piece already handed out
+        self._emitted = 0  # complete `\r` pieces of the unfinished line already handed out
         self._chunk = chunk
         self._lines: deque[str] = deque(maxlen=keep)
 
@@ -129,7 +131,8 @@ class LogTail:
             self._offset = self.path.stat().st_size
         except FileNotFoundError:
             self._offset = 0
-        self._partial = self._bar = ""
+        self._partial = self._bar = self._pending = ""
+        self._emitted = 0
         self._lines.clear()
 
     def _read_bytes(self) -> bytes:
@@ -153,32 +156,38 @@ class LogTail:
 
     def _split(self, new_text: str) -> list[str]:
         pieces: list[str] = []
-        lines = (self._partial + new_text).split("\n")
-        self._partial = lines.pop()  # an unterminated last line waits for its end
+        *lines, self._partial = (self._partial + new_text).split("\n")
         for line in lines:
             segments = [s for s in line.split("\r") if s.strip()]
-            pieces += segments
+            pieces += self._unseen(segments)
             if segments:
                 self._lines.append(segments[-1].rstrip())
-            self._bar = ""
-        if "\r" in self._partial:
-            # A tqdm bar in progress: its finished redraws are news now; the last one may be cut.
-            *done, self._partial = self._partial.split("\r")
-            done = [s for s in done if s.strip()]
-            pieces += done
-            if done:
-                self._bar = done[-1].rstrip()
+            self._emitted, self._pending, self._bar = 0, "", ""
+        # The unfinished line. tqdm draws "\r<bar>", so a stalled bar never gets its terminator: its
+        # `\r`-ended redraws are complete, and the text after the last `\r` is the bar as last drawn
+        # (possibly cut mid-write; a cut piece matches no pattern and is fed again once complete).
+        *done_raw, tail = self._partial.split("\r")
+        done = [s for s in done_raw if s.strip()]
+        pieces += self._unseen(done)
+        self._emitted = len(done)
+        if tail.strip() and tail != self._pending:
+            pieces.append(tail)
+            self._pending = tail
+        self._bar = tail.rstrip() if tail.strip() else (done[-1].rstrip() if done else "")
         return pieces
 
+    def _unseen(self, segments: list[str]) -> list[str]:
+        """Pieces of the unfinished line not handed out yet (the pending one may have been, whole)."""
+        new = segments[self._emitted :]
+        return new[1:] if new and new[0] == self._pending else new
+
     def drain(self) -> list[str]:
-        """Everything left, including an unterminated last line (the process has exited)."""
+        """Everything left; the unfinished last line joins the kept tail (the process has exited)."""
         pieces = self.read_new()
-        if self._partial.strip():
-            pieces.append(self._partial)
-            self._lines.append(self._partial.rstrip())
-        elif self._bar:
+        if self._bar:
             self._lines.append(self._bar)
-        self._partial = self._bar = ""
+        self._partial = self._pending = self._bar = ""
+        self._emitted = 0
         return pieces
 
     def last_lines(self, n: int = 20) -> list[str]:
