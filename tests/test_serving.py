@@ -139,8 +139,12 @@ def test_sglang_extraction_spec_in_docker(tmp_path: Path) -> None:
 def test_reference_server_refuses_what_it_cannot_do() -> None:
     with pytest.raises(ConfigError, match="reference server runs as a process"):
         spec_for(ServerConfig(launcher="docker"), model_path="m")
-    with pytest.raises(ConfigError, match="no speculative decoding"):
-        spec_for(ServerConfig(), model_path="m", speculative=SpeculativeArgs("/d"))
+    with pytest.raises(ConfigError, match="--speculative-num-steps only"):
+        spec_for(ServerConfig(), model_path="m", speculative=SpeculativeArgs("/d", eagle_topk=4))
+    chain = spec_for(ServerConfig(), model_path="m", speculative=SpeculativeArgs("/d", num_steps=3))
+    assert chain.command[-6:] == [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d", "--speculative-num-steps", "3"
+    ]  # fmt: skip
 
 
 def test_env_values_stay_out_of_the_spec_repr() -> None:

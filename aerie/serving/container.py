@@ -138,12 +138,15 @@ class DockerLauncher(Launcher):
         """The seed's `No module named sglang.launch_server`, caught inside the image before the launch."""
         errors = _errors()
         assert spec.interpreter is not None and spec.module is not None and spec.image is not None
+        request = run_kwargs(spec)
         try:
             self.client.containers.run(
                 spec.image,
                 entrypoint=[spec.interpreter],
                 command=["-c", _FIND_SPEC, spec.module],
-                environment=container_env(spec),
+                environment=request["environment"],
+                volumes=request["volumes"],  # the module may come from a mounted dir
+                working_dir=request.get("working_dir"),
                 remove=True,
                 stdout=True,
                 stderr=True,

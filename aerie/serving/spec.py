@@ -209,9 +209,14 @@ def spec_for(
     if cfg.backend == "reference":
         if docker:
             raise ConfigError("server.launcher=docker runs SGLang; the reference server runs as a process")
-        if speculative is not None:
-            raise ConfigError("the reference server has no speculative decoding; use server.backend=sglang")
         command = _reference_command(cfg, python, model_path, weight_version, mode, dump)
+        if speculative is not None:
+            if speculative.eagle_topk is not None or speculative.num_draft_tokens is not None:
+                raise ConfigError(
+                    "the reference server decodes one speculative chain: it takes --speculative-num-steps "
+                    "only (no topk / num_draft_tokens); use server.backend=sglang for tree drafts"
+                )
+            command += speculative.to_args()
         server_module = module or REFERENCE_MODULE
     else:
         server_module = module or (

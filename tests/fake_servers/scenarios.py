@@ -20,7 +20,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def fake_command(port: int, weight_version: str, *flags: str, python: str = sys.executable) -> list[str]:
+def fake_command(
+    port: int, weight_version: str, *flags: str, python: str = sys.executable, host: str = "127.0.0.1"
+) -> list[str]:
     return [
         python,
         "-m",
@@ -28,7 +30,7 @@ def fake_command(port: int, weight_version: str, *flags: str, python: str = sys.
         "--model-path",
         "fake/model",
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--weight-version",

@@ -1,0 +1,155 @@
+"""The docker launcher. There is no Docker engine on the development machine, so:
+
+- the request (the kwargs given to `containers.run`) is built and checked as plain data;
+- the launcher's calls are checked against a small recording stand-in for the docker client — a mock,
+  used only because no engine exists here, and only to check which requests are sent;
+- the real lifecycle runs in `test_docker_lifecycle_against_a_real_engine`, which runs wherever
+  `docker.from_env().ping()` works and skips with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aerie.errors import ServerLaunchError
+from aerie.serving import DockerLauncher, ModelServer, ServerConfig, run_kwargs, spec_for
+from aerie.serving.container import LABEL_RUN, docker_client
+from tests.fake_servers.scenarios import TESTS_DIR, fake_command, free_port
+
+
+def kimi_spec(tmp_path: Path, **cfg: Any):
+    model = tmp_path / "Kimi-K2.5"
+    model.mkdir(exist_ok=True)
+    config = ServerConfig(
+        backend="sglang", launcher="docker", tp_size=8, image="aerie/sglang-extract:0.5.14", port=30000, **cfg
+    )
+    return spec_for(
+        config, model_path=str(model), mode="extract", dump_dir=tmp_path / "dumps", nonce="0123456789abcdef"
+    )
+
+
+def test_run_request_mirrors_sglangs_documented_docker_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    spec = kimi_spec(tmp_path, hf_cache=str(tmp_path / "hf"))
+    kw = run_kwargs(spec)
+    model, dumps = str((tmp_path / "Kimi-K2.5").resolve()), str((tmp_path / "dumps").resolve())
+
+    assert kw["image"] == "aerie/sglang-extract:0.5.14" and kw["command"] == spec.command and kw["detach"]
+    assert kw["name"] == "aerie-sglang-extract-0123456789ab"
+    assert kw["labels"] == {LABEL_RUN: "0123456789abcdef", "aerie.server": "sglang-extract"}
+    assert kw["ports"] == {"30000/tcp": ("127.0.0.1", 30000)}  # published on the loopback only
+    assert kw["ipc_mode"] == "host" and kw["shm_size"] == "32g"
+    [gpus] = kw["device_requests"]
+    assert gpus["Count"] == -1 and gpus["Capabilities"] == [["gpu"]]  # --gpus all
+    assert kw["volumes"] == {
+        str(tmp_path / "hf"): {"bind": "/root/.cache/huggingface", "mode": "rw"},
+        model: {"bind": model, "mode": "ro"},
+        dumps: {"bind": dumps, "mode": "rw"},
+    }
+    env = kw["environment"]
+    assert env["AERIE_DUMP_DIR"] == dumps and env["HF_TOKEN"] == "hf_not_a_real_token"
+    assert "0.0.0.0" in env["no_proxy"]
+    # The secret travels to the container only: not in the spec's repr nor its one-line description.
+    assert "hf_not_a_real_token" not in repr(spec) + spec.describe()
+
+
+def test_gpu_counts_in_the_request(tmp_path: Path) -> None:
+    assert run_kwargs(kimi_spec(tmp_path, gpus=2))["device_requests"][0]["Count"] == 2
+    assert "device_requests" not in run_kwargs(kimi_spec(tmp_path, gpus=0))
+
+
+class RecordingContainer:
+    def __init__(self, calls: list[tuple[str, Any]]) -> None:
+        self.calls = calls
+        self.name, self.short_id, self.id = "aerie-x", "abc123", "abc123full"
+        self.attrs: dict[str, Any] = {"State": {"Status": "running", "ExitCode": 0}}
+
+    def reload(self) -> None:
+        self.calls.append(("reload", None))
+
+    def logs(self, **kw: Any):
+        self.calls.append(("logs", kw))
+        yield b"[2026-01-01 00:00:00] Load weight begin. avail mem=70 GB\n"
+
+    def stop(self, timeout: int) -> None:
+        self.calls.append(("stop", timeout))
+        self.attrs["State"] = {"Status": "exited", "ExitCode": 0}
+
+    def remove(self, force: bool) -> None:
+        self.calls.append(("remove", force))
+
+
+class RecordingClient:
+    """Stand-in for `docker.DockerClient` (mock: no engine here); records the requests it receives."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.containers = self
+        self.container = RecordingContainer(self.calls)
+
+    def run(self, **kw: Any) -> RecordingContainer:
+        self.calls.append(("run", kw))
+        return self.container
+
+
+def test_launcher_sends_the_request_then_stops_and_removes(tmp_path: Path) -> None:
+    spec = kimi_spec(tmp_path).with_(log_path=tmp_path / "server.log", grace_s=20.0)
+    client = RecordingClient()
+    launcher = DockerLauncher(client=client)
+    launcher.start(spec)
+    assert client.calls[0] == ("run", run_kwargs(spec))
+    assert launcher.exit_code() is None and launcher.describe() == "container aerie-x (abc123)"
+    result = launcher.stop(spec.grace_s)
+    requests = [call for call in client.calls if call[0] in ("run", "stop", "remove")]
+    assert requests[1:] == [("stop", 20), ("remove", True)]  # SIGTERM, 20 s grace, kill; then removed
+    assert result.exit_code == 0 and not result.killed
+    assert "Load weight begin" in spec.log_path.read_text()  # logs streamed into the log file
+    assert launcher.stop(spec.grace_s) is result  # idempotent
+
+
+def engine_or_reason() -> str | None:
+    try:
+        docker_client()
+    except ServerLaunchError as exc:
+        return str(exc)
+    return None
+
+
+def test_without_an_engine_the_launch_fails_before_any_wait(tmp_path: Path) -> None:
+    reason = engine_or_reason()
+    if reason is None:
+        pytest.skip("a Docker engine is reachable here; this test is about its absence")
+    spec = kimi_spec(tmp_path).with_(port=free_port(), log_path=tmp_path / "server.log")
+    with pytest.raises(ServerLaunchError, match="no Docker engine reachable"):
+        ModelServer(spec).start()
+    assert not spec.log_path.exists()
+
+
+@pytest.mark.docker
+def test_docker_lifecycle_against_a_real_engine(tmp_path: Path) -> None:
+    reason = engine_or_reason()
+    if reason is not None:
+        pytest.skip(f"needs a reachable Docker engine: {reason}")
+    # The SGLang-like fake server (standard library only) in a stock Python image, on a real engine.
+    port = free_port()
+    spec = kimi_spec(tmp_path, gpus=0, hf_cache=None).with_(
+        image=os.environ.get("AERIE_TEST_PYTHON_IMAGE", "python:3.11-slim"),
+        command=fake_command(port, "run-0123456789abcdef", python="python3", host="0.0.0.0"),
+        module="fake_servers.sglang_like",
+        port=port,
+        volumes={str(TESTS_DIR): "/aerie-tests"},
+        cwd="/aerie-tests",
+        log_path=tmp_path / "server.log",
+        grace_s=5.0,
+        sweep_shm=False,
+    )
+    with ModelServer(spec) as server:
+        assert server.info["weight_version"] == spec.weight_version
+    client = docker_client()
+    assert client.containers.list(all=True, filters={"label": f"{LABEL_RUN}={spec.nonce}"}) == []
