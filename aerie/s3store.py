@@ -38,6 +38,7 @@ from botocore.exceptions import (
     BotoCoreError,
     ClientError,
     CredentialRetrievalError,
+    HTTPClientError,
     NoCredentialsError,
     PartialCredentialsError,
 )
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 
 SHA256_META = "sha256"  # sent as the x-amz-meta-sha256 header
 SPOOL_MAX = 64 * MIB  # open() keeps objects up to this size in memory, larger ones in a temp file
+PROGRESS_INTERVAL_S = 0.2
 
 _CREDENTIAL_CODES = {
     "InvalidAccessKeyId",
@@ -105,14 +107,31 @@ def _is_key(rel: str) -> bool:
         return False
 
 
-class _Progress(BaseSubscriber):
-    """Feeds s3transfer's byte counts (from its worker threads) into a `ByteProgress`."""
+class _Watch(BaseSubscriber):
+    """Counts a transfer's bytes (in s3transfer's worker threads) and signals when it is over."""
 
-    def __init__(self, meter: ByteProgress) -> None:
+    def __init__(self, meter: ByteProgress | None) -> None:
         self._meter = meter
+        self.done = threading.Event()
 
     def on_progress(self, future: TransferFuture, bytes_transferred: int, **kwargs: Any) -> None:
-        self._meter.add(bytes_transferred)
+        if self._meter:
+            self._meter.add(bytes_transferred)
+
+    def on_done(self, future: TransferFuture, **kwargs: Any) -> None:
+        self.done.set()
+
+
+def _wait(future: TransferFuture, watch: _Watch, meter: ByteProgress | None) -> None:
+    """Wait for a transfer in the caller's thread, reporting progress from here: Ctrl-C and an
+    exception raised by the progress callback land here, inside the TransferManager's `with`,
+    which then cancels the transfer and aborts its multipart upload."""
+    while not watch.done.wait(PROGRESS_INTERVAL_S):
+        if meter:
+            meter.report()
+    future.result()
+    if meter:
+        meter.finish()
 
 
 class _KnownObject(BaseSubscriber):
@@ -145,7 +164,8 @@ class S3Store:
             preferred_transfer_client="classic",  # the CRT client is optional and behaves differently
         )
         boto_cfg = BotoConfig(
-            retries={"mode": "standard", "max_attempts": cfg.s3_max_attempts},
+            # total_max_attempts counts the first try; botocore's "max_attempts" would count retries only.
+            retries={"mode": "standard", "total_max_attempts": cfg.s3_max_attempts},
             connect_timeout=cfg.s3_connect_timeout_s,
             read_timeout=cfg.s3_read_timeout_s,
             max_pool_connections=max(10, cfg.max_concurrency + 2),
@@ -212,7 +232,7 @@ class S3Store:
                 f"cannot {action} {where}: no usable AWS credentials ({type(exc).__name__}); set "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
             )
-        if isinstance(exc, BotoConnectionError):  # refused, DNS, connect/read timeouts, dropped
+        if isinstance(exc, BotoConnectionError | HTTPClientError):  # refused, DNS, timeouts, dropped
             return StoreError(
                 f"cannot {action} {where}: cannot reach the S3 endpoint {self._endpoint} "
                 f"({type(exc).__name__}); check store.s3_endpoint_url, that the server is up, and the network"
@@ -278,7 +298,7 @@ class S3Store:
 
     def _upload(self, key: str, source: str | BinaryIO, digest: str, meter: ByteProgress | None) -> None:
         full = self._full(key)
-        subscribers = [_Progress(meter)] if meter else []
+        watch = _Watch(meter)
         failed = True
         try:
             # The manager's __exit__ cancels the transfer on any exception (Ctrl-C included) and
@@ -289,14 +309,12 @@ class S3Store:
                     self.bucket,
                     full,
                     extra_args={"Metadata": {SHA256_META: digest}},
-                    subscribers=subscribers,
+                    subscribers=[watch],
                 )
-                future.result()
+                _wait(future, watch, meter)
             failed = False
         finally:
             self._abort_leftovers(full, failed)
-        if meter:
-            meter.finish()
 
     def _manager(self) -> TransferManager:
         return cast("TransferManager", create_transfer_manager(self.client, self._transfer))
@@ -367,9 +385,7 @@ class S3Store:
         size = int(head["ContentLength"])
         want = head.get("Metadata", {}).get(SHA256_META)
         meter = ByteProgress(progress, size, f"download {key}") if progress else None
-        subscribers: list[BaseSubscriber] = [_KnownObject(size, head["ETag"])]
-        if meter:
-            subscribers.append(_Progress(meter))
+        watch = _Watch(meter)
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
@@ -378,7 +394,9 @@ class S3Store:
             raise StoreError(f"cannot write {dest}: {exc}") from exc
         try:
             with self._errors("download", key), self._manager() as manager:
-                manager.download(self.bucket, self._full(key), tmp, subscribers=subscribers).result()
+                subscribers = [_KnownObject(size, head["ETag"]), watch]
+                future = manager.download(self.bucket, self._full(key), tmp, subscribers=subscribers)
+                _wait(future, watch, meter)
             self._verify(key, want, sha256_file(tmp))
             os.replace(tmp, dest)
         except BaseException as exc:
@@ -386,8 +404,6 @@ class S3Store:
             if isinstance(exc, OSError):
                 raise StoreError(f"cannot write {dest}: {exc}") from exc
             raise
-        if meter:
-            meter.finish()
         return dest
 
     def _stream(self, key: str, out: BinaryIO) -> None:

@@ -88,10 +88,13 @@ def sha256_file(path: str | Path) -> str:
 
 
 class ByteProgress:
-    """Turns byte counts, reported from any thread, into throttled `(fraction, message)` calls.
+    """Counts transferred bytes from any thread; reports throttled `(fraction, message)` calls from the
+    caller's thread only.
 
-    Transfers report every few hundred KiB; a Prefect progress artifact must not be updated that often,
-    so a call happens only when the fraction moved by `step` (and always at the end)."""
+    Why split: s3transfer counts bytes in its worker threads, but the callback may update a Prefect
+    progress artifact (which needs the flow run's context, held by the calling thread) or raise to
+    cancel the transfer (which, raised inside botocore's send, would be retried as a network error).
+    And a call happens only when the fraction moved by `step`, not for every 256 KiB read."""
 
     def __init__(self, progress: ProgressFn, total: int, label: str, step: float = 0.01) -> None:
         self._progress, self._total, self._label, self._step = progress, total, label, step
@@ -100,19 +103,24 @@ class ByteProgress:
         self._lock = threading.Lock()
 
     def add(self, nbytes: int) -> None:
-        with self._lock:  # held while calling, so fractions arrive in order
-            self._done += nbytes  # s3transfer reports negative counts when it retries a part
-            fraction = min(1.0, max(0.0, self._done / self._total)) if self._total else 1.0
-            if fraction - self._last >= self._step or (fraction >= 1.0 > self._last):
-                self._last = fraction
-                self._progress(fraction, f"{self._label} {self._done / MIB:.1f}/{self._total / MIB:.1f} MiB")
+        """Count bytes (any thread). s3transfer reports negative counts when it rewinds for a retry."""
+        with self._lock:
+            self._done += nbytes
+
+    def report(self) -> None:
+        """Call the callback if the fraction moved enough (the caller's thread; may raise)."""
+        with self._lock:
+            done = self._done
+        fraction = min(1.0, max(0.0, done / self._total)) if self._total else 1.0
+        if fraction - self._last >= self._step or (fraction >= 1.0 > self._last):
+            self._last = fraction
+            self._progress(fraction, f"{self._label} {done / MIB:.1f}/{self._total / MIB:.1f} MiB")
 
     def finish(self) -> None:
         """Report completion even when the transfer reported no bytes (an empty file)."""
-        with self._lock:
-            if self._last < 1.0:
-                self._last = 1.0
-                self._progress(1.0, f"{self._label} {self._total / MIB:.1f} MiB")
+        if self._last < 1.0:
+            self._last = 1.0
+            self._progress(1.0, f"{self._label} {self._total / MIB:.1f} MiB")
 
 
 def check_key(key: str) -> str:
@@ -195,6 +203,7 @@ class LocalStore:
                 f.write(block)
                 if meter:
                     meter.add(len(block))
+                    meter.report()
         info = self._record(key, dest, h.hexdigest())
         if meter:
             meter.finish()
@@ -248,6 +257,7 @@ class LocalStore:
                     out.write(block)
                     if meter:
                         meter.add(len(block))
+                        meter.report()
             self._check(src, want, h.hexdigest())
             os.replace(tmp, dest)
         except BaseException as exc:

@@ -1,0 +1,326 @@
+"""One conformance suite for every artifact store: LocalStore in a temp dir, S3Store against a real moto
+server process (tests/s3_support.py). Faults are real too: a progress callback that raises mid-transfer,
+bytes flipped in the stored object, an S3 endpoint on a closed port."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import boto3
+import pytest
+from botocore.exceptions import ConnectionClosedError
+
+from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
+from aerie.s3store import S3Store
+from aerie.store import ArtifactStore, LocalStore, StoreConfig, open_store
+from tests.conftest import free_port
+
+pytest_plugins = ("tests.s3_support",)
+
+MULTIPART_FILE_MB = 12  # with 5 MiB parts (s3_support's config): three parts, so multipart really runs
+
+
+class Interrupted(Exception):
+    """Raised by a progress callback to cut a transfer short."""
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArtifactStore:
+    if request.param == "local":
+        return open_store(str(tmp_path / "artifacts"))
+    return open_store(request.getfixturevalue("s3_config"))
+
+
+@pytest.fixture(scope="module")
+def big_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("src") / "big.bin"
+    path.write_bytes(os.urandom(MULTIPART_FILE_MB << 20))
+    return path
+
+
+def corrupt(store: ArtifactStore, key: str) -> None:
+    """Change the stored bytes behind the store's back, leaving its recorded sha256 as it was."""
+    if isinstance(store, LocalStore):
+        path = store.local_path(key)
+        assert path is not None
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return
+    assert isinstance(store, S3Store)
+    client = raw_client(store_config_of(store))
+    full = full_key(store, key)
+    old = client.get_object(Bucket=store.bucket, Key=full)
+    data = bytearray(old["Body"].read())
+    data[len(data) // 2] ^= 0xFF
+    client.put_object(Bucket=store.bucket, Key=full, Body=bytes(data), Metadata=old["Metadata"])
+
+
+def raw_client(cfg: StoreConfig) -> Any:
+    """A plain boto3 client, apart from any store (tests.s3_support has one too, but importing from a
+    module that is also a pytest plugin here would bypass pytest's assertion rewriting for it)."""
+    return boto3.client("s3", endpoint_url=cfg.s3_endpoint_url, region_name=cfg.s3_region)
+
+
+def store_config_of(store: S3Store) -> StoreConfig:
+    meta = store.client.meta
+    return StoreConfig(uri=store.root, s3_endpoint_url=meta.endpoint_url, s3_region=meta.region_name)
+
+
+def full_key(store: S3Store, key: str) -> str:
+    """The bucket key behind a store key."""
+    return store.uri(key).removeprefix(f"s3://{store.bucket}/")
+
+
+def leftovers(store: ArtifactStore) -> list[str]:
+    """Everything the store holds, seen from below: every file under a LocalStore's root (temp files
+    and sidecars included); every open multipart upload under an S3Store's prefix."""
+    if isinstance(store, LocalStore):
+        root = Path(store.root)
+        return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    assert isinstance(store, S3Store)
+    uploads = raw_client(store_config_of(store)).list_multipart_uploads(Bucket=store.bucket)
+    prefix = full_key(store, "x")[:-1]
+    return [u["Key"] for u in uploads.get("Uploads", []) if u["Key"].startswith(prefix)]
+
+
+def test_bytes_round_trip(store: ArtifactStore) -> None:
+    data = b'{"stage": "merge", "records": 17671}'
+    info = store.put_bytes("run/merge/abc/manifest.json", data)
+    assert info.key == "run/merge/abc/manifest.json"
+    assert info.size == len(data)
+    assert info.sha256 == hashlib.sha256(data).hexdigest()
+    assert info.uri == store.uri("run/merge/abc/manifest.json")
+    assert store.get_bytes("run/merge/abc/manifest.json") == data
+    with store.open("run/merge/abc/manifest.json") as f:
+        assert f.read() == data
+    assert store.exists("run/merge/abc/manifest.json")
+    assert store.put_bytes("empty", b"").size == 0
+    assert store.get_bytes("empty") == b""
+
+
+def test_file_round_trip_multipart(store: ArtifactStore, big_file: Path, tmp_path: Path) -> None:
+    seen: list[float] = []
+    info = store.put_file(
+        "run/extract/k/shard-00000.safetensors", big_file, progress=lambda f, m: seen.append(f)
+    )
+    want = hashlib.sha256(big_file.read_bytes()).hexdigest()
+    assert (info.size, info.sha256) == (big_file.stat().st_size, want)
+    assert seen[-1] == 1.0 and seen == sorted(seen)
+
+    seen.clear()
+    dest = tmp_path / "down" / "shard.safetensors"
+    assert (
+        store.get_file("run/extract/k/shard-00000.safetensors", dest, progress=lambda f, m: seen.append(f))
+        == dest
+    )
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == want
+    assert seen[-1] == 1.0
+    assert os.listdir(dest.parent) == ["shard.safetensors"]  # no temp file left beside it
+
+    if isinstance(store, S3Store):
+        head = raw_client(store_config_of(store)).head_object(
+            Bucket=store.bucket, Key=full_key(store, info.key)
+        )
+        assert head["Metadata"]["sha256"] == want  # x-amz-meta-sha256
+        assert head["ETag"].strip('"').endswith("-3")  # a multipart ETag: md5-of-md5s, then the part count
+
+
+def test_nested_keys_list_and_delete(store: ArtifactStore) -> None:
+    keys = ["a/b/c.txt", "a/b/d.txt", "a/bc/x.txt", "a/e.txt", "f.txt"]
+    for key in keys:
+        store.put_bytes(key, key.encode())
+    assert store.list() == sorted(keys)
+    assert store.list("a/b") == ["a/b/c.txt", "a/b/d.txt"]  # a directory, so not a/bc
+    assert store.list("a/b/") == ["a/b/c.txt", "a/b/d.txt"]
+    assert store.list("a/b/c.txt") == ["a/b/c.txt"]
+    assert store.list("nothing/here") == []
+
+    store.delete("a/b/c.txt")
+    assert not store.exists("a/b/c.txt")
+    assert store.list("a/b") == ["a/b/d.txt"]
+    store.delete("a/b/c.txt")  # deleting what is gone is not an error
+    store.put_bytes("f.txt", b"overwritten")
+    assert store.get_bytes("f.txt") == b"overwritten"
+
+
+@pytest.mark.parametrize("key", ["", "/", "a//b", "../x", "a/../b", "a/./b", ".hidden", "a/.b.sha256"])
+def test_invalid_keys_are_refused(store: ArtifactStore, key: str, tmp_path: Path) -> None:
+    calls: list[Callable[[], Any]] = [
+        lambda: store.put_bytes(key, b"x"),
+        lambda: store.get_bytes(key),
+        lambda: store.exists(key),
+        lambda: store.uri(key),
+    ]
+    for call in calls:
+        with pytest.raises(StoreError, match="invalid artifact key"):
+            call()
+    if key.strip("/"):
+        with pytest.raises(StoreError, match="invalid artifact key"):
+            store.list(key)
+    assert store.list() == []
+
+
+def test_missing_key(store: ArtifactStore, tmp_path: Path) -> None:
+    assert not store.exists("run/nothing.json")
+    with pytest.raises(ObjectNotFoundError, match="nothing.json"):
+        store.get_bytes("run/nothing.json")
+    with pytest.raises(FileNotFoundError):  # ObjectNotFoundError is also a FileNotFoundError
+        store.open("run/nothing.json")
+    with pytest.raises(ObjectNotFoundError):
+        store.get_file("run/nothing.json", tmp_path / "d" / "nothing.json")
+    assert not (tmp_path / "d" / "nothing.json").exists()
+
+
+@contextmanager
+def parts_after_the_first_held(store: ArtifactStore, release: threading.Event) -> Iterator[None]:
+    """On S3, hold every UploadPart but the first at the wire until `release` is set, so a fault
+    injected at ~40 % lands while the upload is certainly incomplete (on localhost 12 MB would
+    otherwise be done before the caller's thread gets to report). A LocalStore copies in the caller's
+    thread: nothing to hold."""
+    if not isinstance(store, S3Store):
+        yield
+        return
+
+    def hold(request: Any, **kwargs: Any) -> None:
+        if parse_qs(urlsplit(request.url).query).get("partNumber") != ["1"]:
+            release.wait(timeout=30)
+
+    events = store.client.meta.events
+    events.register("before-send.s3.UploadPart", hold)
+    try:
+        yield
+    finally:
+        release.set()
+        events.unregister("before-send.s3.UploadPart", hold)
+
+
+def assert_nothing_left(store: ArtifactStore, survivor: str, content: bytes) -> None:
+    assert store.list() == [survivor]
+    assert store.get_bytes(survivor) == content  # what was there before survives
+    if isinstance(store, LocalStore):  # no temp file: only the object and its checksum sidecar
+        assert leftovers(store) == ["run/.keep.bin.sha256", "run/keep.bin"]
+    else:
+        assert leftovers(store) == []  # no multipart upload left open
+
+
+def test_upload_cancelled_by_progress_callback_leaves_nothing(store: ArtifactStore, big_file: Path) -> None:
+    """Raising from `progress` (how a caller cancels; Ctrl-C takes the same path) aborts the upload."""
+    store.put_bytes("run/keep.bin", b"version 1")
+    for key in ("run/new.bin", "run/keep.bin"):  # a new object, and an overwrite
+        release = threading.Event()
+
+        def interrupt(fraction: float, message: str, release: threading.Event = release) -> None:
+            if fraction >= 0.3:  # S3: part 1 of 3 is sent, the others are held
+                release.set()
+                raise Interrupted(message)
+
+        with parts_after_the_first_held(store, release), pytest.raises(Interrupted):
+            store.put_file(key, big_file, progress=interrupt)
+    assert not store.exists("run/new.bin")
+    assert_nothing_left(store, "run/keep.bin", b"version 1")
+
+
+def test_s3_connection_lost_mid_upload_leaves_nothing(s3_config: StoreConfig, big_file: Path) -> None:
+    """Part 2 never gets through (the connection drops on every attempt): retries run out, the
+    multipart upload is aborted, and the error says which object and what to check."""
+    store = S3Store(s3_config)
+    store.put_bytes("run/keep.bin", b"version 1")
+    attempts: list[str] = []
+
+    def drop_part_2(request: Any, **kwargs: Any) -> None:
+        if parse_qs(urlsplit(request.url).query).get("partNumber") == ["2"]:
+            attempts.append(request.url)
+            raise ConnectionClosedError(endpoint_url=request.url)
+
+    store.client.meta.events.register("before-send.s3.UploadPart", drop_part_2)
+    for key in ("run/new.bin", "run/keep.bin"):
+        with pytest.raises(StoreError, match="cannot reach the S3 endpoint") as info:
+            store.put_file(key, big_file)
+        assert store.uri(key) in str(info.value)
+    tried = [url.split("?")[0].rsplit("/", 1)[1] for url in attempts]
+    assert tried == ["new.bin"] * s3_config.s3_max_attempts + ["keep.bin"] * s3_config.s3_max_attempts
+    assert not store.exists("run/new.bin")
+    assert_nothing_left(store, "run/keep.bin", b"version 1")
+
+
+def test_corrupted_object_is_detected(store: ArtifactStore, big_file: Path, tmp_path: Path) -> None:
+    store.put_file("run/shard.bin", big_file)
+    store.put_bytes("run/manifest.json", b'{"samples": 3}')
+    corrupt(store, "run/shard.bin")
+    corrupt(store, "run/manifest.json")
+
+    dest = tmp_path / "down" / "shard.bin"
+    with pytest.raises(IntegrityError, match="sha256"):
+        store.get_file("run/shard.bin", dest)
+    assert not dest.exists()
+    assert list(dest.parent.iterdir()) == []  # the temp download was removed too
+    with pytest.raises(IntegrityError):
+        store.get_bytes("run/manifest.json")
+    with pytest.raises(IntegrityError):
+        store.open("run/manifest.json")
+
+
+def test_open_store_picks_the_backend(tmp_path: Path) -> None:
+    assert isinstance(open_store(str(tmp_path)), LocalStore)
+    s3 = open_store("s3://bucket/some/prefix")
+    assert isinstance(s3, S3Store)
+    assert s3.uri("run/x.json") == "s3://bucket/some/prefix/run/x.json"
+    assert open_store(StoreConfig(uri="s3://bucket")).uri("x") == "s3://bucket/x"
+    with pytest.raises(StoreError, match="invalid store uri"):
+        open_store("s3:///no-bucket")
+
+
+# -- S3 only: what a LocalStore cannot get wrong ----------------------------------------------------
+
+
+def test_s3_dead_endpoint_is_a_clear_error(s3_server: StoreConfig, tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    store = S3Store(
+        s3_server.model_copy(
+            update={"s3_endpoint_url": dead, "s3_max_attempts": 1, "s3_connect_timeout_s": 2}
+        )
+    )
+    calls: list[Callable[[], Any]] = [
+        lambda: store.exists("run/x.json"),
+        lambda: store.put_bytes("run/x.json", b"{}"),
+        lambda: store.get_file("run/x.json", tmp_path / "x.json"),
+        lambda: store.list(),
+    ]
+    for call in calls:
+        with pytest.raises(StoreError, match="cannot reach the S3 endpoint") as info:
+            call()
+        message = str(info.value)
+        assert dead in message and "s3_endpoint_url" in message
+        assert os.environ["AWS_SECRET_ACCESS_KEY"] not in message
+        assert os.environ["AWS_ACCESS_KEY_ID"] not in message
+
+
+def test_s3_missing_bucket_is_named(s3_server: StoreConfig) -> None:
+    store = S3Store(s3_server.model_copy(update={"uri": "s3://no-such-aerie-bucket/p"}))
+    with pytest.raises(StoreError, match="bucket 'no-such-aerie-bucket' does not exist"):
+        store.exists("run/manifest.json")  # HEAD 404 alone cannot tell a missing bucket from a missing key
+    with pytest.raises(StoreError, match="bucket 'no-such-aerie-bucket' does not exist"):
+        store.put_bytes("run/manifest.json", b"{}")
+
+
+def test_s3_sweeps_uploads_a_killed_process_left(s3_config: StoreConfig) -> None:
+    store = S3Store(s3_config)
+    client = raw_client(s3_config)
+    full = full_key(store, "run/shard.bin")
+    # What a SIGKILLed uploader leaves: a multipart upload with a part and no complete/abort.
+    upload = client.create_multipart_upload(Bucket=store.bucket, Key=full)
+    client.upload_part(
+        Bucket=store.bucket, Key=full, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 1024
+    )
+    # moto reports every upload as initiated in 2010, so the age cut-off cannot be exercised here.
+    assert store.abort_incomplete_uploads(older_than_s=0) == 1
+    assert leftovers(store) == []
+    assert not store.exists("run/shard.bin")
