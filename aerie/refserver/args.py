@@ -1,0 +1,244 @@
+"""Command line of the reference server: the SGLang flags aerie uses, plus its own.
+
+Flag names follow SGLang (`--model-path`, `--port`, `--weight-version`, `--served-model-name`, ...) so a
+launcher builds the same command for both backends. Everything that can be checked without the model
+is checked here, before the (slow) load: a bad flag must fail in a second, not after the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Mode = Literal["serve", "extract"]
+
+
+class ArgsError(ValueError):
+    """A command-line value that cannot work; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class RefServerArgs:
+    """The parsed command line. `aux_layers` is None until the model's depth is known."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    weight_version: str = "default"
+    served_model_name: str | None = None
+    mode: Mode = "serve"
+    dump_dir: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    max_batch_tokens: int = 16384
+    max_running_requests: int = 64
+    aux_layers: tuple[int, ...] | None = None
+    skip_tokenizer_init: bool = False
+    disable_radix_cache: bool = False
+    chunked_prefill_size: int = -1
+    random_seed: int | None = None
+    trust_remote_code: bool = False
+    health_check_timeout_s: float = 20.0
+    warmup_delay_s: float = 0.0
+    skip_server_warmup: bool = False
+    log_level: str = "info"
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    launch_command: tuple[str, ...] = field(default_factory=tuple)
+
+    def resolved_dict(self) -> dict[str, Any]:
+        """The flat field dict `/server_info` starts from (like SGLang's `ServerArgs.resolved_dict`)."""
+        out = asdict(self)
+        out["aux_layers"] = list(self.aux_layers) if self.aux_layers is not None else None
+        out.pop("launch_command")
+        return out
+
+    def to_argv(self) -> list[str]:
+        """The flags that reproduce these args (used by tests and launchers)."""
+        argv = ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port)]
+        argv += ["--weight-version", self.weight_version, "--mode", self.mode]
+        argv += ["--device", self.device, "--dtype", self.dtype]
+        argv += ["--max-batch-tokens", str(self.max_batch_tokens)]
+        argv += ["--max-running-requests", str(self.max_running_requests)]
+        if self.served_model_name:
+            argv += ["--served-model-name", self.served_model_name]
+        if self.dump_dir:
+            argv += ["--dump-dir", self.dump_dir]
+        if self.aux_layers is not None:
+            argv += ["--aux-layers", *map(str, self.aux_layers)]
+        if self.skip_tokenizer_init:
+            argv.append("--skip-tokenizer-init")
+        if self.warmup_delay_s:
+            argv += ["--warmup-delay-s", str(self.warmup_delay_s)]
+        return argv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m aerie.refserver",
+        description="aerie's reference model server: the SGLang HTTP subset aerie uses, on transformers.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--model-path", "--model", required=True, help="HF-format model directory.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--weight-version", default="default", help="Free-form; echoed by /server_info (launch nonce)."
+    )
+    p.add_argument("--served-model-name", default=None, help="Name in /v1/models (default: model path).")
+    p.add_argument(
+        "--mode",
+        choices=["serve", "extract"],
+        default="serve",
+        help="extract: prefill-only /generate requests write hidden-state dumps to --dump-dir.",
+    )
+    p.add_argument("--dump-dir", default=None, help="Where extract mode writes <rid>.safetensors.")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="auto = bfloat16 on CUDA, float32 on CPU.",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=16384,
+        help="Tokens per packed extraction forward, and the prompt-token budget of a generation batch.",
+    )
+    p.add_argument("--max-running-requests", type=int, default=64, help="Sequences decoded together at most.")
+    p.add_argument(
+        "--aux-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="EAGLE-3 capture, input-of-layer convention (= HF hidden_states[i]); default [2, N//2, N-3].",
+    )
+    p.add_argument(
+        "--skip-tokenizer-init", action="store_true", help="Accept input_ids only (no text, no chat)."
+    )
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="Accepted for SGLang parity; the reference server never reuses a prefix (cached_tokens is 0).",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=-1,
+        help="Accepted for SGLang parity; only -1 (no chunking) exists here.",
+    )
+    p.add_argument("--random-seed", type=int, default=None, help="Seed for sampling (default: random).")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument(
+        "--health-check-timeout",
+        dest="health_check_timeout_s",
+        type=float,
+        default=float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)),
+        help="/health returns 503 when no model step completes within this many seconds.",
+    )
+    p.add_argument(
+        "--warmup-delay-s",
+        type=float,
+        default=0.0,
+        help="Testing aid: hold /health at 503 this long after the port opens, before the warm-up.",
+    )
+    p.add_argument("--skip-server-warmup", action="store_true", help="Mark the server up without a warm-up.")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    spec = p.add_argument_group("speculative decoding (served by aerie.evaluate.spec_decode)")
+    spec.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3"])
+    spec.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None)
+    spec.add_argument("--speculative-num-steps", type=int, default=None)
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> RefServerArgs:
+    """Parse and check everything that does not need the model; raise ArgsError naming the flag."""
+    ns = build_parser().parse_args(list(argv))
+    args = RefServerArgs(
+        model_path=ns.model_path,
+        host=ns.host,
+        port=ns.port,
+        weight_version=ns.weight_version,
+        served_model_name=ns.served_model_name,
+        mode=ns.mode,
+        dump_dir=ns.dump_dir,
+        device=ns.device,
+        dtype=ns.dtype,
+        max_batch_tokens=ns.max_batch_tokens,
+        max_running_requests=ns.max_running_requests,
+        aux_layers=tuple(ns.aux_layers) if ns.aux_layers is not None else None,
+        skip_tokenizer_init=ns.skip_tokenizer_init,
+        disable_radix_cache=ns.disable_radix_cache,
+        chunked_prefill_size=ns.chunked_prefill_size,
+        random_seed=ns.random_seed,
+        trust_remote_code=ns.trust_remote_code,
+        health_check_timeout_s=ns.health_check_timeout_s,
+        warmup_delay_s=ns.warmup_delay_s,
+        skip_server_warmup=ns.skip_server_warmup,
+        log_level=ns.log_level,
+        speculative_algorithm=ns.speculative_algorithm,
+        speculative_draft_model_path=ns.speculative_draft_model_path,
+        speculative_num_steps=ns.speculative_num_steps,
+        launch_command=tuple(argv),
+    )
+    check_args(args)
+    return args
+
+
+def check_args(args: RefServerArgs) -> None:
+    if not (Path(args.model_path).expanduser() / "config.json").is_file():
+        raise ArgsError(f"--model-path {args.model_path}: no config.json there (an HF-format directory)")
+    if not 1 <= args.port <= 65535:
+        raise ArgsError(f"--port {args.port}: not a TCP port")
+    if args.max_batch_tokens < 1 or args.max_running_requests < 1:
+        raise ArgsError("--max-batch-tokens and --max-running-requests must be positive")
+    if args.chunked_prefill_size != -1:
+        raise ArgsError(
+            f"--chunked-prefill-size {args.chunked_prefill_size}: the reference server never chunks; use -1"
+        )
+    if args.mode == "extract":
+        _check_dump_dir(args.dump_dir)
+    if args.aux_layers is not None and len(set(args.aux_layers)) != len(args.aux_layers):
+        raise ArgsError(f"--aux-layers {list(args.aux_layers)}: ids must be unique")
+    if args.speculative_algorithm is not None and not args.speculative_draft_model_path:
+        raise ArgsError("--speculative-algorithm needs --speculative-draft-model-path")
+
+
+def _check_dump_dir(dump_dir: str | None) -> None:
+    if not dump_dir:
+        raise ArgsError("--mode extract needs --dump-dir (where <rid>.safetensors files are written)")
+    path = Path(dump_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ArgsError(f"--dump-dir {dump_dir}: cannot create it: {exc}") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ArgsError(f"--dump-dir {dump_dir}: not writable")
+
+
+def check_aux_layers(aux_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Input-of-layer ids must name a residual stream that exists: 0 (embeddings) .. N-1."""
+    bad = [i for i in aux_layers if not 0 <= i < num_layers]
+    if bad:
+        raise ArgsError(
+            f"--aux-layers {list(aux_layers)}: {bad} out of range for a {num_layers}-layer model "
+            f"(input-of-layer convention: 0..{num_layers - 1})"
+        )
+    return tuple(aux_layers)
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's capture: the residual stream entering layers 2, N//2 and N-3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def launch_command(argv: Sequence[str]) -> str:
+    """The launch command for /server_info. No flag of this server carries a secret, so none is redacted."""
+    return shlex.join(["python", "-m", "aerie.refserver", *argv])

@@ -1,0 +1,168 @@
+"""Packed prefill: many sequences in ONE forward row, no padding, each attending only to itself.
+
+Extraction throughput is set by how few wasted FLOPs a batch carries (issue 6: packed full batches
+run ~4x faster than padded length-sorted ones on an H200). The sequences of a batch are concatenated
+into a single row `[1, sum(T_i)]` with positions restarting at 0 per sequence; every projection and
+MLP then runs on real tokens only. Attention must not cross sequences, so the model runs with a
+registered attention function, `aerie_packed`, that is causal *within* each segment given by
+`cu_seq_lens_q` (the flash-attention varlen convention transformers already passes through):
+
+- on CUDA (bf16/fp16): `torch.nn.attention.varlen.varlen_attn`, one kernel for the whole row;
+- elsewhere: a loop of causal SDPA calls, one per segment (sum of T_i^2, never (sum T_i)^2).
+
+transformers builds no mask for an attention implementation it does not know, which is what we
+want: the segment boundaries are the mask. Generation keeps using SDPA with its usual padding mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+PACKED_ATTENTION = "aerie_packed"
+
+# "loop" until a warm-up proves the fused kernel works and agrees (see choose_backend).
+_backend = {"name": "loop"}
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: q [1, Hq, T, D], k/v [1, Hkv, T, D] -> [1, T, Hq, D]."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.shape[0] != 1:
+        raise RuntimeError("aerie_packed attention needs one packed row and cu_seq_lens_q")
+    if _backend["name"] == "varlen":
+        return _varlen(query, key, value, cu, int(kwargs["max_length_q"]), scaling), None
+    return _segment_loop(query, key, value, cu, scaling), None
+
+
+def _segment_loop(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    bounds = cu.tolist()
+    parts = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling
+        )
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+def _varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    max_len: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    cu32 = cu.to(device=q.device, dtype=torch.int32)
+    out = varlen_attn(
+        q, k, v, cu32, cu32, max_len, max_len, scale=scaling, window_size=(-1, 0), enable_gqa=True
+    )
+    assert isinstance(out, torch.Tensor)
+    return out.unsqueeze(0)
+
+
+def register() -> None:
+    """Make `aerie_packed` known to transformers' attention dispatch (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+
+
+@contextlib.contextmanager
+def packed_attention(model: PreTrainedModel) -> Iterator[None]:
+    """Run the model with segment-causal attention inside the block, SDPA again after it."""
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = previous
+
+
+@dataclass(frozen=True)
+class Pack:
+    """One packed row: ids and positions `[1, T]`, segment boundaries `cu_seqlens [n+1]`."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+    @property
+    def lengths(self) -> list[int]:
+        c = self.cu_seqlens.tolist()
+        return [b - a for a, b in zip(c[:-1], c[1:], strict=True)]
+
+
+def make_pack(sequences: Sequence[Sequence[int]], device: str) -> Pack:
+    lengths = [len(s) for s in sequences]
+    if not lengths or min(lengths) == 0:
+        raise ValueError("every packed sequence needs at least one token")
+    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    pos = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return Pack(ids[None].to(device), pos[None].to(device), cu.to(device), max(lengths))
+
+
+def plan_packs(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices, in order, into packs of at most max_tokens (a longer one goes alone)."""
+    packs: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if current and used + n > max_tokens:
+            packs.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        packs.append(current)
+    return packs
+
+
+def choose_backend(probe: Any) -> str:
+    """Use the fused varlen kernel only where it runs and agrees with the segment loop on a probe.
+
+    `probe()` runs a packed forward and returns its output; it is called once per backend.
+    """
+    _backend["name"] = "loop"
+    reference = probe()
+    if not reference.is_cuda or reference.dtype == torch.float32:
+        return "loop"
+    try:
+        _backend["name"] = "varlen"
+        fused = probe()
+    except (RuntimeError, ImportError, TypeError):
+        _backend["name"] = "loop"
+        return "loop"
+    if not torch.allclose(fused.float(), reference.float(), atol=5e-2, rtol=5e-2):
+        _backend["name"] = "loop"
+    return _backend["name"]

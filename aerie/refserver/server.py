@@ -1,0 +1,308 @@
+"""`python -m aerie.refserver`: load, bind, warm up, serve, drain — in SGLang's order.
+
+1. Check the arguments (a bad flag fails in a second, before any loading).
+2. Load the weights, printing SGLang's load lines and shard bar; decide the packed-attention kernel.
+3. Only then start uvicorn: until the weights are in, the port refuses connections, exactly like
+   SGLang, so a probe can never mistake a loading server for a ready one.
+4. Warm up with a real `/generate` request over HTTP; on success print
+   `The server is fired up and ready to roll!` and let `/health` answer 200. A failed warm-up exits 1.
+5. On SIGTERM (or SIGINT): `/health` turns 503 at once, new requests get 503, in-flight requests
+   finish, then uvicorn stops and the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from aerie.errors import TargetError
+from aerie.refserver.args import ArgsError, RefServerArgs, check_aux_layers, default_aux_layers, parse_args
+from aerie.refserver.sglang_log import READY_LINE, avail_mem_gb, logger, setup_logging, uvicorn_log_config
+
+SPEC_DECODE_MODULE = "aerie.evaluate.spec_decode"
+
+
+class SpeculativeUnavailable(ArgsError):
+    """--speculative-algorithm was given but no speculative backend is installed."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
+    try:
+        args = parse_args(argv)
+        setup_logging(args.log_level)
+        if args.speculative_algorithm:
+            _spec_decode_module()
+    except ArgsError as exc:
+        logger.error(f"Invalid arguments: {exc}")
+        return 2
+    logger.info(f"server_args=ServerArgs({', '.join(f'{k}={v!r}' for k, v in args.resolved_dict().items())})")
+    previous = signal.signal(signal.SIGTERM, _exit_during_startup)
+    try:
+        state = _start(args)
+    except (TargetError, ArgsError) as exc:
+        logger.error(f"Initialization failed. {exc}")
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return _serve(state)
+
+
+def _exit_during_startup(signum: int, frame: FrameType | None) -> None:
+    logger.info(f"Signal {signum} received during startup; exiting.")
+    raise SystemExit(0)
+
+
+def _spec_decode_module() -> Any:
+    """The speculative backend's module, or a clear refusal (it is built by the evaluation stage)."""
+    if importlib.util.find_spec(SPEC_DECODE_MODULE) is None:
+        raise SpeculativeUnavailable(
+            f"speculative mode not available yet: --speculative-algorithm needs {SPEC_DECODE_MODULE}, "
+            "which is not installed"
+        )
+    module = importlib.import_module(SPEC_DECODE_MODULE)
+    if not callable(getattr(module, "create_backend", None)):
+        raise SpeculativeUnavailable(
+            f"speculative mode not available yet: {SPEC_DECODE_MODULE} has no create_backend(loaded, args)"
+        )
+    return module
+
+
+def _start(args: RefServerArgs) -> Any:
+    import torch
+
+    from aerie.refserver import packed
+    from aerie.refserver.app import ServerState
+    from aerie.refserver.extraction import HiddenStateCapture
+    from aerie.refserver.loader import load_model
+    from aerie.refserver.scheduler import Scheduler
+
+    if args.random_seed is not None:
+        torch.manual_seed(args.random_seed)
+    packed.register()
+    loaded = load_model(
+        args.model_path,
+        args.device,
+        args.dtype,
+        skip_tokenizer=args.skip_tokenizer_init,
+        trust_remote_code=args.trust_remote_code,
+    )
+    aux = check_aux_layers(args.aux_layers or default_aux_layers(loaded.num_layers), loaded.num_layers)
+    _log_memory_plan(args, loaded)
+    capture = HiddenStateCapture(loaded.model, aux, loaded.device) if args.mode == "extract" else None
+    backend_name = _choose_attention(capture) if capture is not None else "sdpa"
+    scheduler = Scheduler(
+        build_backend(args, loaded),
+        capture,
+        Path(args.dump_dir) if args.dump_dir else None,
+        max_batch_tokens=args.max_batch_tokens,
+        dump_metadata={
+            "aux_layers": ",".join(map(str, aux)),
+            "aux_layers_convention": "input",
+            "model_path": args.model_path,
+            "weight_version": args.weight_version,
+        },
+    )
+    return ServerState(
+        args=args,
+        loaded=loaded,
+        aux_layers=aux,
+        scheduler=scheduler,
+        attention_backend=backend_name,
+        startup_time={"load_weight": round(loaded.load_seconds, 3)},
+    )
+
+
+def build_backend(args: RefServerArgs, loaded: Any) -> Any:
+    """The generation backend: EAGLE-3 speculative decoding when asked for, else plain batched decoding.
+
+    Seam for the evaluation stage: `aerie.evaluate.spec_decode.create_backend(loaded, args)` returns an
+    object implementing `aerie.refserver.generation.GenerationBackend`.
+    """
+    from aerie.refserver.generation import BatchedDecoder
+
+    if args.speculative_algorithm:
+        return _spec_decode_module().create_backend(loaded, args)
+    return BatchedDecoder(
+        loaded.model,
+        loaded.tokenizer,
+        eos_token_ids=loaded.eos_token_ids,
+        device=loaded.device,
+        max_running=args.max_running_requests,
+        max_prefill_tokens=args.max_batch_tokens,
+        seed=args.random_seed,
+    )
+
+
+def _log_memory_plan(args: RefServerArgs, loaded: Any) -> None:
+    """SGLang's KV-cache lines. The reference server allocates its cache per batch, so the sizes are
+    the budget of a full batch of `max_batch_tokens` tokens, not a preallocated pool."""
+    cfg = loaded.model.config
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or loaded.hidden_size // cfg.num_attention_heads)
+    elem = loaded.dtype.itemsize
+    size = args.max_batch_tokens * loaded.num_layers * heads * head_dim * elem / 2**30
+    logger.info(
+        f"KV Cache is allocated. dtype: {loaded.dtype}, #tokens: {args.max_batch_tokens}, "
+        f"K size: {size:.2f} GB, V size: {size:.2f} GB (allocated per batch)"
+    )
+    logger.info(f"Memory pool end. avail mem={avail_mem_gb(loaded.device):.2f} GB")
+    logger.info(
+        f"max_total_num_tokens={args.max_batch_tokens}, chunked_prefill_size=-1, "
+        f"max_prefill_tokens={args.max_batch_tokens}, max_running_requests={args.max_running_requests}, "
+        f"context_len={loaded.context_len}, available_gpu_mem={avail_mem_gb(loaded.device):.2f} GB"
+    )
+
+
+def _choose_attention(capture: Any) -> str:
+    """Pick the packed-prefill kernel on a probe of two sequences (fused varlen only where it agrees)."""
+    import torch
+
+    from aerie.refserver import packed
+
+    pack = packed.make_pack([list(range(10, 30)), list(range(40, 47))], capture.device)
+    with torch.inference_mode():
+        name = packed.choose_backend(lambda: capture.forward_pack(pack)[1])
+    logger.info(f"Packed prefill attention: {name}")
+    return name
+
+
+# -- serving ------------------------------------------------------------------------------------
+
+
+def _serve(state: Any) -> int:
+    import uvicorn
+
+    from aerie.refserver.app import create_app
+
+    args = state.args
+    config = uvicorn.Config(
+        create_app(state),
+        host=args.host,
+        port=args.port,
+        log_config=uvicorn_log_config(args.log_level),
+        timeout_keep_alive=5,
+    )
+    server = _DrainingServer(config, state)
+    state.scheduler.start()
+    try:
+        asyncio.run(server.serve())
+    finally:
+        state.scheduler.stop()
+    if server.exit_code == 0 and not server.started:
+        return 1  # uvicorn could not bind (it logged "[Errno 98] ... address already in use")
+    return server.exit_code
+
+
+class _DrainingServer:
+    """uvicorn with SGLang's shutdown: SIGTERM drains in-flight requests before the port closes."""
+
+    def __init__(self, config: Any, state: Any) -> None:
+        import uvicorn
+
+        outer = self
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                with outer._signals():
+                    yield
+
+        self.server = _Server(config)
+        self.state = state
+        self.exit_code = 0
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def started(self) -> bool:
+        return bool(self.server.started)
+
+    async def serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        warmup = asyncio.create_task(self._warm_up())
+        try:
+            await self.server.serve()
+        finally:
+            warmup.cancel()
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._draining:  # a second signal: stop now
+            self.server.force_exit = True
+            self.server.should_exit = True
+            return
+        self._draining = True
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(signum)))
+
+    async def _drain(self, signum: int) -> None:
+        self.state.status = "Draining"
+        logger.info(f"SIGTERM received. signum={signum}. Draining requests and shutting down...")
+        last_log = 0.0
+        while self.state.in_flight > 0:
+            if time.monotonic() - last_log >= 5:
+                logger.info(f"Gracefully exiting... Remaining number of requests {self.state.in_flight}")
+                last_log = time.monotonic()
+            await asyncio.sleep(0.05)
+        self.server.should_exit = True
+
+    async def _warm_up(self) -> None:
+        while not self.server.started:
+            if self.server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        args = self.state.args
+        if args.warmup_delay_s > 0:
+            await asyncio.sleep(args.warmup_delay_s)
+        if not args.skip_server_warmup:
+            try:
+                await self._warm_up_request()
+            except Exception as exc:  # any failure: SGLang logs this line and the server exits
+                logger.error(f"Initialization failed. warmup error: {type(exc).__name__}: {exc}")
+                self.exit_code = 1
+                self.server.should_exit = True
+                return
+        if self.state.status == "Starting":
+            self.state.status = "Up"
+            logger.info(READY_LINE)
+
+    async def _warm_up_request(self) -> None:
+        import httpx
+
+        args = self.state.args
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(args.host, args.host)
+        host = f"[{host}]" if ":" in host else host
+        if self.state.loaded.tokenizer is None:
+            body: dict[str, Any] = {"input_ids": [10, 11, 12]}
+        else:
+            body = {"text": "The capital city of France is"}
+        body["sampling_params"] = {"temperature": 0, "max_new_tokens": 8}
+        # trust_env=False: a proxy from the environment must not intercept a request to ourselves
+        # (SGLang issue #9814: warm-up 502s through http_proxy).
+        async with httpx.AsyncClient(trust_env=False, timeout=600) as client:
+            reply = await client.post(f"http://{host}:{args.port}/generate", json=body)
+        if reply.status_code != 200:
+            raise RuntimeError(f"/generate answered {reply.status_code}: {reply.text[:300]}")
