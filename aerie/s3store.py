@@ -43,7 +43,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
-from s3transfer.exceptions import RetriesExceededError
+from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError, S3UploadFailedError
 from s3transfer.subscribers import BaseSubscriber
 
 from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
@@ -71,6 +71,10 @@ _CREDENTIAL_CODES = {
 }
 _DENIED_CODES = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled"}
 _NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+
+
+# What `_errors` turns into StoreErrors (s3transfer raises a few of its own).
+_TRANSLATED = (ClientError, BotoCoreError, RetriesExceededError, S3DownloadFailedError, S3UploadFailedError)
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -203,6 +207,11 @@ class S3Store:
         where = self.uri(key) if key else self.root
         if isinstance(exc, RetriesExceededError) and isinstance(exc.last_exception, Exception):
             exc = exc.last_exception
+        if isinstance(exc, S3DownloadFailedError | S3UploadFailedError):
+            if isinstance(exc.__context__, ClientError | BotoCoreError):
+                exc = exc.__context__
+            elif "ETag" in str(exc):  # s3transfer's word for a PreconditionFailed ranged GET
+                return StoreError(f"cannot {action} {where}: the object changed meanwhile; retry")
         if isinstance(exc, ClientError):
             code, status = _code(exc), _status(exc)
             message = exc.response.get("Error", {}).get("Message", "")
@@ -243,7 +252,7 @@ class S3Store:
     def _errors(self, action: str, key: str | None = None) -> Iterator[None]:
         try:
             yield
-        except (ClientError, BotoCoreError, RetriesExceededError) as exc:
+        except _TRANSLATED as exc:
             raise self._translate(exc, action, key) from exc
 
     def _check_bucket(self, action: str, key: str) -> None:

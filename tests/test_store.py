@@ -104,6 +104,10 @@ def test_bytes_round_trip(store: ArtifactStore) -> None:
     assert store.exists("run/merge/abc/manifest.json")
     assert store.put_bytes("empty", b"").size == 0
     assert store.get_bytes("empty") == b""
+    big = os.urandom(6 << 20)  # over the 5 MiB multipart threshold: bytes take the multipart path too
+    assert store.put_bytes("run/big.bin", big).sha256 == hashlib.sha256(big).hexdigest()
+    assert store.get_bytes("run/big.bin") == big
+    assert (store.local_path("run/big.bin") is None) == isinstance(store, S3Store)
 
 
 def test_file_round_trip_multipart(store: ArtifactStore, big_file: Path, tmp_path: Path) -> None:
@@ -230,23 +234,33 @@ def test_upload_cancelled_by_progress_callback_leaves_nothing(store: ArtifactSto
 
 def test_s3_connection_lost_mid_upload_leaves_nothing(s3_config: StoreConfig, big_file: Path) -> None:
     """Part 2 never gets through (the connection drops on every attempt): retries run out, the
-    multipart upload is aborted, and the error says which object and what to check."""
+    multipart upload is aborted, and the error says which object and what to check. The first time,
+    s3transfer's own abort is dropped as well: the store's second abort must still close the upload."""
+    s3_config = s3_config.model_copy(update={"s3_max_attempts": 2})  # fewer backoff sleeps
     store = S3Store(s3_config)
     store.put_bytes("run/keep.bin", b"version 1")
-    attempts: list[str] = []
+    part_2_tries: list[str] = []
+    abort_tries: list[str] = []
 
     def drop_part_2(request: Any, **kwargs: Any) -> None:
         if parse_qs(urlsplit(request.url).query).get("partNumber") == ["2"]:
-            attempts.append(request.url)
+            part_2_tries.append(urlsplit(request.url).path.rsplit("/", 1)[1])
+            raise ConnectionClosedError(endpoint_url=request.url)
+
+    def drop_first_abort(request: Any, **kwargs: Any) -> None:
+        abort_tries.append(urlsplit(request.url).path.rsplit("/", 1)[1])
+        if len(abort_tries) <= s3_config.s3_max_attempts:  # every attempt of s3transfer's abort call
             raise ConnectionClosedError(endpoint_url=request.url)
 
     store.client.meta.events.register("before-send.s3.UploadPart", drop_part_2)
+    store.client.meta.events.register("before-send.s3.AbortMultipartUpload", drop_first_abort)
     for key in ("run/new.bin", "run/keep.bin"):
         with pytest.raises(StoreError, match="cannot reach the S3 endpoint") as info:
             store.put_file(key, big_file)
         assert store.uri(key) in str(info.value)
-    tried = [url.split("?")[0].rsplit("/", 1)[1] for url in attempts]
-    assert tried == ["new.bin"] * s3_config.s3_max_attempts + ["keep.bin"] * s3_config.s3_max_attempts
+    attempts = s3_config.s3_max_attempts
+    assert part_2_tries == ["new.bin"] * attempts + ["keep.bin"] * attempts  # retried, then given up
+    assert abort_tries[attempts:] == ["new.bin", "keep.bin", "keep.bin"]  # ours; s3transfer's, then ours
     assert not store.exists("run/new.bin")
     assert_nothing_left(store, "run/keep.bin", b"version 1")
 
@@ -324,3 +338,41 @@ def test_s3_sweeps_uploads_a_killed_process_left(s3_config: StoreConfig) -> None
     assert store.abort_incomplete_uploads(older_than_s=0) == 1
     assert leftovers(store) == []
     assert not store.exists("run/shard.bin")
+
+
+def test_s3_source_changed_during_upload_is_refused(s3_config: StoreConfig, tmp_path: Path) -> None:
+    """The sha256 is computed before the upload starts (S3 metadata is fixed at its start); a file
+    still being written meanwhile would get a digest that does not describe it."""
+    store = S3Store(s3_config)
+    src = tmp_path / "growing.bin"
+    src.write_bytes(os.urandom(MULTIPART_FILE_MB << 20))
+
+    def append_once(request: Any, **kwargs: Any) -> None:
+        if parse_qs(urlsplit(request.url).query).get("partNumber") == ["2"]:
+            with open(src, "ab") as f:
+                f.write(b"late bytes")
+
+    store.client.meta.events.register_first("before-send.s3.UploadPart", append_once)
+    with pytest.raises(StoreError, match="changed while it was uploaded"):
+        store.put_file("run/growing.bin", src)
+    assert not store.exists("run/growing.bin")
+
+
+def test_s3_object_replaced_during_download_is_refused(s3_config: StoreConfig, tmp_path: Path) -> None:
+    """Ranged GETs are pinned to the ETag whose sha256 was read: a writer replacing the object
+    between two parts makes the download fail instead of mixing two objects."""
+    store = S3Store(s3_config)
+    store.put_bytes("run/shard.bin", os.urandom(MULTIPART_FILE_MB << 20))
+    client = raw_client(s3_config)
+    replaced: list[bool] = []
+
+    def replace_before_last_range(request: Any, **kwargs: Any) -> None:
+        if not replaced and request.headers.get("Range", b"").startswith(b"bytes=10485760-"):
+            client.put_object(Bucket=store.bucket, Key=full_key(store, "run/shard.bin"), Body=b"new")
+            replaced.append(True)
+
+    store.client.meta.events.register("before-send.s3.GetObject", replace_before_last_range)
+    dest = tmp_path / "shard.bin"
+    with pytest.raises(StoreError, match="changed meanwhile"):
+        store.get_file("run/shard.bin", dest)
+    assert replaced and not dest.exists() and list(tmp_path.iterdir()) == []
