@@ -2,10 +2,14 @@
 
 `LocalStore` (a directory, default `./artifacts`) and `S3Store` (boto3) share the `ArtifactStore`
 protocol and one conformance suite (`tests/test_store.py`). Keys are `/`-separated relative paths
-(`<run>/<stage>/<key>/file`); URIs are plain `str` (a `Path` would collapse the `//` of `s3://`).
+(`<run>/<stage>/<key>/file`) with no empty part and no part starting with '.' (those names hold temp
+files and checksums); URIs are plain `str` (a `Path` would collapse the `//` of `s3://`).
+`list("a/b")` treats its prefix as a directory: `a/b/...` (or the object `a/b`), never `a/bc`.
 
-Guarantees: an upload is atomic (a reader never sees a partial object); every object's sha256 is
-recorded at upload and verified on download (`IntegrityError` on mismatch).
+Guarantees: an upload is atomic (a reader never sees a partial object, an interrupted upload leaves
+nothing, what was under the key before survives); every object's sha256 is recorded at upload and
+verified on download (`IntegrityError` on mismatch; a failed download never lands at its destination).
+Errors are `StoreError`s (`ObjectNotFoundError` for a missing key) that name the object.
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ class ArtifactStore(Protocol):
 
     def uri(self, key: str) -> str: ...
     def put_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> ObjectInfo:
-        """Upload a file atomically; `progress` gets (fraction, message) as bytes go out. An exception
-        raised by `progress` aborts the upload and leaves no object (nor any partial state) behind."""
+        """Upload a file atomically. `progress` gets (fraction, message) as bytes go out, always in the
+        caller's thread; an exception it raises mid-transfer cancels the upload and leaves nothing."""
         ...
 
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo: ...
