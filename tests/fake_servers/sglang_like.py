@@ -63,12 +63,21 @@ def parse() -> argparse.Namespace:
     p.add_argument("--child", action="store_true", help="leave a scheduler-like child in the group")
     p.add_argument("--shm-dir", default=None, help="create sgl_shm_* segments here (unlinked on SIGTERM)")
     p.add_argument("--pid-file", default=None, help="write our pid here once started")
+    p.add_argument("--events-file", default=None, help="append '<event> <unix time>' (ready, crash) here")
     return p.parse_args()
 
 
 class State:
     warm = False
     draining = False
+    events_file: str | None = None
+
+
+def event(name: str) -> None:
+    """Record when something really happened, for the benchmark's detection latencies."""
+    if State.events_file:
+        with open(State.events_file, "a") as f:
+            f.write(f"{name} {time.time():.6f}\n")
 
 
 def make_handler(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
@@ -137,6 +146,7 @@ def load(args: argparse.Namespace) -> None:
             print("Traceback (most recent call last):", file=sys.stderr)
             print('  File "fake/model_loader.py", line 42, in load_weights', file=sys.stderr)
             print(args.crash_message, file=sys.stderr, flush=True)
+            event("crash")
             sys.exit(1)
         if args.hang_at_shard == n:
             while True:
@@ -150,6 +160,7 @@ def load(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse()
+    State.events_file = args.events_file
     if args.pid_file:
         Path(args.pid_file).write_text(str(os.getpid()))
     if args.ignore_sigterm:
@@ -166,7 +177,17 @@ def main() -> None:
     segments = make_segments(args.shm_dir)
     load(args)
 
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(args))
+    try:
+        server = ThreadingHTTPServer((args.host, args.port), make_handler(args))
+    except OSError as exc:
+        # What uvicorn prints when a stale server holds the port (SGLang binds only now, after loading).
+        print(
+            f"ERROR:    [Errno {exc.errno}] error while attempting to bind on address "
+            f"('{args.host}', {args.port}): {(exc.strerror or '').lower()}",
+            flush=True,
+        )
+        event("crash")
+        sys.exit(1)
     server.daemon_threads = True
 
     def on_sigterm(signum: int, frame: object) -> None:
@@ -188,6 +209,7 @@ def main() -> None:
             log(args.fatal_line)
             return
         State.warm = True
+        event("ready")
         log("The server is fired up and ready to roll!")
 
     threading.Thread(target=warm_up, daemon=True).start()
