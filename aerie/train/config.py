@@ -18,12 +18,35 @@ class TrainConfig(StrictModel):
     epochs: float = Field(1.0, gt=0, description="Passes over the training shards.")
     lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
     warmup_ratio: float = Field(0.015, ge=0, lt=1, description="Share of steps spent warming up.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="The cosine schedule ends at lr x this.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     grad_clip: float = Field(0.5, gt=0, description="Gradient norm clip.")
     batch_tokens: int = Field(8192, ge=16, description="Packed tokens per optimizer step per device.")
     max_length: int = Field(2048, ge=16, description="Longest sample (tokens); longer are truncated.")
+    init_head_from_target: bool = Field(
+        True,
+        description="Start lm_head from the target's lm_head rows of the draft vocab (and norm from its final norm).",
+    )
     eval_every: int = Field(200, ge=1, description="Steps between held-out evaluations.")
+    eval_max_batches: int | None = Field(
+        None, ge=1, description="Cap on eval batches per evaluation; None = the whole eval split."
+    )
+    heldout_samples: int = Field(
+        64, ge=1, description="Samples held out from train when the extract stage has no eval split."
+    )
     checkpoint_every: int = Field(500, ge=1, description="Steps between checkpoints.")
-    seed: int = Field(0, description="Seed for init and data order.")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept in the store (plus best).")
+    log_every: int = Field(10, ge=1, description="Steps between progress reports.")
+    seed: int = Field(0, ge=0, description="Seed for init and data order.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train.")
-    num_gpus: int = Field(1, ge=1, description="GPUs (torchrun DDP when > 1).")
+    num_gpus: int = Field(
+        1, ge=1, description="Processes for DDP (GPUs; gloo on CPU); > 1 launches torchrun."
+    )
+    attention: Literal["auto", "flex", "dense"] = Field(
+        "auto", description="TTT attention: flex (compiled, CUDA), dense (matmul, CPU); auto picks by device."
+    )
+    prefetch_batches: int = Field(4, ge=1, description="Batches the background loader keeps ready.")
+    cache_dir: str | None = Field(
+        None, description="Local dir for downloaded shards and the work dir; None = <AERIE_CACHE_DIR>/train."
+    )

@@ -1,0 +1,191 @@
+"""Write a drafter as the directory SGLang loads with `--speculative-algorithm EAGLE3
+--speculative-draft-model-path DIR`, and read it back.
+
+    DIR/config.json         LlamaForCausalLMEagle3, the target's attention geometry, rope and context length,
+                            draft_vocab_size, eagle_config with the capture layers (output-of-layer convention)
+    DIR/model.safetensors   exactly EXPORT_KEYS (bf16 weights, d2t int64, t2d bool); no embedding
+    DIR/aerie.json          provenance SGLang ignores: target, revision, layer conventions, vocab coverage
+
+Two fields decide whether a drafter works at all in SGLang, so they are never defaulted:
+`tie_word_embeddings` must be false (true makes SGLang use the *embedding* as the draft lm_head), and
+`max_position_embeddings` is the target's (2048 silently crippled peers' drafters on longer contexts).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from aerie.draft.model import DraftConfig, Eagle3Drafter
+from aerie.draft.target_weights import load_embedding
+from aerie.errors import TargetError
+from aerie.targets import TargetInfo
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+PROVENANCE = "aerie.json"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+# key -> shape as a function of the config; the exact contract SGLang's load_weights consumes.
+EXPORT_KEYS: dict[str, Any] = {
+    "fc.weight": lambda c: (c.hidden_size, 3 * c.hidden_size),
+    "midlayer.self_attn.q_proj.weight": lambda c: (c.num_attention_heads * c.head_dim, 2 * c.hidden_size),
+    "midlayer.self_attn.k_proj.weight": lambda c: (c.num_key_value_heads * c.head_dim, 2 * c.hidden_size),
+    "midlayer.self_attn.v_proj.weight": lambda c: (c.num_key_value_heads * c.head_dim, 2 * c.hidden_size),
+    "midlayer.self_attn.o_proj.weight": lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim),
+    "midlayer.mlp.gate_proj.weight": lambda c: (c.intermediate_size, c.hidden_size),
+    "midlayer.mlp.up_proj.weight": lambda c: (c.intermediate_size, c.hidden_size),
+    "midlayer.mlp.down_proj.weight": lambda c: (c.hidden_size, c.intermediate_size),
+    "midlayer.input_layernorm.weight": lambda c: (c.hidden_size,),
+    "midlayer.hidden_norm.weight": lambda c: (c.hidden_size,),
+    "midlayer.post_attention_layernorm.weight": lambda c: (c.hidden_size,),
+    "norm.weight": lambda c: (c.hidden_size,),
+    "lm_head.weight": lambda c: (c.draft_vocab_size, c.hidden_size),
+    "d2t": lambda c: (c.draft_vocab_size,),
+    "t2d": lambda c: (c.vocab_size,),
+}
+
+
+def draft_config_for(target: TargetInfo, draft_vocab_size: int) -> DraftConfig:
+    """The drafter geometry for a target: one Llama layer with the target's attention shape."""
+    return DraftConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=min(draft_vocab_size, target.vocab_size),
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        rope_scaling=target.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings,
+        aux_layer_ids=tuple(target.aux_layers_output),
+    )
+
+
+def hf_config(cfg: DraftConfig, target: TargetInfo) -> dict[str, Any]:
+    """config.json for SGLang (and transformers' LlamaConfig, which it is parsed with)."""
+    rope_parameters: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_scaling:
+        rope_parameters.update(cfg.rope_scaling)
+        rope_parameters["rope_type"] = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        # Older SGLang/transformers read rope_theta + rope_scaling; transformers >= 5 reads rope_parameters.
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": target.bos_token_id,
+        "eos_token_id": target.eos_token_ids[0] if len(target.eos_token_ids) == 1 else target.eos_token_ids,
+        "pad_token_id": target.pad_token_id,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def export_state_dict(drafter: Eagle3Drafter) -> dict[str, Tensor]:
+    """The exported tensors: weights in bf16, d2t int64, t2d bool, contiguous and on the CPU."""
+    state = drafter.state_dict()
+    out: dict[str, Tensor] = {}
+    for key in EXPORT_KEYS:
+        tensor = state[key].detach().cpu()
+        if key == "d2t":
+            out[key] = tensor.to(torch.int64).contiguous()
+        elif key == "t2d":
+            out[key] = tensor.to(torch.bool).contiguous()
+        else:
+            out[key] = tensor.to(torch.bfloat16).contiguous()
+    return out
+
+
+def export_drafter(
+    drafter: Eagle3Drafter, out_dir: str | Path, target: TargetInfo, provenance: dict[str, Any] | None = None
+) -> Path:
+    """Write config.json, model.safetensors and aerie.json into `out_dir`; returns it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = drafter.config
+    save_file(export_state_dict(drafter), str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / CONFIG).write_text(json.dumps(hf_config(cfg, target), indent=2) + "\n")
+    meta = {
+        "target": target.name,
+        "target_revision": target.revision,
+        "aux_layers_output_convention": list(cfg.aux_layer_ids),
+        "aux_layers_input_convention": [i + 1 for i in cfg.aux_layer_ids],
+        "draft_config": cfg.to_dict(),
+        **(provenance or {}),
+    }
+    (out / PROVENANCE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return out
+
+
+def config_from_hf(data: dict[str, Any]) -> DraftConfig:
+    """Read a DraftConfig back from an exported config.json."""
+    if ARCHITECTURE not in data.get("architectures", []):
+        raise TargetError(f"config.json architectures {data.get('architectures')} lack {ARCHITECTURE}")
+    return DraftConfig(
+        hidden_size=data["hidden_size"],
+        intermediate_size=data["intermediate_size"],
+        num_attention_heads=data["num_attention_heads"],
+        num_key_value_heads=data["num_key_value_heads"],
+        head_dim=data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"],
+        vocab_size=data["vocab_size"],
+        draft_vocab_size=data["draft_vocab_size"],
+        rms_norm_eps=data["rms_norm_eps"],
+        rope_theta=data.get("rope_theta", 10000.0),
+        rope_scaling=data.get("rope_scaling"),
+        max_position_embeddings=data["max_position_embeddings"],
+        aux_layer_ids=tuple(data["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+    )
+
+
+def load_drafter(
+    path: str | Path,
+    target: TargetInfo,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> Eagle3Drafter:
+    """An exported drafter with the target's embedding attached, in eval mode on `device`."""
+    root = Path(path)
+    try:
+        cfg = config_from_hf(json.loads((root / CONFIG).read_text()))
+    except (OSError, ValueError, KeyError) as exc:
+        raise TargetError(f"{root / CONFIG} is not an EAGLE-3 drafter config: {exc!r}") from exc
+    if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
+        raise TargetError(
+            f"drafter at {root} is for hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, "
+            f"target {target.name} has {target.hidden_size} / {target.vocab_size}"
+        )
+    drafter = Eagle3Drafter(cfg, load_embedding(target, dtype))
+    with safe_open(str(root / WEIGHTS), "pt") as f:
+        state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    missing = set(EXPORT_KEYS) - set(state)
+    if missing:
+        raise TargetError(f"{root / WEIGHTS} lacks {sorted(missing)}")
+    drafter.load_state_dict(state, strict=True)
+    return drafter.to(device=device, dtype=dtype).eval()

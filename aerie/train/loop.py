@@ -1,0 +1,284 @@
+"""The drafter training loop and what it needs: `build_trainer` wires the parts, `train` is the loop.
+
+`train` reads top to bottom: next packed row, TTT forward + loss, backward, clip, step; then on their
+cadences a log record, a held-out evaluation (keeping the best drafter by expected acceptance length,
+not by loss: drafters overfit while the loss still falls), and a checkpoint. Everything the outside world
+sees leaves through `emit(record)`: the stage turns records into metrics.jsonl lines, progress and store
+uploads, whether the loop runs in-process or in torchrun workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from aerie.draft.export import draft_config_for
+from aerie.draft.model import Eagle3Drafter
+from aerie.draft.target_weights import load_embedding, load_final_norm, load_lm_head
+from aerie.errors import ConfigError, TrainingError
+from aerie.targets import TargetInfo
+from aerie.train.checkpoint import TrainState, checkpoint_name, load_checkpoint, save_checkpoint, save_weights
+from aerie.train.config import TrainConfig
+from aerie.train.data import Batch, EpochPlans, Prefetcher, SampleIndex, batch_stream
+from aerie.train.distributed import DistInfo
+from aerie.train.objective import Teacher, summarize, supervised_rows, ttt_loss, weighted_loss
+
+Emit = Callable[[dict[str, Any]], None]
+BEST = "best"
+
+
+class TrainSpec(BaseModel):
+    """Everything a trainer process needs, as JSON (the torchrun workers read it from a file)."""
+
+    cfg: TrainConfig
+    target: TargetInfo
+    train_shards: list[str]
+    eval_shards: list[str]
+    vocab_path: str  # safetensors with used [Vd], d2t [Vd], t2d [V]
+    work_dir: str
+    device: str  # resolved: "cpu" or "cuda"
+    resume_from: str | None = None
+
+
+@dataclass
+class Trainer:
+    cfg: TrainConfig
+    drafter: Eagle3Drafter  # the module whose weights are saved
+    model: nn.Module  # what the step calls: the drafter, or DDP around it
+    teacher: Teacher
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    train_plans: EpochPlans
+    eval_plans: EpochPlans
+    total_steps: int
+    device: torch.device
+    dtype: torch.dtype  # activations: bf16 on GPU (autocast), fp32 on CPU
+    attention: str
+    dist: DistInfo
+    work_dir: Path
+    emit: Emit
+
+
+def train(tr: Trainer, state: TrainState) -> TrainState:
+    """Run from `state.step` to `tr.total_steps`; returns the final state."""
+    cfg, dist = tr.cfg, tr.dist
+    stream = Prefetcher(
+        batch_stream(tr.train_plans, state.step * dist.world + dist.rank, dist.world),
+        cfg.prefetch_batches,
+        pin=tr.device.type == "cuda",
+    )
+    window = torch.zeros(5, cfg.ttt_length, device=tr.device)
+    window_start, window_tokens = time.perf_counter(), 0
+    try:
+        while state.step < tr.total_steps:
+            batch = next(stream).to(tr.device, tr.dtype)
+            loss, stats = forward_loss(tr, tr.model, batch, reduce=dist.reduce)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(tr.drafter.parameters(), cfg.grad_clip)
+            lr = float(tr.scheduler.get_last_lr()[0])
+            tr.optimizer.step()
+            tr.scheduler.step()
+            tr.optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.tokens += batch.tokens * dist.world
+            window += stats
+            window_tokens += batch.tokens * dist.world
+            last = state.step == tr.total_steps
+            if state.step % cfg.log_every == 0 or last:
+                elapsed = time.perf_counter() - window_start
+                tr.emit(train_record(state, tr, window, loss, grad_norm, lr, window_tokens / elapsed))
+                window.zero_()
+                window_start, window_tokens = time.perf_counter(), 0
+            if state.step % cfg.eval_every == 0 or last:
+                result = evaluate(tr)
+                if result["accept_length"] > state.best_accept_length:
+                    state.best_accept_length, state.best_step = float(result["accept_length"]), state.step
+                    save_best(tr, state)
+                tr.emit({"kind": "eval", "step": state.step, **result, "best_step": state.best_step})
+            if state.step % cfg.checkpoint_every == 0 or last:
+                save(tr, state)
+    finally:
+        stream.close()
+    return state
+
+
+def forward_loss(
+    tr: Trainer, model: nn.Module, batch: Batch, reduce: Callable[[Tensor], Tensor], exact: bool = False
+) -> tuple[Tensor, Tensor]:
+    """TTT forward over one packed row; (loss, metric sums [5, K]). `exact` checks the full-vocab argmax."""
+    autocast = (
+        torch.autocast("cuda", dtype=tr.dtype) if tr.device.type == "cuda" else contextlib.nullcontext()
+    )
+    with autocast:
+        logits = model(
+            batch.aux_hidden, batch.input_ids, batch.positions, batch.doc_ids, tr.cfg.ttt_length, tr.attention
+        )
+    probs, teacher_argmax = tr.teacher.distribution(batch.last_hidden, logits[0].dtype)
+    in_vocab = tr.teacher.argmax_in_draft_vocab(batch.last_hidden) if exact else None
+    valid = supervised_rows(batch, tr.cfg.ttt_length)
+    return ttt_loss(
+        logits, probs, teacher_argmax, valid, tr.cfg.step_decay,
+        in_vocab=in_vocab, reduce=reduce, world_size=tr.dist.world,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def evaluate(tr: Trainer) -> dict[str, Any]:
+    """Metrics over the held-out rows (each rank a share, summed once at the end): the acceptance estimate."""
+    total = tr.eval_plans.batches_per_epoch
+    if tr.cfg.eval_max_batches is not None:
+        total = min(total, tr.cfg.eval_max_batches)
+    mine = len(range(tr.dist.rank, total, tr.dist.world))
+    stats = torch.zeros(5, tr.cfg.ttt_length, device=tr.device)
+    for batch in batch_stream(tr.eval_plans, tr.dist.rank, tr.dist.world, mine):
+        stats += forward_loss(tr, tr.drafter, batch.to(tr.device, tr.dtype), reduce=_no_reduce, exact=True)[1]
+    return summarize(tr.dist.reduce(stats))
+
+
+def train_record(
+    state: TrainState,
+    tr: Trainer,
+    window: Tensor,
+    loss: Tensor,
+    grad_norm: Tensor,
+    lr: float,
+    tokens_per_s: float,
+) -> dict[str, Any]:
+    summary = summarize(window)
+    return {
+        "kind": "train",
+        "step": state.step,
+        "total_steps": tr.total_steps,
+        "loss": round(float(loss.detach()), 6),  # this step's objective (exact; resume is checked on it)
+        "window_loss": round(weighted_loss(summary, tr.cfg.step_decay), 6),
+        "step_loss": summary["loss"],
+        "step_acc": summary["acc"],
+        "cond_acc": summary["cond_acc"],
+        "grad_norm": round(float(grad_norm), 6),
+        "lr": lr,
+        "tokens": state.tokens,
+        "tokens_per_s": round(tokens_per_s, 1),
+    }
+
+
+def save_best(tr: Trainer, state: TrainState) -> None:
+    if tr.dist.is_main:
+        best = tr.work_dir / BEST
+        best.mkdir(parents=True, exist_ok=True)
+        save_weights(tr.drafter, best / ".model.tmp")
+        (best / ".model.tmp").replace(best / "model.safetensors")
+        tr.emit({"kind": "best", "step": state.step, "accept_length": state.best_accept_length})
+
+
+def save(tr: Trainer, state: TrainState) -> None:
+    if tr.dist.is_main:
+        config = {"train": tr.cfg.model_dump(mode="json"), "draft": tr.drafter.config.to_dict()}
+        save_checkpoint(tr.work_dir / "checkpoints", tr.drafter, tr.optimizer, tr.scheduler, state, config)
+        tr.emit({"kind": "checkpoint", "step": state.step, "name": checkpoint_name(state.step)})
+    tr.dist.barrier()
+
+
+def _no_reduce(x: Tensor) -> Tensor:
+    return x
+
+
+# ----------------------------------------------------------------------------------------------- wiring
+
+
+def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer, TrainState]:
+    """Model, teacher, optimizer, schedule and data for `spec`; restored from `spec.resume_from` if set."""
+    cfg = spec.cfg
+    if cfg.batch_tokens < cfg.ttt_length + 2:
+        raise ConfigError(f"train.batch_tokens {cfg.batch_tokens} must exceed ttt_length + 1")
+    device = torch.device(spec.device, dist.local_rank) if spec.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "dense")
+
+    vocab = load_file(spec.vocab_path)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank and every run
+    draft_cfg = draft_config_for(spec.target, vocab["used"].numel())
+    drafter = Eagle3Drafter(draft_cfg, load_embedding(spec.target, dtype))
+    drafter.set_vocab(vocab["d2t"], vocab["t2d"])
+    lm_head = load_lm_head(spec.target)
+    if cfg.init_head_from_target:
+        _init_head_from_target(drafter, lm_head, vocab["used"], spec.target)
+    teacher = Teacher(lm_head, vocab["used"], vocab["t2d"]).to(device, dtype)
+    del lm_head
+    drafter.to(device)
+    model: nn.Module = drafter
+    if dist.world > 1:
+        model = nn.parallel.DistributedDataParallel(
+            drafter, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+        )
+
+    train_index, eval_index = _indices(spec)
+    train_plans = EpochPlans(train_index, cfg.batch_tokens, cfg.max_length, cfg.seed)
+    eval_plans = EpochPlans(eval_index, cfg.batch_tokens, cfg.max_length, cfg.seed, shuffle=False)
+    total_steps = max(1, math.floor(cfg.epochs * train_plans.batches_per_epoch / dist.world))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg, total_steps))
+    tr = Trainer(
+        cfg, drafter, model, teacher, optimizer, scheduler, train_plans, eval_plans, total_steps,
+        device, dtype, attention, dist, Path(spec.work_dir), emit,
+    )  # fmt: skip
+    state = TrainState()
+    if spec.resume_from:
+        state = load_checkpoint(Path(spec.resume_from), drafter, optimizer, scheduler)
+    return tr, state
+
+
+def cosine_with_warmup(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    """lr multiplier: linear warm-up over warmup_ratio of the steps, then cosine down to min_lr_ratio."""
+    warmup = round(cfg.warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _init_head_from_target(drafter: Eagle3Drafter, lm_head: Tensor, used: Tensor, target: TargetInfo) -> None:
+    """Start from the target's own head (rows of the draft vocab) and final norm: a drafter whose layer
+    reproduces the target's last hidden state is then right from step one."""
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(lm_head[used])
+        norm = load_final_norm(target)
+        if norm is not None:
+            drafter.norm.weight.copy_(norm)
+
+
+def _indices(spec: TrainSpec) -> tuple[SampleIndex, SampleIndex]:
+    """Train and eval sample indices; without an eval split, a seeded hold-out of the train samples."""
+    train_index = SampleIndex([Path(p) for p in spec.train_shards])
+    if spec.eval_shards:
+        return train_index, SampleIndex([Path(p) for p in spec.eval_shards])
+    n = len(train_index)
+    if n < 2:
+        raise TrainingError(f"{n} training sample(s) and no eval split: nothing can be held out")
+    held = min(spec.cfg.heldout_samples, max(1, n // 10))
+    order = np.random.default_rng([spec.cfg.seed, 7]).permutation(n)
+    return train_index.subset(np.sort(order[held:])), train_index.subset(np.sort(order[:held]))
+
+
+def run_training(spec: TrainSpec, dist: DistInfo, emit: Emit) -> TrainState:
+    """Build, restore if resuming, train. The entry point of both the in-process path and each worker."""
+    tr, state = build_trainer(spec, dist, emit)
+    tr.emit({"kind": "start", "step": state.step, "total_steps": tr.total_steps, "world": dist.world})
+    return train(tr, state)

@@ -1,0 +1,195 @@
+"""The training objective and the metrics that predict serving.
+
+Alignment (anchors B1/B2): at TTT step k, row t predicts the target's distribution at position t+1+k,
+i.e. the distribution of token x_{t+2+k}. That prediction is *supervised* when x_{t+2+k} is in the same
+document and is an assistant token (loss_mask). Loss per step = soft cross-entropy to the target
+distribution restricted to the draft vocab, averaged over that step's supervised rows (not over all
+positions, which lets prompts and padding dilute the signal), weighted step_decay**k.
+
+The teacher is compact: the target's lm_head rows of the draft vocab [Vd, H] applied to the stored final
+hidden state, so no [T, V] tensor is ever built. Its distribution is computed once per batch (each step
+reads a shifted view), and the cross-entropy is a chunked autograd function that keeps only the logits
+and teacher probabilities alive (no fp32 [T, Vd] copies per step).
+
+Metrics, as sums over rows so they can be all-reduced and accumulated:
+- acc_k: the draft's argmax equals the target's argmax (in eval: over the *full* target vocab, so a
+  target token outside the draft vocab counts as a miss, exactly as at serving);
+- cond_acc_k: the same, among rows whose steps 0..k-1 were all right (speculators' `cond_acc`);
+- expected acceptance length 1 + sum_k prod_{j<=k} cond_acc_j: what a chain of ttt_length drafts
+  would get accepted per target forward under greedy verification.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aerie.train.data import Batch
+
+# Rows of fp32 work per chunk in the cross-entropy: 2**25 floats = 128 MiB whatever Vd is.
+_CHUNK_ELEMENTS = 1 << 25
+STAT_ROWS = ("loss_sum", "count", "correct", "cond_num", "cond_den")
+
+Reduce = Callable[[Tensor], Tensor]
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+class Teacher:
+    """The target's lm_head sliced to the draft vocab (and, for exact eval accuracy, the full head)."""
+
+    def __init__(self, lm_head: Tensor, used: Tensor, t2d: Tensor, keep_full: bool = True) -> None:
+        self.head = lm_head[used].contiguous()  # [Vd, H]
+        self.full = lm_head if keep_full else None  # [V, H]
+        self.t2d = t2d  # [V] bool
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> Teacher:
+        moved = object.__new__(Teacher)
+        moved.head = self.head.to(device, dtype)
+        moved.full = None if self.full is None else self.full.to(device, dtype)
+        moved.t2d = self.t2d.to(device)
+        return moved
+
+    @torch.no_grad()
+    def distribution(self, last_hidden: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """last_hidden [T, H] -> (probs [T, Vd] in `dtype`, argmax [T] in draft ids); fp32 logits, chunked."""
+        t, vd = last_hidden.shape[0], self.head.shape[0]
+        probs = torch.empty(t, vd, device=last_hidden.device, dtype=dtype)
+        argmax = torch.empty(t, device=last_hidden.device, dtype=torch.int64)
+        rows = max(1, _CHUNK_ELEMENTS // vd)
+        head = self.head.float()
+        for s in range(0, t, rows):
+            logits = last_hidden[s : s + rows].float() @ head.T  # [rows, Vd]
+            probs[s : s + rows] = torch.softmax(logits, dim=-1).to(dtype)
+            argmax[s : s + rows] = logits.argmax(-1)
+        return probs, argmax
+
+    @torch.no_grad()
+    def argmax_in_draft_vocab(self, last_hidden: Tensor) -> Tensor:
+        """[T] bool: the target's full-vocab argmax is a draft-vocab token (else no draft can be right)."""
+        if self.full is None:
+            return torch.ones(last_hidden.shape[0], dtype=torch.bool, device=last_hidden.device)
+        t, v = last_hidden.shape[0], self.full.shape[0]
+        rows = max(1, _CHUNK_ELEMENTS // v)
+        out = torch.empty(t, dtype=torch.bool, device=last_hidden.device)
+        for s in range(0, t, rows):
+            out[s : s + rows] = self.t2d[(last_hidden[s : s + rows] @ self.full.T).argmax(-1)]
+        return out
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """ce[i] = -sum_v p[i, v] log softmax(z[i])_v with fp32 math in row chunks.
+
+    Saves only its inputs; the softmax is recomputed chunk by chunk in backward, so peak memory is one
+    chunk, not a fp32 copy of [T, Vd] per TTT step.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, probs: Tensor) -> Tensor:  # type: ignore[override]
+        n, vd = logits.shape
+        rows = max(1, _CHUNK_ELEMENTS // vd)
+        ce = torch.empty(n, device=logits.device, dtype=torch.float32)
+        for s in range(0, n, rows):
+            z = logits[s : s + rows].float()
+            p = probs[s : s + rows].float()
+            ce[s : s + rows] = torch.logsumexp(z, -1) * p.sum(-1) - (p * z).sum(-1)
+        ctx.save_for_backward(logits, probs)
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad_ce: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        logits, probs = ctx.saved_tensors
+        n, vd = logits.shape
+        rows = max(1, _CHUNK_ELEMENTS // vd)
+        grad = torch.empty_like(logits)
+        for s in range(0, n, rows):
+            z = logits[s : s + rows].float()
+            p = probs[s : s + rows].float()
+            g = torch.softmax(z, -1) * p.sum(-1, keepdim=True) - p
+            grad[s : s + rows] = (g * grad_ce[s : s + rows, None]).to(grad.dtype)
+        return grad, None
+
+
+def supervised_rows(batch: Batch, ttt_length: int) -> list[Tensor]:
+    """valid[k] [T-2-k] bool: row t's step-k prediction (of x_{t+2+k}) is in-document and supervised."""
+    t = batch.input_ids.shape[0]
+    out = []
+    for k in range(ttt_length):
+        n = t - 2 - k
+        same_doc = batch.doc_ids[2 + k :] == batch.doc_ids[:n]
+        out.append(same_doc & batch.loss_mask[2 + k :] & (batch.doc_ids[:n] >= 0))
+    return out
+
+
+def ttt_loss(
+    logits: list[Tensor],
+    probs: Tensor,
+    teacher_argmax: Tensor,
+    valid: list[Tensor],
+    step_decay: float,
+    *,
+    in_vocab: Tensor | None = None,
+    reduce: Reduce = _identity,
+    world_size: int = 1,
+) -> tuple[Tensor, Tensor]:
+    """Weighted loss (scalar) and the metric sums [5, K] (rows: STAT_ROWS), summed over all ranks.
+
+    logits[k] [T, Vd] from the drafter; probs [T, Vd] / teacher_argmax [T] from `Teacher.distribution`;
+    valid from `supervised_rows`; in_vocab [T] from `Teacher.argmax_in_draft_vocab` (eval only).
+    The loss is normalised by the *global* supervised count of each step and multiplied by the world size,
+    because DDP averages gradients over ranks.
+    """
+    k_steps = len(logits)
+    counts = reduce(torch.stack([v.sum() for v in valid]).float())  # [K]
+    stats = torch.zeros(len(STAT_ROWS), k_steps, device=probs.device)
+    stats[1] = counts
+    loss = probs.new_zeros((), dtype=torch.float32)
+    chain_ok = torch.ones_like(valid[0])
+    for k, step_logits in enumerate(logits):
+        n = valid[k].shape[0]
+        ce = SoftCrossEntropy.apply(step_logits[:n], probs[1 + k : 1 + k + n])  # [n] fp32
+        weight = valid[k].float() * (step_decay**k * world_size / counts[k].clamp(min=1))
+        loss = loss + (ce * weight).sum()
+        with torch.no_grad():
+            correct = step_logits[:n].argmax(-1) == teacher_argmax[1 + k : 1 + k + n]
+            if in_vocab is not None:
+                correct &= in_vocab[1 + k : 1 + k + n]
+            chain_ok = chain_ok[:n]
+            stats[0, k] = (ce * valid[k]).sum()
+            stats[2, k] = (correct & valid[k]).sum()
+            stats[3, k] = (chain_ok & correct & valid[k]).sum()
+            stats[4, k] = (chain_ok & valid[k]).sum()
+            chain_ok = chain_ok & correct
+    stats[[0, 2, 3, 4]] = reduce(stats[[0, 2, 3, 4]])
+    return loss, stats
+
+
+def summarize(stats: Tensor) -> dict[str, float | list[float]]:
+    """Metric sums [5, K] -> per-step loss / acc / cond_acc and the expected acceptance length."""
+    s = stats.double().cpu()
+    count = s[1].clamp(min=1)
+    cond = s[3] / s[4].clamp(min=1)
+    return {
+        "loss": [round(float(x), 6) for x in s[0] / count],
+        "acc": [round(float(x), 6) for x in s[2] / count],
+        "cond_acc": [round(float(x), 6) for x in cond],
+        "supervised": [int(x) for x in s[1]],
+        "accept_length": round(1.0 + float(torch.cumprod(cond, 0).sum()), 6),
+    }
+
+
+def weighted_loss(summary: dict[str, float | list[float]], step_decay: float) -> float:
+    """The scalar the optimizer minimises, from per-step losses (for logs)."""
+    losses = summary["loss"]
+    assert isinstance(losses, list)
+    return float(sum(step_decay**k * x for k, x in enumerate(losses)))
+
+
+def log_softmax_ce_reference(logits: Tensor, probs: Tensor) -> Tensor:
+    """The plain-PyTorch soft cross-entropy `SoftCrossEntropy` must equal (used by tests)."""
+    return -(probs.float() * F.log_softmax(logits.float(), -1)).sum(-1)
