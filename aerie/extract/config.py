@@ -15,20 +15,38 @@ class ExtractConfig(StrictModel):
     """Prefill the corpus through the target and pack hidden states into shards."""
 
     storage_dtype: Literal["bf16", "fp8"] = Field(
-        "bf16", description="bf16, or fp8 e4m3 with per-token scales."
+        "bf16", description="bf16, or fp8 e4m3 with per-token scales (half the bytes)."
     )
     shard_bytes: int = Field(1 << 30, ge=1 << 16, description="Target size of one shard file.")
     batch_tokens: int = Field(16384, ge=64, description="Tokens per /generate request (many sequences each).")
     requests_in_flight: int = Field(2, ge=1, description="Concurrent /generate requests per server.")
     num_servers: int = Field(
-        1, ge=1, description="Servers extracting in parallel, each a slice of the corpus."
+        1, ge=1, description="Servers extracting in parallel, each a contiguous slice of the corpus."
     )
-    max_restarts: int = Field(2, ge=0, description="Restarts of a server that dies mid-extraction.")
+    max_restarts: int = Field(
+        2, ge=0, description="Restarts of a server that dies mid-extraction (per server)."
+    )
     delete_local_after_upload: bool = Field(
-        False, description="Delete a shard's local copy after a verified upload."
+        False, description="Delete a shard's local copy once its upload is verified."
     )
-    work_dir: str | None = Field(None, description="Local dir for dumps and shards; None = a temp dir.")
+    work_dir: str | None = Field(
+        None, description="Local dir for dumps and shards; None = <aerie cache>/extract/<run>/<key>."
+    )
     disk_margin: float = Field(1.2, ge=1.0, description="Preflight asks for estimated bytes x this margin.")
     splits: list[Literal["train", "eval"]] = Field(
         default_factory=lambda: list(SPLITS), description="Corpus splits to extract."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Timeout of one /generate request (a whole batch's prefill)."
+    )
+    dump_timeout_s: float = Field(
+        120.0, gt=0, description="How long to wait for a dump file after the server replied."
+    )
+    canary_reference: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Compare the canary's aux layers with a transformers forward: auto = when the "
+        "target fits in a quarter of this machine's free memory.",
+    )
+    canary_rtol: float = Field(
+        0.05, gt=0, description="Relative error allowed between server and reference hidden states."
     )

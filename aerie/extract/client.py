@@ -1,0 +1,198 @@
+"""The extraction client: many sequences per `/generate` request, the dumps read back per rid.
+
+A request carries a batch of whole samples (`input_ids` as a list of lists, one rid each,
+`max_new_tokens: 0`). The server replies with each dump's key/shapes/dtype only (SGLang's reply
+carries no dump info; the file name is known from the rid anyway); the client waits until every
+`<dump_dir>/<rid>.safetensors` exists (written atomically, so existing means complete), reads it,
+checks its token ids against the corpus, and deletes it, so the dump dir holds only what is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from aerie.errors import ExtractionError
+from aerie.extract.corpus_rows import Row
+from aerie.extract.shards import HiddenSample
+from aerie.sglang_plugin.dumps import (
+    PLUGIN_ERROR_FILE,
+    dump_path,
+    error_path,
+    read_dump,
+)
+
+DUMP_POLL_S = 0.01
+
+
+class ServerUnavailable(ExtractionError):
+    """The server stopped answering (connection refused/reset, 5xx, a dump that never came):
+    the caller checks whether it died and restarts it."""
+
+
+@dataclass
+class Batch:
+    """Consecutive rows sent in one request."""
+
+    rows: list[Row]
+    rids: list[str]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.input_ids) for r in self.rows)
+
+
+def make_batches(rows: Iterable[Row], batch_tokens: int, rid_prefix: str) -> Iterator[Batch]:
+    """Group consecutive rows into requests of at most `batch_tokens` tokens (a longer sample goes
+    alone). The rid names the split row, so a retried request overwrites, never duplicates."""
+    pending: list[Row] = []
+    tokens = 0
+    for row in rows:
+        n = len(row.input_ids)
+        if pending and tokens + n > batch_tokens:
+            yield Batch(pending, [f"{rid_prefix}-{r.index}" for r in pending])
+            pending, tokens = [], 0
+        pending.append(row)
+        tokens += n
+    if pending:
+        yield Batch(pending, [f"{rid_prefix}-{r.index}" for r in pending])
+
+
+def generate_body(batch: Batch) -> dict[str, Any]:
+    return {
+        "input_ids": [r.input_ids for r in batch.rows],
+        "rid": batch.rids,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+    }
+
+
+def clear_dumps(dump_dir: Path, rids: Iterable[str]) -> None:
+    """Remove leftovers of earlier attempts at these rids (a dump written before a crash)."""
+    for rid in rids:
+        dump_path(dump_dir, rid).unlink(missing_ok=True)
+        error_path(dump_dir, rid).unlink(missing_ok=True)
+
+
+def _check_plugin(dump_dir: Path) -> None:
+    plugin_error = dump_dir / PLUGIN_ERROR_FILE
+    if plugin_error.exists():
+        raise ExtractionError(
+            f"the server's dump plugin failed to attach: {plugin_error.read_text().strip()}"
+        )
+
+
+async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
+    """The dump's path once it exists; `ExtractionError` with the server's reason if it wrote
+    `<rid>.error`; `ServerUnavailable` when nothing came within the timeout."""
+    path = dump_path(dump_dir, rid)
+    err = error_path(dump_dir, rid)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if path.exists():
+            return path
+        if err.exists():
+            raise ExtractionError(f"the server could not dump {rid}: {err.read_text().strip()}")
+        _check_plugin(dump_dir)
+        if time.monotonic() > deadline:
+            raise ServerUnavailable(
+                f"no dump {path.name} in {dump_dir} {timeout_s:.0f} s after the server replied: "
+                "is the server writing dumps to this directory (extraction mode, dump plugin attached)?"
+            )
+        await asyncio.sleep(DUMP_POLL_S)
+
+
+def to_sample(row: Row, tensors: dict[str, torch.Tensor], source: str) -> HiddenSample:
+    """Check a dump against its corpus row and build the sample the shard writer takes."""
+    got = tensors["input_ids"].long()
+    want = torch.tensor(row.input_ids, dtype=torch.long)
+    if got.shape != want.shape or not torch.equal(got, want):
+        first = int((got != want).nonzero()[0, 0]) if got.shape == want.shape else min(len(got), len(want))
+        raise ExtractionError(
+            f"{source}: the dump of corpus row {row.index} ({row.id}) holds {len(got)} token ids that differ "
+            f"from the corpus's {len(want)} at position {first}: the server did not prefill the sample as sent"
+        )
+    return HiddenSample(
+        id=row.id,
+        input_ids=want,
+        loss_mask=torch.tensor(row.loss_mask, dtype=torch.bool),
+        aux_hidden=tensors["aux_hidden"],
+        last_hidden=tensors["last_hidden"],
+    )
+
+
+class ExtractionClient:
+    """One server's HTTP client (async)."""
+
+    def __init__(self, url: str, dump_dir: Path, *, request_timeout_s: float, dump_timeout_s: float) -> None:
+        self.url = url
+        self.dump_dir = Path(dump_dir)
+        self.dump_timeout_s = dump_timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=url, timeout=httpx.Timeout(request_timeout_s, connect=10.0), trust_env=False
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def post_generate(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        try:
+            resp = await self._http.post("/generate", json=body)
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"POST {self.url}/generate failed: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 500:
+            raise ServerUnavailable(f"POST {self.url}/generate: HTTP {resp.status_code}: {resp.text[:300]}")
+        if resp.status_code != 200:
+            raise ExtractionError(
+                f"POST {self.url}/generate refused the request: HTTP {resp.status_code}: {resp.text[:500]}"
+            )
+        out = resp.json()
+        return out if isinstance(out, list) else [out]
+
+    async def extract(self, batch: Batch) -> list[HiddenSample]:
+        """Prefill one batch; the samples in batch order. Dumps are deleted once read."""
+        clear_dumps(self.dump_dir, batch.rids)
+        items = await self.post_generate(generate_body(batch))
+        if len(items) != len(batch.rids):
+            raise ExtractionError(f"/generate answered {len(items)} items for {len(batch.rids)} sequences")
+        for rid, item in zip(batch.rids, items, strict=True):
+            dump = (item.get("meta_info") or {}).get("dump")
+            if dump is not None and dump.get("key") != dump_path(self.dump_dir, rid).name:
+                raise ExtractionError(
+                    f"the reply for {rid} names dump {dump.get('key')!r}, expected {rid}.safetensors"
+                )
+        paths = [await wait_for_dump(self.dump_dir, rid, self.dump_timeout_s) for rid in batch.rids]
+        tensors = await asyncio.to_thread(_read_and_delete, paths)
+        return [to_sample(row, t, str(p)) for row, t, p in zip(batch.rows, tensors, paths, strict=True)]
+
+    async def greedy_next_token(self, input_ids: list[int], rid: str) -> int:
+        """The server's own greedy next token after `input_ids` (max_new_tokens=1)."""
+        body = {
+            "input_ids": input_ids,
+            "rid": rid,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        }
+        (item,) = await self.post_generate(body)
+        ids = item.get("output_ids")
+        if not ids:
+            raise ExtractionError(
+                f"/generate with max_new_tokens=1 returned no output_ids: {str(item)[:300]}"
+            )
+        return int(ids[0])
+
+
+def _read_and_delete(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for p in paths:
+        try:
+            out.append(read_dump(p))
+        except (ValueError, OSError) as exc:
+            raise ExtractionError(f"unreadable dump {p}: {exc}") from exc
+        p.unlink(missing_ok=True)
+    return out

@@ -1,0 +1,137 @@
+"""Disk preflight: refuse, with the numbers, before launching anything.
+
+The seed's run wrote 924 GB of hidden states for 10K samples and freed disk by hand. Here the bytes are
+estimated up front from the corpus token count and the target's hidden size, and compared with the
+free space of every filesystem the stage writes to: the local work dir (dumps in flight and shards
+until uploaded) and, for a local artifact store, the store's filesystem (the uploaded shards).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aerie.errors import PreflightError
+from aerie.extract.config import ExtractConfig
+from aerie.extract.shards import bytes_per_token
+
+# A dump holds input_ids int32 + aux [3H] + last [H] in the server's dtype (bf16: 2 bytes).
+DUMP_ELEMENT_BYTES = 2
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+@dataclass
+class Need:
+    """Bytes one filesystem must hold."""
+
+    path: str
+    need: int
+    free: int
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.free >= self.need
+
+
+@dataclass
+class PreflightReport:
+    tokens: int
+    bytes_per_token: int
+    shard_bytes_total: int
+    needs: list[Need]
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "bytes_per_token": self.bytes_per_token,
+            "estimated_shard_bytes": self.shard_bytes_total,
+            "filesystems": [
+                {"path": n.path, "need": n.need, "free": n.free, "parts": n.parts} for n in self.needs
+            ],
+        }
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _device(path: Path) -> int:
+    return os.stat(_existing_parent(path)).st_dev
+
+
+def estimate(
+    cfg: ExtractConfig,
+    *,
+    tokens: int,
+    hidden_size: int,
+    work_dir: Path,
+    store_dir: Path | None,
+    already_uploaded_bytes: int = 0,
+) -> PreflightReport:
+    """What the stage will write where (with `cfg.disk_margin`), and what is free there."""
+    bpt = bytes_per_token(cfg.storage_dtype, hidden_size)
+    shards_total = int(tokens * bpt * cfg.disk_margin)
+    remaining = max(0, shards_total - already_uploaded_bytes)
+    dump_bpt = 4 + 4 * hidden_size * DUMP_ELEMENT_BYTES
+    dumps = int(cfg.num_servers * cfg.requests_in_flight * cfg.batch_tokens * dump_bpt * cfg.disk_margin)
+    if cfg.delete_local_after_upload:
+        # Per server: the shard being uploaded and the next one closing, written while it uploads.
+        local_shards = min(remaining, 2 * cfg.num_servers * cfg.shard_bytes)
+    else:
+        local_shards = remaining
+    by_dev: dict[int, Need] = {}
+
+    def add(path: Path, part: str, n: int) -> None:
+        dev = _device(path)
+        need = by_dev.get(dev)
+        if need is None:
+            free = shutil.disk_usage(_existing_parent(path)).free
+            need = by_dev[dev] = Need(path=str(path), need=0, free=free)
+        need.need += n
+        need.parts[part] = need.parts.get(part, 0) + n
+
+    add(work_dir, "dumps in flight", dumps)
+    add(work_dir, "local shards", local_shards)
+    if store_dir is not None:
+        add(store_dir, "shards in the store", remaining)
+    return PreflightReport(
+        tokens=tokens, bytes_per_token=bpt, shard_bytes_total=shards_total, needs=list(by_dev.values())
+    )
+
+
+def check(report: PreflightReport, cfg: ExtractConfig) -> PreflightReport:
+    """Raise `PreflightError` naming every filesystem that is short, and how to fix it."""
+    short = [n for n in report.needs if not n.ok]
+    if not short:
+        return report
+    lines = [
+        f"not enough disk for extraction: {report.tokens:,} tokens x {report.bytes_per_token:,} B/token "
+        f"({cfg.storage_dtype}) x margin {cfg.disk_margin} = {human_bytes(report.shard_bytes_total)} of shards"
+    ]
+    for n in short:
+        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in n.parts.items())
+        lines.append(
+            f"  {n.path}: needs {human_bytes(n.need)} ({parts}), only {human_bytes(n.free)} free "
+            f"(short by {human_bytes(n.need - n.free)})"
+        )
+    hints = ["free space there", "or point extract.work_dir elsewhere"]
+    if cfg.storage_dtype == "bf16":
+        hints.append("or set extract.storage_dtype=fp8 (half the bytes)")
+    if not cfg.delete_local_after_upload:
+        hints.append("or set extract.delete_local_after_upload=true (keeps ~2 shards per server locally)")
+    lines.append("fix: " + ", ".join(hints))
+    raise PreflightError("\n".join(lines))

@@ -1,0 +1,282 @@
+"""The extraction stage: corpus in, hidden-state shards and their manifest out.
+
+    run(cfg, store=..., run_name=..., target=..., corpus=..., server=...) -> StageResult
+
+preflight (disk, before anything is launched) -> per server slice, in threads: launch + readiness +
+canary (`ModelServer` with `ExtractionCanary`), stream batches, pack shards, upload them in the
+background, restart a dead server -> teardown (always) -> check the token counts against the corpus
+-> manifest (written last).
+
+The stage key covers what changes the shards' contents or layout (storage dtype, shard size, server
+count, splits), the server backend, the target and its revision and the corpus manifest digest;
+operational knobs (batch size, requests in flight, restarts, timeouts, work dir) are left out, so
+changing them does not throw away uploaded shards on a re-run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from aerie.errors import ExtractionError
+from aerie.extract import preflight as disk
+from aerie.extract.canary import ExtractionCanary, fits_in_memory, pick_sample
+from aerie.extract.config import ExtractConfig
+from aerie.extract.corpus_rows import SplitFiles, open_split, slice_bounds
+from aerie.extract.resume import PROGRESS_FILE, ClosedShard, ProgressFile
+from aerie.extract.shards import SHARD_SCHEMA_VERSION, bytes_per_token
+from aerie.extract.uploads import Uploader
+from aerie.extract.worker import SliceResult, SliceWorker, TokenMeter
+from aerie.manifest import StageDir, StageResult, stage_key
+from aerie.progress import ProgressFn, no_progress
+from aerie.serving import ModelServer, ServerConfig, spec_for
+from aerie.settings import get_settings
+from aerie.store import ArtifactStore
+from aerie.targets import TargetInfo
+
+log = logging.getLogger(__name__)
+
+STAGE = "extract"
+KEY_FIELDS = ("storage_dtype", "shard_bytes", "num_servers", "splits")
+
+
+def extract_key(cfg: ExtractConfig, server: ServerConfig, target: TargetInfo, corpus: StageResult) -> str:
+    config = {
+        "extract": cfg.model_dump(mode="json", include=set(KEY_FIELDS)),
+        "server_backend": server.backend,
+        "target": target.name,
+        "target_revision": target.revision,
+    }
+    return stage_key(STAGE, config, [corpus.manifest_sha256])
+
+
+def _work_dir(cfg: ExtractConfig, run_name: str, key: str) -> Path:
+    if cfg.work_dir:
+        return Path(cfg.work_dir).expanduser().resolve() / run_name / key
+    return Path(get_settings().cache_dir) / "extract" / run_name / key
+
+
+def _server_cfg(server: ServerConfig, k: int, num_servers: int) -> ServerConfig:
+    """Server k of a fan-out: its own port and, on one GPU host, its own GPU group."""
+    env = dict(server.env)
+    if num_servers > 1 and server.device != "cpu" and "CUDA_VISIBLE_DEVICES" not in env:
+        first = k * server.tp_size
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(server.tp_size))
+    return server.model_copy(update={"port": server.port + k, "env": env})
+
+
+def run(
+    cfg: ExtractConfig,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    corpus: StageResult,
+    server: ServerConfig,
+    progress: ProgressFn = no_progress,
+) -> StageResult:
+    key = extract_key(cfg, server, target, corpus)
+    stage = StageDir(store, run_name, STAGE, key)
+    cached = stage.cached_result()
+    if cached is not None:
+        progress(1.0, "cached")
+        return cached
+    began = time.monotonic()
+    work = _work_dir(cfg, run_name, key)
+    work.mkdir(parents=True, exist_ok=True)
+
+    progress(0.0, "reading the corpus")
+    splits: dict[str, SplitFiles] = {
+        s: open_split(store, corpus.prefix, s, work / "corpus") for s in cfg.splits
+    }
+    if not any(sf.total_rows for sf in splits.values()):
+        raise ExtractionError(f"the corpus at {corpus.prefix} has no rows in splits {cfg.splits}")
+    tokens_total = sum(sf.tokens for sf in splits.values())
+    progress_file = ProgressFile(store, stage.path(PROGRESS_FILE))
+    bounds = {s: slice_bounds(sf.total_rows, cfg.num_servers) for s, sf in splits.items()}
+
+    # What is already uploaded (resume) does not need disk again.
+    uploaded = sum(s.bytes for s in progress_file.shards)
+    report = disk.estimate(
+        cfg,
+        tokens=tokens_total,
+        hidden_size=target.hidden_size,
+        work_dir=work,
+        store_dir=store.local_path(stage.prefix),
+        already_uploaded_bytes=uploaded,
+    )
+    disk.check(report, cfg)
+
+    canary = _make_canary(cfg, target, splits)
+    uploader = Uploader(
+        store,
+        stage.prefix,
+        progress_file,
+        delete_local=cfg.delete_local_after_upload,
+        max_pending=2 * cfg.num_servers,
+    )
+    done_tokens = sum(s.tokens for s in progress_file.shards)
+    meter = TokenMeter(tokens_total, done_tokens, progress)
+    stop = threading.Event()
+
+    def start_server(k: int, attempt: int) -> ModelServer:
+        dump_dir = work / "dumps" / f"s{k}"
+        spec = spec_for(
+            _server_cfg(server, k, cfg.num_servers),
+            model_path=target.path,
+            mode="extract",
+            name=f"extract-s{k}" + (f"-r{attempt}" if attempt else ""),
+            dump_dir=dump_dir,
+            clean_dump_dir=True,
+            log_path=work / "logs" / f"server-s{k}-{attempt}.log",
+        )
+        dump_dir.mkdir(parents=True, exist_ok=True)
+
+        def server_progress(fraction: float, message: str) -> None:
+            progress(meter.done / meter.total, f"server s{k}: {message}")
+
+        srv = ModelServer(spec, progress=server_progress, canary=canary)
+        srv.start()
+        return srv
+
+    workers = [
+        SliceWorker(
+            k,
+            cfg=cfg,
+            splits=splits,
+            bounds={s: b[k] for s, b in bounds.items()},
+            prefix=stage.prefix,
+            local_dir=work / "shards",
+            hidden_size=target.hidden_size,
+            progress_file=progress_file,
+            uploader=uploader,
+            start_server=start_server,
+            meter=meter,
+            stop=stop,
+        )
+        for k in range(cfg.num_servers)
+    ]
+    results = _run_workers(workers, stop)
+    try:
+        uploader.wait()
+    finally:
+        uploader.close()
+    meter.add(0, force=True)
+
+    manifest = _manifest(cfg, target, corpus, server, splits, results, report.record(), canary, began)
+    result = stage.finish(manifest)
+    progress(1.0, f"{manifest['figures']['tokens']:,} tokens in {manifest['figures']['shards']} shards")
+    return result
+
+
+def _make_canary(cfg: ExtractConfig, target: TargetInfo, splits: dict[str, SplitFiles]) -> ExtractionCanary:
+    first = next(sf for sf in splits.values() if sf.total_rows)
+    rows = []
+    for row in first.iter_rows(0, 64):
+        rows.append(row)
+    reference = cfg.canary_reference == "always" or (
+        cfg.canary_reference == "auto" and fits_in_memory(target)
+    )
+    return ExtractionCanary(
+        target, pick_sample(rows), reference=reference, rtol=cfg.canary_rtol, timeout_s=cfg.dump_timeout_s
+    )
+
+
+def _run_workers(workers: list[SliceWorker], stop: threading.Event) -> list[SliceResult]:
+    """Run every slice in its own thread; the first failure stops the others (between batches) and
+    is raised once all have torn their servers down."""
+    if len(workers) == 1:
+        return [workers[0].run()]
+    errors: list[BaseException] = []
+
+    def guarded(w: SliceWorker) -> SliceResult:
+        try:
+            return w.run()
+        except BaseException as exc:
+            errors.append(exc)
+            stop.set()
+            raise
+
+    with ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="aerie-extract") as pool:
+        futures = [pool.submit(guarded, w) for w in workers]
+        for f in futures:
+            f.exception()
+    if errors:
+        first = next((e for e in errors if "another slice failed" not in str(e)), errors[0])
+        raise first
+    return [f.result() for f in futures]
+
+
+def _manifest(
+    cfg: ExtractConfig,
+    target: TargetInfo,
+    corpus: StageResult,
+    server: ServerConfig,
+    splits: dict[str, SplitFiles],
+    results: list[SliceResult],
+    preflight_record: dict[str, Any],
+    canary: ExtractionCanary,
+    began: float,
+) -> dict[str, Any]:
+    shards: list[ClosedShard] = sorted(
+        (s for r in results for s in r.shards),
+        key=lambda s: (cfg.splits.index(s.split), s.slice, s.index),  # type: ignore[arg-type]
+    )
+    per_split: dict[str, Any] = {}
+    for split, sf in splits.items():
+        mine = [s for s in shards if s.split == split]
+        tokens = sum(s.tokens for s in mine)
+        samples = sum(s.samples for s in mine)
+        if tokens != sf.tokens or samples != sf.total_rows:
+            raise ExtractionError(
+                f"{split}: the shards hold {samples} samples / {tokens} tokens but the corpus has "
+                f"{sf.total_rows} / {sf.tokens}: refusing to write a manifest over an incomplete extraction"
+            )
+        per_split[split] = {
+            "samples": samples,
+            "tokens": tokens,
+            "shards": [s.record() for s in mine],
+        }
+    tokens = sum(s.tokens for s in shards)
+    nbytes = sum(s.bytes for s in shards)
+    seconds = time.monotonic() - began
+    fresh_tokens = sum(r.tokens for r in results)
+    canary_record = canary.result.record() if canary.result is not None else None
+    return {
+        "target": {
+            "name": target.name,
+            "revision": target.revision,
+            "architecture": target.architecture,
+            "num_layers": target.num_layers,
+            "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size,
+        },
+        "layers": {"input_of_layer": target.aux_layers_input, "output_of_layer": target.aux_layers_output},
+        "storage_dtype": cfg.storage_dtype,
+        "hidden_size": target.hidden_size,
+        "shard_schema_version": SHARD_SCHEMA_VERSION,
+        "corpus": {"prefix": corpus.prefix, "manifest_sha256": corpus.manifest_sha256},
+        "server": {"backend": server.backend, "launcher": server.launcher, "num_servers": cfg.num_servers},
+        "config": cfg.model_dump(mode="json"),
+        "splits": per_split,
+        "canary": canary_record,
+        "preflight": preflight_record,
+        "figures": {
+            "samples": sum(s.samples for s in shards),
+            "tokens": tokens,
+            "shards": len(shards),
+            "bytes": nbytes,
+            "bytes_per_token": bytes_per_token(cfg.storage_dtype, target.hidden_size),
+            "storage_dtype": cfg.storage_dtype,
+            **{f"{split}_tokens": v["tokens"] for split, v in per_split.items()},
+            "extracted_tokens_this_run": fresh_tokens,
+            "resumed_rows": sum(r.resumed_rows for r in results),
+            "tokens_per_s": round(fresh_tokens / seconds, 1) if seconds > 0 else None,
+            "server_restarts": sum(r.restarts for r in results),
+            "canary_passed": canary_record is not None or fresh_tokens == 0,
+        },
+    }

@@ -1,0 +1,205 @@
+"""Extraction pieces that need no server: preflight, batching, corpus order, resume, uploads, and the
+canary's checks against a real transformers forward of the embedded target."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from aerie.errors import CanaryError, IntegrityError, PreflightError
+from aerie.extract import preflight
+from aerie.extract.canary import ExtractionCanary, compare_layers, reference_hidden_states
+from aerie.extract.client import make_batches
+from aerie.extract.config import ExtractConfig
+from aerie.extract.corpus_rows import Row, open_split, slice_bounds
+from aerie.extract.resume import ClosedShard, ProgressFile
+from aerie.extract.shards import HiddenSample, ShardWriter, bytes_per_token
+from aerie.extract.uploads import Uploader
+from aerie.store import LocalStore
+from tests.extract_support import corpus_rows, write_corpus
+
+# ---- preflight -----------------------------------------------------------------------------------
+
+
+def test_preflight_refuses_with_the_numbers(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    cfg = ExtractConfig(storage_dtype="bf16")
+    # Kimi-K2.5's corpus: 87.8M tokens at hidden 7168 is ~5 TB in bf16; more than this disk.
+    tokens = max(87_800_000, free // bytes_per_token("bf16", 7168) * 2)
+    report = preflight.estimate(cfg, tokens=tokens, hidden_size=7168, work_dir=tmp_path / "w", store_dir=None)
+    with pytest.raises(PreflightError) as err:
+        preflight.check(report, cfg)
+    msg = str(err.value)
+    assert f"{tokens:,} tokens x 57,349 B/token (bf16)" in msg
+    assert "only" in msg and "free" in msg and "short by" in msg
+    assert "storage_dtype=fp8" in msg and "delete_local_after_upload=true" in msg
+    # fp8 halves the estimate.
+    fp8 = preflight.estimate(
+        ExtractConfig(storage_dtype="fp8"), tokens=tokens, hidden_size=7168, work_dir=tmp_path, store_dir=None
+    )
+    assert fp8.shard_bytes_total < 0.51 * report.shard_bytes_total
+
+
+def test_preflight_counts_store_and_local_copies_on_one_disk(tmp_path):
+    cfg = ExtractConfig(shard_bytes=1 << 20, batch_tokens=1024, requests_in_flight=1)
+    tokens = 10_000
+    both = preflight.estimate(
+        cfg, tokens=tokens, hidden_size=576, work_dir=tmp_path / "w", store_dir=tmp_path / "s"
+    )
+    (need,) = both.needs  # same filesystem: one entry with all parts
+    shards = int(tokens * bytes_per_token("bf16", 576) * cfg.disk_margin)
+    assert need.parts["local shards"] == shards and need.parts["shards in the store"] == shards
+    assert preflight.check(both, cfg) is both
+    lean = preflight.estimate(
+        cfg.model_copy(update={"delete_local_after_upload": True}),
+        tokens=tokens,
+        hidden_size=576,
+        work_dir=tmp_path / "w",
+        store_dir=None,
+    )
+    assert lean.needs[0].parts["local shards"] == 2 * cfg.shard_bytes
+    resumed = preflight.estimate(
+        cfg, tokens=tokens, hidden_size=576, work_dir=tmp_path, store_dir=None, already_uploaded_bytes=shards
+    )
+    assert resumed.needs[0].parts["local shards"] == 0
+
+
+# ---- batching and corpus order -------------------------------------------------------------------
+
+
+def test_batches_fill_up_to_the_token_budget_in_order():
+    rows = [Row(i, f"r{i}", [1] * n, [1] * n) for i, n in enumerate([30, 30, 50, 200, 10, 10])]
+    batches = list(make_batches(rows, batch_tokens=100, rid_prefix="train"))
+    assert [[r.index for r in b.rows] for b in batches] == [[0, 1], [2], [3], [4, 5]]
+    assert batches[0].rids == ["train-0", "train-1"]
+    assert slice_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert slice_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_corpus_split_in_manifest_order_and_from_any_row(tmp_path, smollm2):
+    store = LocalStore(tmp_path / "store")
+    rows = corpus_rows(smollm2.load_tokenizer(), 20)
+    result = write_corpus(store, "t", {"train": rows[:17], "eval": rows[17:]}, rows_per_shard=5)
+    train = open_split(store, result.prefix, "train", tmp_path / "cache")
+    assert train.rows == [5, 5, 5, 2] and train.total_rows == 17
+    assert train.tokens == sum(len(r["input_ids"]) for r in rows[:17])
+    tail = list(train.iter_rows(7, 12))
+    assert [r.index for r in tail] == list(range(7, 12))
+    assert [r.id for r in tail] == [r["id"] for r in rows[7:12]]
+    assert tail[0].input_ids == rows[7]["input_ids"] and tail[0].loss_mask == rows[7]["loss_mask"]
+    # Without the manifest's list, files are found by name and counted from the parquet.
+    manifest = store.local_path(f"{result.prefix}/manifest.json")
+    manifest.unlink()
+    again = open_split(store, result.prefix, "train", tmp_path / "cache")
+    assert again.rows == train.rows and again.tokens == train.tokens
+    assert open_split(store, result.prefix, "eval", tmp_path / "cache").total_rows == 3
+
+
+# ---- resume and uploads --------------------------------------------------------------------------
+
+
+def _sample(i: int, t: int, h: int = 8) -> HiddenSample:
+    return HiddenSample(
+        id=f"s{i}",
+        input_ids=torch.arange(t),
+        loss_mask=torch.ones(t, dtype=torch.bool),
+        aux_hidden=torch.randn(t, 3 * h),
+        last_hidden=torch.randn(t, h),
+    )
+
+
+def _shard(index: int, first: int, end: int) -> ClosedShard:
+    name = f"shard-s0-{index:05d}.safetensors"
+    return ClosedShard("train", 0, index, name, f"shards/train/{name}", first, end, end - first, 1, 1, "x")
+
+
+def test_resume_keeps_only_an_unbroken_chain_of_stored_shards(tmp_path):
+    store = LocalStore(tmp_path)
+    pf = ProgressFile(store, "r/extract/k/progress.json")
+    for s in (_shard(0, 0, 4), _shard(1, 4, 9), _shard(2, 9, 12)):
+        store.put_bytes(f"r/extract/k/{s.path}", b"x")
+        pf.add(s)
+    assert pf.resume_point("r/extract/k", "train", 0, 0)[:2] == (12, 3)
+    store.delete("r/extract/k/shards/train/shard-s0-00001.safetensors")
+    again = ProgressFile(store, "r/extract/k/progress.json")  # reloaded from the store
+    row, index, kept = again.resume_point("r/extract/k", "train", 0, 0)
+    assert (row, index, [s.index for s in kept]) == (4, 1, [0])
+    # The broken tail is forgotten in the file too.
+    assert [s.index for s in ProgressFile(store, "r/extract/k/progress.json").shards] == [0]
+    assert again.resume_point("r/extract/k", "eval", 0, 100)[:2] == (100, 0)
+
+
+def test_uploads_are_verified_recorded_and_local_copies_dropped(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    pf = ProgressFile(store, "r/extract/k/progress.json")
+    up = Uploader(store, "r/extract/k", pf, delete_local=True)
+    w = ShardWriter(tmp_path / "local", storage="fp8", shard_bytes=1 << 20, hidden_size=8)
+    w.add(_sample(0, 5))
+    info = w.close()
+    assert info is not None
+    up.submit(info, _shard(0, 0, 1))
+    (done,) = up.wait()
+    assert done.index == 0 and not info.path.exists()
+    assert store.exists("r/extract/k/shards/train/shard-s0-00000.safetensors")
+    assert [s.index for s in ProgressFile(store, "r/extract/k/progress.json").shards] == [0]
+    # A shard changed on disk after it was written does not pass verification, and is not recorded.
+    w.add(_sample(1, 5))
+    info2 = w.close()
+    assert info2 is not None
+    data = bytearray(info2.path.read_bytes())
+    data[-1] ^= 0xFF
+    info2.path.write_bytes(bytes(data))
+    up.submit(info2, _shard(1, 1, 2))
+    with pytest.raises(IntegrityError, match="is corrupt"):
+        up.wait()
+    up.close()
+    assert [s.index for s in ProgressFile(store, "r/extract/k/progress.json").shards] == [0]
+
+
+# ---- canary checks against a real reference forward ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    ids = smollm2.load_tokenizer()("Owls and tides: a short note on rivers, bread and maps.")["input_ids"]
+    return ids, reference_hidden_states(smollm2, ids)
+
+
+def test_canary_accepts_bf16_states_of_the_right_layers(smollm2, reference):
+    ids, hs = reference
+    aux = torch.cat([hs[i] for i in smollm2.aux_layers_input], -1).bfloat16()
+    out = compare_layers(aux, hs[-1].bfloat16(), hs, smollm2.aux_layers_input, rtol=0.05)
+    assert [b["best"] for b in out["blocks"]] == [2, 15, 27]
+
+
+def test_canary_names_the_off_by_one_layer(smollm2, reference):
+    ids, hs = reference
+    # A server that captures the *outputs* of layers 2, 15, 27 (= inputs of 3, 16, 28).
+    shifted = torch.cat([hs[i + 1] for i in smollm2.aux_layers_input], -1).bfloat16()
+    with pytest.raises(
+        CanaryError, match=r"aux block 0 matches hidden_states\[3\], not \[2\]: .* off by one"
+    ):
+        compare_layers(shifted, hs[-1], hs, smollm2.aux_layers_input, rtol=0.05)
+    middle = torch.cat([hs[2], hs[16], hs[27]], -1)
+    with pytest.raises(CanaryError, match=r"aux block 1 matches hidden_states\[16\], not \[15\]"):
+        compare_layers(middle, hs[-1], hs, smollm2.aux_layers_input, rtol=0.05)
+
+
+def test_canary_catches_a_pre_norm_last_hidden(smollm2, reference):
+    ids, hs = reference
+    canary = ExtractionCanary(smollm2, Row(0, "c", ids, [1] * len(ids)), reference=False, rtol=0.05)
+    aux = torch.cat([hs[i] for i in smollm2.aux_layers_input], -1)
+    model_greedy = int(
+        (hs[-1][-1] @ smollm2.load_model("cpu", "float32").get_output_embeddings().weight.T).argmax()
+    )
+    ok = canary.check(aux, hs[-1], model_greedy)
+    assert ok.lm_head_token == model_greedy and "post-norm (lm_head argmax = greedy token)" in ok.checks
+    pre_norm = hs[-2]  # the residual stream entering the last layer: not the lm_head input
+    with pytest.raises(CanaryError, match="last_hidden is not the lm_head's input"):
+        canary.check(aux, pre_norm, model_greedy)
+    with pytest.raises(CanaryError, match="non-finite"):
+        canary.check(aux * float("nan"), hs[-1], model_greedy)
+    with pytest.raises(CanaryError, match="shapes"):
+        canary.check(aux[:, :576], hs[-1], model_greedy)
