@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -359,6 +360,17 @@ def test_a_stale_server_on_the_port_is_refused_and_named(tmp_path: Path) -> None
         stale.wait()
 
 
+def test_a_port_bound_by_something_else_is_refused_and_named(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        spec = fake_spec(tmp_path, port=sock.getsockname()[1])
+        with pytest.raises(PortInUseError) as err:
+            ModelServer(spec).start()
+    assert "does not answer HTTP" in str(err.value) or "none of" in str(err.value)
+    assert f"pid {os.getpid()}" in str(err.value)  # the owner, when the system lets us see it
+
+
 def test_a_server_killed_during_the_wait_is_reported(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path, "--shards", "4", "--shard-seconds", "0.3", "--hang-at-shard", "2")
     server = ModelServer(spec)
@@ -468,3 +480,32 @@ def test_check_alive_reports_a_crash_while_serving(tmp_path: Path) -> None:
         with pytest.raises(ServerCrashedError, match="exited while serving: killed by SIGKILL"):
             server.check_alive()
     assert_gone(server.launcher, spec.port)
+
+
+DRIVER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from aerie.serving import ModelServer
+from tests.fake_servers.scenarios import fake_spec
+server = ModelServer(fake_spec(Path({work!r}), "--ignore-sigterm", "--child", grace_s=0.5))
+with server:
+    print(server.launcher.pgid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_sigterm_to_the_orchestrator_tears_the_server_down(tmp_path: Path) -> None:
+    """A cancelled flow run gets SIGTERM; the server, in its own session, must not outlive it."""
+    root = str(Path(__file__).resolve().parents[1])
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER.format(root=root, work=str(tmp_path))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert driver.stdout is not None
+    pgid = int(driver.stdout.readline())
+    assert live_group_members(pgid)  # the server (and its child) are up
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(timeout=60) == 128 + signal.SIGTERM
+    assert live_group_members(pgid) == []
