@@ -139,8 +139,12 @@ class HealthResult:
 class Prober:
     """HTTP probes of one server, remembering which fallback endpoints it turned out to have."""
 
-    def __init__(self, url: str, timeout: float = 1.0) -> None:
+    def __init__(self, url: str, connect_timeout: float = 1.0, read_timeout: float = 5.0) -> None:
+        # Connecting is instant (refused while loading) or quick; answering may take a real 1-token
+        # generation on a busy server, so reads get longer. A server that dies mid-request resets the
+        # connection at once, so a long read does not delay crash detection.
         # trust_env=False: a proxy from the environment must not stand between us and localhost.
+        timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
         self._client = httpx.Client(base_url=url, timeout=timeout, trust_env=False)
         self._health_paths = list(HEALTH_PATHS)
 

@@ -166,6 +166,8 @@ class ModelServer:
         """Launch and wait until ready, verified and canaried; on any failure (KeyboardInterrupt
         included) tear down before re-raising, since `__exit__` does not run when `__enter__` fails.
         """
+        if self._started:
+            raise ServerError(f"{self.spec.name}: a ModelServer starts once; make a new one to relaunch")
         spec = self.spec
         self.progress(0.0, f"checking port {spec.port}")
         ensure_port_free(spec.host, spec.port)
@@ -182,7 +184,7 @@ class ModelServer:
             self.launcher.start(spec)
             self._wait_ready(began)
             if self.canary is not None:
-                self.progress(1.0, "running the canary")
+                self.progress(0.995, "running the canary")
                 self.canary(self)
         except BaseException:
             self.stop()
@@ -255,7 +257,7 @@ class ModelServer:
     def _wait_ready(self, began: float) -> None:
         spec = self.spec
         deadline = began + spec.startup_timeout_s
-        prober = Prober(self.url, timeout=max(0.5, min(1.0, spec.poll_interval_s * 5)))
+        prober = Prober(self.url)
         fatal_since: float | None = None
         try:
             while True:
