@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from aerie.errors import ExtractionError
+from aerie.errors import ExtractionError, StoreError
 from aerie.extract import preflight as disk
 from aerie.extract.canary import ExtractionCanary, fits_in_memory, pick_sample
 from aerie.extract.config import ExtractConfig
@@ -160,11 +160,23 @@ def run(
         )
         for k in range(cfg.num_servers)
     ]
-    results = _run_workers(workers, stop)
+    failed = False
     try:
-        uploader.wait()
+        results = _run_workers(workers, stop)
+    except BaseException:
+        failed = True
+        raise
     finally:
-        uploader.close()
+        # Even on failure, let the closed shards finish uploading: progress.json then records them
+        # and the re-run resumes after them.
+        try:
+            uploader.wait()
+        except StoreError:
+            if not failed:
+                raise
+            log.exception("a shard upload failed while the extraction was failing")
+        finally:
+            uploader.close()
     meter.add(0, force=True)
 
     manifest = _manifest(cfg, target, corpus, server, splits, results, report.record(), canary, began)

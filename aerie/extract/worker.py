@@ -58,7 +58,7 @@ class TokenMeter:
         with self._lock:
             self.done += tokens
             now = time.monotonic()
-            if not force and now - self._last < 0.5:
+            if not force and now - self._last < 0.2:
                 return
             self._last = now
             self._report(self.done / self.total, self.message())

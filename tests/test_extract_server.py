@@ -1,0 +1,158 @@
+"""The extraction stage end to end through real reference servers (processes on 127.0.0.1).
+
+One scenario, because each server start costs ~10-20 s on a busy 2-core machine:
+1. two servers (fan-out), fp8 storage, canary with the numeric reference check; server s0 is killed
+   with SIGKILL mid-extraction and max_restarts=0, so the run fails, keeping the uploaded shards;
+2. the re-run (same stage key: max_restarts is not part of it) resumes after those shards; server s0
+   is SIGKILLed again and restarted; the run completes with every corpus sample exactly once, in order,
+   the token ids and loss masks of the corpus, and hidden states matching a transformers forward;
+3. a third run is a cache hit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import psutil
+import pytest
+import torch
+
+from aerie.errors import ExtractionError
+from aerie.extract.canary import reference_hidden_states
+from aerie.extract.config import ExtractConfig
+from aerie.extract.resume import ProgressFile
+from aerie.extract.shards import ShardReader
+from aerie.extract.stage import run
+from aerie.manifest import load_manifest
+from aerie.serving import ServerConfig
+from aerie.store import LocalStore
+from tests.conftest import free_port
+from tests.extract_support import corpus_rows, write_corpus
+
+
+def listener_pid(port: int) -> int | None:
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+            return conn.pid
+    return None
+
+
+class KillServer:
+    """A progress callback that SIGKILLs the server on `port` once extraction passed `at` and reported
+    tokens/s `after` times (so some batches were committed by this run)."""
+
+    def __init__(self, port: int, at: float = 0.0, after: int = 1) -> None:
+        self.port, self.at, self.after = port, at, after
+        self.seen = 0
+        self.killed: int | None = None
+        self.lock = threading.Lock()
+        self.messages: list[str] = []
+
+    def __call__(self, fraction: float, message: str) -> None:
+        self.messages.append(message)
+        with self.lock:
+            if "tok/s" in message:
+                self.seen += 1
+            if self.killed is None and self.seen >= self.after and fraction >= self.at:
+                pid = listener_pid(self.port)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed = pid
+
+
+def free_port_pair() -> int:
+    for _ in range(50):
+        port = free_port()
+        if port < 65535 and listener_pid(port + 1) is None:
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+@pytest.mark.slow
+def test_fanout_kill9_resume_exact_counts(tmp_path, smollm2):
+    store = LocalStore(tmp_path / "store")
+    tok = smollm2.load_tokenizer()
+    rows = corpus_rows(tok, 44, min_words=6, max_words=24)
+    splits = {"train": rows[:38], "eval": rows[38:]}
+    corpus = write_corpus(store, "t", splits, rows_per_shard=10)
+    port = free_port_pair()
+    server = ServerConfig(backend="reference", device="cpu", port=port)
+    cfg = ExtractConfig(
+        storage_dtype="fp8",
+        shard_bytes=1 << 18,  # ~110 tokens of fp8 at H=576: a few samples per shard
+        batch_tokens=96,
+        requests_in_flight=2,
+        num_servers=2,
+        max_restarts=0,
+        work_dir=str(tmp_path / "work"),
+        delete_local_after_upload=True,
+        dump_timeout_s=60,
+    )
+
+    # 1. s0 dies, no restart allowed: the stage fails, uploaded shards are kept.
+    kill0 = KillServer(port, at=0.3)
+    with pytest.raises(ExtractionError, match="max_restarts=0 is used up"):
+        run(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server, progress=kill0)
+    assert kill0.killed is not None
+    prefix = next(p for p in {k.rsplit("/", 1)[0] for k in store.list("t/extract")} if p.count("/") == 2)
+    kept = ProgressFile(store, f"{prefix}/progress.json").shards
+    assert kept, "no shard was uploaded before the kill"
+    assert not listener_pid(port) and not listener_pid(port + 1)  # both servers torn down
+
+    # 2. Re-run with one restart allowed: resumes after the kept shards; s0 (the slice with the most
+    # left to do) is killed again after this run's second progress report, and restarted.
+    cfg2 = cfg.model_copy(update={"max_restarts": 1})
+    kill1 = KillServer(port, after=2)
+    result = run(
+        cfg2, store=store, run_name="t", target=smollm2, corpus=corpus, server=server, progress=kill1
+    )
+    assert result.prefix == prefix and not result.cache_hit
+    assert kill1.killed is not None
+    figures = result.figures
+    assert figures["server_restarts"] == 1
+    assert figures["resumed_rows"] >= sum(s.samples for s in kept)
+    corpus_tokens = {s: sum(len(r["input_ids"]) for r in rs) for s, rs in splits.items()}
+    assert (
+        figures["train_tokens"] == corpus_tokens["train"] and figures["eval_tokens"] == corpus_tokens["eval"]
+    )
+    assert figures["samples"] == len(rows)
+
+    manifest = load_manifest(store, prefix)
+    assert manifest["layers"] == {"input_of_layer": [2, 15, 27], "output_of_layer": [1, 14, 26]}
+    assert manifest["storage_dtype"] == "fp8" and manifest["hidden_size"] == 576
+    canary = manifest["canary"]
+    assert canary["numeric"] is not None and [b["best"] for b in canary["numeric"]["blocks"]] == [2, 15, 27]
+    assert canary["greedy_token"] == canary["lm_head_token"]
+
+    # Every sample exactly once, in corpus order per slice, with the corpus's ids and masks.
+    ref = {}
+    for split, split_rows in splits.items():
+        entries = manifest["splits"][split]["shards"]
+        ids = []
+        for entry in entries:
+            path = store.local_path(f"{prefix}/{entry['path']}")
+            assert path is not None
+            reader = ShardReader(path, dtype=torch.float32)
+            assert reader.tokens == entry["tokens"] and len(reader) == entry["samples"]
+            for sample in reader:
+                ids.append(sample.id)
+                want = next(r for r in split_rows if r["id"] == sample.id)
+                assert sample.input_ids.tolist() == want["input_ids"]
+                assert sample.loss_mask.tolist() == [bool(m) for m in want["loss_mask"]]
+                ref[sample.id] = sample
+        assert ids == [r["id"] for r in split_rows]
+    # The stored hidden states are the target's (fp8 rounding: <= 2^-4 of each token's max).
+    probe = rows[5]
+    hs = reference_hidden_states(smollm2, probe["input_ids"])
+    got = ref[probe["id"]]
+    want_aux = torch.cat([hs[i] for i in (2, 15, 27)], -1)
+    err = (got.aux_hidden - want_aux).abs().amax(-1) / want_aux.abs().amax(-1)
+    assert float(err.max()) < 0.08
+    assert float(((got.last_hidden - hs[-1]).abs().amax(-1) / hs[-1].abs().amax(-1)).max()) < 0.08
+    assert not list((tmp_path / "work").rglob("*.safetensors"))  # local copies deleted after upload
+
+    # 3. Same inputs: a cache hit, nothing launched.
+    again = run(cfg2, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
+    assert again.cache_hit and again.manifest_sha256 == result.manifest_sha256
