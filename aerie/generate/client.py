@@ -16,7 +16,9 @@ import asyncio
 import email.utils
 import json
 import random
+import ssl
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,7 @@ import aerie
 from aerie.errors import EndpointAuthError, EndpointError, EndpointRequestError
 from aerie.generate.config import EndpointConfig, SamplingParams
 from aerie.generate.ratelimit import RateLimiter
+from aerie.generate.transport import Http11Transport
 
 RETRYABLE_STATUS = frozenset({408, 409, 429})
 # 400s that name one over-long prompt, not a broken configuration: that conversation fails, the run goes on.
@@ -91,6 +94,15 @@ def public_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
+def uses_proxy(url: str) -> bool:
+    """Whether the environment (HTTP(S)_PROXY, ALL_PROXY, NO_PROXY) routes this URL through a proxy."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies()
+    if not (proxies.get(parts.scheme) or proxies.get("all")):
+        return False
+    return not urllib.request.proxy_bypass(parts.hostname or "")
+
+
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
     """Seconds to wait from a Retry-After header: delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
     if not value:
@@ -119,7 +131,14 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
 class ChatClient:
     """`await client.complete(messages, sampling)` -> `Completion`. Use as an async context manager."""
 
-    def __init__(self, endpoint: EndpointConfig, base_url: str, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: EndpointConfig,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.safe_url = public_url(self.url)
@@ -139,7 +158,17 @@ class ChatClient:
             limits=httpx.Limits(
                 max_connections=endpoint.concurrency, max_keepalive_connections=endpoint.concurrency
             ),
+            transport=self._transport(base_url, ssl_context),
         )
+
+    def _transport(
+        self, base_url: str, ssl_context: ssl.SSLContext | None
+    ) -> httpx.AsyncBaseTransport | None:
+        """aerie's lean HTTP/1.1 pool, unless httpx's own is asked for or a proxy applies (None = httpx's,
+        which reads the proxy settings from the environment)."""
+        if self.endpoint.http_transport == "httpcore" or uses_proxy(base_url):
+            return None
+        return Http11Transport(self.endpoint.concurrency, ssl_context=ssl_context)
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "User-Agent": f"aerie/{aerie.__version__}"}

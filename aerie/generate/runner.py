@@ -158,12 +158,11 @@ async def _run_workers(
     for task in running:
         task.cancel()
     await asyncio.gather(*running, return_exceptions=True)
-    for task in done:
-        exc = task.exception()
-        if isinstance(exc, _BudgetExceeded):
-            outcome.aborted = True
-        elif exc is not None:
-            raise exc
+    errors = [task.exception() for task in done]  # retrieve every one: none goes unreported
+    fatal = [exc for exc in errors if exc is not None and not isinstance(exc, _BudgetExceeded)]
+    if fatal:
+        raise fatal[0]
+    outcome.aborted = any(isinstance(exc, _BudgetExceeded) for exc in errors)
 
 
 async def _tick(

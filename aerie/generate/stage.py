@@ -185,7 +185,10 @@ def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
     (a notebook, an async flow): then in a fresh thread with its own loop."""
     try:
         asyncio.get_running_loop()
+        in_loop = True
     except RuntimeError:
+        in_loop = False
+    if not in_loop:
         return asyncio.run(coro)
     with ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coro).result()
