@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,52 @@ def _server_cfg(server: ServerConfig, k: int, num_servers: int) -> ServerConfig:
     return server.model_copy(update={"port": server.port + k, "env": env})
 
 
+@dataclass
+class Plan:
+    """Everything decided before a server is launched."""
+
+    stage: StageDir
+    work: Path
+    splits: dict[str, SplitFiles]
+    tokens: int
+    progress_file: ProgressFile
+    preflight: disk.PreflightReport
+
+
+def plan(
+    cfg: ExtractConfig,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    corpus: StageResult,
+    server: ServerConfig,
+) -> Plan:
+    """Read the corpus counts and the resume state, and run the disk preflight (`PreflightError`)."""
+    key = extract_key(cfg, server, target, corpus)
+    stage = StageDir(store, run_name, STAGE, key)
+    work = _work_dir(cfg, run_name, key)
+    work.mkdir(parents=True, exist_ok=True)
+    splits: dict[str, SplitFiles] = {
+        s: open_split(store, corpus.prefix, s, work / "corpus") for s in cfg.splits
+    }
+    if not any(sf.total_rows for sf in splits.values()):
+        raise ExtractionError(f"the corpus at {corpus.prefix} has no rows in splits {cfg.splits}")
+    tokens = sum(sf.tokens for sf in splits.values())
+    progress_file = ProgressFile(store, stage.path(PROGRESS_FILE))
+    # What is already uploaded (resume) does not need disk again.
+    report = disk.estimate(
+        cfg,
+        tokens=tokens,
+        hidden_size=target.hidden_size,
+        work_dir=work,
+        store_dir=store.local_path(stage.prefix),
+        already_uploaded_bytes=sum(s.bytes for s in progress_file.shards),
+    )
+    disk.check(report, cfg)
+    return Plan(stage, work, splits, tokens, progress_file, report)
+
+
 def run(
     cfg: ExtractConfig,
     *,
@@ -79,37 +126,22 @@ def run(
     server: ServerConfig,
     progress: ProgressFn = no_progress,
 ) -> StageResult:
-    key = extract_key(cfg, server, target, corpus)
-    stage = StageDir(store, run_name, STAGE, key)
+    stage = StageDir(store, run_name, STAGE, extract_key(cfg, server, target, corpus))
     cached = stage.cached_result()
     if cached is not None:
         progress(1.0, "cached")
         return cached
     began = time.monotonic()
-    work = _work_dir(cfg, run_name, key)
-    work.mkdir(parents=True, exist_ok=True)
-
-    progress(0.0, "reading the corpus")
-    splits: dict[str, SplitFiles] = {
-        s: open_split(store, corpus.prefix, s, work / "corpus") for s in cfg.splits
-    }
-    if not any(sf.total_rows for sf in splits.values()):
-        raise ExtractionError(f"the corpus at {corpus.prefix} has no rows in splits {cfg.splits}")
-    tokens_total = sum(sf.tokens for sf in splits.values())
-    progress_file = ProgressFile(store, stage.path(PROGRESS_FILE))
-    bounds = {s: slice_bounds(sf.total_rows, cfg.num_servers) for s, sf in splits.items()}
-
-    # What is already uploaded (resume) does not need disk again.
-    uploaded = sum(s.bytes for s in progress_file.shards)
-    report = disk.estimate(
-        cfg,
-        tokens=tokens_total,
-        hidden_size=target.hidden_size,
-        work_dir=work,
-        store_dir=store.local_path(stage.prefix),
-        already_uploaded_bytes=uploaded,
+    progress(0.0, "reading the corpus, disk preflight")
+    p = plan(cfg, store=store, run_name=run_name, target=target, corpus=corpus, server=server)
+    work, splits, progress_file, tokens_total, report = (
+        p.work,
+        p.splits,
+        p.progress_file,
+        p.tokens,
+        p.preflight,
     )
-    disk.check(report, cfg)
+    bounds = {s: slice_bounds(sf.total_rows, cfg.num_servers) for s, sf in splits.items()}
 
     canary = _make_canary(cfg, target, splits)
     uploader = Uploader(

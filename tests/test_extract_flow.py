@@ -1,0 +1,73 @@
+"""The extraction flow under a real Prefect test server: a disk shortage fails in the preflight task
+before any server starts; a small corpus goes through a real reference server into shards, with the
+figures table and progress artifact, and the second flow run is a cache hit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.testing.utilities import prefect_test_harness
+
+from aerie.errors import PreflightError
+from aerie.extract.config import ExtractConfig
+from aerie.serving import ServerConfig
+from aerie.store import StoreConfig, open_store
+from flows.extract import extract_flow
+from tests.conftest import free_port
+from tests.extract_support import corpus_rows, write_corpus
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def corpus(tmp_path, smollm2):
+    store_cfg = StoreConfig(uri=str(tmp_path / "store"))
+    rows = corpus_rows(smollm2.load_tokenizer(), 6, seed=3)
+    return store_cfg, write_corpus(open_store(store_cfg), "f", {"train": rows[:5], "eval": rows[5:]})
+
+
+def test_flow_refuses_in_preflight_without_launching(tmp_path, smollm2, corpus):
+    store_cfg, result = corpus
+    port = free_port()
+    cfg = ExtractConfig(work_dir=str(tmp_path / "work"), disk_margin=1e12)
+    with pytest.raises(PreflightError, match="not enough disk for extraction"):
+        extract_flow(
+            cfg=cfg,
+            store_cfg=store_cfg,
+            run_name="f",
+            target=smollm2,
+            corpus=result,
+            server=ServerConfig(device="cpu", port=port),
+        )
+    assert not list((tmp_path / "work").rglob("*.log"))  # no server log: nothing was launched
+
+
+async def _artifact_keys() -> set[str]:
+    async with get_client() as client:
+        return {a.key for a in await client.read_artifacts() if a.key}
+
+
+@pytest.mark.slow
+def test_flow_extracts_and_caches(tmp_path, smollm2, corpus):
+    store_cfg, result = corpus
+    params = {
+        "cfg": ExtractConfig(work_dir=str(tmp_path / "work"), shard_bytes=1 << 20, batch_tokens=256),
+        "store_cfg": store_cfg,
+        "run_name": "f",
+        "target": smollm2,
+        "corpus": result,
+        "server": ServerConfig(device="cpu", port=free_port()),
+    }
+    first = extract_flow(**params)
+    assert not first.cache_hit
+    assert first.figures["tokens"] == result.figures["tokens"] and first.figures["canary_passed"]
+    keys = asyncio.run(_artifact_keys())
+    assert "f-extract" in keys and "extract-figures" in keys
+    second = extract_flow(**params)
+    assert second.manifest_sha256 == first.manifest_sha256
