@@ -34,6 +34,8 @@ def tiny_target(root: Path, seed: int = 0) -> tuple[TargetInfo, LlamaForCausalLM
     """A random 8-layer Llama (hidden 64, vocab 256) saved as an HF dir, resolved like any local target."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    with torch.no_grad():  # a freshly initialised head is near-uniform; a trained target is peaked
+        model.lm_head.weight.mul_(40.0)
     path = root / "tiny-llama"
     model.save_pretrained(path)
     return resolve_target(str(path), cache_dir=root / "cache"), model

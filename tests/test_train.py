@@ -1,0 +1,289 @@
+"""The trainer: objective, packing, data, overfitting, exact resume, the whole stage (in-process and torchrun)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aerie.draft.export import load_drafter
+from aerie.draft.vocab import build_vocab_map
+from aerie.errors import DataError
+from aerie.train import stage
+from aerie.train.config import TrainConfig
+from aerie.train.data import PAD_DOC, BatchReader, EpochPlans, SampleIndex, plan_epoch
+from aerie.train.distributed import DistInfo
+from aerie.train.loop import TrainSpec, _indices, run_training
+from aerie.train.objective import SoftCrossEntropy, summarize, supervised_rows, ttt_loss
+from tests.train_support import make_samples, make_upstream, tiny_target, write_shards
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops on a shared 2-core host run ~10x faster on one thread than fighting for two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target, model = tiny_target(root)
+    torch.set_num_threads(1)
+    train = make_samples(model, target, n=4, prompt=8, response=40, seed=0)
+    held = make_samples(model, target, n=2, prompt=8, response=40, seed=1)
+    return target, train, held
+
+
+def small_cfg(**over) -> TrainConfig:
+    base = dict(
+        draft_vocab_size=256, ttt_length=3, epochs=4, lr=5e-3, batch_tokens=96, max_length=96,
+        eval_every=4, checkpoint_every=4, log_every=1, device="cpu", warmup_ratio=0.05,
+    )  # fmt: skip
+    return TrainConfig(**{**base, **over})
+
+
+def test_soft_cross_entropy_matches_autograd_reference() -> None:
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (3 * torch.randn(37, 50)).to(dtype).requires_grad_()
+        probs = torch.softmax(2 * torch.randn(37, 50), -1).to(dtype)
+        weight = torch.rand(37)
+        ours = SoftCrossEntropy.apply(logits, probs)
+        (grad,) = torch.autograd.grad((ours * weight).sum(), logits)
+        ref_in = logits.detach().float().requires_grad_()
+        ref = -(probs.float() * F.log_softmax(ref_in, -1)).sum(-1)
+        (ref_grad,) = torch.autograd.grad((ref * weight).sum(), ref_in)
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(grad.float(), ref_grad, atol=tol, rtol=tol)
+
+
+def test_conditional_accuracy_and_acceptance_length() -> None:
+    """Hand-made right/wrong patterns over 3 TTT steps: acc, cond_acc and 1 + sum_k prod_{j<=k} cond_acc."""
+    t, vd = 12, 5
+    teacher_argmax = torch.arange(t) % vd
+    probs = F.one_hot(teacher_argmax, vd).float()
+    patterns = [
+        [1, 1, 1, 0, 1, 1, 0, 1, 1, 1],  # step 0: rows 0..9
+        [1, 0, 1, 1, 1, 1, 1, 0, 1],  # step 1: rows 0..8
+        [1, 1, 0, 1, 1, 0, 1, 1],  # step 2: rows 0..7
+    ]
+    logits, valid = [], []
+    for k, pattern in enumerate(patterns):
+        n = t - 2 - k
+        target = teacher_argmax[1 + k : 1 + k + n]
+        guess = torch.where(torch.tensor(pattern, dtype=torch.bool), target, (target + 1) % vd)
+        logits.append(torch.cat([F.one_hot(guess, vd).float() * 5, torch.zeros(t - n, vd)]))
+        valid.append(torch.ones(n, dtype=torch.bool))
+    _, stats = ttt_loss(logits, probs, teacher_argmax, valid, step_decay=0.8)
+    summary = summarize(stats)
+    assert summary["acc"] == pytest.approx([8 / 10, 7 / 9, 6 / 8])
+    # step 1 among rows 0..8 right at step 0 (0,1,2,4,5,7,8): right at 0,2,4,5,8 -> 5/7
+    # step 2 among rows 0..7 right at steps 0 and 1 (0,2,4,5): right at 0,4 -> 2/4
+    assert summary["cond_acc"] == pytest.approx([8 / 10, 5 / 7, 2 / 4])
+    c = [8 / 10, 5 / 7, 2 / 4]
+    assert summary["accept_length"] == pytest.approx(1 + c[0] + c[0] * c[1] + c[0] * c[1] * c[2])
+
+
+def test_packing_covers_every_token_once_and_fills_rows() -> None:
+    lengths = np.array([5, 40, 7, 100, 3, 22])
+    rows = plan_epoch(lengths, batch_tokens=32, max_length=64, seed=3, epoch=0)
+    covered: dict[int, list[int]] = {}
+    for row in rows:
+        for p in row:
+            covered.setdefault(p.sample, []).extend(range(p.start, p.start + p.length))
+    for sample, length in enumerate(lengths):
+        assert sorted(covered[sample]) == list(range(min(int(length), 64)))  # truncated to max_length
+    assert all(sum(p.length for p in row) == 32 for row in rows[:-1])  # only the last row is short
+    again = plan_epoch(lengths, batch_tokens=32, max_length=64, seed=3, epoch=0)
+    assert again == rows
+    assert plan_epoch(lengths, batch_tokens=32, max_length=64, seed=3, epoch=1) != rows
+
+
+def test_supervised_rows_follow_the_alignment(tiny, tmp_path) -> None:
+    """Row t at step k predicts x_{t+2+k}: supervised iff that token is in the row's document and masked in."""
+    target, train, _ = tiny
+    paths = write_shards(train[:2], tmp_path)
+    index = SampleIndex(paths)
+    plans = EpochPlans(index, batch_tokens=100, max_length=64, seed=0, shuffle=False)
+    batch = BatchReader(index).batch(plans.pieces(0), 100)
+    assert batch.tokens == 96 and batch.doc_ids[-4:].tolist() == [PAD_DOC] * 4
+    assert batch.positions[:48].tolist() == list(range(48)) and batch.positions[48:96].tolist() == list(
+        range(48)
+    )
+    valid = supervised_rows(batch, 3)
+    for k in range(3):
+        for t in range(valid[k].numel()):
+            j = t + 2 + k
+            want = (
+                bool(batch.doc_ids[j] == batch.doc_ids[t])
+                and bool(batch.loss_mask[j])
+                and batch.doc_ids[t] >= 0
+            )
+            assert bool(valid[k][t]) == want
+    assert int(valid[0].sum()) == 2 * 40  # every supervised token of both docs is some row's step-0 target
+
+
+def test_fp8_shards_read_close_to_bf16(tiny, tmp_path) -> None:
+    _, train, _ = tiny
+    rows = {}
+    for storage in ("bf16", "fp8"):
+        index = SampleIndex(write_shards(train, tmp_path / storage, storage))
+        assert index.storage == storage
+        plans = EpochPlans(index, batch_tokens=64, max_length=48, seed=0)
+        rows[storage] = BatchReader(index).batch(plans.pieces(1), 64).to("cpu", torch.float32)
+    a, b = rows["bf16"], rows["fp8"]
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.doc_ids, b.doc_ids)
+    for x, y in ((a.aux_hidden, b.aux_hidden), (a.last_hidden, b.last_hidden)):
+        assert ((x - y).abs() <= 0.07 * x.abs().amax(-1, keepdim=True) + 1e-6).all()  # e4m3: 3 mantissa bits
+
+
+def test_unreadable_shard_is_named(tmp_path) -> None:
+    bad = tmp_path / "shard-00000.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(DataError, match="shard-00000"):
+        SampleIndex([bad])
+
+
+def _spec(tmp_path: Path, tiny, cfg: TrainConfig, eval_split: bool = True) -> TrainSpec:
+    from safetensors.torch import save_file
+
+    target, train, held = tiny
+    counts = sum(torch.bincount(s.input_ids[s.loss_mask], minlength=256) for s in train)
+    vmap = build_vocab_map(counts, cfg.draft_vocab_size)
+    save_file({"used": vmap.used, "d2t": vmap.d2t, "t2d": vmap.t2d}, str(tmp_path / "vocab.safetensors"))
+    return TrainSpec(
+        cfg=cfg,
+        target=target,
+        train_shards=[str(p) for p in write_shards(train, tmp_path / "train")],
+        eval_shards=[str(p) for p in write_shards(train, tmp_path / "eval")] if eval_split else [],
+        vocab_path=str(tmp_path / "vocab.safetensors"),
+        work_dir=str(tmp_path / "work"),
+        device="cpu",
+    )
+
+
+def test_tiny_set_overfits(tiny, tmp_path) -> None:
+    """Evaluated on its own 4 training samples, step-0 accuracy passes 0.9 (full-vocab argmax, exact)."""
+    cfg = small_cfg(epochs=100, eval_every=50, checkpoint_every=1000, log_every=50)
+    records: list[dict] = []
+    state = run_training(_spec(tmp_path, tiny, cfg), DistInfo(), records.append)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert state.step == 200 and evals[-1]["step"] == 200
+    assert evals[-1]["acc"][0] > 0.9, evals[-1]
+    assert evals[-1]["accept_length"] > evals[0]["accept_length"]
+    best = max(evals, key=lambda r: r["accept_length"])
+    assert (state.best_step, state.best_accept_length) == (best["step"], best["accept_length"])
+
+
+def test_heldout_comes_from_train_without_an_eval_split(tiny, tmp_path) -> None:
+    spec = _spec(tmp_path, tiny, small_cfg(heldout_samples=1), eval_split=False)
+    train_index, eval_index = _indices(spec)
+    assert (len(train_index), len(eval_index)) == (3, 1)
+    assert set(eval_index.begin.tolist()).isdisjoint(train_index.begin.tolist())
+
+
+def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
+    target, train, held = tiny
+    up = make_upstream(tmp_path, target, train, held, storage="fp8")
+    seen: list[tuple[float, str]] = []
+    cfg = small_cfg(draft_vocab_size=128, epochs=6)
+    result = stage.run(
+        cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus,
+        progress=lambda f, m: seen.append((f, m)),
+    )  # fmt: skip
+    assert not result.cache_hit and result.stage == "train"
+    manifest = json.loads(up.store.get_bytes(f"{result.prefix}/manifest.json"))
+    assert manifest["vocab"]["draft_vocab_size"] == 128 and 0 < manifest["vocab"]["vocab_coverage"] <= 1
+    assert manifest["best"]["accept_length"] >= 1.0 and manifest["best"]["step"] in (4, 8, 12)
+    assert manifest["training"]["total_steps"] == 12  # 4 samples x 48 tokens = 2 rows of 96, x 6 epochs
+    assert (
+        manifest["drafter_config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        == target.aux_layers_output
+    )
+    files = set(up.store.list(result.prefix))
+    for name in ("drafter/config.json", "drafter/model.safetensors", "metrics.jsonl", "loss.png", "accuracy.png",
+                 "checkpoints/latest.json", "checkpoints/best/model.safetensors"):  # fmt: skip
+        assert f"{result.prefix}/{name}" in files, name
+    steps = sorted({k.split("/")[-2] for k in files if "/checkpoints/step-" in k})
+    assert steps == ["step-00000008", "step-00000012"]  # keep_checkpoints=2 pruned step 4
+    drafter = load_drafter(Path(up.store.root) / result.prefix / "drafter", target, dtype=torch.float32)
+    assert drafter.lm_head.weight.shape == (128, 64)
+    lines = [
+        json.loads(x) for x in up.store.get_bytes(f"{result.prefix}/metrics.jsonl").decode().splitlines()
+    ]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 13))
+    assert seen[-1][0] == 1.0 and any("eval accept length" in m for _, m in seen)
+
+    again = stage.run(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
+    assert again.cache_hit and again.key == result.key and again.figures == result.figures
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_continues_exactly(tiny, tmp_path) -> None:
+    """8 steps straight vs 4 steps, a crash, and a re-run that resumes from the store: same losses."""
+    target, train, held = tiny
+    cfg = small_cfg(epochs=4, eval_every=2)
+    straight = make_upstream(tmp_path / "a", target, train, held)
+    done = stage.run(
+        cfg, store=straight.store, run_name="t", target=target, shards=straight.shards, corpus=straight.corpus
+    )
+
+    interrupted = make_upstream(tmp_path / "b", target, train, held)
+
+    def crash_after_step_5(fraction: float, message: str) -> None:
+        if message.startswith("step 5/"):
+            raise Crash(message)
+
+    with pytest.raises(Crash):
+        stage.run(cfg, store=interrupted.store, run_name="t", target=target, shards=interrupted.shards,
+                  corpus=interrupted.corpus, progress=crash_after_step_5)  # fmt: skip
+    latest = json.loads(interrupted.store.get_bytes(f"t/train/{done.key}/checkpoints/latest.json"))
+    assert latest["step"] == 4
+    resumed = stage.run(
+        cfg,
+        store=interrupted.store,
+        run_name="t",
+        target=target,
+        shards=interrupted.shards,
+        corpus=interrupted.corpus,
+    )
+    assert resumed.key == done.key
+
+    def train_losses(up, result) -> list[tuple[int, float]]:
+        lines = up.store.get_bytes(f"{result.prefix}/metrics.jsonl").decode().splitlines()
+        return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["kind"] == "train"]
+
+    a, b = train_losses(straight, done), train_losses(interrupted, resumed)
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 9))
+    np.testing.assert_allclose([x for _, x in b], [x for _, x in a], rtol=1e-5, atol=1e-6)
+    assert resumed.figures["accept_length"] == pytest.approx(done.figures["accept_length"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_torchrun_workers_train_with_ddp(tiny, tmp_path) -> None:
+    """num_gpus=2 on a CPU host: two gloo ranks under torchrun, records tailed, checkpoints uploaded."""
+    target, train, held = tiny
+    up = make_upstream(tmp_path, target, train, held)
+    cfg = small_cfg(epochs=4, num_gpus=2, eval_every=2, checkpoint_every=2)
+    result = stage.run(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
+    manifest = json.loads(up.store.get_bytes(f"{result.prefix}/manifest.json"))
+    assert manifest["training"]["total_steps"] == 4  # 8 rows over 2 ranks
+    assert manifest["training"]["tokens"] == 4 * 2 * 96
+    lines = [
+        json.loads(x) for x in up.store.get_bytes(f"{result.prefix}/metrics.jsonl").decode().splitlines()
+    ]
+    evals = [r for r in lines if r["kind"] == "eval"]
+    # Eval splits the held-out rows over the ranks and sums: every supervised row counted exactly once.
+    assert evals[0]["supervised"][0] == 2 * 40
+    assert up.store.exists(f"{result.prefix}/drafter/model.safetensors")
