@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import ssl
 import threading
 import time
 from collections import Counter
@@ -82,18 +83,23 @@ class FaultServer:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        self._scheme = "http"
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         assert self._httpd is not None
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}/v1"
+        return f"{self._scheme}://127.0.0.1:{self._httpd.server_address[1]}/v1"
 
-    def start(self, port: int = 0) -> FaultServer:
+    def start(self, port: int = 0, tls: ssl.SSLContext | None = None) -> FaultServer:
+        """Serve on 127.0.0.1 (port 0 = any free one); with `tls`, serve HTTPS."""
         handler = type("Handler", (_Handler,), {"server_state": self})
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
         self._httpd.daemon_threads = True
+        if tls is not None:
+            self._httpd.socket = tls.wrap_socket(self._httpd.socket, server_side=True)
+            self._scheme = "https"
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()
         return self
@@ -104,7 +110,7 @@ class FaultServer:
             self._httpd.server_close()
 
     def __enter__(self) -> FaultServer:
-        return self.start()
+        return self if self._httpd is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -107,7 +107,10 @@ def read_output(store: LocalStore, prefix: str) -> pl.DataFrame:
     return read_conversations(store.local_path(f"{prefix}/conversations.parquet"))
 
 
-def test_transient_faults_are_retried_and_every_record_arrives_once(server: FaultServer, tmp_path: Path):
+@pytest.mark.parametrize("transport", ["lean", "httpcore"])
+def test_transient_faults_are_retried_and_every_record_arrives_once(
+    server: FaultServer, tmp_path: Path, transport: str
+):
     retry_date = email.utils.formatdate(time.time() + 1.0, usegmt=True)
     server.plan = {
         "question 0.0": [status(429, retry_after="1")],
@@ -121,7 +124,7 @@ def test_transient_faults_are_retried_and_every_record_arrives_once(server: Faul
         "question 8.0": [status(408), status(409)],
     }
     convs = conversations(12)
-    cfg, spec = config(server.url), spec_for()
+    cfg, spec = config(server.url, http_transport=transport), spec_for()
     store = LocalStore(tmp_path / "store")
     result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url)
 

@@ -159,6 +159,7 @@ class ChatClient:
                 max_connections=endpoint.concurrency, max_keepalive_connections=endpoint.concurrency
             ),
             transport=self._transport(base_url, ssl_context),
+            verify=ssl_context if ssl_context is not None else True,
         )
 
     def _transport(

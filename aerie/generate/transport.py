@@ -17,6 +17,7 @@ done, so this equals httpx's per-read timeout in practice).
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 import time
 from collections import defaultdict
@@ -207,6 +208,22 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def reusable(self) -> bool:
+        """Still open as far as the kernel knows: an idle keep-alive socket that is readable holds
+        the server's FIN (or stray bytes) that the event loop has not processed yet. Sending on it
+        would fail, so it is dropped instead (httpcore does the same check)."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return False
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        poller = select.poll()  # not select(): it fails on descriptors above 1023
+        try:
+            poller.register(sock.fileno(), select.POLLIN)
+            return not poller.poll(0)
+        except (OSError, ValueError):
+            return False
+
 
 class Http11Transport(httpx.AsyncBaseTransport):
     """HTTP/1.1 keep-alive pool: at most `max_connections` open at once, idle ones reused newest-first
@@ -268,7 +285,7 @@ class Http11Transport(httpx.AsyncBaseTransport):
         now = time.monotonic()
         while stack:
             conn = stack.pop()
-            if not conn.closed and now - conn.idle_since < self._expiry:
+            if now - conn.idle_since < self._expiry and conn.reusable():
                 return conn
             conn.close()
         return None
