@@ -277,7 +277,7 @@ def _prompts(state: ServerState, body: GenerateBody) -> tuple[list[list[int]], b
         batch = isinstance(body.text, list)
         texts = body.text if isinstance(body.text, list) else [body.text or ""]
         prompts = [list(tok(t).input_ids) for t in texts]
-    vocab = int(state.loaded.model.get_input_embeddings().weight.shape[0])
+    vocab = state.loaded.vocab_size
     for i, p in enumerate(prompts):
         if not p:
             raise RequestError(f"input {i} is empty")

@@ -8,6 +8,7 @@ is checked here, before the (slow) load: a bad flag must fail in a second, not a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ class RefServerArgs:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_batch_tokens: int = 16384
     max_running_requests: int = 64
+    cpu_threads: int = 0
     aux_layers: tuple[int, ...] | None = None
     skip_tokenizer_init: bool = False
     disable_radix_cache: bool = False
@@ -66,6 +68,7 @@ class RefServerArgs:
         argv += ["--device", self.device, "--dtype", self.dtype]
         argv += ["--max-batch-tokens", str(self.max_batch_tokens)]
         argv += ["--max-running-requests", str(self.max_running_requests)]
+        argv += ["--cpu-threads", str(self.cpu_threads)]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
         if self.dump_dir:
@@ -113,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Tokens per packed extraction forward, and the prompt-token budget of a generation batch.",
     )
     p.add_argument("--max-running-requests", type=int, default=64, help="Sequences decoded together at most.")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads; 0 = half the cores (at most 8). Decoding a small model is "
+        "latency-bound: extra threads mostly wait on each other, badly so on a shared host.",
+    )
     p.add_argument(
         "--aux-layers",
         type=int,
@@ -173,6 +183,7 @@ def parse_args(argv: Sequence[str]) -> RefServerArgs:
         dtype=ns.dtype,
         max_batch_tokens=ns.max_batch_tokens,
         max_running_requests=ns.max_running_requests,
+        cpu_threads=ns.cpu_threads,
         aux_layers=tuple(ns.aux_layers) if ns.aux_layers is not None else None,
         skip_tokenizer_init=ns.skip_tokenizer_init,
         disable_radix_cache=ns.disable_radix_cache,
@@ -197,16 +208,20 @@ def check_args(args: RefServerArgs) -> None:
         raise ArgsError(f"--model-path {args.model_path}: no config.json there (an HF-format directory)")
     if not 1 <= args.port <= 65535:
         raise ArgsError(f"--port {args.port}: not a TCP port")
-    if args.max_batch_tokens < 1 or args.max_running_requests < 1:
-        raise ArgsError("--max-batch-tokens and --max-running-requests must be positive")
+    if args.max_batch_tokens < 1 or args.max_running_requests < 1 or args.cpu_threads < 0:
+        raise ArgsError("--max-batch-tokens and --max-running-requests must be positive, --cpu-threads >= 0")
     if args.chunked_prefill_size != -1:
         raise ArgsError(
             f"--chunked-prefill-size {args.chunked_prefill_size}: the reference server never chunks; use -1"
         )
     if args.mode == "extract":
         _check_dump_dir(args.dump_dir)
-    if args.aux_layers is not None and len(set(args.aux_layers)) != len(args.aux_layers):
-        raise ArgsError(f"--aux-layers {list(args.aux_layers)}: ids must be unique")
+    if args.aux_layers is not None:
+        if len(set(args.aux_layers)) != len(args.aux_layers):
+            raise ArgsError(f"--aux-layers {list(args.aux_layers)}: ids must be unique")
+        depth = config_depth(args.model_path)
+        if depth is not None:
+            check_aux_layers(args.aux_layers, depth)
     if args.speculative_algorithm is not None and not args.speculative_draft_model_path:
         raise ArgsError("--speculative-algorithm needs --speculative-draft-model-path")
 
@@ -223,6 +238,16 @@ def _check_dump_dir(dump_dir: str | None) -> None:
         raise ArgsError(f"--dump-dir {dump_dir}: not writable")
 
 
+def config_depth(model_path: str) -> int | None:
+    """num_hidden_layers from config.json (or its text_config), read without loading the model."""
+    try:
+        raw = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    depth = (raw.get("text_config") or {}).get("num_hidden_layers", raw.get("num_hidden_layers"))
+    return int(depth) if isinstance(depth, int) else None
+
+
 def check_aux_layers(aux_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
     """Input-of-layer ids must name a residual stream that exists: 0 (embeddings) .. N-1."""
     bad = [i for i in aux_layers if not 0 <= i < num_layers]
@@ -237,6 +262,11 @@ def check_aux_layers(aux_layers: Sequence[int], num_layers: int) -> tuple[int, .
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's capture: the residual stream entering layers 2, N//2 and N-3."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def cpu_threads(requested: int) -> int:
+    """The torch thread count: as asked, or half the cores (at most 8)."""
+    return requested or max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def launch_command(argv: Sequence[str]) -> str:

@@ -34,6 +34,7 @@ class LoadedModel:
     dtype: torch.dtype
     num_layers: int
     hidden_size: int
+    vocab_size: int
     context_len: int
     eos_token_ids: list[int]
     architecture: str
@@ -106,6 +107,7 @@ def load_model(
         dtype=torch_dtype,
         num_layers=int(text.num_hidden_layers),
         hidden_size=int(text.hidden_size),
+        vocab_size=int(model.get_input_embeddings().weight.shape[0]),  # type: ignore[union-attr,index]
         context_len=int(getattr(text, "max_position_embeddings", 4096)),
         eos_token_ids=_eos_ids(path, config, tokenizer),
         architecture=arch,

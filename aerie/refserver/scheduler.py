@@ -58,6 +58,7 @@ class SchedulerStats:
     extracted_tokens: int = 0
     dumps_written: int = 0
     failures: int = 0
+    peak_running: int = 0  # most requests decoded together so far (proves batching happened)
 
 
 class Scheduler:
@@ -166,6 +167,7 @@ class Scheduler:
             tokens += len(item.request.input_ids)
         for item in taken:
             self._running[id(item.request)] = item
+        self.stats.peak_running = max(self.stats.peak_running, len(self._running))
         return taken
 
     def _guarded(self, items: list[_GenItem], work: Callable[[], list[GenResult]]) -> None:

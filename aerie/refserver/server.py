@@ -26,7 +26,14 @@ from types import FrameType
 from typing import Any
 
 from aerie.errors import TargetError
-from aerie.refserver.args import ArgsError, RefServerArgs, check_aux_layers, default_aux_layers, parse_args
+from aerie.refserver.args import (
+    ArgsError,
+    RefServerArgs,
+    check_aux_layers,
+    cpu_threads,
+    default_aux_layers,
+    parse_args,
+)
 from aerie.refserver.sglang_log import READY_LINE, avail_mem_gb, logger, setup_logging, uvicorn_log_config
 
 SPEC_DECODE_MODULE = "aerie.evaluate.spec_decode"
@@ -88,6 +95,7 @@ def _start(args: RefServerArgs) -> Any:
     from aerie.refserver.loader import load_model
     from aerie.refserver.scheduler import Scheduler
 
+    torch.set_num_threads(cpu_threads(args.cpu_threads))
     if args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     packed.register()

@@ -1,0 +1,248 @@
+"""The reference server in extract mode, as a real process on 127.0.0.1 with the smollm2 target on CPU:
+the dump contract checked numerically against a transformers forward in this process, packing
+correctness, chat answers, batched == unbatched greedy generation, and SGLang's 400s."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from tests.refserver_support import RefServer, launch, wait_ready
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence to a curious five-year-old.",
+]
+
+
+@pytest.fixture(scope="module")
+def dump_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dumps")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, dump_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    srv = launch(
+        smollm2.path,
+        tmp_path_factory.mktemp("logs"),
+        "--mode",
+        "extract",
+        "--dump-dir",
+        str(dump_dir),
+        "--weight-version",
+        "run-test-extract",
+        "--device",
+        "cpu",
+    )
+    try:
+        wait_ready(srv)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """The same target loaded by plain transformers in the test process (one thread: the host is shared
+    and a tiny model's forward only loses time to a second, descheduled OpenMP thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield smollm2.load_model("cpu", "float32")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _token_ids(smollm2, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, smollm2.vocab_size, (n,), generator=g).tolist()
+
+
+def _generate(server: RefServer, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/generate", json=body, timeout=120)
+
+
+def test_server_info_echoes_the_nonce_and_capture_layers(server: RefServer, smollm2) -> None:
+    info = httpx.get(server.url + "/server_info").json()
+    assert info["weight_version"] == "run-test-extract"
+    assert info["mode"] == "extract" and info["device"] == "cpu" and info["dtype"] == "float32"
+    assert info["aux_layers"] == smollm2.aux_layers_input == [2, 15, 27]
+    assert info["model_path"] == smollm2.path
+    assert "--weight-version run-test-extract" in info["launch_command"]
+    assert httpx.get(server.url + "/get_server_info").json()["weight_version"] == "run-test-extract"
+
+
+def test_prefill_dump_matches_a_transformers_forward(server: RefServer, reference, smollm2, dump_dir) -> None:
+    ids = _token_ids(smollm2, 37, seed=1)
+    reply = _generate(
+        server,
+        {
+            "input_ids": ids,
+            "rid": "sample-one",
+            "sampling_params": {"max_new_tokens": 0},
+            "return_hidden_states": True,
+        },
+    )
+    assert reply.status_code == 200, reply.text
+    meta = reply.json()["meta_info"]
+    h = smollm2.hidden_size
+    assert meta["dump"] == {
+        "key": "sample-one.safetensors",
+        "shapes": {"input_ids": [37], "aux_hidden": [37, 3 * h], "last_hidden": [37, h]},
+        "dtype": "float32",
+    }
+    assert meta["completion_tokens"] == 0 and meta["prompt_tokens"] == 37 and meta["cached_tokens"] == 0
+    assert len(reply.content) < 2000  # key, shapes and dtype only: no float lists over HTTP
+
+    dump = load_file(dump_dir / "sample-one.safetensors")
+    assert dump["input_ids"].dtype == torch.int32 and dump["input_ids"].tolist() == ids
+    with torch.inference_mode():
+        out = reference(torch.tensor([ids]), output_hidden_states=True)
+        hs = out.hidden_states
+        expected_aux = torch.cat([hs[2][0], hs[15][0], hs[27][0]], dim=-1)
+        logits = reference.lm_head(dump["last_hidden"])
+    assert (dump["aux_hidden"] - expected_aux).abs().max().item() < 1e-4
+    # last_hidden is post-norm: lm_head of it gives the model's logits (and it equals HF's hidden_states[-1]).
+    assert (logits - out.logits[0]).abs().max().item() < 1e-4
+    assert (dump["last_hidden"] - hs[-1][0]).abs().max().item() < 1e-4
+    # A ±1 layer error would not pass: neighbouring layers differ by far more than the tolerance.
+    assert (dump["aux_hidden"][:, :h] - hs[1][0]).abs().max().item() > 1e-2
+    with safe_open(str(dump_dir / "sample-one.safetensors"), "pt") as f:
+        assert f.metadata()["aux_layers"] == "2,15,27" and f.metadata()["rid"] == "sample-one"
+
+
+def test_packed_batch_gives_the_same_dumps_as_one_at_a_time(server: RefServer, smollm2, dump_dir) -> None:
+    lengths = [5, 64, 17, 130, 1]
+    seqs = [_token_ids(smollm2, n, seed=10 + i) for i, n in enumerate(lengths)]
+    for i, ids in enumerate(seqs):
+        body = {"input_ids": ids, "rid": f"solo-{i}", "sampling_params": {"max_new_tokens": 0}}
+        assert _generate(server, body).status_code == 200
+    batch = {
+        "input_ids": seqs,
+        "rid": [f"pack-{i}" for i in range(len(seqs))],
+        "sampling_params": {"max_new_tokens": 0},
+        "return_hidden_states": True,
+    }
+    reply = _generate(server, batch)
+    assert reply.status_code == 200, reply.text
+    items = reply.json()
+    assert [it["meta_info"]["dump"]["key"] for it in items] == [f"pack-{i}.safetensors" for i in range(5)]
+    assert [it["meta_info"]["dump"]["shapes"]["aux_hidden"][0] for it in items] == lengths
+    for i, ids in enumerate(seqs):
+        solo = load_file(dump_dir / f"solo-{i}.safetensors")
+        packed = load_file(dump_dir / f"pack-{i}.safetensors")
+        assert packed["input_ids"].tolist() == ids
+        # Packing changes only the floating-point summation order of the projections (GEMM shapes);
+        # attention leaking across sequences or wrong positions would differ by O(1).
+        for name in ("aux_hidden", "last_hidden"):
+            torch.testing.assert_close(packed[name], solo[name], rtol=1e-4, atol=1e-3)
+    assert not [p for p in dump_dir.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_chat_answers_paris(server: RefServer, smollm2) -> None:
+    reply = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "model": "anything",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32,
+            "temperature": 0,
+        },
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    assert "Paris" in data["choices"][0]["message"]["content"]
+    assert data["choices"][0]["finish_reason"] == "stop"
+    assert data["model"] == smollm2.path  # served name defaults to the model path, as in SGLang
+    tok = smollm2.load_tokenizer()
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == len(tok(prompt, add_special_tokens=False).input_ids)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert 0 < usage["completion_tokens"] <= 32
+
+
+def _chat(server: RefServer, prompt: str) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 16, "temperature": 0}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_concurrent_chats_are_batched_and_equal_to_alone(server: RefServer) -> None:
+    alone = [_chat(server, p) for p in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: _chat(server, p), PROMPTS))
+    for a, b in zip(alone, together, strict=True):
+        assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+        assert b["usage"] == a["usage"]
+        assert b["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
+    stats = httpx.get(server.url + "/server_info").json()["internal_states"][0]
+    assert stats["peak_running"] >= 2  # the concurrent requests really shared decoding steps
+
+
+def test_length_limit_and_stop_string(server: RefServer) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
+        "max_tokens": 5,
+        "temperature": 0,
+    }
+    data = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert data["choices"][0]["finish_reason"] == "length" and data["usage"]["completion_tokens"] == 5
+    reply = _generate(
+        server,
+        {"text": "1, 2, 3, 4,", "sampling_params": {"max_new_tokens": 30, "temperature": 0, "stop": ["7"]}},
+    ).json()
+    assert reply["meta_info"]["finish_reason"] == {"type": "stop", "matched": "7"}
+    assert "7" not in reply["text"] and len(reply["output_ids"]) == reply["meta_info"]["completion_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"input_ids": [1, 2, 3], "sampling_params": {"max_new_token": 4}}, "max_new_token"),
+        ({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "n": 2}}, "sampling_params.n"),
+        (
+            {"input_ids": [1, 2], "rid": "../escape", "sampling_params": {"max_new_tokens": 0}},
+            "cannot name a dump",
+        ),
+        ({"input_ids": [[1], [2]], "rid": ["x", "x"], "sampling_params": {"max_new_tokens": 0}}, "unique"),
+        ({"input_ids": [1, 10**9], "sampling_params": {"max_new_tokens": 0}}, "outside the vocabulary"),
+        ({"input_ids": [1, 2], "return_hidden_states": True}, "prefill-only"),
+        ({"input_ids": [1], "text": "both"}, "exactly one"),
+    ],
+    ids=[
+        "unknown-param",
+        "unsupported-n",
+        "unsafe-rid",
+        "duplicate-rid",
+        "bad-token",
+        "hidden-with-decode",
+        "both",
+    ],
+)
+def test_bad_requests_get_400_naming_the_problem(server: RefServer, body: dict, message: str) -> None:
+    reply = _generate(server, body)
+    assert reply.status_code == 400
+    assert reply.json()["object"] == "error" and message in reply.json()["message"]
+
+
+def test_model_info_and_models(server: RefServer, smollm2) -> None:
+    info = httpx.get(server.url + "/model_info").json()
+    assert info["weight_version"] == "run-test-extract" and info["architectures"] == ["LlamaForCausalLM"]
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == smollm2.path and models["data"][0]["max_model_len"] == 8192
+    assert json.dumps(httpx.get(server.url + "/get_model_info").json()) == json.dumps(info)
