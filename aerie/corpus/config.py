@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from aerie.configbase import StrictModel
+
+# Fields that change how fast the corpus is built, never what it contains: left out of the stage key.
+EXECUTION_FIELDS = frozenset({"num_workers", "batch_rows", "spill_mb"})
 
 
 class CorpusConfig(StrictModel):
@@ -20,7 +23,24 @@ class CorpusConfig(StrictModel):
     )
     seed: int = Field(0, description="Seed of the deterministic shuffle and split.")
     truncated_policy: Literal["keep", "drop"] = Field(
-        "keep", description="What to do with conversations whose generation hit max_tokens."
+        "keep",
+        description="Conversations whose generation hit max_tokens: keep = supervise the text that was "
+        "generated but not the end-of-turn the model never produced; drop = quarantine them.",
     )
-    rows_per_shard: int = Field(50_000, ge=1, description="Rows per output Parquet shard.")
-    num_workers: int = Field(2, ge=1, description="Processes tokenizing in parallel.")
+    history_mismatch: Literal["split", "mask"] = Field(
+        "split",
+        description="When the template renders an earlier assistant turn differently as history (e.g. it "
+        "strips old reasoning): split = one extra sample per such turn, rendered as the server saw it; "
+        "mask = leave that turn unsupervised.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template (e.g. {'enable_thinking': true}), as the "
+        "serving engine passes them.",
+    )
+    rows_per_shard: int = Field(20_000, ge=1, description="Rows per output Parquet shard (about).")
+    num_workers: int = Field(2, ge=1, description="Processes tokenizing in parallel; 1 = in process.")
+    batch_rows: int = Field(256, ge=1, description="Conversations per tokenization task.")
+    spill_mb: int = Field(
+        256, ge=8, description="Tokenized rows buffered in memory before they are spilled to disk (MiB)."
+    )

@@ -1,0 +1,197 @@
+"""Batches of conversations in, tokenized rows with loss masks out: the work each process does.
+
+A batch is a Polars frame of `TASK_COLUMNS`. Each conversation is checked, hashed, placed (split,
+shard, shuffle key), rendered with the target's chat template into one or more samples, and all
+samples of the batch are tokenized in one batched call. Conversations that fail are returned as
+quarantine entries, never raised: one bad row must not stop a corpus of millions.
+
+`encoder_pool` runs batches in `num_workers` spawned processes with a bounded number in flight, so
+memory does not grow with the corpus; with one worker it runs in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import pickle
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+
+from aerie.corpus import worker
+from aerie.corpus.schema import SPILL
+from aerie.corpus.shuffle import Layout
+from aerie.corpus.template import Aligner, ChatRenderer, Sample, TemplateSpec, make_aligner
+from aerie.corpus.validate import Rejected, check_conversation, content_hash
+from aerie.errors import DataError
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    max_length: int
+    truncated_policy: str
+    history_mismatch: str
+    layout: Layout
+
+
+@dataclass
+class BatchResult:
+    """What one batch produced: spill rows, quarantine entries, counters and its input row count."""
+
+    frame: pl.DataFrame
+    quarantine: list[dict[str, str]] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+    rows: int = 0
+
+
+@dataclass
+class _Pending:
+    row: dict[str, Any]
+    sample: Sample
+    digest: bytes
+    place: tuple[int, int, int]
+
+
+class BatchEncoder:
+    """Renders and tokenizes batches with one target's chat template and tokenizer."""
+
+    def __init__(self, spec: TemplateSpec, options: EncodeOptions) -> None:
+        self.renderer = ChatRenderer(spec)
+        self.aligner: Aligner = make_aligner(spec)
+        self.options = options
+
+    def __call__(self, batch: pl.DataFrame) -> BatchResult:
+        result = BatchResult(frame=_empty_frame(), rows=batch.height)
+        pending: list[_Pending] = []
+        for row in batch.iter_rows(named=True):
+            try:
+                pending.extend(self._samples(row, result.counts))
+            except Rejected as rejected:
+                result.quarantine.append(_entry(row, rejected.code, rejected.detail))
+                result.counts[f"dropped.{rejected.code}"] += 1
+        encoded = self.aligner.encode([p.sample for p in pending]) if pending else []
+        columns: dict[str, list[Any]] = {name: [] for name in (*SPILL, "split", "bucket")}
+        for p, (ids, mask, straddled) in zip(pending, encoded, strict=True):
+            result.counts["boundary_tokens"] += straddled
+            if len(ids) > self.options.max_length:
+                result.counts["samples_cut_to_max_length"] += 1
+                result.counts["tokens_cut"] += len(ids) - self.options.max_length
+                ids, mask = ids[: self.options.max_length], mask[: self.options.max_length]
+            supervised = int(mask.sum())
+            sample_id = p.row["id"] if p.sample.whole else f"{p.row['id']}#m{p.sample.end_message}"
+            if supervised == 0:
+                detail = f"no assistant token within max_length={self.options.max_length}"
+                result.quarantine.append(_entry({**p.row, "id": sample_id}, "no_supervised_tokens", detail))
+                result.counts["dropped.no_supervised_tokens"] += 1
+                continue
+            split, bucket, order = p.place
+            for name, value in (
+                ("src", p.row["src"]),
+                ("sub", 0 if p.sample.whole else p.sample.end_message),
+                ("hash", p.digest),
+                ("order", order),
+                ("id", sample_id),
+                ("source", p.row["source"]),
+                ("input_ids", ids),
+                ("loss_mask", mask),
+                ("n_tokens", len(ids)),
+                ("n_supervised", supervised),
+                ("split", split),
+                ("bucket", bucket),
+            ):
+                columns[name].append(value)
+        result.frame = _frame(columns)
+        return result
+
+    def _samples(self, row: dict[str, Any], counts: Counter[str]) -> list[_Pending]:
+        if row["id"] is None or row["source"] is None:
+            raise Rejected("null_field", "the row has no id or no source")
+        checked = check_conversation(
+            row["messages"],
+            truncated=row["truncated"],
+            finish_reasons=row["finish_reasons"],
+            truncated_policy=self.options.truncated_policy,
+        )
+        counts["trailing_user_turns_trimmed"] += checked.trimmed
+        counts["truncated_turns"] += len(checked.truncated_turns)
+        try:
+            samples, notes = self.renderer.samples(
+                checked.messages, checked.truncated_turns, self.options.history_mismatch
+            )
+        except Exception as exc:  # noqa: BLE001 - a template's raise_exception, or any error it hits on this row
+            raise Rejected("template_error", f"the chat template refused it: {str(exc)[:300]}") from exc
+        counts.update(notes)
+        digest = content_hash(checked.messages, checked.truncated_turns)
+        place = self.options.layout.place(digest)
+        slim = {"src": row["src"], "id": row["id"], "source": row["source"]}
+        return [_Pending(slim, s, digest, place) for s in samples]
+
+
+def _entry(row: dict[str, Any], code: str, detail: str) -> dict[str, str]:
+    return {"id": str(row.get("id")), "source": str(row.get("source")), "reason": code, "detail": detail}
+
+
+def _empty_frame() -> pl.DataFrame:
+    return pl.DataFrame(schema={**SPILL, "split": pl.UInt8(), "bucket": pl.UInt32()})
+
+
+def _frame(columns: dict[str, list[Any]]) -> pl.DataFrame:
+    if not columns["id"]:
+        return _empty_frame()
+    schema = {**SPILL, "split": pl.UInt8(), "bucket": pl.UInt32()}
+    # Lists of numpy arrays become list columns without a Python int per token.
+    return pl.DataFrame(
+        {name: pl.Series(name, values, dtype=schema[name]) for name, values in columns.items()}
+    )
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+Encode = Callable[[Iterable[pl.DataFrame]], Iterator[BatchResult]]
+
+
+@contextlib.contextmanager
+def encoder_pool(spec: TemplateSpec, options: EncodeOptions, num_workers: int) -> Iterator[Encode]:
+    """Yield a function that maps batches to results in order, `num_workers` processes at a time and
+    at most two batches per process in flight (memory stays flat however long the input is).
+
+    A worker that dies (killed for memory, a crash in native code) raises `DataError` instead of
+    leaving the run waiting forever, which is why this is a ProcessPoolExecutor and not a Pool.
+    """
+    if num_workers <= 1:
+        encoder = BatchEncoder(spec, options)
+        yield lambda batches: (encoder(b) for b in batches)
+        return
+    # spawn, not fork: the parent runs Polars and tokenizers thread pools that a fork would copy mid-flight.
+    executor = ProcessPoolExecutor(
+        max_workers=num_workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=worker.initialize,
+        initargs=(pickle.dumps((spec, options)),),
+    )
+
+    def run(batches: Iterable[pl.DataFrame]) -> Iterator[BatchResult]:
+        in_flight: deque[Future[BatchResult]] = deque()
+        try:
+            for batch in batches:
+                in_flight.append(executor.submit(worker.encode, batch))
+                if len(in_flight) >= 2 * num_workers:
+                    yield in_flight.popleft().result()
+            while in_flight:
+                yield in_flight.popleft().result()
+        except BrokenProcessPool as exc:
+            raise DataError(
+                f"a tokenization worker process died ({exc}); if it was killed for memory, lower "
+                "corpus.num_workers or corpus.batch_rows. A spawned worker also dies if the main script "
+                "starts work at import time: guard it with `if __name__ == '__main__':`"
+            ) from exc
+
+    try:
+        yield run
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
