@@ -150,7 +150,7 @@ async def _health(state: ServerState, *, generate: bool) -> Response:
         input_ids=[0],
         params=SamplingParams(max_new_tokens=1, temperature=0.0),
     )
-    future = asyncio.wrap_future(state.scheduler.submit_generation(probe))
+    future = asyncio.wrap_future(state.scheduler.submit_generations([probe])[0])
     future.add_done_callback(lambda f: f.cancelled() or f.exception())  # consumed even when we return early
     deadline = started + state.args.health_check_timeout_s
     while time.monotonic() < deadline:
@@ -236,7 +236,7 @@ async def _generate(state: ServerState, payload: Any) -> Response:
         raise RequestError("return_logprob is not supported by the aerie reference server")
     batch, items = _generate_items(state, body)
     started = time.monotonic()
-    results = await asyncio.gather(*(_run_item(state, item) for item in items))
+    results = await _run_items(state, items)
     latency = time.monotonic() - started
     out = [_generate_reply(state, item, res, latency) for item, res in zip(items, results, strict=True)]
     return JSONResponse(out if batch else out[0])
@@ -330,14 +330,24 @@ def _check_extraction(state: ServerState, items: list[_Item]) -> None:
             raise RequestError("rids of prefill-only requests must be unique: each names a dump file")
 
 
-async def _run_item(state: ServerState, item: _Item) -> GenResult | dict[str, Any] | None:
-    """A GenResult for a generation, the dump meta for an extraction, None for a serve-mode prefill."""
-    if item.params.max_new_tokens == 0:
-        if state.args.mode != "extract":
-            return None
-        return await asyncio.wrap_future(state.scheduler.submit_extraction(item.rid, item.input_ids))
-    request = GenRequest(item.rid, item.input_ids, item.params)
-    return await asyncio.wrap_future(state.scheduler.submit_generation(request))
+async def _run_items(state: ServerState, items: list[_Item]) -> list[GenResult | dict[str, Any] | None]:
+    """Per item: a GenResult for a generation, the dump meta for an extraction, None for a
+    serve-mode prefill-only request (nothing to compute). A request's sequences are queued together."""
+    futures: dict[int, Any] = {}
+    extract = [
+        i for i, it in enumerate(items) if it.params.max_new_tokens == 0 and state.args.mode == "extract"
+    ]
+    if extract:
+        submitted = state.scheduler.submit_extractions([(items[i].rid, items[i].input_ids) for i in extract])
+        futures.update(zip(extract, submitted, strict=True))
+    generate = [i for i, it in enumerate(items) if it.params.max_new_tokens > 0]
+    if generate:
+        requests = [GenRequest(items[i].rid, items[i].input_ids, items[i].params) for i in generate]
+        futures.update(zip(generate, state.scheduler.submit_generations(requests), strict=True))
+    results: list[GenResult | dict[str, Any] | None] = [None] * len(items)
+    for i, future in futures.items():
+        results[i] = await asyncio.wrap_future(future)
+    return results
 
 
 def _generate_reply(
@@ -397,7 +407,7 @@ async def _chat(state: ServerState, payload: Any) -> Response:
         )
     params = body.to_params(max_new_tokens_cap=state.loaded.context_len - len(ids))
     request = GenRequest(f"chatcmpl-{uuid.uuid4().hex}", ids, params)
-    result = await asyncio.wrap_future(state.scheduler.submit_generation(request))
+    result = await asyncio.wrap_future(state.scheduler.submit_generations([request])[0])
     reason = "stop" if result.finish_reason["type"] == "stop" else "length"
     choice = {
         "index": 0,

@@ -39,7 +39,11 @@ def dump_key(rid: str) -> str:
 def write_dump(
     dump_dir: Path, rid: str, capture: Capture, metadata: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Write one sample's tensors atomically; return the reply's `meta_info.dump`."""
+    """Write one sample's tensors atomically; return the reply's `meta_info.dump`.
+
+    The rename is durable once the caller runs `fsync_dir(dump_dir)` (once per batch of files,
+    before replying); the file's own contents are fsynced here, before the rename publishes it.
+    """
     from safetensors.torch import save_file
 
     tensors = {
@@ -58,7 +62,6 @@ def write_dump(
         finally:
             os.close(fd)
         os.replace(tmp, final)
-        _fsync_dir(dump_dir)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -69,7 +72,7 @@ def write_dump(
     }
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 
-from aerie.refserver.dump import write_dump
+from aerie.refserver.dump import fsync_dir, write_dump
 from aerie.refserver.extraction import Capture, HiddenStateCapture
 from aerie.refserver.generation import GenerationBackend, GenRequest, GenResult
-from aerie.refserver.packed import plan_packs
 
 logger = logging.getLogger("aerie.refserver")
 
@@ -87,6 +86,7 @@ class Scheduler:
         self._running: dict[int, _GenItem] = {}  # id(request) -> item
         self._stop = False
         self._writers = ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="dump-writer")
+        self._write_slots = threading.Semaphore(writer_threads + 1)
         self._thread = threading.Thread(target=self._loop, name="model-worker", daemon=True)
 
     # -- called from the event loop -------------------------------------------------------------
@@ -101,21 +101,24 @@ class Scheduler:
         self._thread.join(timeout)
         self._writers.shutdown(wait=True)
 
-    def submit_generation(self, request: GenRequest) -> Future[GenResult]:
-        item = _GenItem(request)
+    def submit_generations(self, requests: list[GenRequest]) -> list[Future[GenResult]]:
+        """Queue requests together, so the worker can admit them in one prefill."""
+        items = [_GenItem(r) for r in requests]
         with self._cond:
-            self._waiting.append(item)
+            self._waiting.extend(items)
             self._cond.notify_all()
-        return item.future
+        return [i.future for i in items]
 
-    def submit_extraction(self, rid: str, input_ids: list[int]) -> Future[dict[str, Any]]:
+    def submit_extractions(self, sequences: list[tuple[str, list[int]]]) -> list[Future[dict[str, Any]]]:
+        """Queue (rid, input_ids) pairs together, so one request's sequences share a packed forward.
+        Each future resolves to the dump's `meta_info.dump` once its file is in place."""
         if self.capture is None or self.dump_dir is None:
             raise RuntimeError("extraction needs --mode extract")
-        item = _ExtractItem(rid, input_ids)
+        items = [_ExtractItem(rid, ids) for rid, ids in sequences]
         with self._cond:
-            self._extract.append(item)
+            self._extract.extend(items)
             self._cond.notify_all()
-        return item.future
+        return [i.future for i in items]
 
     @property
     def num_waiting(self) -> int:
@@ -148,6 +151,7 @@ class Scheduler:
                     self._guarded(list(self._running.values()), self.backend.step)
 
     def _take_extraction(self) -> list[_ExtractItem]:
+        """One pack: waiting sequences, across requests, up to max_batch_tokens (a longer one alone)."""
         taken: list[_ExtractItem] = []
         tokens = 0
         while self._extract and (
@@ -191,35 +195,50 @@ class Scheduler:
         # Every request still running, and every one that just finished, produced one token.
         self.stats.generated_tokens += len(self._running) + len(finished)
 
-    def _run_extraction(self, items: list[_ExtractItem]) -> None:
+    def _run_extraction(self, batch: list[_ExtractItem]) -> None:
         assert self.capture is not None
-        for pack in plan_packs([len(i.input_ids) for i in items], self.max_batch_tokens):
-            batch = [items[i] for i in pack]
-            try:
-                captures = self.capture.capture([i.input_ids for i in batch])
-            except Exception as exc:  # e.g. out of memory on one pack: fail its requests only
-                logger.exception("packed prefill failed")
-                self.stats.failures += 1
-                for item in batch:
-                    item.future.set_exception(exc)
-                continue
-            self.last_progress = time.monotonic()
-            self.stats.extracted_sequences += len(batch)
-            self.stats.extracted_tokens += sum(len(i.input_ids) for i in batch)
-            for item, cap in zip(batch, captures, strict=True):
-                self._writers.submit(self._write, item, cap)
-
-    def _write(self, item: _ExtractItem, cap: Capture) -> None:
-        assert self.dump_dir is not None
+        # Back-pressure: at most `writer_threads + 1` packs captured but not yet written, so a slow
+        # disk bounds host memory instead of letting captured states pile up.
+        self._write_slots.acquire()
         try:
-            meta = write_dump(self.dump_dir, item.rid, cap, {**self.dump_metadata, "rid": item.rid})
-        except Exception as exc:  # a full disk fails this request with the OSError text, loudly
-            logger.error(f"writing the dump of rid {item.rid} failed: {exc}")
+            captures = self.capture.capture([i.input_ids for i in batch])
+        except Exception as exc:  # e.g. out of memory on one pack: fail its requests only
+            self._write_slots.release()
+            logger.exception("packed prefill failed")
             self.stats.failures += 1
-            item.future.set_exception(exc)
+            for item in batch:
+                item.future.set_exception(exc)
             return
-        self.stats.dumps_written += 1
-        item.future.set_result(meta)
+        self.last_progress = time.monotonic()
+        self.stats.extracted_sequences += len(batch)
+        self.stats.extracted_tokens += sum(len(i.input_ids) for i in batch)
+        self._writers.submit(self._write_pack, batch, captures)
+
+    def _write_pack(self, batch: list[_ExtractItem], captures: list[Capture]) -> None:
+        """Write a pack's files, make the renames durable with one directory fsync, then reply."""
+        assert self.dump_dir is not None
+        done: list[tuple[_ExtractItem, dict[str, Any]]] = []
+        try:
+            for item, cap in zip(batch, captures, strict=True):
+                try:
+                    meta = write_dump(self.dump_dir, item.rid, cap, {**self.dump_metadata, "rid": item.rid})
+                except Exception as exc:  # a full disk fails this sample with the OSError text, loudly
+                    logger.error(f"writing the dump of rid {item.rid} failed: {exc}")
+                    self.stats.failures += 1
+                    item.future.set_exception(exc)
+                    continue
+                done.append((item, meta))
+            if done:
+                fsync_dir(self.dump_dir)
+        except Exception as exc:
+            for item, _ in done:
+                item.future.set_exception(exc)
+            return
+        finally:
+            self._write_slots.release()
+        self.stats.dumps_written += len(done)
+        for item, meta in done:
+            item.future.set_result(meta)
 
     def _fail_everything(self, exc: Exception) -> None:
         futures: list[Future[Any]] = [i.future for i in self._extract]
