@@ -1,15 +1,36 @@
 """Regenerate training conversations with the target through an OpenAI-compatible endpoint.
 
-The stage entry point is `aerie.generate.stage.run(cfg, spec, store=..., run_name=..., base_url=...)`:
-one dataset into `<run>/generate-<name>/<key>/conversations.parquet` (schema:
-`aerie.generate.output.SCHEMA`). Kept import-free so that loading a config does not pull in httpx or
-Polars.
+    run(cfg, spec, store=, run_name=, base_url=)   one dataset -> <run>/generate-<name>/<key>/
+    run_all(cfg, store=, run_name=, endpoint=)     every dataset, in parallel up to a limit
+
+Each dataset writes `conversations.parquet` (schema `aerie.generate.output.SCHEMA`), `errors.jsonl`
+and its manifest.
 
     client.py     the async OpenAI-compatible client (retries, Retry-After, rate limits, errors)
+    transport.py  a lean HTTP/1.1 keep-alive pool under httpx
     ratelimit.py  token buckets for requests/min and tokens/min
     turns.py      turn-by-turn regeneration of one conversation
     journal.py    the resumable append-only journal (group-committed, fsync'd)
     runner.py     one dataset's generation over any iterable of conversations
     output.py     the Parquet schema the corpus stage reads
-    stage.py      run(): keys, cache, journal location, Parquet, errors, manifest
+    stage.py      run()/run_all(): keys, cache, journal location, Parquet, errors, manifest
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aerie.generate.stage import run, run_all, stage_name
+
+__all__ = ["run", "run_all", "stage_name"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `aerie.config` imports `aerie.generate.config`, and loading a config must not pay for
+    # httpx and Polars.
+    if name in __all__:
+        from aerie.generate import stage
+
+        return getattr(stage, name)
+    raise AttributeError(f"module 'aerie.generate' has no attribute {name!r}")

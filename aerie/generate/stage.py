@@ -16,8 +16,9 @@ import asyncio
 import hashlib
 import json
 import os
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -94,6 +95,77 @@ def run(
     return generate_dataset(
         conversations, cfg, spec, stage_dir=stage_dir, base_url=base_url, report=report, progress=progress
     )
+
+
+def run_all(
+    cfg: GenerateConfig,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    base_url: str | None = None,
+    endpoint: Callable[[], AbstractContextManager[str]] | None = None,
+    progress: Callable[[str], ProgressFn] = lambda stage: no_progress,
+) -> list[StageResult]:
+    """Every dataset of `cfg`, up to `max_parallel_datasets` at a time, results in config order.
+
+    `endpoint` (e.g. "launch the reference server") is entered only if some dataset still needs
+    generating and no `base_url` is given: a fully cached re-run launches nothing. A failing dataset
+    does not stop the others (their work is kept); the first failure is raised once all have ended."""
+    names = [spec.name for spec in cfg.datasets]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"generate.datasets: dataset names must be unique, got {names}")
+    results: dict[int, StageResult] = {}
+    todo: list[int] = []
+    for i, spec in enumerate(cfg.datasets):
+        cached = StageDir(store, run_name, stage_name(spec), key_of(cfg, spec)).cached_result()
+        if cached is None:
+            todo.append(i)
+        else:
+            results[i] = cached
+            progress(stage_name(spec))(1.0, "cached")
+    if todo:
+        launch = endpoint is not None and base_url is None and any(cfg.datasets[i].regenerate for i in todo)
+        with endpoint() if launch and endpoint is not None else nullcontext(base_url) as url:
+            errors = _run_parallel(cfg, todo, results, store, run_name, url, progress)
+        if errors:
+            failed = ", ".join(f"{cfg.datasets[i].name}: {exc}" for i, exc in errors)
+            raise (
+                errors[0][1]
+                if len(errors) == 1
+                else EndpointError(f"{len(errors)} datasets failed; {failed}")
+            )
+    return [results[i] for i in range(len(cfg.datasets))]
+
+
+def _run_parallel(
+    cfg: GenerateConfig,
+    todo: list[int],
+    results: dict[int, StageResult],
+    store: ArtifactStore,
+    run_name: str,
+    url: str | None,
+    progress: Callable[[str], ProgressFn],
+) -> list[tuple[int, BaseException]]:
+    errors: list[tuple[int, BaseException]] = []
+    with ThreadPoolExecutor(max_workers=cfg.max_parallel_datasets, thread_name_prefix="generate") as pool:
+        futures = {
+            i: pool.submit(
+                run,
+                cfg,
+                cfg.datasets[i],
+                store=store,
+                run_name=run_name,
+                base_url=url,
+                progress=progress(stage_name(cfg.datasets[i])),
+            )
+            for i in todo
+        }
+        for i, future in futures.items():
+            try:
+                results[i] = future.result()
+            except Exception as exc:  # collected: the other datasets keep running
+                errors.append((i, exc))
+    return errors
 
 
 def _endpoint_url(cfg: GenerateConfig, spec: DatasetSpec, base_url: str | None) -> str | None:

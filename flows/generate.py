@@ -1,0 +1,170 @@
+"""Prefect flows of the generation stage: one subflow per dataset, datasets in parallel up to a limit.
+
+Thin on purpose: `aerie.generate.stage.run` does the work. The generation task retries (a re-run
+resumes from the journal, so a retry costs only the requests in flight), except for errors that a
+retry cannot fix: a rejected key, a wrong URL or model, a bad config. Each dataset gets a progress
+artifact and a table of its figures; `generate_all` adds one table over all datasets. The task is
+cached on the stage key (dataset spec, sampling, model); the stage's own manifest makes a re-run a
+hit even without Prefect.
+
+Subflows are called from a thread pool: Prefect runs a sync subflow called directly to completion
+before the next, and each thread gets a copy of the parent's context so the subflow runs appear
+under `generate-all` in the UI.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_table_artifact
+from prefect.context import TaskRunContext
+
+from aerie.errors import ConfigError, EndpointAuthError, EndpointError, EndpointRequestError
+from aerie.generate import stage as generate_stage
+from aerie.generate.config import DatasetSpec, GenerateConfig
+from aerie.manifest import StageResult, canonical_json
+from aerie.store import StoreConfig, open_store
+from flows.reporting import artifact_key, notify_failure, prefect_progress, stage_table
+from flows.stagecache import run_cached
+
+NOT_RETRIED = (EndpointAuthError, EndpointRequestError, ConfigError)
+
+
+def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry transient trouble (an outage that exhausted the request retries, a full failure budget);
+    never a rejected key or request, which fails the same way again."""
+    try:
+        state.result()
+    except NOT_RETRIED:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    """The library's own stage key (what decides the output), plus where the output lives."""
+    cfg: GenerateConfig = parameters["cfg"]
+    spec: DatasetSpec = parameters["spec"]
+    store_cfg: StoreConfig = parameters["store_cfg"]
+    payload = [store_cfg.uri, parameters["run_name"], generate_stage.key_of(cfg, spec)]
+    return f"aerie-generate-{spec.name}-{hashlib.sha256(canonical_json(payload)).hexdigest()[:24]}"
+
+
+@task(
+    name="generate-conversations",
+    cache_key_fn=_cache_key,
+    persist_result=True,
+    retries=2,
+    retry_delay_seconds=[30, 120],
+    retry_condition_fn=_worth_retrying,
+)
+def generate_task(
+    cfg: GenerateConfig, spec: DatasetSpec, store_cfg: StoreConfig, run_name: str, base_url: str | None
+) -> StageResult:
+    stage = generate_stage.stage_name(spec)
+    progress = prefect_progress(artifact_key(run_name, stage), f"generating {spec.name}")
+    return generate_stage.run(
+        cfg, spec, store=open_store(store_cfg), run_name=run_name, base_url=base_url, progress=progress
+    )
+
+
+@flow(
+    name="generate-dataset",
+    flow_run_name="generate-{spec.name}",
+    on_failure=[notify_failure],
+    on_crashed=[notify_failure],
+)
+def generate_dataset(
+    cfg: GenerateConfig,
+    spec: DatasetSpec,
+    store_cfg: StoreConfig,
+    run_name: str,
+    base_url: str | None = None,
+) -> StageResult:
+    """Regenerate one dataset with the target; returns the stage result (a pointer)."""
+    result = run_cached(
+        generate_task,
+        open_store(store_cfg),
+        cfg=cfg,
+        spec=spec,
+        store_cfg=store_cfg,
+        run_name=run_name,
+        base_url=base_url,
+    )
+    f = result.figures
+    stage_table(
+        result,
+        f"{result.stage}: {f.get('records')} conversations, {f.get('failed')} failed, "
+        f"{f.get('completion_tokens')} completion tokens",
+    )
+    return result
+
+
+@flow(name="generate-all", on_failure=[notify_failure], on_crashed=[notify_failure])
+def generate_all(
+    cfg: GenerateConfig, store_cfg: StoreConfig, run_name: str, base_url: str | None = None
+) -> list[StageResult]:
+    """Every dataset of `cfg`, up to `cfg.max_parallel_datasets` subflows at a time. A failing
+    dataset does not stop the others; the first failure is raised once all have ended."""
+    names = [spec.name for spec in cfg.datasets]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"generate.datasets: dataset names must be unique, got {names}")
+    with ThreadPoolExecutor(max_workers=cfg.max_parallel_datasets, thread_name_prefix="generate") as pool:
+        futures = [
+            pool.submit(
+                contextvars.copy_context().run,
+                generate_dataset,
+                cfg=cfg,
+                spec=spec,
+                store_cfg=store_cfg,
+                run_name=run_name,
+                base_url=base_url,
+            )
+            for spec in cfg.datasets
+        ]
+        outcomes: list[StageResult | BaseException] = []
+        for future in futures:
+            try:
+                outcomes.append(future.result())
+            except Exception as exc:  # collected: the other datasets keep running
+                outcomes.append(exc)
+    results = [o for o in outcomes if isinstance(o, StageResult)]
+    create_table_artifact(
+        [_row(spec, outcome) for spec, outcome in zip(cfg.datasets, outcomes, strict=True)],
+        key=artifact_key(run_name, "generate-datasets"),
+        description=f"generation: {len(results)} of {len(outcomes)} datasets complete",
+    )
+    errors = [
+        (spec.name, o)
+        for spec, o in zip(cfg.datasets, outcomes, strict=True)
+        if not isinstance(o, StageResult)
+    ]
+    if len(errors) == 1:
+        raise errors[0][1]
+    if errors:
+        raise EndpointError(f"{len(errors)} datasets failed; " + "; ".join(f"{n}: {e}" for n, e in errors))
+    return results
+
+
+def _row(spec: DatasetSpec, outcome: StageResult | BaseException) -> dict[str, Any]:
+    if not isinstance(outcome, StageResult):
+        return {"dataset": spec.name, "status": f"failed: {type(outcome).__name__}"}
+    f = outcome.figures
+    return {
+        "dataset": spec.name,
+        "status": "cached" if outcome.cache_hit else "generated",
+        "records": f.get("records"),
+        "failed": f.get("failed"),
+        "skipped": f.get("skipped"),
+        "prompt tokens": f.get("prompt_tokens"),
+        "completion tokens": f.get("completion_tokens"),
+        "cost (USD)": f.get("cost_usd"),
+        "requests/s": f.get("requests_per_s"),
+        "tokens/s": f.get("tokens_per_s"),
+        "manifest": outcome.manifest_uri,
+    }

@@ -1,0 +1,100 @@
+"""The generation flows under a real Prefect test server: two datasets as parallel subflows against a
+real local endpoint, with progress and table artifacts; a re-run generates nothing; a rejected key in
+one dataset fails the flow without a task retry while the other dataset completes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId
+from prefect.testing.utilities import prefect_test_harness
+
+from aerie.datasets import SourceSpec
+from aerie.errors import EndpointAuthError
+from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
+from aerie.generate.output import read_conversations
+from aerie.store import StoreConfig, open_store
+from flows.generate import generate_all
+from tests.fault_server import FaultServer, status
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def _source(path: Path, prefix: str, n: int) -> SourceSpec:
+    with open(path, "w") as f:
+        for i in range(n):
+            turns = [{"from": "human", "value": f"{prefix} question {i}"}, {"from": "gpt", "value": "old"}]
+            f.write(json.dumps({"id": f"{prefix}{i}", "conversations": turns}) + "\n")
+    return SourceSpec(kind="jsonl", path=str(path))
+
+
+def _config(url: str, tmp_path: Path) -> GenerateConfig:
+    endpoint = EndpointConfig(
+        base_url=url, api_key_env="AERIE_TEST_FLOW_KEY", concurrency=2, backoff_base_s=0.01
+    )
+    datasets = [
+        DatasetSpec(
+            name=name,
+            source=_source(tmp_path / f"{name}.jsonl", name, 3),
+            sampling=SamplingParams(max_tokens=8),
+        )
+        for name in ("alpha", "beta")
+    ]
+    return GenerateConfig(
+        endpoint=endpoint, datasets=datasets, max_parallel_datasets=2, max_failure_fraction=0.0
+    )
+
+
+async def _artifacts_and_subflows() -> tuple[set[str], list[str]]:
+    async with get_client() as client:
+        keys = {a.key for a in await client.read_artifacts() if a.key}
+        runs = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=False))
+        )
+        return keys, sorted(r.name for r in runs)
+
+
+def test_datasets_run_as_parallel_subflows_and_cache(tmp_path: Path):
+    store_cfg = StoreConfig(uri=str(tmp_path / "store"))
+    with FaultServer() as server:
+        cfg = _config(server.url, tmp_path)
+        first = generate_all(cfg, store_cfg, "flow", server.url)
+        assert [r.stage for r in first] == ["generate-alpha", "generate-beta"]
+        assert [r.figures["records"] for r in first] == [3, 3]
+        asked = len(server.seen)
+        assert asked == 6
+
+        store = open_store(store_cfg)
+        frame = read_conversations(store.local_path(f"{first[1].prefix}/conversations.parquet"))
+        assert frame["source"].unique().to_list() == ["beta"]
+
+        keys, subflows = asyncio.run(_artifacts_and_subflows())
+        assert {"flow-generate-alpha", "flow-generate-beta", "flow-generate-datasets"} <= keys
+        assert {"generate-alpha-figures", "generate-beta-figures"} <= keys
+        assert subflows == ["generate-alpha", "generate-beta"]  # linked under generate-all
+
+        second = generate_all(cfg, store_cfg, "flow", "http://127.0.0.1:9/v1")  # another URL: same key
+        assert [r.manifest_sha256 for r in second] == [r.manifest_sha256 for r in first]
+        assert len(server.seen) == asked  # nothing generated again
+
+
+def test_rejected_key_fails_without_retry_and_spares_the_other_dataset(tmp_path: Path):
+    store_cfg = StoreConfig(uri=str(tmp_path / "store"))
+    with FaultServer() as server:
+        server.plan = {f"beta question {i}": [status(401)] for i in range(3)}
+        cfg = _config(server.url, tmp_path)
+        cfg.endpoint.concurrency = 1
+        with pytest.raises(EndpointAuthError, match="rejected the API key"):
+            generate_all(cfg, store_cfg, "flow-auth", server.url)
+        beta = [s for s in server.seen if s.prompt.startswith("beta")]
+        assert len(beta) == 1  # stopped at the first 401: no request retry, no task retry
+        alpha = open_store(store_cfg).list("flow-auth/generate-alpha")
+        assert any(key.endswith("/manifest.json") for key in alpha)
