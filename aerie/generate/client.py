@@ -228,7 +228,8 @@ class ChatClient:
                     self.stats.retries[exc.kind] += 1
                     await asyncio.sleep(self._retry_delay(exc, attempt))
                 continue
-            self._limiter.settle(estimate, completion.prompt_tokens + completion.completion_tokens)
+            used = completion.prompt_tokens + completion.completion_tokens
+            self._limiter.settle(estimate, used or None)  # no usage reported: keep the estimate
             return completion
         assert last is not None
         raise RequestFailedError(
