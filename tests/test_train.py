@@ -287,3 +287,12 @@ def test_torchrun_workers_train_with_ddp(tiny, tmp_path) -> None:
     # Eval splits the held-out rows over the ranks and sums: every supervised row counted exactly once.
     assert evals[0]["supervised"][0] == 2 * 40
     assert up.store.exists(f"{result.prefix}/drafter/model.safetensors")
+
+
+def test_shards_for_another_layer_convention_are_refused(tiny) -> None:
+    target, _, _ = tiny
+    with pytest.raises(DataError, match="output-of-layer ids"):
+        stage._check_extract({"layers": {"output_of_layer": target.aux_layers_input}}, target)
+    with pytest.raises(DataError, match="hidden size 128"):
+        stage._check_extract({"hidden_size": 128}, target)
+    stage._check_extract({"layers": {"output_of_layer": target.aux_layers_output}, "hidden_size": 64}, target)

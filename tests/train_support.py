@@ -105,7 +105,7 @@ def make_upstream(
             "splits": splits,
             "hidden_size": target.hidden_size,
             "storage_dtype": storage,
-            "layers": {"output": target.aux_layers_output, "input": target.aux_layers_input},
+            "layers": {"output_of_layer": target.aux_layers_output, "input_of_layer": target.aux_layers_input},
         }
     )
     corpus_dir = StageDir(store, "t", "corpus", "k-corpus")

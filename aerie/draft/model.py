@@ -339,8 +339,8 @@ class DraftKVCache:
 class DocCausalMask:
     """Causal attention within documents of a packed row: row t sees rows s <= t with doc[s] == doc[t].
 
-    `backend` "flex" builds a block mask for torch's flex_attention (CUDA; compiled), "dense" a [T, T]
-    boolean mask for plain matmul attention (CPU and tests).
+    `backend` "flex" builds a block mask for torch's flex_attention (CUDA; compiled); "dense" splits the
+    row into its documents for plain matmul attention per document (CPU and tests).
     """
 
     def __init__(self, doc_ids: Tensor, backend: str) -> None:
@@ -358,8 +358,10 @@ class DocCausalMask:
                 mask_mod, None, None, t, t, device=str(doc_ids.device), _compile=doc_ids.is_cuda
             )
         elif backend == "dense":
-            causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
-            self.dense = causal & (doc_ids[:, None] == doc_ids[None, :])  # [T, T]
+            # Documents are contiguous runs of one id: attend within each run (cost sum(len^2), not T^2).
+            starts = torch.nonzero(doc_ids[1:] != doc_ids[:-1]).flatten() + 1
+            bounds = [0, *starts.tolist(), t]
+            self.sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         else:
             raise ValueError(f"unknown attention backend {backend!r} (flex or dense)")
 
@@ -371,14 +373,25 @@ def causal_doc_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocCausalMask) -
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask.block_mask
         )  # out [1, nh, T, hd], lse [1, nh, T]
         return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()
+    outs, lses = [], []
+    for qd, kd, vd in zip(q.split(mask.sizes), k.split(mask.sizes), v.split(mask.sizes), strict=True):
+        out, lse = _dense_causal_attention(qd, kd, vd)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _dense_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """One document: q [L, nh, hd], k/v [L, nkv, hd] -> out [L, nh, hd], lse [L, nh]; fp32 softmax."""
     t, nh, hd = q.shape
     nkv = k.shape[1]
-    qg = q.reshape(t, nkv, nh // nkv, hd).permute(1, 2, 0, 3).float()  # [nkv, g, T, hd]
-    scores = torch.einsum("ngtd,nsd->ngts", qg, k.transpose(0, 1).float()) / math.sqrt(hd)  # [nkv, g, T, T]
-    scores = scores.masked_fill(~mask.dense, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [nkv, g, T]
+    qg = q.reshape(t, nkv, nh // nkv, hd).permute(1, 2, 0, 3).float()  # [nkv, g, L, hd]
+    scores = torch.einsum("ngtd,nsd->ngts", qg, k.transpose(0, 1).float()) / math.sqrt(hd)  # [nkv, g, L, L]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [nkv, g, L]
     probs = torch.exp(scores - lse[..., None])
-    out = torch.einsum("ngts,nsd->ngtd", probs, v.transpose(0, 1).float())  # [nkv, g, T, hd]
+    out = torch.einsum("ngts,nsd->ngtd", probs, v.transpose(0, 1).float())  # [nkv, g, L, hd]
     return out.permute(2, 0, 1, 3).reshape(t, nh, hd).to(q.dtype), lse.permute(2, 0, 1).reshape(t, nh)
 
 

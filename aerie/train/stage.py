@@ -131,7 +131,7 @@ def _check_extract(extract: dict[str, Any], target: TargetInfo) -> None:
         )
     layers = extract.get("layers")
     if isinstance(layers, dict):
-        out = layers.get("output") or layers.get("output_convention")
+        out = layers.get("output_of_layer")
         if out is not None and list(out) != target.aux_layers_output:
             raise DataError(
                 f"extract captured output-of-layer ids {out}, the drafter contract is {target.aux_layers_output}"
