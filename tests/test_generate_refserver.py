@@ -1,0 +1,56 @@
+"""Generation against the embedded default's endpoint: the reference server (a real process serving
+SmolLM2-135M on CPU) answers `/v1/chat/completions`, and the regenerated turns land in the Parquet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aerie.conversation import Conversation, Message
+from aerie.datasets import SourceSpec
+from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
+from aerie.generate.output import read_conversations
+from aerie.generate.stage import generate_dataset, key_of, stage_name
+from aerie.manifest import StageDir
+from aerie.store import LocalStore
+from tests.refserver_support import launch, wait_ready
+
+
+@pytest.mark.slow
+def test_regenerates_with_the_reference_server(smollm2, tmp_path: Path):
+    server = launch(str(smollm2.path), tmp_path, "--device", "cpu")
+    try:
+        wait_ready(server)
+        url = f"{server.url}/v1"
+        cfg = GenerateConfig(
+            endpoint=EndpointConfig(base_url=url, concurrency=2, api_key_env="AERIE_TEST_NO_KEY")
+        )
+        spec = DatasetSpec(
+            name="ref", source=SourceSpec(kind="jsonl", path="unused"), sampling=SamplingParams(max_tokens=8)
+        )
+        convs = [
+            Conversation(
+                id=f"r{i}",
+                source="ref",
+                messages=(
+                    Message(role="user", content=f"What is {i}+{i}?"),
+                    Message(role="assistant", content="stale"),
+                    Message(role="user", content="And times two?"),
+                ),
+            )
+            for i in range(2)
+        ]
+        store = LocalStore(tmp_path / "store")
+        sd = StageDir(store, "r", stage_name(spec), key_of(cfg, spec))
+        result = generate_dataset(convs, cfg, spec, stage_dir=sd, base_url=url)
+    finally:
+        server.stop()
+    frame = read_conversations(store.local_path(f"{result.prefix}/conversations.parquet"))
+    assert frame["id"].to_list() == ["r0", "r1"]
+    for row in frame.iter_rows(named=True):
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["user", "assistant", "user", "assistant"]
+        assert all(m["content"] and m["content"] != "stale" for m in row["messages"][1::2])
+        assert set(row["finish_reasons"]) <= {"stop", "length"} and len(row["finish_reasons"]) == 2
+        assert row["prompt_tokens"] > 0 and 0 < row["completion_tokens"] <= 16
