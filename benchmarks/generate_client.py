@@ -7,8 +7,11 @@ recorded too: if it nears the wall time, the server was the bottleneck, not the 
 
     .venv/bin/python benchmarks/generate_client.py [--requests 20000] [--concurrency 64 256]
 
-Two figures per concurrency: `client` = `ChatClient.complete` alone (what talks to a remote API);
-`stage` = the whole dataset path (turn bookkeeping, the fsync'd journal, the Parquet and manifest).
+Figures per concurrency: `client` = `ChatClient.complete` alone (what talks to a remote API);
+`stage` = the whole dataset path (turn bookkeeping, the fsync'd journal, the Parquet and manifest);
+`httpcore_client` = the client on httpx's own transport, the baseline aerie's transport replaces.
+`requests_per_client_cpu_s` is what one free core sustains; `requests_per_s` also depends on how
+busy the (shared) machine was, which `machine.load_avg_*` records.
 """
 
 from __future__ import annotations
@@ -104,11 +107,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _client_run(url: str, requests: int, concurrency: int) -> None:
+async def _client_run(url: str, requests: int, concurrency: int, transport: str = "lean") -> None:
     from aerie.generate.client import ChatClient
     from aerie.generate.config import EndpointConfig, SamplingParams
 
-    endpoint = EndpointConfig(base_url=url, concurrency=concurrency, api_key_env="AERIE_BENCH_NO_KEY")
+    endpoint = EndpointConfig(
+        base_url=url, concurrency=concurrency, api_key_env="AERIE_BENCH_NO_KEY", http_transport=transport
+    )
     sampling = SamplingParams(max_tokens=64)
     messages = [{"role": "user", "content": "Write one sentence about foxes."}]
     remaining = iter(range(requests))
@@ -169,6 +174,9 @@ def _measure(label: str, fn: Any, server: psutil.Process, requests: int) -> dict
         "client_cpu_s": round(cpu, 3),
         "client_cpu_ms_per_request": round(1000 * cpu / requests, 4),
         "client_cpu_share_of_wall": round(cpu / wall, 3),
+        # What one fully available core would sustain: the figure that does not depend on how many
+        # other processes share the machine during the run.
+        "requests_per_client_cpu_s": round(requests / cpu, 1),
         "server_cpu_s": round(server_cpu, 3),
         "server_cpu_share_of_wall": round(server_cpu / wall, 3),
     }
@@ -182,8 +190,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--repeat", type=int, default=2, help="best of N (the machine is shared)")
     parser.add_argument("--no-stage", action="store_true", help="measure the client alone")
+    parser.add_argument(
+        "--baseline-requests",
+        type=int,
+        default=4000,
+        help="requests for the httpcore-transport baseline (0 = skip it)",
+    )
     args = parser.parse_args()
 
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     port = _free_port()
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
@@ -206,6 +221,14 @@ def main() -> None:
                 for _ in range(args.repeat)
             ]
             figures[f"client_concurrency_{concurrency}"] = max(runs, key=lambda r: r["requests_per_s"])
+            if args.baseline_requests:
+                n = args.baseline_requests
+                figures[f"httpcore_client_concurrency_{concurrency}"] = _measure(
+                    f"httpcore client c={concurrency}",
+                    lambda c=concurrency, n=n: asyncio.run(_client_run(url, n, c, "httpcore")),
+                    server,
+                    n,
+                )
             if not args.no_stage:
                 runs = []
                 for _ in range(args.repeat):
@@ -229,6 +252,7 @@ def main() -> None:
             "platform": platform.platform(),
             "python": sys.version.split()[0],
             "cpus": os.cpu_count(),
+            "load_avg_at_start": load_at_start,
             "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
         },
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
