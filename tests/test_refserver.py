@@ -246,3 +246,18 @@ def test_model_info_and_models(server: RefServer, smollm2) -> None:
     models = httpx.get(server.url + "/v1/models").json()
     assert models["data"][0]["id"] == smollm2.path and models["data"][0]["max_model_len"] == 8192
     assert json.dumps(httpx.get(server.url + "/get_model_info").json()) == json.dumps(info)
+
+
+def test_seeded_sampling_is_reproducible(server: RefServer) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 8,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 7,
+    }
+    first, second = (
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120) for _ in range(2)
+    )
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["message"] == second.json()["choices"][0]["message"]

@@ -15,7 +15,7 @@ floating-point summation order.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -339,3 +339,35 @@ def _merge(
         la.values = torch.cat([_pad_left(la.values, pad_a, 2), _pad_left(lb.values, pad_b, 2)], dim=0)
     mask = torch.cat([_pad_left(mask_a, pad_a, 1), _pad_left(mask_b, pad_b, 1)], dim=0)
     return cache_a, mask
+
+
+class RunToCompletionBackend:
+    """Adapts a batch decoder that runs its prompts to the end (e.g. speculative decoding) to
+    `GenerationBackend`: `admit` decodes the admitted requests completely, `step` has nothing to do.
+
+    `run(requests)` returns one GenResult per request, in order. Requests that arrive while a batch
+    runs wait for the next one (no joining mid-flight).
+    """
+
+    def __init__(self, run: Callable[[Sequence[GenRequest]], list[GenResult]], *, max_batch: int) -> None:
+        self.run = run
+        self.max_batch = max_batch
+
+    @property
+    def num_running(self) -> int:
+        return 0
+
+    def can_admit(self, request: GenRequest, admitting: int, admitting_tokens: int) -> bool:
+        return admitting < self.max_batch
+
+    def admit(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        results = self.run(requests)
+        if len(results) != len(requests):
+            raise RuntimeError(f"the backend returned {len(results)} results for {len(requests)} requests")
+        return results
+
+    def step(self) -> list[GenResult]:
+        return []
+
+    def abort_all(self) -> list[GenRequest]:
+        return []

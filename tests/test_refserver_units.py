@@ -1,0 +1,130 @@
+"""Reference-server pieces that need no model: packing plans, the dump file contract, sampling filters,
+and the scheduler loop driven by a run-to-completion backend (the speculative-decoding seam)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from aerie.refserver.dump import check_rid, write_dump
+from aerie.refserver.extraction import Capture
+from aerie.refserver.generation import (
+    GenRequest,
+    GenResult,
+    RunToCompletionBackend,
+    SamplingParams,
+    _filtered_probs,
+)
+from aerie.refserver.packed import make_pack, plan_packs
+from aerie.refserver.scheduler import Scheduler
+
+
+def test_plan_packs_respects_the_budget_and_keeps_order() -> None:
+    assert plan_packs([3, 4, 2, 9, 1], 8) == [[0, 1], [2], [3], [4]]
+    assert plan_packs([10], 4) == [[0]]  # a sequence longer than the budget goes alone
+    packs = plan_packs([5, 1, 1, 1, 7, 2], 8)
+    assert [i for p in packs for i in p] == list(range(6))
+
+
+def test_make_pack_restarts_positions_per_sequence() -> None:
+    pack = make_pack([[7, 8, 9], [5], [1, 2]], "cpu")
+    assert pack.input_ids.tolist() == [[7, 8, 9, 5, 1, 2]]
+    assert pack.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert pack.cu_seqlens.tolist() == [0, 3, 4, 6] and pack.max_len == 3 and pack.lengths == [3, 1, 2]
+
+
+@pytest.mark.parametrize("rid", ["a", "train-000123", "x.y_z-1"])
+def test_safe_rids(rid: str) -> None:
+    assert check_rid(rid) is None
+
+
+@pytest.mark.parametrize("rid", ["", ".hidden", "-x", "a/b", "../up", "a..b", "sp ace", "x" * 201])
+def test_unsafe_rids(rid: str) -> None:
+    assert check_rid(rid) is not None
+
+
+def _capture(t: int = 4, h: int = 3, dtype: torch.dtype = torch.bfloat16) -> Capture:
+    return Capture(
+        input_ids=torch.arange(t, dtype=torch.int32),
+        aux_hidden=torch.randn(t, 3 * h).to(dtype),
+        last_hidden=torch.randn(t, h).to(dtype),
+    )
+
+
+def test_write_dump_contract(tmp_path: Path) -> None:
+    cap = _capture()
+    meta = write_dump(tmp_path, "r1", cap, {"rid": "r1"})
+    assert meta == {
+        "key": "r1.safetensors",
+        "shapes": {"input_ids": [4], "aux_hidden": [4, 9], "last_hidden": [4, 3]},
+        "dtype": "bfloat16",
+    }
+    back = load_file(tmp_path / "r1.safetensors")
+    assert torch.equal(back["aux_hidden"], cap.aux_hidden) and back["input_ids"].dtype == torch.int32
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r1.safetensors"]
+
+
+def test_a_failed_write_leaves_neither_the_file_nor_its_temp(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="metadata|str"):
+        write_dump(tmp_path, "r2", _capture(), {"bad": 1})  # type: ignore[dict-item]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sampling_filters() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
+    top_k = _filtered_probs(logits, [SamplingParams(top_k=2), SamplingParams(top_p=0.5)])
+    assert (top_k[0, 2:] == 0).all() and top_k[0, :2].sum().item() == pytest.approx(1.0)
+    assert top_k[1].tolist()[0] == pytest.approx(1.0)  # top-p 0.5 keeps only the 64%-likely token
+    cold = _filtered_probs(logits[:1], [SamplingParams(temperature=0.05)])
+    assert cold[0, 0].item() > 0.99
+
+
+def _echo(requests: Sequence[GenRequest]) -> list[GenResult]:
+    """A stand-in decoder (no model): 'generates' the prompt reversed, truncated to max_new_tokens."""
+    return [
+        GenResult(r, list(reversed(r.input_ids))[: r.params.max_new_tokens], {"type": "length", "length": 0})
+        for r in requests
+    ]
+
+
+def test_scheduler_runs_a_run_to_completion_backend() -> None:
+    backend = RunToCompletionBackend(_echo, max_batch=2)
+    scheduler = Scheduler(backend, None, None, max_batch_tokens=64)
+    scheduler.start()
+    try:
+        requests = [
+            GenRequest(f"r{i}", [i, i + 1, i + 2], SamplingParams(max_new_tokens=2)) for i in range(5)
+        ]
+        futures = scheduler.submit_generations(requests)
+        results = [f.result(timeout=10) for f in futures]
+    finally:
+        scheduler.stop()
+    assert [r.output_ids for r in results] == [[i + 2, i + 1] for i in range(5)]
+    assert [r.request.rid for r in results] == [f"r{i}" for i in range(5)]
+    assert scheduler.stats.peak_running <= 2
+
+
+def test_a_failing_backend_fails_its_requests_not_the_worker() -> None:
+    calls: list[int] = []
+
+    def flaky(requests: Sequence[GenRequest]) -> list[GenResult]:
+        calls.append(len(requests))
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return _echo(requests)
+
+    scheduler = Scheduler(RunToCompletionBackend(flaky, max_batch=1), None, None, max_batch_tokens=64)
+    scheduler.start()
+    try:
+        first = scheduler.submit_generations([GenRequest("a", [1, 2], SamplingParams(max_new_tokens=1))])[0]
+        with pytest.raises(RuntimeError, match="device lost"):
+            first.result(timeout=10)
+        second = scheduler.submit_generations([GenRequest("b", [3, 4], SamplingParams(max_new_tokens=1))])[0]
+        assert second.result(timeout=10).output_ids == [4]
+    finally:
+        scheduler.stop()
+    assert scheduler.stats.failures == 1
