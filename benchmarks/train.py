@@ -76,18 +76,22 @@ def train_flops(cfg: DraftConfig, tokens: int, seq_len: int, ttt: int) -> float:
 
 
 def synthetic(cfg: DraftConfig, tokens: int, seq_len: int, device: str, dtype: torch.dtype, seed: int = 0):
-    """A packed row of `tokens // seq_len` documents, the target's head and vocab (all random)."""
+    """A packed row of `seq_len`-token documents, the target's head and vocab (all random)."""
     g = torch.Generator().manual_seed(seed)
     h, v, vd = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
-    docs = tokens // seq_len
+    starts = list(range(0, tokens, seq_len))  # the last document is shorter when seq_len does not divide
     loss_mask = torch.ones(tokens, dtype=torch.bool)
-    for d in range(docs):
-        loss_mask[d * seq_len : d * seq_len + seq_len // 10] = False
+    positions, doc_ids = torch.empty(tokens, dtype=torch.int64), torch.empty(tokens, dtype=torch.int32)
+    for d, start in enumerate(starts):
+        end = min(start + seq_len, tokens)
+        loss_mask[start : start + (end - start) // 10] = False
+        positions[start:end] = torch.arange(end - start)
+        doc_ids[start:end] = d
     batch = Batch(
         input_ids=torch.randint(0, v, (tokens,), generator=g),
         loss_mask=loss_mask,
-        positions=torch.arange(seq_len).repeat(docs),
-        doc_ids=torch.arange(docs, dtype=torch.int32).repeat_interleave(seq_len),
+        positions=positions,
+        doc_ids=doc_ids,
         aux_hidden=torch.randn(tokens, 3 * h, generator=g).to(dtype),
         last_hidden=torch.randn(tokens, h, generator=g).to(dtype),
         tokens=tokens,
@@ -259,6 +263,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 3 cpu, 10 cuda)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 1 cpu, 3 cuda)")
     parser.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument(
         "--specforge-path", default=None, help="dir holding an unpacked specforge==0.2.0 wheel"
     )
@@ -266,6 +271,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device visible")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
     configs = args.configs.split(",") if args.configs else (list(CONFIGS) if cuda else ["smollm2"])
     if not cuda and "kimi-k2.5" in configs:
@@ -312,6 +319,7 @@ def main() -> None:
             "seq_len": args.seq_len,
             "ttt_length": args.ttt,
             "precision": "bf16 autocast" if cuda else "fp32",
+            "cpu_threads": torch.get_num_threads(),
             "peak_flops": peak,
             "peak_source": peak_source,
             "runs": runs,

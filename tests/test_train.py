@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from aerie.draft.export import load_drafter
 from aerie.draft.vocab import build_vocab_map
 from aerie.errors import DataError
+from aerie.store import StoreConfig, open_store
 from aerie.train import stage
 from aerie.train.config import TrainConfig
 from aerie.train.data import PAD_DOC, BatchReader, EpochPlans, SampleIndex, plan_epoch
@@ -20,6 +21,8 @@ from aerie.train.distributed import DistInfo
 from aerie.train.loop import TrainSpec, _indices, run_training
 from aerie.train.objective import SoftCrossEntropy, summarize, supervised_rows, ttt_loss
 from tests.train_support import make_samples, make_upstream, tiny_target, write_shards
+
+pytest_plugins = ("tests.s3_support",)
 
 
 @pytest.fixture(autouse=True)
@@ -224,6 +227,23 @@ def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
 
     again = stage.run(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
     assert again.cache_hit and again.key == result.key and again.figures == result.figures
+
+
+def test_stage_on_s3_downloads_shards_and_uploads_everything(tiny, tmp_path, s3_config: StoreConfig) -> None:
+    """An S3 store (a real moto server): shards are downloaded once into the cache, results go back to S3."""
+    target, train, held = tiny
+    store = open_store(s3_config)
+    up = make_upstream(tmp_path, target, train, held, store=store)
+    cfg = small_cfg(epochs=2, cache_dir=str(tmp_path / "cache"))
+    result = stage.run(cfg, store=store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
+    cached = sorted(p.name for p in (tmp_path / "cache" / "shards").rglob("*.safetensors"))
+    assert cached == ["shard-00000.safetensors", "shard-00000.safetensors"]  # one train, one eval
+    for name in ("drafter/model.safetensors", "checkpoints/latest.json", "metrics.jsonl", "manifest.json"):
+        assert store.exists(f"{result.prefix}/{name}"), name
+    local = tmp_path / "drafter"
+    for name in ("config.json", "model.safetensors"):
+        store.get_file(f"{result.prefix}/drafter/{name}", local / name)
+    assert load_drafter(local, target).config.draft_vocab_size == 256
 
 
 class Crash(Exception):

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from aerie.extract.shards import HiddenSample, ShardWriter
 from aerie.manifest import StageDir, StageResult
-from aerie.store import LocalStore
+from aerie.store import ArtifactStore, LocalStore
 from aerie.targets import TargetInfo, resolve_target
 
 TINY = {
@@ -77,7 +77,7 @@ def write_shards(
 
 @dataclass
 class Upstream:
-    store: LocalStore
+    store: ArtifactStore
     target: TargetInfo
     shards: StageResult
     corpus: StageResult
@@ -89,9 +89,11 @@ def make_upstream(
     train: list[HiddenSample],
     held: list[HiddenSample],
     storage: str = "bf16",
+    store: ArtifactStore | None = None,
 ) -> Upstream:
-    """Extract and corpus stage outputs in a LocalStore, finished through StageDir like real stages."""
-    store = LocalStore(root / "artifacts")
+    """Extract and corpus stage outputs in a store (default: a LocalStore under `root`), finished through
+    StageDir like real stages."""
+    store = store or LocalStore(root / "artifacts")
     ex = StageDir(store, "t", "extract", "k-extract")
     splits = {}
     for split, samples in (("train", train), ("eval", held)):
@@ -105,7 +107,10 @@ def make_upstream(
             "splits": splits,
             "hidden_size": target.hidden_size,
             "storage_dtype": storage,
-            "layers": {"output_of_layer": target.aux_layers_output, "input_of_layer": target.aux_layers_input},
+            "layers": {
+                "output_of_layer": target.aux_layers_output,
+                "input_of_layer": target.aux_layers_input,
+            },
         }
     )
     corpus_dir = StageDir(store, "t", "corpus", "k-corpus")

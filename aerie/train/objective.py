@@ -21,10 +21,10 @@ Metrics, as sums over rows so they can be all-reduced and accumulated:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from aerie.train.data import Batch
@@ -44,29 +44,34 @@ class Teacher:
     """The target's lm_head sliced to the draft vocab (and, for exact eval accuracy, the full head)."""
 
     def __init__(self, lm_head: Tensor, used: Tensor, t2d: Tensor, keep_full: bool = True) -> None:
-        self.head = lm_head[used].contiguous()  # [Vd, H]
+        self.head = lm_head[used].float().contiguous()  # [Vd, H], fp32: the teacher's logits are fp32
         self.full = lm_head if keep_full else None  # [V, H]
         self.t2d = t2d  # [V] bool
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> Teacher:
+        """On `device`; the full head (eval only) in `dtype`, the draft-vocab head stays fp32."""
         moved = object.__new__(Teacher)
-        moved.head = self.head.to(device, dtype)
+        moved.head = self.head.to(device)
         moved.full = None if self.full is None else self.full.to(device, dtype)
         moved.t2d = self.t2d.to(device)
         return moved
 
     @torch.no_grad()
     def distribution(self, last_hidden: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """last_hidden [T, H] -> (probs [T, Vd] in `dtype`, argmax [T] in draft ids); fp32 logits, chunked."""
+        """last_hidden [T, H] -> (probs [T, Vd] in `dtype`, argmax [T] in draft ids); fp32 logits, chunked.
+
+        Logits rounded to bf16 would move a peaked teacher's probabilities by several percent; fp32 (TF32
+        tensor cores on GPU, ~1e-3 relative) keeps them, at a few percent of the step's time.
+        """
         t, vd = last_hidden.shape[0], self.head.shape[0]
         probs = torch.empty(t, vd, device=last_hidden.device, dtype=dtype)
         argmax = torch.empty(t, device=last_hidden.device, dtype=torch.int64)
         rows = max(1, _CHUNK_ELEMENTS // vd)
-        head = self.head.float()
-        for s in range(0, t, rows):
-            logits = last_hidden[s : s + rows].float() @ head.T  # [rows, Vd]
-            probs[s : s + rows] = torch.softmax(logits, dim=-1).to(dtype)
-            argmax[s : s + rows] = logits.argmax(-1)
+        with _tf32(last_hidden.is_cuda):
+            for s in range(0, t, rows):
+                logits = last_hidden[s : s + rows].float() @ self.head.T  # [rows, Vd]
+                probs[s : s + rows] = torch.softmax(logits, dim=-1).to(dtype)
+                argmax[s : s + rows] = logits.argmax(-1)
         return probs, argmax
 
     @torch.no_grad()
@@ -80,6 +85,20 @@ class Teacher:
         for s in range(0, t, rows):
             out[s : s + rows] = self.t2d[(last_hidden[s : s + rows] @ self.full.T).argmax(-1)]
         return out
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool) -> Iterator[None]:
+    """fp32 matmuls on TF32 tensor cores (CUDA only) for the duration, then the previous setting."""
+    if not enabled:
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 class SoftCrossEntropy(torch.autograd.Function):
@@ -188,8 +207,3 @@ def weighted_loss(summary: dict[str, float | list[float]], step_decay: float) ->
     losses = summary["loss"]
     assert isinstance(losses, list)
     return float(sum(step_decay**k * x for k, x in enumerate(losses)))
-
-
-def log_softmax_ce_reference(logits: Tensor, probs: Tensor) -> Tensor:
-    """The plain-PyTorch soft cross-entropy `SoftCrossEntropy` must equal (used by tests)."""
-    return -(probs.float() * F.log_softmax(logits.float(), -1)).sum(-1)
