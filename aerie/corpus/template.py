@@ -118,7 +118,7 @@ class ChatRenderer:
             start = len(prompt) if full.startswith(prompt) else len(os.path.commonprefix([prompt, full]))
             if start != len(prompt):
                 notes["generation_prompt_mismatch"] += 1
-            reasoning = messages[i].get("reasoning", "").strip()
+            reasoning = (messages[i].get("reasoning") or "").strip()
             if reasoning and reasoning not in full[start:]:
                 notes["reasoning_not_rendered"] += 1
             spans[i] = (start, len(full))

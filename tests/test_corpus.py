@@ -1,0 +1,289 @@
+"""The corpus stage's parts on the real SmolLM2 tokenizer: template-derived loss masks (SmolLM2's own
+template, a Llama-3-style one with an injected system turn and added special tokens, a Qwen3-style
+one that rewrites history), truncated turns, both span aligners, conversation checks and schema
+errors that name the column."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from aerie.corpus.encoding import BatchEncoder, EncodeOptions
+from aerie.corpus.schema import CONVERSATIONS, task_frame
+from aerie.corpus.shuffle import Layout
+from aerie.corpus.template import ChatRenderer, OffsetsAligner, PrefixAligner, TemplateSpec
+from aerie.corpus.validate import Rejected, check_conversation
+from aerie.errors import SchemaError
+from tests.corpus_support import (
+    LLAMA_LIKE,
+    LLAMA_SPECIAL,
+    THINKING,
+    decoded_runs,
+    msg,
+    task_batch,
+    tokenizer_with_template,
+)
+
+TWO_TURNS = [
+    msg("user", "What is 2+2?"),
+    msg("assistant", "4, of course."),
+    msg("user", "And 3+3?"),
+    msg("assistant", "It is 6.\nSix."),
+]
+
+
+def _encoder(tokenizer, max_length: int = 4096, **options) -> BatchEncoder:
+    spec = TemplateSpec.from_tokenizer(tokenizer)
+    opts = {"truncated_policy": "keep", "history_mismatch": "split", **options}
+    return BatchEncoder(spec, EncodeOptions(max_length=max_length, layout=Layout(0, 0.0, (1, 0)), **opts))
+
+
+def _rows(result) -> list[dict]:
+    return result.frame.sort("src", "sub").to_dicts()
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2):
+    return smollm2.load_tokenizer()
+
+
+def test_smollm2_masks_are_exactly_the_assistant_turns(tok):
+    with_system = [msg("system", "Be brief."), *TWO_TURNS]
+    result = _encoder(tok)(task_batch([TWO_TURNS, with_system]))
+    assert result.quarantine == []
+    rows = _rows(result)
+    for row, messages in zip(rows, [TWO_TURNS, with_system], strict=True):
+        # Exactly what the template renders for the model to produce: the answer, <|im_end|> and the
+        # newline the template puts after it; nothing of the (injected or given) system or user turns.
+        assert decoded_runs(tok, row["input_ids"], row["loss_mask"]) == [
+            "4, of course.<|im_end|>\n",
+            "It is 6.\nSix.<|im_end|>\n",
+        ]
+        # The sequence is the target's own apply_chat_template tokenization, token for token.
+        assert (
+            row["input_ids"]
+            == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        )
+        assert row["n_tokens"] == len(row["input_ids"])
+        assert row["n_supervised"] == sum(row["loss_mask"])
+    injected = tok.decode(rows[0]["input_ids"][:20])
+    assert injected.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+def test_a_llama3_style_template_with_injected_system_and_added_tokens(tok):
+    llama = tokenizer_with_template(tok, LLAMA_LIKE, LLAMA_SPECIAL)
+    result = _encoder(llama)(task_batch([TWO_TURNS]))
+    (row,) = _rows(result)
+    assert decoded_runs(llama, row["input_ids"], row["loss_mask"]) == [
+        "4, of course.<|eot_id|>",
+        "It is 6.\nSix.<|eot_id|>",
+    ]
+    assert (
+        row["input_ids"] == llama.apply_chat_template(TWO_TURNS, tokenize=True, return_dict=True)["input_ids"]
+    )
+    eot = llama.convert_tokens_to_ids("<|eot_id|>")
+    assert eot >= 49152  # an added special token, past the model's vocab
+    assert row["input_ids"].count(eot) == 5  # injected system + 4 turns; 2 of them supervised
+    assert sum(1 for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if t == eot and m) == 2
+    assert "Cutting Knowledge Date" in llama.decode(row["input_ids"])
+
+
+def test_history_rewritten_by_the_template_gets_its_own_sample(tok):
+    thinking = tokenizer_with_template(tok, THINKING)
+    conversation = [
+        msg("user", "Q1"),
+        msg("assistant", "A1", reasoning="R1 step"),
+        msg("user", "Q2"),
+        msg("assistant", "A2", reasoning="R2 step"),
+    ]
+    result = _encoder(thinking)(task_batch([conversation], id=["t"]))
+    whole, extra = _rows(result)
+    assert (whole["id"], extra["id"]) == ("t", "t#m1")
+    # As the server sees turn 2: turn 1 in history form (no reasoning), turn 2 with its reasoning.
+    assert decoded_runs(thinking, whole["input_ids"], whole["loss_mask"]) == [
+        "<think>\nR2 step\n</think>\n\nA2<|im_end|>\n"
+    ]
+    assert "R1 step" not in thinking.decode(whole["input_ids"])
+    # Turn 1 as it was generated: its own sample, reasoning supervised.
+    assert decoded_runs(thinking, extra["input_ids"], extra["loss_mask"]) == [
+        "<think>\nR1 step\n</think>\n\nA1<|im_end|>\n"
+    ]
+    assert result.counts["history_rewritten_turns"] == 1
+
+    masked = _encoder(thinking, history_mismatch="mask")(task_batch([conversation], id=["t"]))
+    (only,) = _rows(masked)
+    assert decoded_runs(thinking, only["input_ids"], only["loss_mask"]) == [
+        "<think>\nR2 step\n</think>\n\nA2<|im_end|>\n"
+    ]
+
+
+def test_reasoning_the_template_cannot_render_is_counted(tok):
+    result = _encoder(tok)(
+        task_batch([[msg("user", "Q"), msg("assistant", "A", reasoning="hidden thoughts")]])
+    )
+    (row,) = _rows(result)
+    assert decoded_runs(tok, row["input_ids"], row["loss_mask"]) == ["A<|im_end|>\n"]
+    assert result.counts["reasoning_not_rendered"] == 1
+
+
+def test_truncated_turn_supervises_no_end_of_turn(tok):
+    cut = [msg("user", "Write a long story."), msg("assistant", "Once upon a time there was")]
+    batch = task_batch(
+        [cut, TWO_TURNS], truncated=[True, True], finish_reasons=[["length"], ["length", "stop"]]
+    )
+    result = _encoder(tok)(batch)
+    first, second = _rows(result)
+    # Cut at max_tokens: the model never produced <|im_end|>, so neither is it in the sample nor supervised.
+    assert decoded_runs(tok, first["input_ids"], first["loss_mask"]) == ["Once upon a time there was"]
+    assert tok.decode(first["input_ids"]).endswith("there was")
+    # A cut earlier turn stays in the history as rendered, but only its text is supervised.
+    assert decoded_runs(tok, second["input_ids"], second["loss_mask"]) == [
+        "4, of course.",
+        "It is 6.\nSix.<|im_end|>\n",
+    ]
+    assert result.counts["truncated_turns"] == 2
+
+    dropped = _encoder(tok, truncated_policy="drop")(batch)
+    assert dropped.frame.is_empty()
+    assert [q["reason"] for q in dropped.quarantine] == ["truncated", "truncated"]
+
+
+def test_max_length_truncates_and_drops_samples_left_without_supervision(tok):
+    long_prompt = [msg("user", "word " * 400), msg("assistant", "short answer")]
+    result = _encoder(tok, max_length=64)(task_batch([TWO_TURNS, long_prompt], id=["ok", "long"]))
+    (row,) = _rows(result)
+    assert row["id"] == "ok"
+    assert result.quarantine == [
+        {
+            "id": "long",
+            "source": "test",
+            "reason": "no_supervised_tokens",
+            "detail": "no assistant token within max_length=64",
+        }
+    ]
+    assert result.counts["dropped.no_supervised_tokens"] == 1
+
+
+def test_prefix_aligner_agrees_with_offsets_including_a_boundary_merge(tok):
+    spec = TemplateSpec.from_tokenizer(tok)
+    renderer = ChatRenderer(spec)
+    conversations = [
+        TWO_TURNS,
+        # Leading spaces: SmolLM2's pre-tokenizer merges "\n " across the prompt/answer boundary.
+        [
+            msg("user", "Indent this"),
+            msg("assistant", "    indented\n  code"),
+            msg("user", "ok"),
+            msg("assistant", " x"),
+        ],
+    ]
+    samples = [s for c in conversations for s in renderer.samples(c, frozenset(), "split")[0]]
+    fast = OffsetsAligner(spec.backend).encode(samples)
+    slow = PrefixAligner(tok).encode(samples)
+    for (ids_a, mask_a, straddled_a), (ids_b, mask_b, straddled_b) in zip(fast, slow, strict=True):
+        assert ids_a.tolist() == ids_b.tolist()
+        assert mask_a.tolist() == mask_b.tolist()
+        assert straddled_a == straddled_b
+    assert [s for _, _, s in fast] == [0, 1]  # " x" after "\n" does not merge; "    indented" does
+    # The straddling token is supervised: no answer character is left out.
+    ids, mask, _ = fast[1]
+    assert "    indented\n  code<|im_end|>\n" in tok.decode(ids[mask == 1].tolist())
+
+
+@pytest.mark.parametrize(
+    ("messages", "code"),
+    [
+        ([], "no_messages"),
+        ([msg("user", "hi"), msg("bot", "hello")], "bad_role"),
+        ([msg("user", "hi"), msg("user", "again"), msg("assistant", "yes")], "bad_order"),
+        ([msg("assistant", "I start")], "bad_order"),
+        ([msg("user", "hi"), msg("system", "late system"), msg("assistant", "x")], "bad_order"),
+        ([msg("user", "   "), msg("assistant", "x")], "empty_content"),
+        ([msg("user", "hi"), msg("assistant", "")], "empty_content"),
+        ([msg("system", "sys"), msg("user", "only a question")], "no_assistant_turn"),
+    ],
+)
+def test_conversation_checks_name_the_reason(messages, code):
+    with pytest.raises(Rejected) as err:
+        check_conversation(messages, truncated=False, finish_reasons=[], truncated_policy="keep")
+    assert err.value.code == code
+
+
+def test_trailing_user_turns_are_trimmed_and_reasoning_only_answers_kept():
+    checked = check_conversation(
+        [msg("user", "q"), msg("assistant", "", reasoning="thinking cut off"), msg("user", "more?")],
+        truncated=True,
+        finish_reasons=["length"],
+        truncated_policy="keep",
+    )
+    assert [m["role"] for m in checked.messages] == ["user", "assistant"]
+    assert checked.trimmed == 1
+    assert checked.truncated_turns == frozenset({1})
+
+
+@pytest.mark.parametrize(
+    ("frame", "column"),
+    [
+        (
+            pl.DataFrame({"id": ["a"], "messages": [[{"role": "user", "content": "x"}]]}),
+            "'source' is missing",
+        ),
+        (
+            pl.DataFrame({"id": ["a"], "source": ["s"], "messages": [["just text"]]}),
+            "column 'messages' is List(String)",
+        ),
+        (
+            pl.DataFrame({"id": ["a"], "source": ["s"], "messages": [[{"role": 1, "content": "x"}]]}),
+            "field 'messages.role' is Int64",
+        ),
+        (
+            pl.DataFrame({"id": [1], "source": ["s"], "messages": [[{"role": "u", "content": "x"}]]}),
+            "column 'id' is Int64",
+        ),
+        (
+            pl.DataFrame({"id": ["a"], "source": ["s"], "messages": [[{"role": "u", "text": "x"}]]}),
+            "has no field 'content'",
+        ),
+        (
+            pl.DataFrame(
+                {
+                    "id": ["a"],
+                    "source": ["s"],
+                    "messages": [[{"role": "u", "content": "x"}]],
+                    "truncated": ["no"],
+                }
+            ),
+            "column 'truncated' is String",
+        ),
+    ],
+)
+def test_schema_errors_name_the_column(tmp_path: Path, frame: pl.DataFrame, column: str):
+    path = tmp_path / "conversations.parquet"
+    frame.write_parquet(path)
+    with pytest.raises(SchemaError, match=f"in.parquet: .*{re.escape(column)}"):
+        task_frame(path, 0, "in.parquet")
+
+
+def test_raw_rows_without_optional_columns_are_read(tmp_path: Path):
+    path = tmp_path / "raw.parquet"
+    pl.DataFrame(
+        {"id": ["a"], "source": ["raw"], "messages": [[{"role": "user", "content": "x"}]]}
+    ).write_parquet(path)
+    frame = task_frame(path, 3, "raw").collect()
+    assert frame.row(0, named=True) == {
+        "src": 3 << 40,
+        "id": "a",
+        "source": "raw",
+        "messages": [{"role": "user", "content": "x", "reasoning": None}],
+        "truncated": False,
+        "finish_reasons": [],
+    }
+
+
+def test_input_contract_is_the_generation_stage_schema():
+    from aerie.generate.output import SCHEMA
+
+    assert dict(SCHEMA) == CONVERSATIONS
