@@ -1,1 +1,3 @@
-"""aerie.train."""
+"""The train stage: `aerie.train.stage.run` (entry point), `loop` (the training loop and its wiring),
+`data` (shards -> packed rows, prefetch), `objective` (loss and acceptance metrics), `checkpoint`,
+`distributed`, `worker` (torchrun entry), `plots`. Importing the package stays cheap (config only)."""
