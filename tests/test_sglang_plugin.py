@@ -48,6 +48,15 @@ def test_rewrite_adds_extraction_flags_and_takes_the_dump_dir():
     assert plan.argv[:8] == [*BASE, "--tp-size", "8"]  # the caller's arguments keep their order
 
 
+def test_rewrite_accepts_the_full_command_line_a_launcher_passes():
+    # aerie's docker launcher passes `python3 -m aerie.sglang_plugin.launch ...` as the container
+    # command, and the image's ENTRYPOINT is that same command.
+    full = ["python3", "-m", "aerie.sglang_plugin.launch", *BASE, "--dump-dir", "/d"]
+    assert rewrite_args(full, environ={}).argv == rewrite_args(full[3:], environ={}).argv
+    with pytest.raises(ServerLaunchError, match="unexpected argument 'serve'"):
+        rewrite_args(["serve", *BASE, "--dump-dir", "/d"], environ={})
+
+
 def test_rewrite_forces_whole_sample_prefill_and_keeps_given_flags_once():
     argv = [*BASE, "--chunked-prefill-size=8192", "--skip-tokenizer-init", "--mem-fraction-static", "0.8"]
     plan = rewrite_args(argv, environ={"AERIE_DUMP_DIR": "/env-dir"})
@@ -280,7 +289,11 @@ def _find(tree: ast.Module, attr_path: str) -> ast.AST | None:
         found = None
         for node in nodes:
             name = getattr(node, "name", None)
-            if name == part or isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == part for a in node.names):
+            if (
+                name == part
+                or isinstance(node, ast.ImportFrom)
+                and any((a.asname or a.name) == part for a in node.names)
+            ):
                 found = node
         if found is None:
             return None

@@ -39,6 +39,7 @@ class SliceResult:
     tokens: int = 0
     restarts: int = 0
     resumed_rows: int = 0
+    pump_seconds: float = 0.0  # time spent extracting, without server starts and canaries
     errors: list[str] = field(default_factory=list)
 
 
@@ -141,13 +142,18 @@ class SliceWorker:
             if self.stop_event.is_set():
                 raise ExtractionError(f"slice {self.k}: stopped because another slice failed")
             server = self._ensure_server()
+            began = time.monotonic()
             try:
                 asyncio.run(self._pump(server, split, hi, writer, state))
             except ServerUnavailable as exc:
                 self._on_server_failure(server, exc, split, state.next_row)
+            finally:
+                self.result.pump_seconds += time.monotonic() - began
+        began = time.monotonic()
         info = writer.close()
         if info is not None:
             self._closed(info, split, state, end_row=hi)
+        self.result.pump_seconds += time.monotonic() - began
 
     # -- server life --------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from aerie.errors import ServerLaunchError
 from aerie.sglang_plugin.capture import DUMP_DIR_ENV
 from aerie.sglang_plugin.compat import check_sglang_version, installed_sglang_version
 
+MODULE = "aerie.sglang_plugin.launch"
 PLUGIN_GROUP = "sglang.srt.plugins"
 PLUGIN_NAME = "aerie_dump"
 PLUGIN_TARGET = "aerie.sglang_plugin.capture:install"
@@ -74,9 +75,24 @@ def _is_flag(tok: str) -> bool:
     return tok.startswith("-") and not tok.lstrip("-").replace(".", "", 1).isdigit()
 
 
+def strip_self(argv: Sequence[str]) -> list[str]:
+    """Drop a leading `<python> -m aerie.sglang_plugin.launch`: the image's ENTRYPOINT already is that
+    command, and a launcher that passes the full command line (aerie's docker launcher does) would
+    otherwise hand it to SGLang as arguments."""
+    args = list(argv)
+    if len(args) >= 3 and args[1] == "-m" and args[2] == MODULE:
+        return args[3:]
+    if args and not args[0].startswith("-"):
+        raise ServerLaunchError(
+            f"unexpected argument {args[0]!r}: pass SGLang server flags (--model-path ...), optionally "
+            f"after `python3 -m {MODULE}`"
+        )
+    return args
+
+
 def rewrite_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchPlan:
     """The SGLang argv for extraction, and the dump dir (from `--dump-dir` or AERIE_DUMP_DIR)."""
-    pairs = _split(argv)
+    pairs = _split(strip_self(argv))
     out: list[tuple[str, str | None]] = []
     notes: list[str] = []
     dump_dir = environ.get(DUMP_DIR_ENV)
