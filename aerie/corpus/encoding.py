@@ -21,6 +21,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from aerie.corpus import worker
@@ -144,10 +145,22 @@ def _frame(columns: dict[str, list[Any]]) -> pl.DataFrame:
     if not columns["id"]:
         return _empty_frame()
     schema = {**SPILL, "split": pl.UInt8(), "bucket": pl.UInt32()}
-    # Lists of numpy arrays become list columns without a Python int per token.
-    return pl.DataFrame(
-        {name: pl.Series(name, values, dtype=schema[name]) for name, values in columns.items()}
-    )
+    series = {}
+    for name, values in columns.items():
+        if isinstance(schema[name], pl.List):
+            series[name] = _list_series(name, values, schema[name])
+        else:
+            series[name] = pl.Series(name, values, dtype=schema[name])
+    return pl.DataFrame(series)
+
+
+def _list_series(name: str, arrays: list[np.ndarray], dtype: pl.DataType) -> pl.Series:
+    """A list column from numpy arrays without a Python int per token. Polars reads equal-length arrays
+    as a 2-D block (an Array column), so that case is converted back to a list column."""
+    series = pl.Series(name, arrays)
+    if isinstance(series.dtype, pl.Array):
+        series = series.arr.to_list()
+    return series.cast(dtype)
 
 
 # --- processes ---------------------------------------------------------------------------------
