@@ -17,9 +17,9 @@ import pytest
 from aerie.conversation import Conversation, Message
 from aerie.corpus import corpus_shards, import_conversations, iter_corpus, run
 from aerie.corpus.config import CorpusConfig
-from aerie.errors import SchemaError
+from aerie.errors import DataError, SchemaError
 from aerie.manifest import load_manifest
-from aerie.store import LocalStore
+from aerie.store import LocalStore, StoreConfig, open_store
 from tests.corpus_support import (
     LLAMA_LIKE,
     LLAMA_SPECIAL,
@@ -28,6 +28,8 @@ from tests.corpus_support import (
     msg,
     target_with_template,
 )
+
+pytest_plugins = ("tests.s3_support",)
 
 
 def _generated_rows(n: int, prefix: str = "g") -> list[dict]:
@@ -239,3 +241,26 @@ def test_schema_mismatch_names_the_column_and_writes_nothing(tmp_path: Path, smo
         run(CorpusConfig(num_workers=1), store=store, run_name="run", target=smollm2, inputs=[good, bad])
     assert not [k for k in store.list("run/merge")]
     assert store.exists(f"{bad.prefix}/conversations.parquet")  # the input is untouched
+
+
+def test_nothing_usable_is_an_error_that_keeps_the_reasons(tmp_path: Path, smollm2):
+    store = LocalStore(tmp_path / "store")
+    up = generated_result(store, "run", "gen", BAD_ROWS[:4])
+    with pytest.raises(DataError, match=r"no usable conversation in 4 input rows .*quarantine\.jsonl"):
+        run(CorpusConfig(num_workers=1), store=store, run_name="run", target=smollm2, inputs=[up])
+    (quarantine,) = [k for k in store.list("run/merge") if k.endswith("quarantine.jsonl")]
+    assert len(store.get_bytes(quarantine).splitlines()) == 4
+    assert not [k for k in store.list("run/merge") if k.endswith("manifest.json")]
+
+
+def test_merge_through_s3(s3_config: StoreConfig, smollm2, tok):
+    store = open_store(s3_config)  # a real moto server over HTTP: inputs downloaded, outputs uploaded
+    up = generated_result(store, "s3run", "gen", _generated_rows(6))
+    cfg = CorpusConfig(num_workers=1, eval_fraction=0.0)
+    result = run(cfg, store=store, run_name="s3run", target=smollm2, inputs=[up])
+    assert result.manifest_uri.startswith("s3://")
+    rows = list(iter_corpus(store, result, "train"))
+    assert sorted(r.id for r in rows) == sorted(f"g{i}" for i in range(6))
+    for row in rows:
+        assert decoded_runs(tok, row.input_ids, row.loss_mask) == _expected_answers(row.id)
+    assert run(cfg, store=store, run_name="s3run", target=smollm2, inputs=[up]).cache_hit

@@ -178,6 +178,12 @@ def _build(
             cfg, store, stage, spill, layout, target, work, quarantine, counts, progress
         )
     store.put_file(stage.path(QUARANTINE), quarantine_path)
+    if not any(s.total("records") for s in stats.values()):
+        dropped = {k.removeprefix("dropped."): v for k, v in counts.items() if k.startswith("dropped.")}
+        raise DataError(
+            f"no usable conversation in {total_rows:,} input rows (dropped: {dropped}); the reason for each "
+            f"is in {stage.uri(QUARANTINE)}"
+        )
     counts_path = work / TOKEN_COUNTS
     token_counts.frame().write_parquet(counts_path, compression="zstd")
     store.put_file(stage.path(TOKEN_COUNTS), counts_path)
