@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
+
+ProposerName = Literal["eagle3", "prompt_lookup"]
+PROPOSERS: tuple[ProposerName, ...] = ("eagle3", "prompt_lookup")
+
+
+class PromptLookupConfig(StrictModel):
+    """The training-free baseline proposer: copy what followed the latest match of the context's tail."""
+
+    max_ngram: int = Field(3, ge=1, description="Longest tail n-gram looked up in the context.")
+    min_ngram: int = Field(1, ge=1, description="Shortest tail n-gram tried before giving up.")
 
 
 class EvaluateConfig(StrictModel):
@@ -13,10 +25,24 @@ class EvaluateConfig(StrictModel):
     num_steps: list[int] = Field(
         default_factory=lambda: [3, 7], description="Draft chain lengths to evaluate."
     )
+    proposers: list[ProposerName] = Field(
+        default_factory=lambda: list(PROPOSERS),
+        description="Proposers measured by the same evaluator (prompt lookup is the training-free baseline).",
+    )
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
     mtbench_questions: int | None = Field(None, ge=1, description="MT-Bench questions used; None = all 80.")
     heldout_samples: int = Field(32, ge=0, description="Held-out corpus prompts evaluated.")
+    max_prompt_tokens: int = Field(
+        1024, ge=8, description="Prompts longer than this (tokens) are cut to their last this-many tokens."
+    )
+    batch_size: int = Field(
+        8, ge=1, description="Prompts decoded together (the lossless decoder batches ragged acceptance)."
+    )
+    prompt_lookup: PromptLookupConfig = Field(default_factory=PromptLookupConfig)
     device: str = Field("auto", description="auto, cpu or cuda.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Target and drafter dtype; auto = bfloat16 on CUDA, float32 on CPU."
+    )
 
 
 class DeployConfig(StrictModel):
@@ -33,4 +59,29 @@ class DeployConfig(StrictModel):
     num_draft_tokens: int | None = Field(
         None, ge=2, description="--speculative-num-draft-tokens; None = steps+1."
     )
+    warmup_requests: int = Field(
+        2, ge=0, description="Requests sent (and not measured) before each server's first level."
+    )
+    request_timeout_s: float = Field(600.0, gt=0, description="Per-request HTTP timeout of the benchmark.")
     promote_margin: float = Field(1.05, gt=0, description="Promote when speed-up >= this.")
+    promote_concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="Concurrency level whose speed-up decides promotion; None = the lowest benchmarked "
+        "(speculative decoding pays at low batch; at high batch the baseline's batching catches up).",
+    )
+
+    @model_validator(mode="after")
+    def _levels_make_sense(self) -> DeployConfig:
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency must list positive levels, got {self.concurrency}")
+        if self.promote_concurrency is not None and self.promote_concurrency not in self.concurrency:
+            raise ValueError(
+                f"promote_concurrency {self.promote_concurrency} is not one of concurrency {self.concurrency}"
+            )
+        if self.eagle_topk == 1 and self.num_draft_tokens not in (None, self.num_steps + 1):
+            raise ValueError(
+                f"with eagle_topk 1 a chain verifies num_steps+1 = {self.num_steps + 1} tokens; "
+                f"num_draft_tokens {self.num_draft_tokens} contradicts it (SGLang would override it)"
+            )
+        return self

@@ -1,0 +1,483 @@
+"""Lossless greedy speculative decoding with the target in transformers.
+
+One round, per sequence (committed tokens x_0..x_{L-1}; the target's KV cache holds x_0..x_{L-2}):
+
+    proposer  drafts a chain d_1..d_k (top-1)                         EAGLE-3 drafter, prompt lookup, ...
+    target    ONE forward over [x_{L-1}, d_1..d_k] (k+1 tokens)       logits t_0..t_k, aux hidden states
+    accept    the longest prefix with d_j == t_{j-1}, then the target's own next token t_a (the bonus)
+    rollback  the KV entries of rejected drafts are dropped           (DynamicCache.crop / masked out)
+
+Every emitted token is the target's argmax given the tokens before it, so at temperature 0 the output
+is the target's plain greedy output whatever the proposer proposes; the proposer only decides how many
+tokens one target forward yields (the acceptance length).
+
+Sequences are decoded as a batch although each accepts a different number of tokens per round: the
+cache grows by the same number of slots for every row, and a row's rejected slots stay as holes that a
+2-D attention mask hides; explicit position ids keep RoPE on each row's own positions. Slots that are
+rejected in every row are cropped; when holes pile up the cache is compacted. With one sequence there
+are never holes and the rollback is a plain `crop`.
+
+Accounting follows SGLang: `spec_verify_ct` counts target verify forwards, `completion_tokens` counts
+every generated token (the first one comes from the prefill), `spec_accept_length` =
+completion_tokens / spec_verify_ct. `accept_length` leaves the prefill token out (tokens per verify
+forward, bonus included): an always-wrong proposer gives exactly 1.0, a perfect one num_steps + 1.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from aerie.errors import EvaluationError
+
+# Compact a cache when its slots exceed this many times the longest row's live slots (plus slack).
+_COMPACT_FACTOR = 2
+_COMPACT_SLACK = 64
+
+
+class Proposer(Protocol):
+    """Drafts tokens for the sequences being decoded. Sequences are named by stable integer ids.
+
+    `add` is called once per sequence after the target's prefill, `propose` once per round for the
+    active sequences, `advance` after each verify with what the target accepted, `remove` when a
+    sequence finishes. `aux` (when `needs_aux`) holds the target's captured hidden states
+    [n, len(aux_layers) * H] of the positions the target just processed, each paired with the token
+    that followed that position: in `add`, `contexts` is prompt + first token and aux row i (position
+    i) pairs with context[i + 1]; in `advance`, aux row i pairs with new_tokens[i].
+    """
+
+    name: str
+    needs_aux: bool
+
+    def add(
+        self, seqs: Sequence[int], contexts: Sequence[list[int]], aux: Sequence[Tensor] | None
+    ) -> None: ...
+
+    def propose(self, seqs: Sequence[int], k: int) -> list[list[int]]: ...
+
+    def advance(
+        self, seqs: Sequence[int], new_tokens: Sequence[list[int]], aux: Sequence[Tensor] | None
+    ) -> None: ...
+
+    def remove(self, seqs: Sequence[int]) -> None: ...
+
+
+class NoProposer:
+    """Proposes nothing: every round is a plain one-token decode step (the greedy baseline)."""
+
+    name = "none"
+    needs_aux = False
+
+    def add(self, seqs: Sequence[int], contexts: Sequence[list[int]], aux: Sequence[Tensor] | None) -> None:
+        pass
+
+    def propose(self, seqs: Sequence[int], k: int) -> list[list[int]]:
+        return [[] for _ in seqs]
+
+    def advance(
+        self, seqs: Sequence[int], new_tokens: Sequence[list[int]], aux: Sequence[Tensor] | None
+    ) -> None:
+        pass
+
+    def remove(self, seqs: Sequence[int]) -> None:
+        pass
+
+
+@dataclass
+class SpecOutput:
+    """One sequence's generation and its speculative-decoding counts."""
+
+    output_ids: list[int]
+    finish_reason: str  # "stop" (an EOS token) or "length"
+    verify_ct: int  # target verify forwards this sequence took part in (SGLang's spec_verify_ct)
+    reached: list[int]  # per draft position j: rounds whose draft j was verified with drafts < j accepted
+    accepted: list[int]  # per draft position j: rounds whose draft j was accepted
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def spec_accept_length(self) -> float:
+        """SGLang's figure: completion_tokens / spec_verify_ct (1.0 before any verify)."""
+        return self.completion_tokens / self.verify_ct if self.verify_ct else 1.0
+
+
+@dataclass
+class SpecStats:
+    """Acceptance over many sequences (one proposer, one num_steps)."""
+
+    num_steps: int
+    sequences: int = 0
+    completion_tokens: int = 0
+    verify_ct: int = 0
+    verify_tokens: int = 0  # tokens emitted by verify forwards (all but each sequence's prefill token)
+    proposed_tokens: int = 0  # drafts sent to verification
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.reached = self.reached or [0] * self.num_steps
+        self.accepted = self.accepted or [0] * self.num_steps
+
+    def add(self, out: SpecOutput) -> None:
+        self.sequences += 1
+        self.completion_tokens += out.completion_tokens
+        self.verify_ct += out.verify_ct
+        self.verify_tokens += out.completion_tokens - 1 if out.completion_tokens else 0
+        self.proposed_tokens += sum(out.reached)
+        for j, (r, a) in enumerate(zip(out.reached, out.accepted, strict=False)):
+            self.reached[j] += r
+            self.accepted[j] += a
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per target verify forward, bonus included, prefill token left out."""
+        return self.verify_tokens / self.verify_ct if self.verify_ct else 1.0
+
+    @property
+    def spec_accept_length(self) -> float:
+        """SGLang's figure over all sequences: Σ completion_tokens / Σ spec_verify_ct."""
+        return self.completion_tokens / self.verify_ct if self.verify_ct else 1.0
+
+    @property
+    def conditional_acceptance(self) -> list[float | None]:
+        """P(draft j accepted | drafts 1..j-1 accepted), per position (None where never reached)."""
+        return [a / r if r else None for a, r in zip(self.accepted, self.reached, strict=True)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_steps": self.num_steps,
+            "sequences": self.sequences,
+            "completion_tokens": self.completion_tokens,
+            "spec_verify_ct": self.verify_ct,
+            "accept_length": round(self.accept_length, 4),
+            "spec_accept_length": round(self.spec_accept_length, 4),
+            "proposed_tokens": self.proposed_tokens,
+            "draft_acceptance_rate": round(sum(self.accepted) / self.proposed_tokens, 4)
+            if self.proposed_tokens
+            else None,
+            "conditional_acceptance": [
+                None if c is None else round(c, 4) for c in self.conditional_acceptance
+            ],
+            "reached": list(self.reached),
+            "accepted": list(self.accepted),
+            "seconds": round(self.seconds, 3),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+        }
+
+
+def accept_chain(drafts: Sequence[int], predictions: Sequence[int], stop_ids: frozenset[int]) -> int:
+    """How many drafts the target accepts: the longest prefix with drafts[j] == predictions[j]
+    (predictions[j] is the target's argmax after the context and drafts[:j]). An accepted stop token
+    ends the chain: what follows it is never emitted."""
+    accepted = 0
+    for draft, prediction in zip(drafts, predictions, strict=False):
+        if draft != prediction:
+            break
+        accepted += 1
+        if draft in stop_ids:
+            break
+    return accepted
+
+
+# ---------------------------------------------------------------------------------------------------
+# The target's cache: an HF DynamicCache plus a [B, S] mask of live slots.
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers 5.x calls the cache argument `cache`; older releases `past_key_values`."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def crop_cache(cache: Any, remove: int) -> None:
+    """Drop the last `remove` slots of an HF cache (`crop` takes a negative count in transformers >= 5,
+    the length to keep before)."""
+    if remove <= 0:
+        return
+    params = inspect.signature(cache.crop).parameters
+    if "tokens_to_remove" in params:
+        cache.crop(-remove)
+    else:  # transformers 4.x: crop(max_length)
+        cache.crop(cache.get_seq_length() - remove)
+
+
+class TargetCache:
+    """The target's KV cache for a batch of ragged rows."""
+
+    def __init__(self, model: Any) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.live: Tensor | None = None  # [B, S] bool: slots a query may attend to
+        self._kwarg = _cache_kwarg(model)
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.live is None else int(self.live.shape[1])
+
+    def forward(
+        self, input_ids: Tensor, valid: Tensor, positions: Tensor, hidden_layers: Sequence[int] | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """input_ids/valid/positions [B, T] -> logits [B, T, V] and (if asked) the hidden states of
+        `hidden_layers` concatenated, [B, T, len * H]."""
+        live = valid if self.live is None else torch.cat([self.live, valid], dim=1)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=live.long(),
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=hidden_layers is not None,
+            **{self._kwarg: self.cache},
+        )
+        self.live = live
+        aux = None
+        if hidden_layers is not None:
+            aux = torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1)
+        return out.logits, aux
+
+    def keep_last(self, kept: Tensor) -> None:
+        """After a verify over the last T slots: `kept` [B, T] marks the slots that stay live; slots dead
+        in every row are cropped (the whole rollback when there is one row)."""
+        assert self.live is not None
+        t = kept.shape[1]
+        self.live[:, -t:] &= kept
+        dead_tail = t - int(kept.any(dim=0).nonzero().max().item() + 1) if bool(kept.any()) else t
+        if dead_tail:
+            crop_cache(self.cache, dead_tail)
+            self.live = self.live[:, : self.live.shape[1] - dead_tail]
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only these batch rows (finished sequences leave the batch)."""
+        assert self.live is not None
+        self.cache.batch_select_indices(rows)
+        self.live = self.live[rows]
+        self.maybe_compact()
+
+    def maybe_compact(self) -> None:
+        """Squeeze the holes out when they dominate: each row's live slots, in order, left-padded."""
+        if self.live is None:
+            return
+        counts = self.live.sum(dim=1)
+        longest = int(counts.max().item()) if counts.numel() else 0
+        if self.live.shape[1] <= _COMPACT_FACTOR * longest + _COMPACT_SLACK:
+            return
+        index, live = compaction_index(self.live)
+        for layer in self.cache.layers:
+            keys: Any = getattr(layer, "keys", None)
+            values: Any = getattr(layer, "values", None)
+            if keys is None or values is None:  # a layer that was never written (KV sharing)
+                continue
+            # keys/values [B, heads, S, hd]: gather each row's live slots along S.
+            gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+            layer.keys = keys.gather(2, gather)  # type: ignore[union-attr]
+            layer.values = values.gather(2, gather)  # type: ignore[union-attr]
+        self.live = live
+
+
+def compaction_index(live: Tensor) -> tuple[Tensor, Tensor]:
+    """For a [B, S] live mask: a [B, S'] gather index of each row's live slots (left-padded with slot 0)
+    and the new [B, S'] live mask, S' = the most live slots of any row."""
+    counts = live.sum(dim=1)
+    width = int(counts.max().item())
+    b, s = live.shape
+    order = torch.arange(s, device=live.device).expand(b, s)
+    # Dead slots sort first (key -1), live ones keep their order; the last `width` are what we keep.
+    keys = torch.where(live, order, torch.full_like(order, -1))
+    sorted_slots = keys.sort(dim=1).values[:, s - width :]
+    new_live = sorted_slots >= 0
+    return sorted_slots.clamp(min=0), new_live
+
+
+# ---------------------------------------------------------------------------------------------------
+# The decoder
+
+
+@dataclass
+class _Row:
+    seq: int
+    context: list[int]  # prompt + generated
+    generated: list[int]
+    reached: list[int]
+    accepted: list[int]
+    verify_ct: int = 0
+    finish_reason: str | None = None
+
+
+class SpecDecoder:
+    """Greedy speculative decoding of a batch of prompts with one proposer and a fixed chain length."""
+
+    def __init__(
+        self,
+        model: Any,
+        proposer: Proposer,
+        *,
+        num_steps: int,
+        eos_token_ids: Sequence[int],
+        aux_layers: Sequence[int] | None = None,
+    ) -> None:
+        if num_steps < 0:
+            raise EvaluationError(f"num_steps must be >= 0, got {num_steps}")
+        if proposer.needs_aux and not aux_layers:
+            raise EvaluationError(
+                f"proposer {proposer.name} needs the target's aux hidden states: pass aux_layers"
+            )
+        self.model = model
+        self.proposer = proposer
+        self.num_steps = num_steps
+        self.stop_ids = frozenset(int(e) for e in eos_token_ids)
+        self.aux_layers = list(aux_layers) if proposer.needs_aux and aux_layers else None
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[SpecOutput]:
+        """Decode every prompt to an EOS token or `max_new_tokens`; outputs in prompt order."""
+        if max_new_tokens < 1:
+            raise EvaluationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise EvaluationError("an empty prompt cannot be decoded (no position to predict from)")
+        k = self.num_steps
+        rows = [
+            _Row(seq=i, context=list(map(int, p)), generated=[], reached=[0] * k, accepted=[0] * k)
+            for i, p in enumerate(prompts)
+        ]
+        cache = TargetCache(self.model)
+        self._prefill(cache, rows, max_new_tokens)
+        active = [r for r in rows if r.finish_reason is None]
+        self._retire(cache, rows, active)
+        while active:
+            self._round(cache, active, max_new_tokens)
+            still = [r for r in active if r.finish_reason is None]
+            if len(still) != len(active):
+                self._retire(cache, active, still)
+            active = still
+        return [
+            SpecOutput(
+                output_ids=r.generated,
+                finish_reason=r.finish_reason or "length",
+                verify_ct=r.verify_ct,
+                reached=r.reached,
+                accepted=r.accepted,
+            )
+            for r in rows
+        ]
+
+    def _prefill(self, cache: TargetCache, rows: list[_Row], max_new_tokens: int) -> None:
+        """Left-padded prompts in one forward; each row's first token is the target's argmax."""
+        longest = max(len(r.context) for r in rows)
+        b = len(rows)
+        ids = torch.zeros(b, longest, dtype=torch.long)
+        valid = torch.zeros(b, longest, dtype=torch.bool)
+        positions = torch.zeros(b, longest, dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.context)
+            ids[i, longest - n :] = torch.tensor(r.context)
+            valid[i, longest - n :] = True
+            positions[i, longest - n :] = torch.arange(n)
+        logits, aux = cache.forward(
+            ids.to(self.device), valid.to(self.device), positions.to(self.device), self.aux_layers
+        )
+        first = logits[:, -1].argmax(dim=-1).tolist()
+        aux_rows: list[Tensor] | None = None
+        if aux is not None:
+            aux_rows = [aux[i, longest - len(r.context) :] for i, r in enumerate(rows)]
+        for r, token in zip(rows, first, strict=True):
+            self._emit(r, [int(token)], max_new_tokens)
+        # Row i of the aux states (position i) is paired with the token after it: context[1:] + first.
+        self.proposer.add([r.seq for r in rows], [list(r.context) for r in rows], aux_rows)
+
+    def _round(self, cache: TargetCache, rows: list[_Row], max_new_tokens: int) -> None:
+        """Propose, verify in one target forward, accept, roll back."""
+        proposals = self.proposer.propose([r.seq for r in rows], self.num_steps)
+        drafts = []
+        for r, proposal in zip(rows, proposals, strict=True):
+            # Drafts past what the sequence may still emit are never verified: R tokens left = at most
+            # R-1 drafts plus the bonus.
+            budget = max_new_tokens - len(r.generated) - 1
+            drafts.append([int(t) for t in proposal[: min(self.num_steps, budget)]])
+        width = 1 + max(len(d) for d in drafts)
+        b = len(rows)
+        ids = torch.zeros(b, width, dtype=torch.long)
+        valid = torch.zeros(b, width, dtype=torch.bool)
+        positions = torch.zeros(b, width, dtype=torch.long)
+        for i, (r, d) in enumerate(zip(rows, drafts, strict=True)):
+            n = 1 + len(d)
+            ids[i, :n] = torch.tensor([r.context[-1], *d])
+            valid[i, :n] = True
+            # Padding slots get a position too (they are masked): keep it in range.
+            positions[i] = len(r.context) - 1 + torch.arange(width).clamp(max=n - 1)
+        logits, aux = cache.forward(
+            ids.to(self.device), valid.to(self.device), positions.to(self.device), self.aux_layers
+        )
+        predictions = logits.argmax(dim=-1).tolist()
+        kept = torch.zeros(b, width, dtype=torch.bool)
+        new_tokens: list[list[int]] = []
+        for i, (r, d) in enumerate(zip(rows, drafts, strict=True)):
+            a = accept_chain(d, predictions[i], self.stop_ids)
+            for j in range(min(len(d), a + 1)):
+                r.reached[j] += 1
+            for j in range(a):
+                r.accepted[j] += 1
+            new = d[:a]
+            if not (a and d[a - 1] in self.stop_ids):
+                new.append(int(predictions[i][a]))
+            r.verify_ct += 1
+            kept[i, : a + 1] = True  # x_{L-1} and the accepted drafts are now in the cache for good
+            new_tokens.append(new)
+            self._emit(r, new, max_new_tokens)
+        cache.keep_last(kept.to(self.device))
+        # Aux rows 0..a are the positions of x_{L-1}, d_1..d_a: row i pairs with new token i.
+        aux_rows = None if aux is None else [aux[i, : len(n)] for i, n in enumerate(new_tokens)]
+        self.proposer.advance([r.seq for r in rows], new_tokens, aux_rows)
+
+    def _emit(self, row: _Row, tokens: list[int], max_new_tokens: int) -> None:
+        for token in tokens:
+            row.generated.append(token)
+            row.context.append(token)
+            if token in self.stop_ids:
+                row.finish_reason = "stop"
+                return
+            if len(row.generated) >= max_new_tokens:
+                row.finish_reason = "length"
+                return
+
+    def _retire(self, cache: TargetCache, before: list[_Row], after: list[_Row]) -> None:
+        gone = [r.seq for r in before if r.finish_reason is not None]
+        if gone:
+            self.proposer.remove(gone)
+        if after and len(after) != len(before):
+            keep = {r.seq for r in after}
+            rows = torch.tensor([i for i, r in enumerate(before) if r.seq in keep], dtype=torch.long)
+            cache.select(rows.to(self.device))
+
+
+def greedy_reference(
+    model: Any, prompt: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int]
+) -> list[int]:
+    """The target's plain greedy continuation through `transformers`' own `generate` (an independent
+    implementation, used to check that speculative decoding is lossless)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], device=device)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=list(eos_token_ids),
+        pad_token_id=int(list(eos_token_ids)[0]),
+    )
+    return [int(t) for t in out[0, ids.shape[1] :].tolist()]
