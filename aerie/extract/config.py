@@ -32,6 +32,14 @@ class ExtractConfig(StrictModel):
     work_dir: str | None = Field(
         None, description="Local dir for dumps and shards; None = <aerie cache>/extract/<run>/<key>."
     )
+    dump_dir: str | None = Field(
+        None,
+        description="Where servers write per-request dumps; None = /dev/shm (tmpfs: dumps are written and "
+        "read back once, at the GPU's rate) when it has room for the dumps in flight, else <work_dir>/dumps.",
+    )
+    quantize_device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where fp8 shards are quantized; auto = cuda when this process sees a GPU."
+    )
     disk_margin: float = Field(1.2, ge=1.0, description="Preflight asks for estimated bytes x this margin.")
     splits: list[Literal["train", "eval"]] = Field(
         default_factory=lambda: list(SPLITS), description="Corpus splits to extract."

@@ -73,6 +73,12 @@ def _device(path: Path) -> int:
     return os.stat(_existing_parent(path)).st_dev
 
 
+def dumps_in_flight_bytes(cfg: ExtractConfig, hidden_size: int) -> int:
+    """Dump bytes the servers may hold at once: every request in flight, with the margin."""
+    per_token = 4 + 4 * hidden_size * DUMP_ELEMENT_BYTES
+    return int(cfg.num_servers * cfg.requests_in_flight * cfg.batch_tokens * per_token * cfg.disk_margin)
+
+
 def estimate(
     cfg: ExtractConfig,
     *,
@@ -81,13 +87,13 @@ def estimate(
     work_dir: Path,
     store_dir: Path | None,
     already_uploaded_bytes: int = 0,
+    dump_dir: Path | None = None,
 ) -> PreflightReport:
     """What the stage will write where (with `cfg.disk_margin`), and what is free there."""
     bpt = bytes_per_token(cfg.storage_dtype, hidden_size)
     shards_total = int(tokens * bpt * cfg.disk_margin)
     remaining = max(0, shards_total - already_uploaded_bytes)
-    dump_bpt = 4 + 4 * hidden_size * DUMP_ELEMENT_BYTES
-    dumps = int(cfg.num_servers * cfg.requests_in_flight * cfg.batch_tokens * dump_bpt * cfg.disk_margin)
+    dumps = dumps_in_flight_bytes(cfg, hidden_size)
     if cfg.delete_local_after_upload:
         # Per server: the shard being uploaded and the next one closing, written while it uploads.
         local_shards = min(remaining, 2 * cfg.num_servers * cfg.shard_bytes)
@@ -104,7 +110,7 @@ def estimate(
         need.need += n
         need.parts[part] = need.parts.get(part, 0) + n
 
-    add(work_dir, "dumps in flight", dumps)
+    add(dump_dir or work_dir, "dumps in flight", dumps)
     add(work_dir, "local shards", local_shards)
     if store_dir is not None:
         add(store_dir, "shards in the store", remaining)

@@ -16,6 +16,8 @@ changing them does not throw away uploaded shards on a re-run.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +63,26 @@ def _work_dir(cfg: ExtractConfig, run_name: str, key: str) -> Path:
     return Path(get_settings().cache_dir) / "extract" / run_name / key
 
 
+def _dump_root(cfg: ExtractConfig, run_name: str, key: str, work: Path, hidden_size: int) -> Path:
+    """Dumps are written once and read back once: on tmpfs when it has room for twice the dumps in
+    flight (so a disk-bound host spends its disk bandwidth on shards only), else in the work dir."""
+    if cfg.dump_dir:
+        return Path(cfg.dump_dir).expanduser().resolve() / run_name / key
+    shm = Path("/dev/shm")
+    need = 2 * disk.dumps_in_flight_bytes(cfg, hidden_size)
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= need:
+        return shm / "aerie-extract" / run_name / key
+    return work / "dumps"
+
+
+def _quantize_device(cfg: ExtractConfig) -> str:
+    if cfg.quantize_device != "auto":
+        return cfg.quantize_device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _server_cfg(server: ServerConfig, k: int, num_servers: int) -> ServerConfig:
     """Server k of a fan-out: its own port and, on one GPU host, its own GPU group."""
     env = dict(server.env)
@@ -76,6 +98,7 @@ class Plan:
 
     stage: StageDir
     work: Path
+    dumps: Path
     splits: dict[str, SplitFiles]
     tokens: int
     progress_file: ProgressFile
@@ -103,6 +126,7 @@ def plan(
         raise ExtractionError(f"the corpus at {corpus.prefix} has no rows in splits {cfg.splits}")
     tokens = sum(sf.tokens for sf in splits.values())
     progress_file = ProgressFile(store, stage.path(PROGRESS_FILE))
+    dumps = _dump_root(cfg, run_name, key, work, target.hidden_size)
     # What is already uploaded (resume) does not need disk again.
     report = disk.estimate(
         cfg,
@@ -111,9 +135,10 @@ def plan(
         work_dir=work,
         store_dir=store.local_path(stage.prefix),
         already_uploaded_bytes=sum(s.bytes for s in progress_file.shards),
+        dump_dir=dumps,
     )
     disk.check(report, cfg)
-    return Plan(stage, work, splits, tokens, progress_file, report)
+    return Plan(stage, work, dumps, splits, tokens, progress_file, report)
 
 
 def run(
@@ -156,7 +181,7 @@ def run(
     stop = threading.Event()
 
     def start_server(k: int, attempt: int) -> ModelServer:
-        dump_dir = work / "dumps" / f"s{k}"
+        dump_dir = p.dumps / f"s{k}"
         spec = spec_for(
             _server_cfg(server, k, cfg.num_servers),
             model_path=target.path,
@@ -189,6 +214,7 @@ def run(
             start_server=start_server,
             meter=meter,
             stop=stop,
+            quantize_device=_quantize_device(cfg),
         )
         for k in range(cfg.num_servers)
     ]
@@ -209,6 +235,8 @@ def run(
             log.exception("a shard upload failed while the extraction was failing")
         finally:
             uploader.close()
+            if p.dumps != work / "dumps":
+                shutil.rmtree(p.dumps, ignore_errors=True)  # tmpfs is memory
     meter.add(0, force=True)
 
     manifest = _manifest(cfg, target, corpus, server, splits, results, report.record(), canary, began)

@@ -52,7 +52,14 @@ class Uploader:
     def _upload(self, info: ShardInfo, shard: ClosedShard) -> ClosedShard:
         try:
             key = f"{self.prefix}/{shard.path}"
-            obj = self.store.put_file(key, info.path)
+            # A store that can take the file over (a local store on the same filesystem: rename plus
+            # its checksum record) saves a second write of every shard; others get a copy.
+            adopt = getattr(self.store, "adopt_file", None)
+            obj = (
+                adopt(key, info.path, info.sha256)
+                if adopt is not None
+                else self.store.put_file(key, info.path)
+            )
             if obj.sha256 != info.sha256 or obj.size != info.bytes:
                 raise IntegrityError(
                     f"upload of {info.path} to {obj.uri} is corrupt: store has {obj.size} bytes sha256 "
@@ -60,7 +67,7 @@ class Uploader:
                 )
             self.progress.add(shard)
             self.uploaded_bytes += info.bytes
-            if self.delete_local and info.path.resolve() != self._store_path(key):
+            if self.delete_local and info.path.exists() and info.path.resolve() != self._store_path(key):
                 info.path.unlink(missing_ok=True)
             log.info("uploaded %s (%d samples, %d tokens)", obj.uri, shard.samples, shard.tokens)
             return shard

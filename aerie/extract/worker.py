@@ -93,6 +93,7 @@ class SliceWorker:
         start_server: ServerFactory,
         meter: TokenMeter,
         stop: threading.Event,
+        quantize_device: str = "cpu",
     ) -> None:
         self.k = k
         self.cfg = cfg
@@ -106,6 +107,7 @@ class SliceWorker:
         self.start_server = start_server
         self.meter = meter
         self.stop_event = stop
+        self.quantize_device = quantize_device
         self.result = SliceResult(slice=k)
         self._server: ModelServer | None = None
         self._attempt = 0
@@ -136,6 +138,7 @@ class SliceWorker:
             hidden_size=self.hidden_size,
             prefix=f"shard-s{self.k}",
             first_index=index,
+            quantize_device=self.quantize_device,
         )
         state = _SplitState(split=split, next_row=row, shard_first=row)
         while state.next_row < hi:
