@@ -15,9 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import polars as pl
 
@@ -141,114 +142,126 @@ def _build(
     paths = [_local(store, f.key, work) for f in files]
     frames = [task_frame(p, i, store.uri(f.key)) for i, (p, f) in enumerate(zip(paths, files, strict=True))]
     rows_per_input = [int(pl.scan_parquet(p).select(pl.len()).collect().item()) for p in paths]
-    total_rows = sum(rows_per_input)
     layout = Layout.plan(
-        total_rows, seed=cfg.seed, eval_fraction=cfg.eval_fraction, rows_per_shard=cfg.rows_per_shard
+        sum(rows_per_input), seed=cfg.seed, eval_fraction=cfg.eval_fraction, rows_per_shard=cfg.rows_per_shard
     )
-    tokenizer = target.load_tokenizer()
-    spec = TemplateSpec.from_tokenizer(tokenizer, extra_kwargs=cfg.chat_template_kwargs, path=target.path)
-    options = EncodeOptions(
-        max_length=cfg.max_length,
-        truncated_policy=cfg.truncated_policy,
-        history_mismatch=cfg.history_mismatch,
-        layout=layout,
+    spec = TemplateSpec.from_tokenizer(
+        target.load_tokenizer(), extra_kwargs=cfg.chat_template_kwargs, path=target.path
     )
-    spill = Spill(work / "spill", cfg.spill_mb << 20)
-    quarantine_path = work / QUARANTINE
-    counts: dict[str, int] = {}
-    done_rows = done_tokens = 0
-    progress(0.01, f"tokenizing {total_rows:,} conversations with {cfg.num_workers} worker(s)")
-    with open(quarantine_path, "w") as quarantine:
+    build = _Build(cfg, store, stage, work, progress, TokenCounter(target.vocab_size))
+    with open(work / QUARANTINE, "w") as build.quarantine:
+        spill = build.tokenize(pl.concat(frames, how="vertical"), spec, layout, sum(rows_per_input))
+        build.write_shards(spill, layout)
+    build.upload_reports(sum(rows_per_input))
+    return _manifest(cfg, target, spec, files, rows_per_input, build)
+
+
+class _Build:
+    """The state of one corpus build: counters, quarantine file, per-split totals and shard list."""
+
+    quarantine: IO[str]
+
+    def __init__(
+        self,
+        cfg: CorpusConfig,
+        store: ArtifactStore,
+        stage: StageDir,
+        work: Path,
+        progress: ProgressFn,
+        token_counts: TokenCounter,
+    ) -> None:
+        self.cfg, self.store, self.stage, self.work, self.progress = cfg, store, stage, work, progress
+        self.token_counts = token_counts
+        self.counts: Counter[str] = Counter()
+        self.stats = {name: SplitStats() for name in SPLITS}
+        self.shards: dict[str, list[dict[str, Any]]] = {name: [] for name in SPLITS}
+
+    def quarantine_entry(self, entry: dict[str, str]) -> None:
+        self.quarantine.write(json.dumps(entry) + "\n")
+
+    def tokenize(
+        self, conversations: pl.LazyFrame, spec: TemplateSpec, layout: Layout, total_rows: int
+    ) -> Spill:
+        """Stream batches through the workers into the spill (90% of the progress bar)."""
+        cfg = self.cfg
+        options = EncodeOptions(cfg.max_length, cfg.truncated_policy, cfg.history_mismatch, layout)
+        spill = Spill(self.work / "spill", cfg.spill_mb << 20)
+        done_rows = done_tokens = 0
+        self.progress(0.01, f"tokenizing {total_rows:,} conversations with {cfg.num_workers} worker(s)")
         with encoder_pool(spec, options, cfg.num_workers) as encode:
-            batches = pl.concat(frames, how="vertical").collect_batches(chunk_size=cfg.batch_rows)
-            for result in encode(batches):
+            for result in encode(conversations.collect_batches(chunk_size=cfg.batch_rows)):
                 spill.add(result.frame)
                 for entry in result.quarantine:
-                    quarantine.write(json.dumps(entry) + "\n")
-                for name, n in result.counts.items():
-                    counts[name] = counts.get(name, 0) + n
+                    self.quarantine_entry(entry)
+                self.counts.update(result.counts)
                 done_rows += result.rows
                 done_tokens += int(result.frame["n_tokens"].sum())
-                progress(
-                    0.9 * done_rows / max(total_rows, 1),
-                    f"{done_rows:,}/{total_rows:,} conversations, {done_tokens:,} tokens",
-                )
+                message = f"{done_rows:,}/{total_rows:,} conversations, {done_tokens:,} tokens"
+                self.progress(0.9 * done_rows / max(total_rows, 1), message)
         spill.flush()
-        shards, stats, token_counts = _write_shards(
-            cfg, store, stage, spill, layout, target, work, quarantine, counts, progress
-        )
-    store.put_file(stage.path(QUARANTINE), quarantine_path)
-    if not any(s.total("records") for s in stats.values()):
-        dropped = {k.removeprefix("dropped."): v for k, v in counts.items() if k.startswith("dropped.")}
-        raise DataError(
-            f"no usable conversation in {total_rows:,} input rows (dropped: {dropped}); the reason for each "
-            f"is in {stage.uri(QUARANTINE)}"
-        )
-    counts_path = work / TOKEN_COUNTS
-    token_counts.frame().write_parquet(counts_path, compression="zstd")
-    store.put_file(stage.path(TOKEN_COUNTS), counts_path)
-    lengths = {name: s.all_lengths() for name, s in stats.items()}
-    store.put_file(stage.path(LENGTH_HIST), length_histogram(lengths, cfg.max_length, work / LENGTH_HIST))
-    return _manifest(cfg, target, spec, files, rows_per_input, stats, shards, counts, token_counts)
+        return spill
 
-
-def _write_shards(
-    cfg: CorpusConfig,
-    store: ArtifactStore,
-    stage: StageDir,
-    spill: Spill,
-    layout: Layout,
-    target: TargetInfo,
-    work: Path,
-    quarantine: Any,
-    counts: dict[str, int],
-    progress: ProgressFn,
-) -> tuple[dict[str, list[dict[str, Any]]], dict[str, SplitStats], TokenCounter]:
-    """Per (split, shard): dedupe, order, write, count. Empty shards are skipped; names stay contiguous."""
-    shards: dict[str, list[dict[str, Any]]] = {name: [] for name in SPLITS}
-    stats = {name: SplitStats() for name in SPLITS}
-    token_counts = TokenCounter(target.vocab_size)
-    total = sum(layout.buckets)
-    done = 0
-    for split, name in enumerate(SPLITS):
-        for bucket in range(layout.buckets[split]):
-            done += 1
-            frame = spill.shard(split, bucket)
-            if frame is None:
-                continue
-            kept, duplicates = dedupe_and_order(frame)
-            del frame
-            for row in duplicates.iter_rows(named=True):
-                detail = f"same messages as {row['kept_source']}/{row['kept_id']}"
-                quarantine.write(
-                    json.dumps(
+    def write_shards(self, spill: Spill, layout: Layout) -> None:
+        """Per (split, shard): dedupe, order, write, count. Empty shards are skipped; names stay contiguous."""
+        total, done = sum(layout.buckets), 0
+        for split, name in enumerate(SPLITS):
+            for bucket in range(layout.buckets[split]):
+                done += 1
+                frame = spill.shard(split, bucket)
+                if frame is None:
+                    continue
+                kept, duplicates = dedupe_and_order(frame)
+                del frame
+                for row in duplicates.iter_rows(named=True):
+                    detail = f"same messages as {row['kept_source']}/{row['kept_id']}"
+                    self.quarantine_entry(
                         {"id": row["id"], "source": row["source"], "reason": "duplicate", "detail": detail}
                     )
-                    + "\n"
-                )
-            counts["dropped.duplicate"] = counts.get("dropped.duplicate", 0) + duplicates.height
-            out = kept.select(list(CORPUS))
-            del kept
-            file = f"{name}-{len(shards[name]):05d}.parquet"
-            local = work / file
-            out.write_parquet(local, compression="zstd", row_group_size=ROW_GROUP)
-            store.put_file(stage.path(file), local)
-            local.unlink()
-            spill.release(split, bucket)
-            stats[name].add(out)
-            if name == "train":
-                token_counts.add(out)
-            shards[name].append(
-                {
-                    "key": stage.path(file),
-                    "file": file,
-                    "rows": out.height,
-                    "tokens": int(out["n_tokens"].sum()),
-                    "supervised_tokens": int(out["n_supervised"].sum()),
-                }
+                self.counts["dropped.duplicate"] += duplicates.height
+                file = self._write(name, kept.select(list(CORPUS)))
+                spill.release(split, bucket)
+                self.progress(0.9 + 0.1 * done / max(total, 1), f"wrote {file}")
+
+    def _write(self, split: str, out: pl.DataFrame) -> str:
+        file = f"{split}-{len(self.shards[split]):05d}.parquet"
+        local = self.work / file
+        out.write_parquet(local, compression="zstd", row_group_size=ROW_GROUP)
+        self.store.put_file(self.stage.path(file), local)
+        local.unlink()
+        self.stats[split].add(out)
+        if split == "train":
+            self.token_counts.add(out)
+        self.shards[split].append(
+            {
+                "key": self.stage.path(file),
+                "file": file,
+                "rows": out.height,
+                "tokens": int(out["n_tokens"].sum()),
+                "supervised_tokens": int(out["n_supervised"].sum()),
+            }
+        )
+        return file
+
+    def dropped(self) -> dict[str, int]:
+        return {
+            k.removeprefix("dropped."): v for k, v in sorted(self.counts.items()) if k.startswith("dropped.")
+        }
+
+    def upload_reports(self, total_rows: int) -> None:
+        """quarantine.jsonl always (it says why rows were dropped, even when nothing is left), then the
+        token counts and the length histogram."""
+        self.store.put_file(self.stage.path(QUARANTINE), self.work / QUARANTINE)
+        if not any(s.total("records") for s in self.stats.values()):
+            raise DataError(
+                f"no usable conversation in {total_rows:,} input rows (dropped: {self.dropped()}); the reason "
+                f"for each is in {self.stage.uri(QUARANTINE)}"
             )
-            progress(0.9 + 0.1 * done / max(total, 1), f"wrote {file} ({out.height:,} rows)")
-    return shards, stats, token_counts
+        counts_path = self.work / TOKEN_COUNTS
+        self.token_counts.frame().write_parquet(counts_path, compression="zstd")
+        self.store.put_file(self.stage.path(TOKEN_COUNTS), counts_path)
+        lengths = {name: s.all_lengths() for name, s in self.stats.items()}
+        plot = length_histogram(lengths, self.cfg.max_length, self.work / LENGTH_HIST)
+        self.store.put_file(self.stage.path(LENGTH_HIST), plot)
 
 
 def _manifest(
@@ -257,17 +270,15 @@ def _manifest(
     spec: TemplateSpec,
     files: list[InputFile],
     rows_per_input: list[int],
-    stats: dict[str, SplitStats],
-    shards: dict[str, list[dict[str, Any]]],
-    counts: dict[str, int],
-    token_counts: TokenCounter,
+    build: _Build,
 ) -> dict[str, Any]:
-    splits = {name: {**s.summary(), "shards": shards[name]} for name, s in stats.items()}
+    splits = {name: {**s.summary(), "shards": build.shards[name]} for name, s in build.stats.items()}
+    token_counts = build.token_counts
     records = sum(s["records"] for s in splits.values())
     tokens = sum(s["tokens"] for s in splits.values())
     supervised = sum(s["supervised_tokens"] for s in splits.values())
-    dropped = {k.removeprefix("dropped."): v for k, v in sorted(counts.items()) if k.startswith("dropped.")}
-    notes = {k: v for k, v in sorted(counts.items()) if not k.startswith("dropped.")}
+    dropped = build.dropped()
+    notes = {k: v for k, v in sorted(build.counts.items()) if not k.startswith("dropped.")}
     train = splits["train"]
     return {
         "target": {"name": target.name, "revision": target.revision, "vocab_size": target.vocab_size},
