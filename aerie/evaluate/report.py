@@ -1,0 +1,184 @@
+"""The evaluation and deployment reports: markdown tables and the acceptance-per-position plot.
+
+Rows are plain dicts (what report.json holds), so a report can be re-rendered from its JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ACCEPTANCE_PNG = "acceptance.png"
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_num(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    return lines
+
+
+def acceptance_table(results: list[dict[str, Any]]) -> list[str]:
+    """Acceptance length per dataset x proposer (rows) and num_steps (columns)."""
+    steps = sorted({r["num_steps"] for r in results})
+    keys: list[tuple[str, str]] = []
+    for r in results:
+        if (r["dataset"], r["proposer"]) not in keys:
+            keys.append((r["dataset"], r["proposer"]))
+    by = {(r["dataset"], r["proposer"], r["num_steps"]): r for r in results}
+    rows = []
+    for dataset, proposer in keys:
+        cells = [by.get((dataset, proposer, k), {}).get("accept_length") for k in steps]
+        prompts = next(
+            r["sequences"] for r in results if (r["dataset"], r["proposer"]) == (dataset, proposer)
+        )
+        rows.append([dataset, proposer, str(prompts), *cells])
+    return _table(["dataset", "proposer", "prompts", *[f"{k} steps" for k in steps]], rows)
+
+
+def conditional_table(results: list[dict[str, Any]]) -> list[str]:
+    """P(draft j accepted | drafts before it accepted), per position."""
+    width = max((r["num_steps"] for r in results), default=0)
+    rows = []
+    for r in results:
+        cond = list(r["conditional_acceptance"]) + [None] * (width - len(r["conditional_acceptance"]))
+        rows.append([r["dataset"], r["proposer"], str(r["num_steps"]), *cond])
+    return _table(["dataset", "proposer", "steps", *[f"pos {j + 1}" for j in range(width)]], rows)
+
+
+def evaluation_markdown(report: dict[str, Any]) -> str:
+    results = report["results"]
+    lines = [
+        f"# Evaluation: {report['target']['name']} with drafter {report['drafter']['prefix']}",
+        "",
+        "Greedy speculative decoding, one target forward verifies a chain of `steps` drafts. "
+        "**Acceptance length** = tokens per target verify forward, the target's bonus token included "
+        "(1.0 = no draft ever accepted; steps + 1 = every draft accepted). SGLang's `spec_accept_length` "
+        "(completion tokens / verify forwards, counting the prefill's token too) is in report.json.",
+        "",
+        "## Acceptance length",
+        "",
+        *acceptance_table(results),
+        "",
+        "## Conditional acceptance per draft position",
+        "",
+        *conditional_table(results),
+        "",
+        "## Setup",
+        "",
+    ]
+    for name, info in report["datasets"].items():
+        lines.append(
+            f"- {name}: {info['prompts']} prompts, mean {info['mean_prompt_tokens']:.0f} prompt tokens"
+        )
+    expected = report["drafter"].get("expected_accept_length")
+    lines += [
+        f"- max new tokens {report['config']['max_new_tokens']}, device {report['device']}, dtype {report['dtype']}",
+        f"- the trainer's expected acceptance length (held-out TTT): {_num(expected)}",
+        f"- outputs identical across proposers and step counts (lossless check): "
+        f"{report['agreement']['identical']}/{report['agreement']['compared']} prompt runs",
+    ]
+    if report["agreement"]["identical"] != report["agreement"]["compared"]:
+        lines.append(
+            "  (different outputs for the same prompt come from floating-point differences between a "
+            "k-token verify forward and another batch shape — bf16 on GPU — not from the algorithm, "
+            "which the lossless test checks in fp32)"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(results: list[dict[str, Any]], path: Path) -> Path:
+    """Conditional acceptance per position, one panel per dataset, a line per proposer and step count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in results))
+    fig, axes = plt.subplots(1, max(1, len(datasets)), figsize=(6 * max(1, len(datasets)), 4), squeeze=False)
+    for ax, dataset in zip(axes[0], datasets, strict=False):
+        for r in (r for r in results if r["dataset"] == dataset):
+            cond = r["conditional_acceptance"]
+            xs = [j + 1 for j, c in enumerate(cond) if c is not None]
+            ys = [c for c in cond if c is not None]
+            style = "-" if r["proposer"] == "eagle3" else "--"
+            ax.plot(
+                xs,
+                ys,
+                style,
+                marker="o",
+                label=f"{r['proposer']} k={r['num_steps']} (τ={r['accept_length']:.2f})",
+            )
+        ax.set_title(f"{dataset}: acceptance per draft position")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("P(accepted | previous accepted)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def benchmark_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The deployment benchmark: one row per server and concurrency level."""
+    header = [
+        "server",
+        "concurrency",
+        "output tok/s",
+        "TTFT p50 ms",
+        "ITL p50 ms",
+        "latency p50 s",
+        "accept length",
+        "speed-up",
+    ]
+    body = [
+        [
+            r["server"],
+            str(r["concurrency"]),
+            r["output_tokens_per_s"],
+            _ms(r["ttft_p50_s"]),
+            _ms(r["itl_p50_s"]),
+            r["latency_p50_s"],
+            r.get("accept_length"),
+            r.get("speedup"),
+        ]
+        for r in rows
+    ]
+    return _table(header, body)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def deployment_markdown(report: dict[str, Any]) -> str:
+    decision = report["promotion"]
+    lines = [
+        f"# Deployment benchmark: {report['target']['name']}",
+        "",
+        f"Speculative server: `{report['servers']['speculative']['command']}`",
+        "",
+        f"Baseline server: `{report['servers']['baseline']['command']}`",
+        "",
+        f"Same {report['num_prompts']} prompts per level, greedy, max {report['max_new_tokens']} new tokens. "
+        f"TTFT: {report['ttft_method']}. ITL = (latency - TTFT) / (output tokens - 1). "
+        "Accept length = Σ completion tokens / Σ spec_verify_ct from the server's meta_info.",
+        "",
+        *benchmark_table(report["rows"]),
+        "",
+        f"**Promotion: {'promoted' if decision['promoted'] else 'not promoted'}** — {decision['reason']}",
+    ]
+    if decision.get("promoted_prefix"):
+        lines.append(f"\nPromoted drafter: `{decision['promoted_prefix']}`")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,252 @@
+"""The evaluate stage: acceptance of the trained drafter beside prompt lookup, on MT-Bench and held-out.
+
+    <run>/evaluate/<key>/parts/<dataset>-<proposer>-k<steps>.json   one finished measurement each
+    <run>/evaluate/<key>/per_prompt.jsonl                          per prompt: tokens, verify forwards
+    <run>/evaluate/<key>/report.json, report.md, acceptance.png
+    <run>/evaluate/<key>/manifest.json                             written last
+
+Every (dataset, proposer, steps) measurement is written as soon as it is done, so a re-run after a
+crash measures only what is missing. The same decoder measures both proposers, and every measurement
+decodes the same prompts: their outputs must agree (the decoder is lossless), which is counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aerie.errors import EvaluationError
+from aerie.evaluate.config import EvaluateConfig
+from aerie.evaluate.drafter_files import fetch_drafter
+from aerie.evaluate.prompts import HELDOUT, MTBENCH, EvalPrompt, heldout_prompts, mtbench_prompts
+from aerie.evaluate.report import ACCEPTANCE_PNG, evaluation_markdown, plot_acceptance
+from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
+from aerie.progress import ProgressFn, no_progress
+from aerie.store import ArtifactStore
+from aerie.targets import TargetInfo, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from aerie.evaluate.spec_decode import Proposer
+
+STAGE = "evaluate"
+
+
+def key_of(cfg: EvaluateConfig, target: TargetInfo, drafter: StageResult, corpus: StageResult) -> str:
+    return stage_key(STAGE, cfg, [drafter.manifest_sha256, corpus.manifest_sha256, target.revision])
+
+
+def run(
+    cfg: EvaluateConfig,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    drafter: StageResult,
+    corpus: StageResult,
+    progress: ProgressFn = no_progress,
+) -> StageResult:
+    """Measure acceptance length (and per-position acceptance) for every dataset x proposer x steps."""
+    sd = StageDir(store, run_name, STAGE, key_of(cfg, target, drafter, corpus))
+    if (cached := sd.cached_result()) is not None:
+        return cached
+    if not cfg.num_steps or any(k < 1 for k in cfg.num_steps):
+        raise EvaluationError(f"evaluate.num_steps must list chain lengths >= 1, got {cfg.num_steps}")
+    if not cfg.proposers:
+        raise EvaluationError("evaluate.proposers is empty: nothing to measure")
+
+    tokenizer = target.load_tokenizer()
+    progress(0.0, "loading prompts")
+    datasets: dict[str, list[EvalPrompt]] = {
+        MTBENCH: mtbench_prompts(tokenizer, cfg.mtbench_questions, cfg.max_prompt_tokens)
+    }
+    held, held_skipped = heldout_prompts(store, corpus, cfg.heldout_samples, cfg.max_prompt_tokens)
+    if held:
+        datasets[HELDOUT] = held
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    plan = [(name, proposer, k) for name in datasets for proposer in cfg.proposers for k in cfg.num_steps]
+    total = sum(len(datasets[name]) for name, _, _ in plan)
+    done = 0
+    results: list[dict[str, Any]] = []
+    per_prompt: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="aerie-eval-") as tmp:
+        loaded: dict[str, Any] = {}
+        for name, proposer_name, k in plan:
+            part_key = sd.path(f"parts/{name}-{proposer_name}-k{k}.json")
+            if store.exists(part_key):
+                part = json.loads(store.get_bytes(part_key))
+            else:
+                if not loaded:
+                    progress(done / total, f"loading {target.name} on {device}")
+                    loaded = _load(cfg, store, target, drafter, Path(tmp), device, dtype)
+
+                def report(
+                    batch_done: int, base: int = done, label: str = f"{name} {proposer_name} k={k}"
+                ) -> None:
+                    progress((base + batch_done) / total, label)
+
+                part = _measure(cfg, loaded, target, name, datasets[name], proposer_name, k, report)
+                store.put_bytes(part_key, json.dumps(part).encode())
+            done += len(datasets[name])
+            results.append(part["result"])
+            per_prompt += part["per_prompt"]
+            progress(done / total, f"{name} {proposer_name} k={k}: τ={part['result']['accept_length']:.2f}")
+
+        agreement = _agreement(per_prompt)
+        train_manifest = load_manifest(store, drafter.prefix)
+        report_body = {
+            "target": {"name": target.name, "revision": target.revision},
+            "drafter": {
+                "prefix": f"{drafter.prefix}/drafter",
+                "expected_accept_length": train_manifest.get("figures", {}).get("accept_length"),
+            },
+            "config": cfg.model_dump(mode="json"),
+            "device": device,
+            "dtype": str(dtype).removeprefix("torch."),
+            "datasets": {
+                name: {
+                    "prompts": len(prompts),
+                    "mean_prompt_tokens": sum(len(p.input_ids) for p in prompts) / max(1, len(prompts)),
+                }
+                for name, prompts in datasets.items()
+            },
+            "heldout_skipped": held_skipped,
+            "results": results,
+            "agreement": agreement,
+        }
+        png = plot_acceptance(results, Path(tmp) / ACCEPTANCE_PNG)
+        store.put_file(sd.path(ACCEPTANCE_PNG), png)
+    store.put_bytes(sd.path("per_prompt.jsonl"), "".join(json.dumps(r) + "\n" for r in per_prompt).encode())
+    store.put_bytes(sd.path("report.json"), json.dumps(report_body, indent=2).encode())
+    store.put_bytes(sd.path("report.md"), evaluation_markdown(report_body).encode())
+    progress(1.0, "report written")
+    return sd.finish(
+        {
+            "target": {"name": target.name, "revision": target.revision},
+            "drafter": drafter.prefix,
+            "corpus": corpus.prefix,
+            "config": cfg.model_dump(mode="json"),
+            "results": results,
+            "agreement": agreement,
+            "files": {
+                "report": "report.json",
+                "markdown": "report.md",
+                "plot": ACCEPTANCE_PNG,
+                "per_prompt": "per_prompt.jsonl",
+            },
+            "figures": _figures(results, datasets, agreement),
+        }
+    )
+
+
+def _load(
+    cfg: EvaluateConfig,
+    store: ArtifactStore,
+    target: TargetInfo,
+    drafter: StageResult,
+    tmp: Path,
+    device: str,
+    dtype: Any,
+) -> dict[str, Any]:
+    model = target.load_model(device, str(dtype).removeprefix("torch."))
+    loaded: dict[str, Any] = {"model": model}
+    if "eagle3" in cfg.proposers:
+        from aerie.draft.export import load_drafter
+
+        local = fetch_drafter(store, drafter, tmp / "drafter")
+        loaded["drafter"] = load_drafter(local, target, device=device, dtype=dtype)
+    return loaded
+
+
+def make_proposer(
+    name: str, cfg: EvaluateConfig, loaded: dict[str, Any]
+) -> tuple[Proposer, list[int] | None]:
+    """A fresh proposer and the target hidden states it reads (HF hidden_states indices)."""
+    if name == "eagle3":
+        from aerie.evaluate.eagle import EagleProposer
+
+        eagle = EagleProposer(loaded["drafter"])
+        return eagle, eagle.aux_layers
+    if name == "prompt_lookup":
+        from aerie.evaluate.prompt_lookup import PromptLookupProposer
+
+        return PromptLookupProposer(cfg.prompt_lookup.max_ngram, cfg.prompt_lookup.min_ngram), None
+    raise EvaluationError(f"unknown proposer {name!r} (eagle3 or prompt_lookup)")
+
+
+def _measure(
+    cfg: EvaluateConfig,
+    loaded: dict[str, Any],
+    target: TargetInfo,
+    dataset: str,
+    prompts: list[EvalPrompt],
+    proposer_name: str,
+    k: int,
+    report: Callable[[int], None],
+) -> dict[str, Any]:
+    """Decode `prompts` in batches with a fresh proposer per batch; the stats and a row per prompt."""
+    from aerie.evaluate.spec_decode import SpecDecoder, SpecStats
+
+    stats = SpecStats(k)
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for start in range(0, len(prompts), cfg.batch_size):
+        batch = prompts[start : start + cfg.batch_size]
+        proposer, aux_layers = make_proposer(proposer_name, cfg, loaded)
+        decoder = SpecDecoder(
+            loaded["model"], proposer, num_steps=k, eos_token_ids=target.eos_token_ids, aux_layers=aux_layers
+        )
+        outputs = decoder.generate([p.input_ids for p in batch], cfg.max_new_tokens)
+        for prompt, out in zip(batch, outputs, strict=True):
+            stats.add(out)
+            rows.append(
+                {
+                    "dataset": prompt.dataset,
+                    "id": prompt.id,
+                    "proposer": proposer_name,
+                    "num_steps": k,
+                    "prompt_tokens": len(prompt.input_ids),
+                    "completion_tokens": out.completion_tokens,
+                    "spec_verify_ct": out.verify_ct,
+                    "finish_reason": out.finish_reason,
+                    "accepted": out.accepted,
+                    "output_sha": _digest(out.output_ids),
+                }
+            )
+        report(start + len(batch))
+    stats.seconds = time.perf_counter() - started
+    return {"result": {"dataset": dataset, "proposer": proposer_name, **stats.to_dict()}, "per_prompt": rows}
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def _agreement(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Runs whose output equals the first run's output for the same prompt (all must, if lossless)."""
+    first: dict[tuple[str, str], str] = {}
+    compared = identical = 0
+    for r in rows:
+        key = (r["dataset"], r["id"])
+        if key not in first:
+            first[key] = r["output_sha"]
+            continue
+        compared += 1
+        identical += first[key] == r["output_sha"]
+    return {"compared": compared, "identical": identical}
+
+
+def _figures(
+    results: list[dict[str, Any]], datasets: dict[str, list[EvalPrompt]], agreement: dict[str, int]
+) -> dict[str, Any]:
+    figures: dict[str, Any] = {f"prompts_{name}": len(p) for name, p in datasets.items()}
+    for r in results:
+        figures[f"accept_{r['dataset']}_{r['proposer']}_k{r['num_steps']}"] = r["accept_length"]
+    figures["outputs_identical"] = f"{agreement['identical']}/{agreement['compared']}"
+    return figures

@@ -1,0 +1,49 @@
+"""Upstream stage results for the evaluation and deployment tests, built with the real producers: a
+corpus merged by the corpus stage from a few ShareGPT conversations, and a train-stage result holding
+an (untrained) drafter written by the drafter exporter."""
+
+from __future__ import annotations
+
+import torch
+
+from aerie.corpus import import_conversations
+from aerie.corpus import run as merge
+from aerie.corpus.config import CorpusConfig
+from aerie.datasets import SourceSpec, iter_conversations
+from aerie.draft.export import draft_config_for, export_drafter
+from aerie.draft.model import Eagle3Drafter
+from aerie.draft.target_weights import load_embedding
+from aerie.manifest import StageDir, StageResult
+from aerie.store import ArtifactStore
+from aerie.targets import TargetInfo
+
+
+def corpus_result(store: ArtifactStore, run: str, target: TargetInfo, n: int = 12) -> StageResult:
+    raw = import_conversations(
+        iter_conversations(SourceSpec(kind="sharegpt"), "sharegpt", limit=n),
+        store=store,
+        run_name=run,
+        name="sg",
+    )
+    cfg = CorpusConfig(eval_fraction=0.5, num_workers=1, max_length=256)
+    return merge(cfg, store=store, run_name=run, target=target, inputs=[raw])
+
+
+def random_drafter(target: TargetInfo, vocab: int = 512, seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(draft_config_for(target, vocab), load_embedding(target)).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, 0.05)
+    return drafter
+
+
+def train_result(
+    store: ArtifactStore, run: str, target: TargetInfo, tmp, key: str = "untrained"
+) -> StageResult:
+    """A train stage's output as the train stage lays it out: `drafter/` and a manifest."""
+    out = export_drafter(random_drafter(target), tmp / "drafter-export", target, {"note": "untrained"})
+    sd = StageDir(store, run, "train", key)
+    for path in sorted(out.iterdir()):
+        store.put_file(sd.path(f"drafter/{path.name}"), path)
+    return sd.finish({"figures": {"accept_length": 1.0}, "files": {"drafter": ["drafter/"]}})

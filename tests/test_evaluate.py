@@ -1,0 +1,110 @@
+"""The evaluate stage end to end on the embedded target: real corpus, real exported drafter, report
+files, cache hit, resume from finished parts, and a clear error for a train result without a drafter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from aerie.errors import EvaluationError
+from aerie.evaluate.config import EvaluateConfig
+from aerie.evaluate.spec_decode import SpecDecoder
+from aerie.evaluate.stage import run
+from aerie.manifest import StageDir, load_manifest
+from aerie.store import LocalStore
+from tests.evaluate_support import corpus_result, train_result
+
+CFG = EvaluateConfig(
+    num_steps=[2, 3],
+    max_new_tokens=8,
+    mtbench_questions=2,
+    heldout_samples=2,
+    batch_size=2,
+    device="cpu",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory, smollm2):
+    tmp = tmp_path_factory.mktemp("eval")
+    store = LocalStore(tmp / "store")
+    return store, corpus_result(store, "r", smollm2), train_result(store, "r", smollm2, tmp)
+
+
+def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm2, monkeypatch):
+    store, corpus, drafter = upstream
+    seen: list[tuple[float, str]] = []
+    result = run(
+        CFG,
+        store=store,
+        run_name="r",
+        target=smollm2,
+        drafter=drafter,
+        corpus=corpus,
+        progress=lambda f, m: seen.append((f, m)),
+    )
+    report = json.loads(store.get_bytes(f"{result.prefix}/report.json"))
+    combos = {(r["dataset"], r["proposer"], r["num_steps"]) for r in report["results"]}
+    assert combos == {
+        (d, p, k) for d in ("mtbench", "heldout") for p in ("eagle3", "prompt_lookup") for k in (2, 3)
+    }
+    for r in report["results"]:
+        assert r["sequences"] == 2
+        assert 1.0 <= r["accept_length"] <= r["num_steps"] + 1
+        assert len(r["conditional_acceptance"]) == r["num_steps"]
+        assert r["spec_verify_ct"] > 0
+    # Every run decodes the same prompts and the decoder is lossless: same outputs everywhere.
+    assert report["agreement"]["compared"] == 2 * 2 * (2 * 2 - 1)
+    assert report["agreement"]["identical"] == report["agreement"]["compared"]
+    md = store.get_bytes(f"{result.prefix}/report.md").decode()
+    assert "## Acceptance length" in md and "| mtbench | eagle3 | 2 |" in md
+    assert "pos 3" in md
+    assert store.get_bytes(f"{result.prefix}/acceptance.png")[:4] == b"\x89PNG"
+    per_prompt = store.get_bytes(f"{result.prefix}/per_prompt.jsonl").decode().splitlines()
+    assert len(per_prompt) == 16
+    assert result.figures["accept_mtbench_prompt_lookup_k3"] >= 1.0
+    assert result.figures["outputs_identical"] == "12/12"
+    assert seen[-1][0] == 1.0 and all(0.0 <= f <= 1.0 for f, _ in seen)
+
+    # Same inputs: a cache hit that decodes nothing.
+    monkeypatch.setattr(SpecDecoder, "generate", _must_not_decode)
+    again = run(CFG, store=store, run_name="r", target=smollm2, drafter=drafter, corpus=corpus)
+    assert again.cache_hit and again.key == result.key
+
+    # A crash after the measurements: the re-run rebuilds the report from the finished parts.
+    sd = StageDir(store, "r", "evaluate", result.key)
+    store.delete(sd.path("manifest.json"))
+    store.delete(sd.path("report.json"))
+    resumed = run(CFG, store=store, run_name="r", target=smollm2, drafter=drafter, corpus=corpus)
+    assert not resumed.cache_hit
+    assert load_manifest(store, resumed.prefix)["results"] == report["results"]
+
+
+def _must_not_decode(*args, **kwargs):
+    raise AssertionError("a cached or resumed evaluation must not decode again")
+
+
+def test_a_train_result_without_a_drafter_is_a_clear_error(upstream, smollm2):
+    store, corpus, _ = upstream
+    empty = StageDir(store, "r", "train", "nodrafter").finish({"figures": {}})
+    with pytest.raises(
+        EvaluationError, match=r"no complete drafter: .*drafter/ lacks \['config.json', 'model.safetensors'\]"
+    ):
+        run(
+            CFG.model_copy(update={"proposers": ["eagle3"]}),
+            store=store,
+            run_name="r",
+            target=smollm2,
+            drafter=empty,
+            corpus=corpus,
+        )
