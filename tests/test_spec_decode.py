@@ -279,3 +279,26 @@ def test_batched_drafter_matches_its_single_sequence_step(random_drafter, smollm
             chains.append(chain)
         assert [first[row], second[row]] == chains
         torch.testing.assert_close(batched_logits[:, row], torch.stack(single_logits), atol=1e-4, rtol=1e-4)
+
+
+def test_sequences_joining_a_running_batch_stay_lossless(target, prompts, reference, smollm2, random_drafter):
+    """Continuous batching (a server's use): a sequence admitted mid-flight, another with its own budget."""
+    decoder = SpecDecoder(
+        target,
+        EagleProposer(random_drafter),
+        num_steps=3,
+        eos_token_ids=smollm2.eos_token_ids,
+        aux_layers=smollm2.aux_layers_input,
+    )
+    first, done = decoder.admit(prompts[:1], MAX_NEW)
+    finished = dict(done)
+    finished.update(decoder.step())
+    finished.update(decoder.step())
+    later, done = decoder.admit(prompts[1:], [MAX_NEW, 5])
+    finished.update(done)
+    while decoder.num_running:
+        finished.update(decoder.step())
+    assert finished[first[0]].output_ids == reference[0]
+    assert finished[later[0]].output_ids == reference[1]
+    assert finished[later[1]].output_ids == reference[2][:5]
+    assert finished[later[1]].finish_reason == "length"

@@ -248,6 +248,27 @@ class TargetCache:
             aux = torch.cat([out.hidden_states[i] for i in hidden_layers], dim=-1)
         return out.logits, aux
 
+    def merge(self, other: TargetCache) -> None:
+        """Append another cache's rows to this batch (new sequences joining a running batch). The one
+        with fewer slots is left-padded with dead slots: order within a row, and so causality, holds."""
+        if other.live is None:
+            return
+        if self.live is None:
+            self.cache, self.live = other.cache, other.live
+            return
+        pad_self = max(other.slots - self.slots, 0)
+        pad_other = max(self.slots - other.slots, 0)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            for name in ("keys", "values"):
+                a: Any = getattr(mine, name)
+                b: Any = getattr(theirs, name)
+                setattr(
+                    mine, name, torch.cat([_pad_slots(a, pad_self, 2), _pad_slots(b, pad_other, 2)], dim=0)
+                )
+        self.live = torch.cat(
+            [_pad_slots(self.live, pad_self, 1), _pad_slots(other.live, pad_other, 1)], dim=0
+        )
+
     def keep_last(self, kept: Tensor) -> None:
         """After a verify over the last T slots: `kept` [B, T] marks the slots that stay live; slots dead
         in every row are cropped (the whole rollback when there is one row)."""
@@ -287,6 +308,15 @@ class TargetCache:
         self.live = live
 
 
+def _pad_slots(t: Tensor, n: int, dim: int) -> Tensor:
+    """`n` zero (dead) slots on the left of dimension `dim`."""
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
 def compaction_index(live: Tensor) -> tuple[Tensor, Tensor]:
     """For a [B, S] live mask: a [B, S'] gather index of each row's live slots (left-padded with slot 0)
     and the new [B, S'] live mask, S' = the most live slots of any row."""
@@ -309,15 +339,31 @@ def compaction_index(live: Tensor) -> tuple[Tensor, Tensor]:
 class _Row:
     seq: int
     context: list[int]  # prompt + generated
-    generated: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int]
     reached: list[int]
     accepted: list[int]
+    generated: list[int] = field(default_factory=list)
     verify_ct: int = 0
     finish_reason: str | None = None
 
+    def output(self) -> SpecOutput:
+        return SpecOutput(
+            output_ids=self.generated,
+            finish_reason=self.finish_reason or "length",
+            verify_ct=self.verify_ct,
+            reached=self.reached,
+            accepted=self.accepted,
+        )
+
 
 class SpecDecoder:
-    """Greedy speculative decoding of a batch of prompts with one proposer and a fixed chain length."""
+    """Greedy speculative decoding with one proposer and a fixed chain length.
+
+    `generate(prompts, n)` decodes a batch to the end. A server drives the same engine step by step:
+    `admit` prefills new sequences into the running batch (continuous batching), `step` runs one
+    propose-verify round of every running sequence; both return the sequences that finished.
+    """
 
     def __init__(
         self,
@@ -340,43 +386,73 @@ class SpecDecoder:
         self.stop_ids = frozenset(int(e) for e in eos_token_ids)
         self.aux_layers = list(aux_layers) if proposer.needs_aux and aux_layers else None
         self.device = next(model.parameters()).device
+        self.rows: list[_Row] = []  # running sequences, in cache row order
+        self.cache = TargetCache(model)
+        self._next_seq = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.rows)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[SpecOutput]:
-        """Decode every prompt to an EOS token or `max_new_tokens`; outputs in prompt order."""
-        if max_new_tokens < 1:
-            raise EvaluationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]
+    ) -> list[SpecOutput]:
+        """Decode every prompt to a stop token or its `max_new_tokens`; outputs in prompt order."""
+        seqs, finished = self.admit(prompts, max_new_tokens)
+        done = dict(finished)
+        while self.rows:
+            done.update(self.step())
+        return [done[s] for s in seqs]
+
+    @torch.no_grad()
+    def admit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        stop_token_ids: Sequence[frozenset[int]] | None = None,
+    ) -> tuple[list[int], list[tuple[int, SpecOutput]]]:
+        """Prefill `prompts` and add them to the running batch. Returns their sequence ids and the
+        (id, output) of those already finished (one token asked for, or a stop token first).
+        `stop_token_ids` replaces the EOS ids per prompt (an empty set never stops early)."""
         if not prompts:
-            return []
+            return [], []
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(budgets) != len(prompts) or any(b < 1 for b in budgets):
+            raise EvaluationError(
+                f"max_new_tokens must be >= 1 for each of {len(prompts)} prompts, got {budgets}"
+            )
         if any(len(p) == 0 for p in prompts):
             raise EvaluationError("an empty prompt cannot be decoded (no position to predict from)")
+        stops = list(stop_token_ids) if stop_token_ids is not None else [self.stop_ids] * len(prompts)
         k = self.num_steps
-        rows = [
-            _Row(seq=i, context=list(map(int, p)), generated=[], reached=[0] * k, accepted=[0] * k)
-            for i, p in enumerate(prompts)
-        ]
+        rows = []
+        for prompt, budget, stop in zip(prompts, budgets, stops, strict=True):
+            rows.append(_Row(self._next_seq, [int(t) for t in prompt], budget, stop, [0] * k, [0] * k))
+            self._next_seq += 1
         cache = TargetCache(self.model)
-        self._prefill(cache, rows, max_new_tokens)
-        active = [r for r in rows if r.finish_reason is None]
-        self._retire(cache, rows, active)
-        while active:
-            self._round(cache, active, max_new_tokens)
-            still = [r for r in active if r.finish_reason is None]
-            if len(still) != len(active):
-                self._retire(cache, active, still)
-            active = still
-        return [
-            SpecOutput(
-                output_ids=r.generated,
-                finish_reason=r.finish_reason or "length",
-                verify_ct=r.verify_ct,
-                reached=r.reached,
-                accepted=r.accepted,
-            )
-            for r in rows
-        ]
+        self._prefill(cache, rows)
+        self.cache.merge(cache)
+        self.rows += rows
+        return [r.seq for r in rows], self._retire()
 
-    def _prefill(self, cache: TargetCache, rows: list[_Row], max_new_tokens: int) -> None:
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, SpecOutput]]:
+        """One propose-verify round of every running sequence; returns the (id, output) that finished."""
+        if self.rows:
+            self._round(self.cache, self.rows)
+        return self._retire()
+
+    def abort_all(self) -> list[int]:
+        """Drop every running sequence (after a failed step); returns their ids."""
+        gone = [r.seq for r in self.rows]
+        if gone:
+            self.proposer.remove(gone)
+        self.rows = []
+        self.cache = TargetCache(self.model)
+        return gone
+
+    def _prefill(self, cache: TargetCache, rows: list[_Row]) -> None:
         """Left-padded prompts in one forward; each row's first token is the target's argmax."""
         longest = max(len(r.context) for r in rows)
         b = len(rows)
@@ -396,18 +472,18 @@ class SpecDecoder:
         if aux is not None:
             aux_rows = [aux[i, longest - len(r.context) :] for i, r in enumerate(rows)]
         for r, token in zip(rows, first, strict=True):
-            self._emit(r, [int(token)], max_new_tokens)
+            self._emit(r, [int(token)])
         # Row i of the aux states (position i) is paired with the token after it: context[1:] + first.
         self.proposer.add([r.seq for r in rows], [list(r.context) for r in rows], aux_rows)
 
-    def _round(self, cache: TargetCache, rows: list[_Row], max_new_tokens: int) -> None:
+    def _round(self, cache: TargetCache, rows: list[_Row]) -> None:
         """Propose, verify in one target forward, accept, roll back."""
         proposals = self.proposer.propose([r.seq for r in rows], self.num_steps)
         drafts = []
         for r, proposal in zip(rows, proposals, strict=True):
             # Drafts past what the sequence may still emit are never verified: R tokens left = at most
             # R-1 drafts plus the bonus.
-            budget = max_new_tokens - len(r.generated) - 1
+            budget = r.max_new_tokens - len(r.generated) - 1
             drafts.append([int(t) for t in proposal[: min(self.num_steps, budget)]])
         width = 1 + max(len(d) for d in drafts)
         b = len(rows)
@@ -427,42 +503,48 @@ class SpecDecoder:
         kept = torch.zeros(b, width, dtype=torch.bool)
         new_tokens: list[list[int]] = []
         for i, (r, d) in enumerate(zip(rows, drafts, strict=True)):
-            a = accept_chain(d, predictions[i], self.stop_ids)
+            a = accept_chain(d, predictions[i], r.stop_ids)
             for j in range(min(len(d), a + 1)):
                 r.reached[j] += 1
             for j in range(a):
                 r.accepted[j] += 1
             new = d[:a]
-            if not (a and d[a - 1] in self.stop_ids):
+            if not (a and d[a - 1] in r.stop_ids):
                 new.append(int(predictions[i][a]))
             r.verify_ct += 1
             kept[i, : a + 1] = True  # x_{L-1} and the accepted drafts are now in the cache for good
             new_tokens.append(new)
-            self._emit(r, new, max_new_tokens)
+            self._emit(r, new)
         cache.keep_last(kept.to(self.device))
         # Aux rows 0..a are the positions of x_{L-1}, d_1..d_a: row i pairs with new token i.
         aux_rows = None if aux is None else [aux[i, : len(n)] for i, n in enumerate(new_tokens)]
         self.proposer.advance([r.seq for r in rows], new_tokens, aux_rows)
 
-    def _emit(self, row: _Row, tokens: list[int], max_new_tokens: int) -> None:
+    @staticmethod
+    def _emit(row: _Row, tokens: list[int]) -> None:
         for token in tokens:
             row.generated.append(token)
             row.context.append(token)
-            if token in self.stop_ids:
+            if token in row.stop_ids:
                 row.finish_reason = "stop"
                 return
-            if len(row.generated) >= max_new_tokens:
+            if len(row.generated) >= row.max_new_tokens:
                 row.finish_reason = "length"
                 return
 
-    def _retire(self, cache: TargetCache, before: list[_Row], after: list[_Row]) -> None:
-        gone = [r.seq for r in before if r.finish_reason is not None]
-        if gone:
-            self.proposer.remove(gone)
-        if after and len(after) != len(before):
-            keep = {r.seq for r in after}
-            rows = torch.tensor([i for i, r in enumerate(before) if r.seq in keep], dtype=torch.long)
-            cache.select(rows.to(self.device))
+    def _retire(self) -> list[tuple[int, SpecOutput]]:
+        """Take finished sequences out of the batch, the cache and the proposer."""
+        done = [r for r in self.rows if r.finish_reason is not None]
+        if not done:
+            return []
+        self.proposer.remove([r.seq for r in done])
+        keep = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
+        if keep:
+            self.cache.select(torch.tensor(keep, dtype=torch.long, device=self.device))
+        else:
+            self.cache = TargetCache(self.model)
+        self.rows = [self.rows[i] for i in keep]
+        return [(r.seq, r.output()) for r in done]
 
 
 def greedy_reference(
