@@ -274,8 +274,13 @@ class Eagle3Drafter(nn.Module):
         drafter's own previous output; positions [n]. The new keys/values are appended to `kv_cache`
         and each new row attends causally to everything in it. Returns (logits [n, Vd] over the draft
         vocab, next_hidden [n, H] to feed back as `hidden`). Map a draft id to the target with
-        `to_target_ids`. Extend after a target forward with token_ids = x[1 : n+1], hidden = the target's
-        aux hidden at positions 0..n-1; then draft with (drafted token, next_hidden[-1:], last position + 1).
+        `to_target_ids`. Row i pairs the target's features at position p_i with the token at p_i + 1
+        and predicts the token after that:
+        - extend: after the target has processed x_0..x_{m-1} and chosen y, call with token_ids =
+          [x_1..x_{m-1}, y], hidden = its aux states at 0..m-1, positions 0..m-1; the last row drafts d_1;
+        - chain: (d_j, next_hidden[-1:], position m-1+j) drafts d_{j+1};
+        - after verification accepted d_1..d_k (+ the target's next token z): `kv_cache.crop(m)` drops
+          the chain's keys, then extend again with [d_1..d_k, z] and the target's aux states at m..m+k.
         """
         g = self.fc(hidden) if hidden.shape[-1] == 3 * self.config.hidden_size else hidden
         embeds = self.embed(token_ids).to(g.dtype)
