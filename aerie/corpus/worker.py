@@ -33,8 +33,12 @@ def initialize(payload: bytes) -> None:
     _ENCODER = BatchEncoder(spec, options)
 
 
-def encode(batch: Any) -> Any:
-    """One batch (a Polars frame) -> `BatchResult`."""
+def encode(batch: bytes) -> Any:
+    """One batch (Arrow IPC bytes of a Polars frame, see `encoding.to_ipc`) -> `BatchResult`."""
     if _ENCODER is None:
         raise RuntimeError("tokenization worker used before its initializer ran")
-    return _ENCODER(batch)
+    import io
+
+    import polars as pl
+
+    return _ENCODER(pl.read_ipc(io.BytesIO(batch)))
