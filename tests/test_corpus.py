@@ -98,26 +98,30 @@ def test_history_rewritten_by_the_template_gets_its_own_sample(tok):
         msg("assistant", "A1", reasoning="R1 step"),
         msg("user", "Q2"),
         msg("assistant", "A2", reasoning="R2 step"),
+        msg("user", "Q3"),
+        msg("assistant", "A3", reasoning="R3 step"),
     ]
     result = _encoder(thinking)(task_batch([conversation], id=["t"]))
-    whole, extra = _rows(result)
-    assert (whole["id"], extra["id"]) == ("t", "t#m1")
-    # As the server sees turn 2: turn 1 in history form (no reasoning), turn 2 with its reasoning.
+    whole, first, second = _rows(result)
+    assert (whole["id"], first["id"], second["id"]) == ("t", "t#m1", "t#m3")
+    # As the server saw turn 3: earlier turns in history form (no reasoning), turn 3 with its reasoning.
     assert decoded_runs(thinking, whole["input_ids"], whole["loss_mask"]) == [
-        "<think>\nR2 step\n</think>\n\nA2<|im_end|>\n"
+        "<think>\nR3 step\n</think>\n\nA3<|im_end|>\n"
     ]
     assert "R1 step" not in thinking.decode(whole["input_ids"])
-    # Turn 1 as it was generated: its own sample, reasoning supervised.
-    assert decoded_runs(thinking, extra["input_ids"], extra["loss_mask"]) == [
-        "<think>\nR1 step\n</think>\n\nA1<|im_end|>\n"
-    ]
-    assert result.counts["history_rewritten_turns"] == 1
+    # Turns 1 and 2 as they were generated: each its own sample, its reasoning supervised.
+    for row, n in ((first, 1), (second, 2)):
+        assert decoded_runs(thinking, row["input_ids"], row["loss_mask"]) == [
+            f"<think>\nR{n} step\n</think>\n\nA{n}<|im_end|>\n"
+        ]
+    assert result.counts["history_rewritten_turns"] == 2
 
     masked = _encoder(thinking, history_mismatch="mask")(task_batch([conversation], id=["t"]))
     (only,) = _rows(masked)
     assert decoded_runs(thinking, only["input_ids"], only["loss_mask"]) == [
-        "<think>\nR2 step\n</think>\n\nA2<|im_end|>\n"
+        "<think>\nR3 step\n</think>\n\nA3<|im_end|>\n"
     ]
+    assert masked.counts["history_rewritten_turns"] == 2
 
 
 def test_reasoning_the_template_cannot_render_is_counted(tok):

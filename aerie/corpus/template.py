@@ -132,10 +132,10 @@ class ChatRenderer:
                 Sample(text=text, spans=[spans[i] for i in covered], end_message=last, whole=not samples)
             )
             pending = [i for i in pending if i not in covered]
-            if pending:
+            if pending and len(samples) == 1:
                 notes["history_rewritten_turns"] += len(pending)
-                if history_mismatch == "mask":
-                    break
+            if history_mismatch == "mask":
+                break
         return samples, notes
 
 
