@@ -525,11 +525,12 @@ class SpecDecoder:
         for token in tokens:
             row.generated.append(token)
             row.context.append(token)
-            if token in row.stop_ids:
-                row.finish_reason = "stop"
-                return
+            # Length first, as SGLang's check_finished: a stop token as the last allowed one is "length".
             if len(row.generated) >= row.max_new_tokens:
                 row.finish_reason = "length"
+                return
+            if token in row.stop_ids:
+                row.finish_reason = "stop"
                 return
 
     def _retire(self) -> list[tuple[int, SpecOutput]]:
@@ -563,3 +564,12 @@ def greedy_reference(
         pad_token_id=int(list(eos_token_ids)[0]),
     )
     return [int(t) for t in out[0, ids.shape[1] :].tolist()]
+
+
+def create_backend(loaded: Any, args: Any) -> Any:
+    """The reference server's speculative seam (`aerie.refserver.server.build_backend`): a
+    `GenerationBackend` serving greedy requests through this decoder with the EAGLE-3 drafter of
+    `--speculative-draft-model-path`. See `aerie.evaluate.spec_backend`."""
+    from aerie.evaluate.spec_backend import SpeculativeBackend
+
+    return SpeculativeBackend.from_server(loaded, args)

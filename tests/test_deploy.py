@@ -1,0 +1,146 @@
+"""Deployment: the SGLang speculative launch it builds, the promotion decision, and the whole stage
+against two real reference servers (baseline and speculative mode with an exported drafter)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aerie.errors import ConfigError, EvaluationError
+from aerie.evaluate.config import DeployConfig
+from aerie.evaluate.deploy import decide_promotion, deploy, server_specs
+from aerie.manifest import StageDir, load_manifest
+from aerie.serving import ServerConfig
+from aerie.store import LocalStore
+from tests.conftest import free_port
+from tests.evaluate_support import train_result
+
+
+def _argv_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_sglang_speculative_launch_command(tmp_path, smollm2):
+    drafter_dir = tmp_path / "drafter"
+    drafter_dir.mkdir()
+    server = ServerConfig(backend="sglang", launcher="docker", port=30123, image="lmsysorg/sglang:v0.5.23")
+    specs = server_specs(DeployConfig(num_steps=7), server, smollm2, str(drafter_dir))
+    spec, base = specs["speculative"].command, specs["baseline"].command
+    assert spec[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert _argv_value(spec, "--model-path") == smollm2.path
+    assert _argv_value(spec, "--speculative-algorithm") == "EAGLE3"
+    assert _argv_value(spec, "--speculative-draft-model-path") == str(drafter_dir.resolve())
+    assert _argv_value(spec, "--speculative-num-steps") == "7"
+    assert _argv_value(spec, "--speculative-eagle-topk") == "1"
+    assert _argv_value(spec, "--speculative-num-draft-tokens") == "8"  # a chain: steps + 1
+    assert _argv_value(spec, "--host") == "0.0.0.0"  # reachable through the published port
+    assert not any(a.startswith("--speculative") for a in base)
+    # Same server otherwise: the baseline differs only by the speculative flags (and its nonce).
+    strip = {"--weight-version"}
+    assert [a for i, a in enumerate(base) if i == 0 or base[i - 1] not in strip] == [
+        a for i, a in enumerate(spec[: len(base)]) if i == 0 or spec[i - 1] not in strip
+    ]
+    # The drafter directory is mounted read-only at the same path inside the container.
+    inside = specs["speculative"]
+    assert inside.volumes[str(drafter_dir.resolve())] == str(drafter_dir.resolve())
+    assert str(drafter_dir.resolve()) in inside.read_only_volumes
+    assert inside.image == "lmsysorg/sglang:v0.5.23"
+
+
+def test_explicit_draft_tokens_and_tree_drafts(tmp_path, smollm2):
+    server = ServerConfig(backend="sglang", port=30124)
+    cfg = DeployConfig(num_steps=5, eagle_topk=4, num_draft_tokens=8)
+    spec = server_specs(cfg, server, smollm2, str(tmp_path))["speculative"].command
+    assert (
+        _argv_value(spec, "--speculative-eagle-topk"),
+        _argv_value(spec, "--speculative-num-draft-tokens"),
+    ) == ("4", "8")
+    with pytest.raises(EvaluationError, match="chains only"):
+        server_specs(cfg, ServerConfig(backend="reference"), smollm2, str(tmp_path))
+    with pytest.raises(ValueError, match="num_draft_tokens 6 contradicts"):
+        DeployConfig(num_steps=3, num_draft_tokens=6)
+    with pytest.raises(ValueError, match="promote_concurrency 4 is not one of"):
+        DeployConfig(concurrency=[1, 8], promote_concurrency=4)
+    with pytest.raises(ConfigError, match="docker runs SGLang"):
+        server_specs(
+            DeployConfig(), ServerConfig(backend="reference", launcher="docker"), smollm2, str(tmp_path)
+        )
+
+
+def _rows(base: dict[int, float], spec: dict[int, float]) -> list[dict]:
+    return [{"server": "baseline", "concurrency": c, "output_tokens_per_s": v} for c, v in base.items()] + [
+        {"server": "speculative", "concurrency": c, "output_tokens_per_s": v} for c, v in spec.items()
+    ]
+
+
+def test_promotion_decision():
+    rows = _rows({1: 100.0, 8: 600.0}, {1: 180.0, 8: 500.0})
+    yes = decide_promotion(rows, DeployConfig(concurrency=[1, 8], promote_margin=1.5))
+    assert (yes.promoted, yes.concurrency, yes.speedup) == (True, 1, 1.8)
+    assert "1.800x at concurrency 1 >= the margin 1.500x" in yes.reason
+    no = decide_promotion(rows, DeployConfig(concurrency=[1, 8], promote_margin=2.0))
+    assert not no.promoted and "<" in no.reason
+    # Deciding at batch 8, where the baseline's batching wins.
+    at8 = decide_promotion(rows, DeployConfig(concurrency=[1, 8], promote_concurrency=8, promote_margin=1.0))
+    assert not at8.promoted and at8.speedup == pytest.approx(500 / 600, abs=1e-4)
+    # A level measured for one server only never promotes.
+    partial = decide_promotion(_rows({1: 100.0}, {}), DeployConfig(concurrency=[1, 8]))
+    assert not partial.promoted and "no measurement of both servers" in partial.reason
+    zero = decide_promotion(_rows({1: 0.0}, {1: 5.0}), DeployConfig(concurrency=[1]))
+    assert not zero.promoted
+
+
+def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smollm2):
+    """Baseline and speculative reference servers (untrained drafter) on the same prompts: both serve
+    the same greedy tokens, the speculative one reports its acceptance, and a margin it meets promotes
+    the drafter to `<run>/promoted/`."""
+    store = LocalStore(tmp_path / "store")
+    drafter = train_result(store, "r", smollm2, tmp_path)
+    evaluation = StageDir(store, "r", "evaluate", "e")
+    store.put_bytes(evaluation.path("report.md"), b"# evaluation\n")
+    evaluation_result = evaluation.finish({"figures": {}})
+    cfg = DeployConfig(
+        concurrency=[1, 2],
+        num_prompts=2,
+        max_new_tokens=6,
+        num_steps=2,
+        warmup_requests=1,
+        promote_margin=0.01,
+    )
+    server = ServerConfig(port=free_port(), device="cpu", startup_timeout_s=300, grace_s=10)
+    seen: list[float] = []
+    result = deploy(
+        cfg,
+        store=store,
+        run_name="r",
+        target=smollm2,
+        drafter=drafter,
+        evaluation=evaluation_result,
+        server=server,
+        progress=lambda f, m: seen.append(f),
+    )
+    report = json.loads(store.get_bytes(f"{result.prefix}/report.json"))
+    rows = {(r["server"], r["concurrency"]): r for r in report["rows"]}
+    assert set(rows) == {(s, c) for s in ("baseline", "speculative") for c in (1, 2)}
+    for (name, _), row in rows.items():
+        assert row["requests"] == 2 and row["output_tokens"] > 0 and row["output_tokens_per_s"] > 0
+        assert row["ttft_p50_s"] > 0 and row["latency_p50_s"] >= row["ttft_p50_s"] * 0.5
+        if name == "speculative":
+            assert 1.0 <= row["accept_length"] <= cfg.num_steps + 1 + 1  # (+1: the prefill token)
+        else:
+            assert row["accept_length"] is None
+    # Speculative decoding is lossless: the same tokens from both servers, prompt by prompt.
+    assert report["same_outputs"] == {"compared": 4, "identical": 4}
+    assert "--speculative-algorithm EAGLE3" in report["servers"]["speculative"]["command"]
+    assert report["promotion"]["promoted"]
+    md = store.get_bytes(f"{result.prefix}/report.md").decode()
+    assert "| speculative | 1 |" in md and "**Promotion: promoted**" in md
+    promoted = json.loads(store.get_bytes("r/promoted/promotion.json"))
+    assert promoted["drafter"] == f"{drafter.prefix}/drafter"
+    assert store.get_bytes("r/promoted/drafter/model.safetensors") == store.get_bytes(
+        f"{drafter.prefix}/drafter/model.safetensors"
+    )
+    assert store.exists("r/promoted/report.md") and store.exists("r/promoted/evaluation-report.md")
+    assert load_manifest(store, result.prefix)["figures"]["promoted"] is True
+    assert seen[-1] == 1.0
