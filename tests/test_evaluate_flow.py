@@ -1,0 +1,65 @@
+"""The evaluate and deploy flows under a real Prefect test server: the report as a markdown artifact,
+the acceptance plot as an image, progress and figures; a second run is a cache hit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from prefect.client.orchestration import get_client
+from prefect.testing.utilities import prefect_test_harness
+
+from aerie.evaluate.config import DeployConfig, EvaluateConfig
+from aerie.serving import ServerConfig
+from aerie.store import LocalStore, StoreConfig
+from flows.deploy import deploy_flow
+from flows.evaluate import evaluate_flow
+from tests.evaluate_support import corpus_result, train_result
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+async def _artifacts() -> dict[str, str]:
+    async with get_client() as client:
+        return {a.key: a.type for a in await client.read_artifacts() if a.key}
+
+
+def test_evaluate_flow_reports_and_caches(tmp_path, smollm2):
+    torch.set_num_threads(1)
+    store = LocalStore(tmp_path / "store")
+    params = {
+        "cfg": EvaluateConfig(
+            num_steps=[2], max_new_tokens=6, mtbench_questions=2, heldout_samples=1, device="cpu"
+        ),
+        "store_cfg": StoreConfig(uri=store.root),
+        "run_name": "flow",
+        "target": smollm2,
+        "drafter": train_result(store, "flow", smollm2, tmp_path),
+        "corpus": corpus_result(store, "flow", smollm2, n=6),
+    }
+    first = evaluate_flow(**params)
+    assert not first.cache_hit and first.figures["prompts_mtbench"] == 2
+    artifacts = asyncio.run(_artifacts())
+    assert artifacts["flow-evaluate"] == "progress"
+    assert artifacts["evaluate-report"] == "markdown"
+    assert artifacts["evaluate-acceptance"] == "markdown"  # the PNG embedded as a data URI
+    assert artifacts["evaluate-figures"] == "table"
+    again = evaluate_flow(**params)
+    assert again.key == first.key and again.figures == first.figures
+
+    # A disabled deployment is a recorded no-op (no server is started).
+    skipped = deploy_flow(
+        cfg=DeployConfig(enabled=False),
+        store_cfg=params["store_cfg"],
+        run_name="flow",
+        target=smollm2,
+        drafter=params["drafter"],
+        evaluation=first,
+        server=ServerConfig(),
+    )
+    assert skipped.figures == {"deployed": False}
