@@ -133,6 +133,22 @@ def test_reasoning_the_template_cannot_render_is_counted(tok):
     assert result.counts["reasoning_not_rendered"] == 1
 
 
+def test_a_template_that_refuses_a_conversation_quarantines_it(tok):
+    # Gemma-style: the template itself raises on a system turn.
+    strict = tokenizer_with_template(
+        tok,
+        "{%- if messages[0].role == 'system' -%}{{ raise_exception('System role not supported') }}{%- endif -%}"
+        + tok.chat_template,
+    )
+    result = _encoder(strict)(
+        task_batch([[msg("system", "sys"), *TWO_TURNS], TWO_TURNS], id=["sys", "plain"])
+    )
+    assert [r["id"] for r in _rows(result)] == ["plain"]
+    (entry,) = result.quarantine
+    assert (entry["id"], entry["reason"]) == ("sys", "template_error")
+    assert "System role not supported" in entry["detail"]
+
+
 def test_truncated_turn_supervises_no_end_of_turn(tok):
     cut = [msg("user", "Write a long story."), msg("assistant", "Once upon a time there was")]
     batch = task_batch(

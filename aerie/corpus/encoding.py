@@ -77,17 +77,25 @@ class BatchEncoder:
                 result.quarantine.append(_entry(row, rejected.code, rejected.detail))
                 result.counts[f"dropped.{rejected.code}"] += 1
         encoded = self.aligner.encode([p.sample for p in pending]) if pending else []
+        result.frame = self._rows(pending, encoded, result)
+        return result
+
+    def _rows(
+        self, pending: list[_Pending], encoded: list[tuple[np.ndarray, np.ndarray, int]], result: BatchResult
+    ) -> pl.DataFrame:
+        """Truncate to max_length, drop samples left with nothing to learn, assemble the spill frame."""
+        limit = self.options.max_length
         columns: dict[str, list[Any]] = {name: [] for name in (*SPILL, "split", "bucket")}
         for p, (ids, mask, straddled) in zip(pending, encoded, strict=True):
             result.counts["boundary_tokens"] += straddled
-            if len(ids) > self.options.max_length:
+            if len(ids) > limit:
                 result.counts["samples_cut_to_max_length"] += 1
-                result.counts["tokens_cut"] += len(ids) - self.options.max_length
-                ids, mask = ids[: self.options.max_length], mask[: self.options.max_length]
+                result.counts["tokens_cut"] += len(ids) - limit
+                ids, mask = ids[:limit], mask[:limit]
             supervised = int(mask.sum())
             sample_id = p.row["id"] if p.sample.whole else f"{p.row['id']}#m{p.sample.end_message}"
             if supervised == 0:
-                detail = f"no assistant token within max_length={self.options.max_length}"
+                detail = f"no assistant token within max_length={limit}"
                 result.quarantine.append(_entry({**p.row, "id": sample_id}, "no_supervised_tokens", detail))
                 result.counts["dropped.no_supervised_tokens"] += 1
                 continue
@@ -107,8 +115,7 @@ class BatchEncoder:
                 ("bucket", bucket),
             ):
                 columns[name].append(value)
-        result.frame = _frame(columns)
-        return result
+        return _frame(columns)
 
     def _samples(self, row: dict[str, Any], counts: Counter[str]) -> list[_Pending]:
         if row["id"] is None or row["source"] is None:

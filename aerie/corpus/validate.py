@@ -9,7 +9,7 @@ quarantined with a reason code (counted in the manifest) and a detail naming the
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
@@ -30,7 +30,6 @@ class Checked:
     messages: list[dict[str, str]]
     truncated_turns: frozenset[int]  # message indices of assistant turns that hit max_tokens
     trimmed: int = 0  # trailing user turns removed
-    notes: dict[str, int] = field(default_factory=dict)
 
 
 def check_conversation(
