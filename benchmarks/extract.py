@@ -245,6 +245,16 @@ def pipeline(
     }
 
 
+def match_server_threads(device: str) -> int:
+    """Use the torch thread count the reference server uses, so 'same machine' means same threads
+    (on a shared CPU, 2 threads can be slower than the server's 1)."""
+    from aerie.refserver.args import cpu_threads
+
+    if not device.startswith("cuda"):
+        torch.set_num_threads(cpu_threads(0))
+    return torch.get_num_threads()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
