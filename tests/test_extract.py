@@ -3,7 +3,9 @@ canary's checks against a real transformers forward of the embedded target."""
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,3 +205,20 @@ def test_canary_catches_a_pre_norm_last_hidden(smollm2, reference):
         canary.check(aux * float("nan"), hs[-1], model_greedy)
     with pytest.raises(CanaryError, match="shapes"):
         canary.check(aux[:, :576], hs[-1], model_greedy)
+
+
+def test_dumps_go_to_tmpfs_when_it_has_room(tmp_path):
+    from aerie.extract.stage import _dump_root
+
+    cfg = ExtractConfig(batch_tokens=1024, requests_in_flight=2)
+    work = tmp_path / "work"
+    root = _dump_root(cfg, "r", "k", work, hidden_size=576)
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        assert root == Path("/dev/shm/aerie-extract/r/k")
+    else:
+        assert root == work / "dumps"
+    # Kimi-size dumps in flight do not fit any tmpfs here: they go to the work dir.
+    huge = cfg.model_copy(update={"batch_tokens": 1 << 30})
+    assert _dump_root(huge, "r", "k", work, hidden_size=7168) == work / "dumps"
+    explicit = cfg.model_copy(update={"dump_dir": str(tmp_path / "d")})
+    assert _dump_root(explicit, "r", "k", work, hidden_size=576) == tmp_path / "d" / "r" / "k"
