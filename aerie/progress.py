@@ -20,9 +20,13 @@ def terminal_progress(desc: str) -> ProgressFn:
     from tqdm import tqdm
 
     bar = tqdm(total=1000, desc=desc, unit="‰", leave=True)
+    last: list[object] = [None]
 
     def update(fraction: float, message: str) -> None:
         target = int(max(0.0, min(1.0, fraction)) * 1000)
+        if (target, message) == last[0]:
+            return  # nothing new: a redraw would only repeat the line in a log file
+        last[0] = (target, message)
         bar.update(target - bar.n)
         bar.set_postfix_str(message[:60], refresh=True)
         if target >= 1000:

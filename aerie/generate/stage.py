@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -160,12 +161,42 @@ def _run_parallel(
             )
             for i in todo
         }
-        for i, future in futures.items():
-            try:
-                results[i] = future.result()
-            except Exception as exc:  # collected: the other datasets keep running
-                errors.append((i, exc))
+        try:
+            for i, future in futures.items():
+                try:
+                    results[i] = future.result()
+                except Exception as exc:  # collected: the other datasets keep running
+                    errors.append((i, exc))
+        except BaseException:
+            # SIGTERM/Ctrl-C in the caller: stop the generating threads now (what they journaled is
+            # kept and resumed next time) instead of letting the pool's exit wait for them to finish.
+            _cancel_running()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     return errors
+
+
+_RUNNING: set[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+def _cancel_running() -> None:
+    with _RUNNING_LOCK:
+        for loop, task in _RUNNING:
+            loop.call_soon_threadsafe(task.cancel)
+
+
+async def _registered(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` as a task that `_cancel_running` can cancel from another thread."""
+    entry = (asyncio.get_running_loop(), asyncio.current_task())
+    assert entry[1] is not None
+    with _RUNNING_LOCK:
+        _RUNNING.add(entry)  # type: ignore[arg-type]
+    try:
+        return await coro
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(entry)  # type: ignore[arg-type]
 
 
 def _endpoint_url(cfg: GenerateConfig, spec: DatasetSpec, base_url: str | None) -> str | None:
@@ -261,9 +292,9 @@ def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
     except RuntimeError:
         in_loop = False
     if not in_loop:
-        return asyncio.run(coro)
+        return asyncio.run(_registered(coro))
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+        return pool.submit(asyncio.run, _registered(coro)).result()
 
 
 def journal_location(
