@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from aerie.config import PipelineConfig, apply_overrides, load_yaml, to_yaml
 from aerie.errors import AerieError
+from aerie.pipeline import STAGES
 from aerie.presets import PRESETS, get_preset
 
 
@@ -33,10 +34,14 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args.preset, args.overrides)
+    if args.no_prefect or args.until:
+        from aerie.pipeline import run_pipeline as run_stages
+
+        print(run_stages(cfg, until=args.until).table())
+        return 0
     from flows.pipeline import run_pipeline  # Prefect is imported only when a run is asked for
 
-    report = run_pipeline(cfg)
-    print(report)
+    print(run_pipeline(cfg))
     return 0
 
 
@@ -54,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the pipeline flow locally and print the report")
     run.add_argument("preset", help=f"a preset ({', '.join(PRESETS)}) or a YAML file")
     run.add_argument("overrides", nargs="*", help="key=value, e.g. train.epochs=2")
+    run.add_argument(
+        "--no-prefect", action="store_true", help="run the stages in this process without Prefect (GPU hosts)"
+    )
+    run.add_argument("--until", choices=STAGES, help="stop after this stage (implies --no-prefect)")
     run.set_defaults(func=_cmd_run)
     return parser
 

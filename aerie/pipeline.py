@@ -1,0 +1,170 @@
+"""The whole pipeline without Prefect: stages in order, each fed its upstream results.
+
+    generate-<dataset> (one per dataset) ─┐
+                                          ├─> merge ─> extract ─> train ─> evaluate ─> deploy
+    (the target, resolved once) ──────────┘
+
+`flows/pipeline.py` composes the same stages as Prefect subflows; this module is what a GPU host
+without a Prefect server runs (`aerie run PRESET --no-prefect [--until STAGE]`), and what the summary
+is built from. Every stage caches on its manifest, so a re-run resumes where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aerie.config import PipelineConfig
+from aerie.errors import ConfigError
+from aerie.manifest import StageResult
+from aerie.progress import ProgressFn, terminal_progress
+from aerie.store import ArtifactStore, open_store
+from aerie.targets import TargetInfo, resolve_target
+
+STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
+
+ProgressFactory = Callable[[str], ProgressFn]
+
+
+@dataclass
+class PipelineReport:
+    """What a run produced: one StageResult per stage run, in order."""
+
+    config: PipelineConfig
+    results: list[StageResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        """The one summary `make run` ends with: stage, time, cache hit, key figures, artifact path."""
+        lines = [
+            f"aerie pipeline '{self.config.run}' ({self.config.preset}) — {self.seconds:.1f} s",
+            f"{'stage':22s} {'time':>8s} {'cache':>6s}  figures",
+        ]
+        for r in self.results:
+            figures = ", ".join(f"{k}={_fmt(v)}" for k, v in r.figures.items())
+            lines.append(f"{r.stage:22s} {r.seconds:7.1f}s {'hit' if r.cache_hit else 'run':>6s}  {figures}")
+            lines.append(f"{'':22s} {'':>8s} {'':>6s}  {r.manifest_uri}")
+        return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, int) and abs(value) >= 10_000:
+        return f"{value:,}"
+    return str(value)
+
+
+@contextlib.contextmanager
+def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str]:
+    """The endpoint generation talks to: the configured one, or the reference server serving the
+    target itself for the duration of generation (the embedded default)."""
+    if cfg.generate.endpoint.base_url:
+        yield cfg.generate.endpoint.base_url
+        return
+    from aerie.serving import ModelServer, spec_for
+
+    server_cfg = cfg.server.model_copy(update={"backend": "reference", "launcher": "process"})
+    with ModelServer(spec_for(server_cfg, model_path=target.path, mode="serve")) as server:
+        yield f"{server.url}/v1"
+
+
+def run_pipeline(
+    cfg: PipelineConfig,
+    *,
+    until: str | None = None,
+    progress: ProgressFactory = terminal_progress,
+    store: ArtifactStore | None = None,
+) -> PipelineReport:
+    """Run every stage in order (or up to and including `until`); each resumes from its manifest."""
+    # Stage modules are imported when their stage runs: `--until merge` on a CPU host needs no trainer.
+    from aerie.generate.stage import run_all as generate_all
+
+    if until is not None and until not in STAGES:
+        raise ConfigError(f"unknown stage {until!r}; stages: {', '.join(STAGES)}")
+    wanted = STAGES[: STAGES.index(until) + 1] if until else STAGES
+    started = time.monotonic()
+    store = store or open_store(cfg.store)
+    target = resolve_target(cfg.target)
+    report = PipelineReport(config=cfg)
+    common: dict[str, Any] = {"store": store, "run_name": cfg.run, "target": target}
+
+    def step(name: str, call: Callable[[], StageResult]) -> StageResult | None:
+        if name not in wanted:
+            return None
+        result = call()
+        report.results.append(result)
+        return result
+
+    generated = generate_all(
+        cfg.generate,
+        store=store,
+        run_name=cfg.run,
+        endpoint=lambda: generation_endpoint(cfg, target),
+        progress=progress,
+    )
+    report.results.extend(generated)
+    corpus = step(
+        "merge",
+        lambda: _stage("aerie.corpus.stage").run(
+            cfg.corpus, inputs=generated, progress=progress("merge"), **common
+        ),
+    )
+    shards = step(
+        "extract",
+        lambda: _stage("aerie.extract.stage").run(
+            cfg.extract, corpus=_ok(corpus), server=cfg.server, progress=progress("extract"), **common
+        ),
+    )
+    drafter = step(
+        "train",
+        lambda: _stage("aerie.train.stage").run(
+            cfg.train, shards=_ok(shards), corpus=_ok(corpus), progress=progress("train"), **common
+        ),
+    )
+    evaluation = step(
+        "evaluate",
+        lambda: _stage("aerie.evaluate.stage").run(
+            cfg.evaluate, drafter=_ok(drafter), corpus=_ok(corpus), progress=progress("evaluate"), **common
+        ),
+    )
+    if cfg.deploy.enabled:
+        step(
+            "deploy",
+            lambda: _stage("aerie.evaluate.deploy").deploy(
+                cfg.deploy,
+                drafter=_ok(drafter),
+                evaluation=_ok(evaluation),
+                server=cfg.server,
+                progress=progress("deploy"),
+                **common,
+            ),
+        )
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _stage(module: str) -> Any:
+    return importlib.import_module(module)
+
+
+def _ok(result: StageResult | None) -> StageResult:
+    # Stages run in order, so an upstream result is present whenever a downstream stage runs.
+    assert result is not None
+    return result
+
+
+def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
+    """True when some dataset still needs the target (so an embedded endpoint must be launched)."""
+    from aerie.generate.stage import key_of, stage_name
+    from aerie.manifest import StageDir
+
+    return any(
+        spec.regenerate
+        and StageDir(store, cfg.run, stage_name(spec), key_of(cfg.generate, spec)).manifest() is None
+        for spec in cfg.generate.datasets
+    )
