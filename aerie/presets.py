@@ -25,37 +25,40 @@ def smollm2_local() -> PipelineConfig:
     cfg = base()
     cfg.preset = "smollm2-local"
     cfg.run = "smollm2-local"
-    cfg.generate.endpoint = EndpointConfig(base_url=None, concurrency=16)
+    cfg.generate.endpoint = EndpointConfig(base_url=None, concurrency=32)
     cfg.generate.datasets = [
         DatasetSpec(
             name="sharegpt",
             source=SourceSpec(kind="sharegpt"),
-            num_samples=48,
-            max_turns=2,
-            sampling=SamplingParams(temperature=0.0, max_tokens=96),
+            num_samples=40,
+            max_turns=1,
+            sampling=SamplingParams(temperature=0.0, max_tokens=64),
         )
     ]
-    cfg.corpus.max_length = 384
-    cfg.corpus.eval_fraction = 0.125
+    cfg.corpus.max_length = 256
+    cfg.corpus.eval_fraction = 0.1
     cfg.corpus.num_workers = 1
+    cfg.server.device = "cpu"
     cfg.extract.batch_tokens = 4096
     cfg.extract.shard_bytes = 64 << 20
+    # A drafter that learns something in a couple of CPU minutes: small draft vocab, short unroll.
     cfg.train.draft_vocab_size = 2048
-    cfg.train.epochs = 30
-    cfg.train.lr = 1e-3
+    cfg.train.ttt_length = 3
+    cfg.train.epochs = 12
+    cfg.train.lr = 2e-3
     cfg.train.batch_tokens = 2048
-    cfg.train.max_length = 384
-    cfg.train.eval_every = 50
-    cfg.train.checkpoint_every = 100
+    cfg.train.max_length = 256
+    cfg.train.eval_every = 10
+    cfg.train.checkpoint_every = 20
     cfg.train.device = "cpu"
-    cfg.server.device = "cpu"
+    cfg.evaluate.device = "cpu"
     cfg.evaluate.num_steps = [3, 7]
-    cfg.evaluate.max_new_tokens = 48
+    cfg.evaluate.max_new_tokens = 32
     cfg.evaluate.mtbench_questions = 8
     cfg.evaluate.heldout_samples = 4
     cfg.deploy.concurrency = [1, 4]
     cfg.deploy.num_prompts = 8
-    cfg.deploy.max_new_tokens = 48
+    cfg.deploy.max_new_tokens = 32
     return cfg
 
 
@@ -118,6 +121,8 @@ def kimi_k25_8gpu() -> PipelineConfig:
     cfg.server.launcher = "docker"
     cfg.server.tp_size = 8
     cfg.server.device = "cuda"
+    cfg.server.image = "aerie/sglang-extract:0.5.23"
+    cfg.server.extra_args = ["--trust-remote-code"]
     cfg.extract.storage_dtype = "fp8"
     cfg.extract.batch_tokens = 65536
     cfg.extract.requests_in_flight = 4
