@@ -75,6 +75,16 @@ def _dump_root(cfg: ExtractConfig, run_name: str, key: str, work: Path, hidden_s
     return work / "dumps"
 
 
+def _remove_dump_root(root: Path) -> None:
+    """Remove a tmpfs dump root and the parents it left empty (run dir, aerie-extract)."""
+    shutil.rmtree(root, ignore_errors=True)
+    for parent in (root.parent, root.parent.parent):
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+
+
 def _quantize_device(cfg: ExtractConfig) -> str:
     if cfg.quantize_device != "auto":
         return cfg.quantize_device
@@ -236,7 +246,7 @@ def run(
         finally:
             uploader.close()
             if p.dumps != work / "dumps":
-                shutil.rmtree(p.dumps, ignore_errors=True)  # tmpfs is memory
+                _remove_dump_root(p.dumps)  # tmpfs is memory
     meter.add(0, force=True)
 
     manifest = _manifest(cfg, target, corpus, server, splits, results, report.record(), canary, began)
