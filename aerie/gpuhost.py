@@ -12,10 +12,12 @@ the machine stays warm, and only what a command writes to `$OUT` comes back (8 f
     .stage/state/ <────── $OUT/state.* ──  pack-out: what must outlive the host (generated corpus...)
     carry .stage/state ─────────────────>  restore --home H .stage/state  (a fresh host resumes)
 
-What the host lacks is staged here: the wheels aerie imports that the host image does not hold, the
-embedded target's GGUF and MT-Bench's questions as stand-in packages on PYTHONPATH (found by the same
-`importlib.util.find_spec` lookups as here, so `aerie.targets`/`aerie.datasets` need no change), and each
-dataset's prompts as a compact zstd Parquet that the host's config points the dataset at.
+What the host lacks is staged here: the wheels aerie imports that the host image does not hold, and the
+data packages as stand-ins on PYTHONPATH, found by the same `importlib.util.find_spec` lookups as here (so
+`aerie.targets`/`aerie.datasets` and the presets need no change, and no stage key depends on the host's
+paths): the embedded target's GGUF, MT-Bench's questions, and the ShareGPT conversations the preset reads,
+exported through `aerie.datasets.iter_conversations` with placeholder assistant turns (they are
+regenerated) and xz-compressed (5 MB instead of 125 MB).
 
 Only `stage` and the config/pipeline/check children import aerie's dependencies; `unpack`, `install`,
 `env`, `restore`, `pack-out` and the `run` supervisor use the standard library alone (psutil when
@@ -972,7 +974,9 @@ def _supervise(
 
 def pipeline(args: argparse.Namespace) -> int:
     """The stages themselves (a child of `run`): SIGTERM becomes SystemExit, so `with` blocks (servers,
-    journals, uploads) unwind as they do on an error and every stage stays resumable."""
+    journals, uploads) unwind as they do on an error. Generation runs its event loop in a worker thread
+    that SystemExit does not reach, so a stop during generation ends with the supervisor's SIGKILL; its
+    journal is fsynced per group of records and the supervisor sweeps the server, so that is safe too."""
 
     def _exit(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -1095,9 +1099,9 @@ def collect_groups(home: Home, work: Path, since: float | None = None) -> list[G
 class _PartWriter(io.RawIOBase):
     """One byte stream written as consecutive files of at most PART_BYTES each, hashed as it goes."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, part_bytes: int = PART_BYTES) -> None:
         super().__init__()
-        self.out = out
+        self.out, self.part_bytes = out, part_bytes
         self.parts: list[dict[str, Any]] = []
         self._f: IO[bytes] | None = None
         self._digest = hashlib.sha256()
@@ -1109,10 +1113,10 @@ class _PartWriter(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         while view:
-            if self._f is None or self._size == PART_BYTES:
+            if self._f is None or self._size == self.part_bytes:
                 self._next()
             assert self._f is not None
-            n = min(len(view), PART_BYTES - self._size)
+            n = min(len(view), self.part_bytes - self._size)
             self._f.write(view[:n])
             self._digest.update(view[:n])
             self._size += n
@@ -1137,23 +1141,28 @@ class _PartWriter(io.RawIOBase):
 
 
 def pack_out(
-    home: Home, out: Path, *, max_bytes: int = 56 * MIB, since: float | None = None
+    home: Home,
+    out: Path,
+    *,
+    max_bytes: int = 56 * MIB,
+    since: float | None = None,
+    part_bytes: int = PART_BYTES,
 ) -> dict[str, Any]:
     """Write what must outlive the host into `out`: `state.tgz.NNN` parts (gzip members of one tar
-    archive per group, cut at PART_BYTES) and `state.json` (the parts with their sha256, what was taken,
-    and what was left behind and why). A group is taken whole or not at all, in priority order, while
-    the total stays within `max_bytes` (and MAX_PARTS parts)."""
+    archive per group, cut every `part_bytes`) and `state.json` (the parts with their sha256, what was
+    taken, and what was left behind and why). A group is taken whole or not at all, in priority order,
+    while the total stays within `max_bytes` (and MAX_PARTS parts, so the files fit $OUT's 8)."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("state.*"):
         old.unlink()
-    limit = min(max_bytes, MAX_PARTS * PART_BYTES)
+    limit = min(max_bytes, MAX_PARTS * part_bytes)
     taken: list[dict[str, Any]] = []
     left: list[dict[str, Any]] = []
     total = 0
     home.root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=home.root, prefix=".pack-out-") as tmp:
         work = Path(tmp)
-        writer = _PartWriter(out)
+        writer = _PartWriter(out, part_bytes)
         for group in collect_groups(home, work, since):
             chunk = work / "group.tgz"
             with tarfile.open(chunk, "w:gz", compresslevel=6) as tar:
@@ -1394,7 +1403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until", default="deploy", help="last stage to run")
     p.add_argument("--prefect", action="store_true", help="run the Prefect flow (needs --extras prefect)")
     p.add_argument("--budget-s", type=float, default=540.0, help="seconds this whole command may take")
-    p.add_argument("--grace-s", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--grace-s", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--pack-reserve-s", type=float, default=25.0, help="seconds kept for pack-out")
     p.add_argument("--out", help="pack-out into this directory at the end ($OUT)")
     p.add_argument("--max-out-mb", type=float, default=56.0, help="MiB that may come back")
