@@ -44,6 +44,7 @@ from aerie.targets import TargetInfo
 log = logging.getLogger(__name__)
 
 STAGE = "extract"
+SHM_DUMPS = Path("/dev/shm/aerie-extract")
 KEY_FIELDS = ("storage_dtype", "shard_bytes", "num_servers", "splits")
 
 
@@ -71,14 +72,16 @@ def _dump_root(cfg: ExtractConfig, run_name: str, key: str, work: Path, hidden_s
     shm = Path("/dev/shm")
     need = 2 * disk.dumps_in_flight_bytes(cfg, hidden_size)
     if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= need:
-        return shm / "aerie-extract" / run_name / key
+        return SHM_DUMPS / run_name / key
     return work / "dumps"
 
 
 def _remove_dump_root(root: Path) -> None:
     """Remove a tmpfs dump root and the parents it left empty (run dir, aerie-extract)."""
     shutil.rmtree(root, ignore_errors=True)
-    for parent in (root.parent, root.parent.parent):
+    if root.parent.parent != SHM_DUMPS:
+        return
+    for parent in (root.parent, SHM_DUMPS):
         try:
             parent.rmdir()
         except OSError:
