@@ -146,7 +146,7 @@ def _build(
         sum(rows_per_input), seed=cfg.seed, eval_fraction=cfg.eval_fraction, rows_per_shard=cfg.rows_per_shard
     )
     spec = TemplateSpec.from_tokenizer(
-        target.load_tokenizer(), extra_kwargs=cfg.chat_template_kwargs, path=target.path
+        target.load_tokenizer(), extra_kwargs=cfg.chat_template_kwargs, target=target
     )
     build = _Build(cfg, store, stage, work, progress, TokenCounter(target.vocab_size))
     with open(work / QUARANTINE, "w") as build.quarantine:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from aerie.errors import DataError
+from aerie.targets import TargetInfo
 
 Messages = list[dict[str, str]]
 
@@ -50,24 +51,24 @@ class TemplateSpec:
 
     chat_template: str
     template_kwargs: dict[str, Any]
-    backend: Any = None  # tokenizers.Tokenizer of a fast tokenizer; None = use `tokenizer_path`
-    tokenizer_path: str | None = None  # a slow tokenizer is loaded from here in each process
+    backend: Any = None  # tokenizers.Tokenizer of a fast tokenizer; None = a slow one, loaded from `target`
+    target: TargetInfo | None = None  # each process loads a slow tokenizer the way the target says
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: Any, *, extra_kwargs: dict[str, Any] | None = None, path: str | None = None
+        cls, tokenizer: Any, *, extra_kwargs: dict[str, Any] | None = None, target: TargetInfo | None = None
     ) -> TemplateSpec:
         try:
             template = tokenizer.get_chat_template()
         except ValueError as exc:
             raise DataError(
-                f"the tokenizer at {path or '?'} has no usable chat template ({exc}): the corpus is tokenized "
+                f"the tokenizer of {target.name if target else 'the target'} has no usable chat template ({exc}): the corpus is tokenized "
                 "with the target's own template, so the target must ship one"
             ) from exc
         # apply_chat_template passes the special tokens (bos_token, eos_token, ...) to the template.
         kwargs = {**tokenizer.special_tokens_map, **(extra_kwargs or {})}
         backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
-        return cls(chat_template=template, template_kwargs=kwargs, backend=backend, tokenizer_path=path)
+        return cls(chat_template=template, template_kwargs=kwargs, backend=backend, target=target)
 
 
 class ChatRenderer:
@@ -223,8 +224,8 @@ class PrefixAligner:
 def make_aligner(spec: TemplateSpec) -> Aligner:
     if spec.backend is not None:
         return OffsetsAligner(spec.backend)
-    if spec.tokenizer_path is None:
-        raise DataError("a slow tokenizer needs its path so each worker can load it")
-    from transformers import AutoTokenizer
-
-    return PrefixAligner(AutoTokenizer.from_pretrained(spec.tokenizer_path))
+    if spec.target is None:
+        raise DataError(
+            "a tokenizer without offsets (a slow one) needs its target so each worker can load it"
+        )
+    return PrefixAligner(spec.target.load_tokenizer())
