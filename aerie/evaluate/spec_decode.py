@@ -229,10 +229,16 @@ class TargetCache:
         return 0 if self.live is None else int(self.live.shape[1])
 
     def forward(
-        self, input_ids: Tensor, valid: Tensor, positions: Tensor, hidden_layers: Sequence[int] | None
+        self,
+        input_ids: Tensor,
+        valid: Tensor,
+        positions: Tensor,
+        hidden_layers: Sequence[int] | None,
+        last_logits_only: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """input_ids/valid/positions [B, T] -> logits [B, T, V] and (if asked) the hidden states of
-        `hidden_layers` concatenated, [B, T, len * H]."""
+        """input_ids/valid/positions [B, T] -> logits [B, T, V] ([B, 1, V] with `last_logits_only`: a
+        prefill needs only the next token, and B x T x V logits of long prompts are gigabytes) and, if
+        asked, the hidden states of `hidden_layers` concatenated, [B, T, len * H]."""
         live = valid if self.live is None else torch.cat([self.live, valid], dim=1)
         out = self.model(
             input_ids=input_ids,
@@ -240,6 +246,7 @@ class TargetCache:
             position_ids=positions,
             use_cache=True,
             output_hidden_states=hidden_layers is not None,
+            logits_to_keep=1 if last_logits_only else 0,
             **{self._kwarg: self.cache},
         )
         self.live = live
@@ -465,7 +472,11 @@ class SpecDecoder:
             valid[i, longest - n :] = True
             positions[i, longest - n :] = torch.arange(n)
         logits, aux = cache.forward(
-            ids.to(self.device), valid.to(self.device), positions.to(self.device), self.aux_layers
+            ids.to(self.device),
+            valid.to(self.device),
+            positions.to(self.device),
+            self.aux_layers,
+            last_logits_only=True,
         )
         first = logits[:, -1].argmax(dim=-1).tolist()
         aux_rows: list[Tensor] | None = None

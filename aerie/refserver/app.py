@@ -425,13 +425,16 @@ async def _chat(state: ServerState, payload: Any) -> Response:
         "completion_tokens": len(result.output_ids),
         "total_tokens": len(ids) + len(result.output_ids),
     }
-    return JSONResponse(
-        {
-            "id": request.rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": state.served_model_name,
-            "choices": [choice],
-            "usage": usage,
-        }
-    )
+    reply: dict[str, Any] = {
+        "id": request.rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": state.served_model_name,
+        "choices": [choice],
+        "usage": usage,
+    }
+    if result.meta:
+        # Speculative mode: spec_verify_ct, spec_accept_length, ... as in /generate's meta_info, so a
+        # chat client can measure acceptance too (an extension; OpenAI clients ignore unknown keys).
+        reply["meta_info"] = dict(result.meta)
+    return JSONResponse(reply)
