@@ -144,3 +144,54 @@ def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smo
     assert store.exists("r/promoted/report.md") and store.exists("r/promoted/evaluation-report.md")
     assert load_manifest(store, result.prefix)["figures"]["promoted"] is True
     assert seen[-1] == 1.0
+
+
+def _sglang_unavailable() -> str | None:
+    """Why the SGLang deployment cannot run here (None when it can): it needs a Docker engine, a GPU
+    and the SGLang image."""
+    import torch
+
+    from aerie.errors import ServerLaunchError
+    from aerie.serving.container import docker_client
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        docker_client()
+    except ServerLaunchError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.docker
+@pytest.mark.gpu
+def test_deploy_with_sglang_in_docker(tmp_path, smollm2):
+    """The production path: SGLang in Docker serving the exported drafter with EAGLE3 (skipped without
+    an engine and a GPU; the image is AERIE_SGLANG_IMAGE, default lmsysorg/sglang:latest)."""
+    import os
+
+    reason = _sglang_unavailable()
+    if reason is not None:
+        pytest.skip(f"needs Docker, a GPU and the SGLang image: {reason}")
+    store = LocalStore(tmp_path / "store")
+    drafter = train_result(store, "r", smollm2, tmp_path)
+    evaluation = StageDir(store, "r", "evaluate", "e").finish({"figures": {}})
+    server = ServerConfig(
+        backend="sglang",
+        launcher="docker",
+        image=os.environ.get("AERIE_SGLANG_IMAGE", "lmsysorg/sglang:latest"),
+        port=free_port(),
+        device="cuda",
+        startup_timeout_s=1200,
+        hf_cache=None,
+        sglang_serve_module="sglang.launch_server",
+    )
+    cfg = DeployConfig(concurrency=[1], num_prompts=4, max_new_tokens=32, num_steps=3, promote_margin=100.0)
+    result = deploy(
+        cfg, store=store, run_name="r", target=smollm2, drafter=drafter, evaluation=evaluation, server=server
+    )
+    report = json.loads(store.get_bytes(f"{result.prefix}/report.json"))
+    spec_row = next(r for r in report["rows"] if r["server"] == "speculative")
+    assert spec_row["accept_length"] is not None and spec_row["accept_length"] >= 1.0
+    assert not report["promotion"]["promoted"]  # a margin of 100x is never met
+    assert not store.exists("r/promoted/promotion.json")
