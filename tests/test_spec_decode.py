@@ -14,7 +14,7 @@ from torch import Tensor
 from aerie.draft.export import draft_config_for
 from aerie.draft.model import DraftKVCache, Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
-from aerie.evaluate import spec_decode
+from aerie.evaluate import eagle, spec_decode
 from aerie.evaluate.eagle import EagleProposer
 from aerie.evaluate.prompt_lookup import PromptLookupProposer
 from aerie.evaluate.spec_decode import (
@@ -149,8 +149,9 @@ def test_untrained_eagle3_drafter_is_lossless_batched_with_compaction(
     target, prompts, reference, smollm2, random_drafter, monkeypatch
 ):
     # Compact the caches at every opportunity so the hole-squeezing path runs on this short decode.
-    monkeypatch.setattr(spec_decode, "_COMPACT_FACTOR", 0)
-    monkeypatch.setattr(spec_decode, "_COMPACT_SLACK", 0)
+    for module in (spec_decode, eagle):
+        monkeypatch.setattr(module, "_COMPACT_FACTOR", 0)
+        monkeypatch.setattr(module, "_COMPACT_SLACK", 0)
     outs = _decode(target, EagleProposer(random_drafter), prompts, smollm2, steps=3, batch=3)
     assert [o.output_ids for o in outs] == reference
     assert all(o.verify_ct > 0 for o in outs)

@@ -36,47 +36,76 @@ _COMPACT_SLACK = 64
 
 
 class RaggedKV:
-    """Keys/values of a batch of sequences in a [B, S] slot grid; `live` marks slots that may be attended."""
+    """Keys/values of a batch of sequences in a [B, S] slot grid; `live` marks slots that may be attended.
+
+    Storage grows geometrically (like `DraftKVCache`), so appending one draft step does not copy the
+    whole cache."""
 
     def __init__(
         self, rows: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype
     ) -> None:
-        self.k = torch.empty(rows, 0, kv_heads, head_dim, device=device, dtype=dtype)
-        self.v = torch.empty_like(self.k)
-        self.live = torch.zeros(rows, 0, dtype=torch.bool, device=device)
+        self._k = torch.empty(rows, 0, kv_heads, head_dim, device=device, dtype=dtype)
+        self._v = torch.empty_like(self._k)
+        self._live = torch.zeros(rows, 0, dtype=torch.bool, device=device)
+        self.length = 0
 
     @property
     def slots(self) -> int:
-        return int(self.live.shape[1])
+        return self.length
+
+    @property
+    def k(self) -> Tensor:
+        return self._k[:, : self.length]
+
+    @property
+    def v(self) -> Tensor:
+        return self._v[:, : self.length]
+
+    @property
+    def live(self) -> Tensor:
+        return self._live[:, : self.length]
 
     def append(self, k: Tensor, v: Tensor, valid: Tensor) -> None:
         """k/v [B, n, nkv, hd], valid [B, n]."""
-        self.k = torch.cat([self.k, k.to(self.k.dtype)], dim=1)
-        self.v = torch.cat([self.v, v.to(self.v.dtype)], dim=1)
-        self.live = torch.cat([self.live, valid], dim=1)
+        end = self.length + k.shape[1]
+        if end > self._k.shape[1]:
+            grow = max(end, 2 * self._k.shape[1], 64) - self._k.shape[1]
+            b, _, h, d = self._k.shape
+            self._k = torch.cat([self._k, self._k.new_empty(b, grow, h, d)], dim=1)
+            self._v = torch.cat([self._v, self._v.new_empty(b, grow, h, d)], dim=1)
+            self._live = torch.cat([self._live, self._live.new_zeros(b, grow)], dim=1)
+        self._k[:, self.length : end] = k.to(self._k.dtype)
+        self._v[:, self.length : end] = v.to(self._v.dtype)
+        self._live[:, self.length : end] = valid
+        self.length = end
 
     def crop(self, remove: int) -> None:
         if remove > 0:
-            end = self.slots - remove
-            self.k, self.v, self.live = self.k[:, :end], self.v[:, :end], self.live[:, :end]
+            self.length -= remove
+            self._live[:, self.length :] = False
 
     def add_rows(self, count: int) -> None:
         """New, empty rows at the end of the batch (all their slots are holes)."""
-        b, s, h, d = self.k.shape
-        self.k = torch.cat([self.k, self.k.new_zeros(count, s, h, d)])
-        self.v = torch.cat([self.v, self.v.new_zeros(count, s, h, d)])
-        self.live = torch.cat([self.live, self.live.new_zeros(count, s)])
+        b, s, h, d = self._k.shape
+        self._k = torch.cat([self._k, self._k.new_zeros(count, s, h, d)])
+        self._v = torch.cat([self._v, self._v.new_zeros(count, s, h, d)])
+        self._live = torch.cat([self._live, self._live.new_zeros(count, s)])
 
     def select(self, rows: Tensor) -> None:
-        self.k, self.v, self.live = self.k[rows], self.v[rows], self.live[rows]
+        self._k, self._v, self._live = self._k[rows], self._v[rows], self._live[rows]
+        self.maybe_compact()
+
+    def maybe_compact(self) -> None:
+        """Squeeze the holes out when they dominate (each row's live slots, in order, left-padded)."""
         counts = self.live.sum(dim=1)
         if counts.numel() and self.slots > _COMPACT_FACTOR * int(counts.max()) + _COMPACT_SLACK:
             self.compact()
 
     def compact(self) -> None:
         index, live = compaction_index(self.live)
-        gather = index[:, :, None, None].expand(-1, -1, self.k.shape[2], self.k.shape[3])
-        self.k, self.v, self.live = self.k.gather(1, gather), self.v.gather(1, gather), live
+        gather = index[:, :, None, None].expand(-1, -1, self._k.shape[2], self._k.shape[3])
+        self._k, self._v, self._live = self.k.gather(1, gather), self.v.gather(1, gather), live
+        self.length = int(live.shape[1])
 
 
 class EagleProposer:
@@ -145,6 +174,7 @@ class EagleProposer:
         asked = set(seqs)
         self.cache.crop(self.step_slots)
         self.step_slots = 0
+        self.cache.maybe_compact()
         logits, hidden, last = self._extend()
         rows = [i for i, seq in enumerate(self.order) if seq in asked]
         missing = [self.order[i] for i in rows if last[i] < 0]

@@ -286,6 +286,7 @@ class TargetCache:
         if dead_tail:
             crop_cache(self.cache, dead_tail)
             self.live = self.live[:, : self.live.shape[1] - dead_tail]
+        self.maybe_compact()
 
     def select(self, rows: Tensor) -> None:
         """Keep only these batch rows (finished sequences leave the batch)."""
