@@ -63,12 +63,14 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
         assert 1.0 <= r["accept_length"] <= r["num_steps"] + 1
         assert len(r["conditional_acceptance"]) == r["num_steps"]
         assert r["spec_verify_ct"] > 0
+        if r["proposer"] == "eagle3":
+            assert 0.0 <= r["draft_vocab_coverage"] <= 1.0
     # Every run decodes the same prompts and the decoder is lossless: same outputs everywhere.
     assert report["agreement"]["compared"] == 2 * 2 * (2 * 2 - 1)
     assert report["agreement"]["identical"] == report["agreement"]["compared"]
     md = store.get_bytes(f"{result.prefix}/report.md").decode()
     assert "## Acceptance length" in md and "| mtbench | eagle3 | 2 |" in md
-    assert "pos 3" in md
+    assert "pos 3" in md and "of the target's output tokens are in the draft vocabulary" in md
     assert store.get_bytes(f"{result.prefix}/acceptance.png")[:4] == b"\x89PNG"
     per_prompt = store.get_bytes(f"{result.prefix}/per_prompt.jsonl").decode().splitlines()
     assert len(per_prompt) == 16

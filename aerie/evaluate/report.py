@@ -79,6 +79,14 @@ def evaluation_markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"- {name}: {info['prompts']} prompts, mean {info['mean_prompt_tokens']:.0f} prompt tokens"
         )
+    for r in results:
+        if r.get("draft_vocab_coverage") is not None and r["num_steps"] == min(
+            x["num_steps"] for x in results
+        ):
+            lines.append(
+                f"- {r['dataset']}: {r['draft_vocab_coverage']:.1%} of the target's output tokens are in the "
+                "draft vocabulary (the rest can never be drafted)"
+            )
     expected = report["drafter"].get("expected_accept_length")
     lines += [
         f"- max new tokens {report['config']['max_new_tokens']}, device {report['device']}, dtype {report['dtype']}",

@@ -195,6 +195,9 @@ def _measure(
 
     stats = SpecStats(k)
     rows: list[dict[str, Any]] = []
+    # Where acceptance is lost: a target token outside the draft vocabulary can never be drafted.
+    in_vocab = loaded["drafter"].t2d.cpu() if proposer_name == "eagle3" else None
+    covered = 0
     started = time.perf_counter()
     for start in range(0, len(prompts), cfg.batch_size):
         batch = prompts[start : start + cfg.batch_size]
@@ -205,6 +208,8 @@ def _measure(
         outputs = decoder.generate([p.input_ids for p in batch], cfg.max_new_tokens)
         for prompt, out in zip(batch, outputs, strict=True):
             stats.add(out)
+            if in_vocab is not None and out.output_ids:
+                covered += int(in_vocab[out.output_ids].sum())
             rows.append(
                 {
                     "dataset": prompt.dataset,
@@ -221,7 +226,10 @@ def _measure(
             )
         report(start + len(batch))
     stats.seconds = time.perf_counter() - started
-    return {"result": {"dataset": dataset, "proposer": proposer_name, **stats.to_dict()}, "per_prompt": rows}
+    result: dict[str, Any] = {"dataset": dataset, "proposer": proposer_name, **stats.to_dict()}
+    if in_vocab is not None:
+        result["draft_vocab_coverage"] = round(covered / max(1, stats.completion_tokens), 4)
+    return {"result": result, "per_prompt": rows}
 
 
 def _digest(ids: list[int]) -> str:
