@@ -195,3 +195,20 @@ def test_deploy_with_sglang_in_docker(tmp_path, smollm2):
     assert spec_row["accept_length"] is not None and spec_row["accept_length"] >= 1.0
     assert not report["promotion"]["promoted"]  # a margin of 100x is never met
     assert not store.exists("r/promoted/promotion.json")
+
+
+def test_benchmark_summary_figures():
+    from aerie.evaluate.bench import RequestRecord, summarize
+
+    records = [
+        RequestRecord(index=0, latency_s=1.0, completion_tokens=11, spec_verify_ct=4, output_ids=[]),
+        RequestRecord(index=1, latency_s=3.0, completion_tokens=21, spec_verify_ct=6, output_ids=[]),
+    ]
+    level = summarize("speculative", 2, records, wall_s=4.0, ttft={0: 0.5, 1: 1.0})
+    assert level.output_tokens == 32 and level.output_tokens_per_s == 8.0
+    assert level.accept_length == 32 / 10  # Σ completion / Σ verify, as SpecForge's benchmark
+    assert level.itl_p50_s == pytest.approx((0.05 + 0.1) / 2)  # (1.0-0.5)/10 and (3.0-1.0)/20
+    assert level.ttft_p50_s == pytest.approx(0.75)
+    # A server that reports no spec_verify_ct has no acceptance length.
+    plain = [RequestRecord(0, 1.0, 5, None, []), RequestRecord(1, 1.0, 5, None, [])]
+    assert summarize("baseline", 1, plain, 2.0, None).accept_length is None
