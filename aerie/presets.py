@@ -67,28 +67,38 @@ def smollm2_gpu() -> PipelineConfig:
     cfg = base()
     cfg.preset = "smollm2-gpu"
     cfg.run = "smollm2-gpu"
-    cfg.generate.endpoint = EndpointConfig(base_url=None, concurrency=256)
+    cfg.generate.endpoint = EndpointConfig(base_url=None, concurrency=256, read_timeout_s=600)
     cfg.generate.datasets = [
         DatasetSpec(
             name="sharegpt",
             source=SourceSpec(kind="sharegpt"),
-            sampling=SamplingParams(temperature=0.0, max_tokens=512),
+            # First user turn of every conversation: the whole pipeline's GPU time must stay under 30 min.
+            max_turns=1,
+            sampling=SamplingParams(temperature=0.0, max_tokens=384),
         )
     ]
-    cfg.corpus.max_length = 2048
+    cfg.corpus.max_length = 1024
     cfg.corpus.eval_fraction = 0.01
+    cfg.corpus.num_workers = 8
     cfg.server.device = "cuda"
+    cfg.server.extra_args = ["--max-running-requests", "256"]
+    cfg.extract.storage_dtype = "fp8"
     cfg.extract.batch_tokens = 65536
     cfg.extract.requests_in_flight = 4
     cfg.train.device = "cuda"
     cfg.train.draft_vocab_size = 16384
-    cfg.train.epochs = 4
-    cfg.train.lr = 3e-4
-    cfg.train.batch_tokens = 65536
-    cfg.train.eval_every = 250
+    cfg.train.epochs = 3
+    cfg.train.lr = 5e-4
+    cfg.train.batch_tokens = 32768
+    cfg.train.max_length = 1024
+    cfg.train.eval_every = 100
+    cfg.train.checkpoint_every = 200
     cfg.evaluate.device = "cuda"
     cfg.evaluate.max_new_tokens = 256
     cfg.evaluate.heldout_samples = 80
+    cfg.deploy.concurrency = [1, 8, 32]
+    cfg.deploy.num_prompts = 32
+    cfg.deploy.max_new_tokens = 128
     return cfg
 
 

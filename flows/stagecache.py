@@ -51,7 +51,9 @@ def verified(store: ArtifactStore, result: StageResult) -> bool:
 
 def run_cached(stage_task: Any, store: ArtifactStore, **params: Any) -> StageResult:
     """Call a cached stage task; if its cached result points at a manifest that is gone, re-run it."""
-    result: StageResult = stage_task(**params)
+    state = stage_task(**params, return_state=True)
+    result: StageResult = state.result()
     if not verified(store, result):
-        result = stage_task.with_options(refresh_cache=True)(**params)
-    return result
+        return stage_task.with_options(refresh_cache=True)(**params)
+    # A Prefect cache hit returns the result object stored by the run that computed it.
+    return result.model_copy(update={"cache_hit": True}) if state.name == "Cached" else result
