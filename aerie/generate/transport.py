@@ -251,11 +251,23 @@ class Http11Transport(httpx.AsyncBaseTransport):
         timeouts: dict[str, Any] = request.extensions.get("timeout", {})
         payload = self._serialize(request, await request.aread())
         async with self._slots:
-            conn = self._take_idle(origin) or await self._connect(request, origin, timeouts.get("connect"))
+            idle = self._take_idle(origin)
+            conn = idle or await self._connect(request, origin, timeouts.get("connect"))
             try:
-                status, reason, headers, content, keep_alive = await conn.roundtrip(
-                    payload, timeouts.get("read")
-                )
+                try:
+                    status, reason, headers, content, keep_alive = await conn.roundtrip(
+                        payload, timeouts.get("read")
+                    )
+                except httpx.RemoteProtocolError:
+                    if idle is None:
+                        raise
+                    # A reused keep-alive connection the server closed while our request was on its
+                    # way (its FIN had not arrived when the pool checked it): once more on a new one.
+                    conn.close()
+                    conn = await self._connect(request, origin, timeouts.get("connect"))
+                    status, reason, headers, content, keep_alive = await conn.roundtrip(
+                        payload, timeouts.get("read")
+                    )
             except httpx.TransportError as exc:
                 conn.close()
                 exc.request = request
