@@ -41,6 +41,8 @@ def smollm2_local() -> PipelineConfig:
     cfg.corpus.eval_fraction = 0.125
     cfg.corpus.num_workers = 1
     cfg.server.device = "cpu"
+    # A laptop's CPU may be busy: give the reference server's load and warm-up generation time.
+    cfg.server.startup_timeout_s = 600
     cfg.extract.batch_tokens = 4096
     cfg.extract.shard_bytes = 64 << 20
     # A drafter that learns something in a couple of CPU minutes: small draft vocab, short unroll.
