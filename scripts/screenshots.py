@@ -1,0 +1,213 @@
+"""Re-take the README screenshots of a real pipeline run in the Prefect UI.
+
+Why a script: the screenshots go stale whenever the flows or their artifacts change, so they are
+taken from a real run rather than edited by hand. The script starts its own Prefect server (UI on),
+runs `eagle3_pipeline` on the embedded smollm2-local preset shrunk to minutes on a CPU, then points
+headless Chromium at the flow-run page, the artifacts page and one artifact's page. Every process it
+starts is stopped by pid on the way out, and all state lives in a temporary directory.
+
+Usage: .venv/bin/python scripts/screenshots.py --out docs/screenshots
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+RUN_NAME = "screenshots"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tiny_overrides(store: Path) -> list[str]:
+    """The test suite's tiny pipeline (tests/test_pipeline.py): every stage runs for real, in minutes."""
+    return [
+        f"store.uri={store}",
+        f"run={RUN_NAME}",
+        f"server.port={free_port()}",
+        "generate.datasets.0.num_samples=6",
+        "generate.datasets.0.sampling.max_tokens=16",
+        "corpus.max_length=96",
+        "corpus.eval_fraction=0.34",
+        "train.epochs=2",
+        "train.eval_every=2",
+        "evaluate.num_steps=[3]",
+        "evaluate.max_new_tokens=8",
+        "evaluate.mtbench_questions=2",
+        "evaluate.heldout_samples=1",
+        "deploy.concurrency=[1]",
+        "deploy.num_prompts=2",
+        "deploy.max_new_tokens=8",
+    ]
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process group this script started (its own session), by pid only."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path) -> Iterator[str]:
+    """A `prefect server start` with its UI, yielding its base URL once /api/health answers."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": f"{base}/api",
+    }
+    log = open(home / "server.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/api/health", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Prefect server did not come up; see {home / 'server.log'}")
+            time.sleep(1)
+        yield base
+    finally:
+        stop(proc)
+        log.close()
+
+
+def run_pipeline(base: str, home: Path, store: Path) -> None:
+    """Run the real pipeline flow in a child process reporting to our server."""
+    code = (
+        "import sys\n"
+        "from flows.pipeline import eagle3_pipeline\n"
+        "eagle3_pipeline(preset='smollm2-local', overrides=sys.argv[1:])\n"
+    )
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"{base}/api"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *tiny_overrides(store)], cwd=ROOT, env=env, start_new_session=True
+    )
+    try:
+        if proc.wait() != 0:
+            raise RuntimeError(f"pipeline run failed with exit code {proc.returncode}")
+    finally:
+        stop(proc)
+
+
+async def find_pages(base: str) -> dict[str, str]:
+    """The UI URLs to shoot: the top-level flow run, the artifacts list, one artifact's page."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # Without an explicit API URL the client would quietly start an ephemeral server of its own.
+    with temporary_settings({PREFECT_API_URL: f"{base}/api"}):
+        async with get_client() as client:
+            # The pipeline's run is the one not started from a task of another run.
+            top = FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=True))
+            runs = await client.read_flow_runs(flow_run_filter=top)
+            if not runs:
+                raise RuntimeError("no top-level flow run found on the server")
+            run_id = runs[0].id
+            artifacts = {a.key: a.id for a in await client.read_artifacts() if a.key}
+    # The evaluation report is the page a reader most wants; the summary is there if it is not.
+    wanted = [k for k in artifacts if k.startswith("evaluate") and k.endswith("report")]
+    wanted += [k for k in artifacts if k.endswith("summary")]
+    if not wanted:
+        raise RuntimeError(f"no report artifact among {sorted(artifacts)}")
+    return {
+        "flow-run": f"{base}/runs/flow-run/{run_id}",
+        # The run page's Artifacts tab cannot be opened from its URL (`?tab=Artifacts` falls back to
+        # Logs), and it lists only the top-level run's own artifacts; the server is fresh, so the
+        # artifacts page holds exactly this run's, every stage's included.
+        "artifacts": f"{base}/artifacts",
+        "artifact": f"{base}/artifacts/artifact/{artifacts[wanted[0]]}",
+    }
+
+
+def shoot(url: str, png: Path, budget_ms: int) -> None:
+    """One headless Chromium screenshot; the virtual-time budget lets the client-side app render."""
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+        args = [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--hide-scrollbars",
+            f"--user-data-dir={profile}",
+            "--window-size=1600,1000",
+            f"--screenshot={png}",
+            f"--virtual-time-budget={budget_ms}",
+            url,
+        ]
+        proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=120)
+        finally:
+            stop(proc)
+    if not png.exists():
+        raise RuntimeError(f"chromium wrote no screenshot for {url}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots")
+    parser.add_argument("--budget-ms", type=int, default=20000, help="Chromium virtual-time budget per page")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="aerie-screens-") as tmp:
+        home, store = Path(tmp) / "prefect", Path(tmp) / "store"
+        home.mkdir()
+        with prefect_server(home) as base:
+            run_pipeline(base, home, store)
+            pages = asyncio.run(find_pages(base))
+            for name, url in pages.items():
+                png = args.out / f"{name}.png"
+                shoot(url, png, args.budget_ms)
+                print(f"{png}  <- {url}")
+
+
+if __name__ == "__main__":
+    main()
