@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prefect.client.orchestration import get_client
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from aerie.config import PipelineConfig, apply_overrides
@@ -87,6 +89,10 @@ def prefect_api(tmp_path_factory):
         time.sleep(0.5)
     with temporary_settings({PREFECT_API_URL: url}):
         yield {"url": url, "env": {**env, "PREFECT_API_URL": url}}
+        # Flush Prefect's log and event workers while this server still answers: left bound to a dead
+        # server, they make the next module's prefect_test_harness hang in its own drain at teardown.
+        APILogWorker.drain_all()
+        EventsWorker.drain_all()
     os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(timeout=30)
     log.close()
