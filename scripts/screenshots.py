@@ -28,6 +28,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the shared tiny configuration lives in tests/pipeline_support.py
+from tests import pipeline_support  # noqa: E402
+
 BIN = Path(sys.executable).parent
 RUN_NAME = "screenshots"
 
@@ -39,25 +42,8 @@ def free_port() -> int:
 
 
 def tiny_overrides(store: Path) -> list[str]:
-    """The test suite's tiny pipeline (tests/test_pipeline.py): every stage runs for real, in minutes."""
-    return [
-        f"store.uri={store}",
-        f"run={RUN_NAME}",
-        f"server.port={free_port()}",
-        "generate.datasets.0.num_samples=6",
-        "generate.datasets.0.sampling.max_tokens=16",
-        "corpus.max_length=96",
-        "corpus.eval_fraction=0.34",
-        "train.epochs=2",
-        "train.eval_every=2",
-        "evaluate.num_steps=[3]",
-        "evaluate.max_new_tokens=8",
-        "evaluate.mtbench_questions=2",
-        "evaluate.heldout_samples=1",
-        "deploy.concurrency=[1]",
-        "deploy.num_prompts=2",
-        "deploy.max_new_tokens=8",
-    ]
+    """The test suite's tiny pipeline: every stage runs for real, in minutes."""
+    return pipeline_support.tiny_overrides(store, run=RUN_NAME, port=free_port())
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -27,6 +27,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from aerie.config import PipelineConfig, apply_overrides
 from aerie.presets import get_preset
 from aerie.settings import get_settings
+from tests import pipeline_support
 from tests.conftest import free_port
 
 pytest_plugins = ("tests.webhook_support",)
@@ -37,25 +38,7 @@ STAGES = ["generate-sharegpt", "merge", "extract", "train", "evaluate", "deploy"
 
 
 def tiny_overrides(store: Path) -> list[str]:
-    """smollm2-local shrunk to seconds per stage; every stage still runs for real."""
-    return [
-        f"store.uri={store}",
-        "run=tiny",
-        f"server.port={free_port()}",
-        "generate.datasets.0.num_samples=6",
-        "generate.datasets.0.sampling.max_tokens=16",
-        "corpus.max_length=96",
-        "corpus.eval_fraction=0.34",
-        "train.epochs=2",
-        "train.eval_every=2",
-        "evaluate.num_steps=[3]",
-        "evaluate.max_new_tokens=8",
-        "evaluate.mtbench_questions=2",
-        "evaluate.heldout_samples=1",
-        "deploy.concurrency=[1]",
-        "deploy.num_prompts=2",
-        "deploy.max_new_tokens=8",
-    ]
+    return pipeline_support.tiny_overrides(store, run="tiny", port=free_port())
 
 
 def tiny_config(store: Path) -> PipelineConfig:
