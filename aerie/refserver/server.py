@@ -294,8 +294,8 @@ class _DrainingServer:
                 self.server.should_exit = True
                 return
         if self.state.status == "Starting":
+            logger.info(READY_LINE)  # before /health turns 200, so a watcher that sees 200 has the line
             self.state.status = "Up"
-            logger.info(READY_LINE)
 
     async def _warm_up_request(self) -> None:
         import httpx

@@ -272,6 +272,7 @@ class ModelServer:
                         raise self._crashed(None, began)
                 elif self._healthy(prober):
                     self._verify_identity(prober)
+                    self._read_log()  # the ready line may have been written since the read above
                     return
                 now = time.monotonic()
                 if now >= deadline:
