@@ -12,6 +12,8 @@ Same contract as `LocalStore` (`aerie/store.py`), checked by the same conformanc
   when the upload starts (S3 metadata is fixed at CreateMultipartUpload), so `put_file` hashes the file
   first and checks, when the upload ends, that the file did not change meanwhile. Downloads are
   hashed and compared; a mismatch raises `IntegrityError` and never lands at the destination.
+- `adopt_file` is put_file, then a HEAD that the stored object has the file's size and sha256, and
+  only then the local file is deleted.
 - botocore errors are translated into `StoreError`s that name the bucket and key and say what to fix.
   Credentials come from boto3's chain (env, profile, instance role) and never appear in a message.
 """
@@ -48,7 +50,16 @@ from s3transfer.subscribers import BaseSubscriber
 
 from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
 from aerie.progress import ProgressFn
-from aerie.store import MIB, ByteProgress, ObjectInfo, StoreConfig, check_key, sha256_file
+from aerie.store import (
+    MIB,
+    ByteProgress,
+    ObjectInfo,
+    StoreConfig,
+    check_adopted,
+    check_key,
+    sha256_file,
+    unlink_adopted,
+)
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -329,12 +340,19 @@ class S3Store:
         return cast("TransferManager", create_transfer_manager(self.client, self._transfer))
 
     def put_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> ObjectInfo:
+        return self._put_file(key, path, progress, want=None)
+
+    def _put_file(
+        self, key: str, path: str | Path, progress: ProgressFn | None, want: str | None
+    ) -> ObjectInfo:
+        """Hash, refuse a digest other than `want` (when given) before anything is sent, upload."""
         key, src = check_key(key), Path(path)
         try:
             before = src.stat()
             digest = sha256_file(src)
         except OSError as exc:
             raise StoreError(f"cannot read {src}: {exc}") from exc
+        check_adopted(src, want, digest)
         meter = ByteProgress(progress, before.st_size, f"upload {key}") if progress else None
         self._upload(key, str(src), digest, meter)
         after = src.stat()
@@ -346,6 +364,19 @@ class S3Store:
                 "upload it again once the file is complete"
             )
         return ObjectInfo(key=key, uri=self.uri(key), size=before.st_size, sha256=digest)
+
+    def adopt_file(self, key: str, path: str | Path, *, sha256: str | None = None) -> ObjectInfo:
+        info = self._put_file(key, path, None, want=sha256)
+        # The local file may be the only other copy: delete it only once S3 holds what we hashed.
+        head = self._head(info.key, "verify")
+        stored = (int(head["ContentLength"]), head.get("Metadata", {}).get(SHA256_META)) if head else None
+        if stored != (info.size, info.sha256):
+            raise IntegrityError(
+                f"{info.uri} does not hold {path} after its upload (size and sha256 {stored}, expected "
+                f"{(info.size, info.sha256)}); {path} was kept, upload it again"
+            )
+        unlink_adopted(Path(path), info.uri)
+        return info
 
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         key = check_key(key)

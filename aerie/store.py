@@ -9,11 +9,14 @@ files and checksums); URIs are plain `str` (a `Path` would collapse the `//` of 
 Guarantees: an upload is atomic (a reader never sees a partial object, an interrupted upload leaves
 nothing, what was under the key before survives); every object's sha256 is recorded at upload and
 verified on download (`IntegrityError` on mismatch; a failed download never lands at its destination).
+`adopt_file` is an upload that takes the file over: a LocalStore renames it into place (no second
+write), an S3Store uploads it and deletes it once the stored object is verified.
 Errors are `StoreError`s (`ObjectNotFoundError` for a missing key) that name the object.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import tempfile
@@ -67,6 +70,13 @@ class ArtifactStore(Protocol):
         caller's thread; an exception it raises mid-transfer cancels the upload and leaves nothing."""
         ...
 
+    def adopt_file(self, key: str, path: str | Path, *, sha256: str | None = None) -> ObjectInfo:
+        """Upload a finished file and take it over: on success `path` is gone (moved in, or deleted
+        once the stored copy is verified). `sha256` is the digest the caller computed while writing
+        it: a file that no longer matches raises `IntegrityError`, and then nothing is stored and
+        `path` stays. The caller must not write to `path` any more."""
+        ...
+
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo: ...
     def get_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> Path:
         """Download to `path`, verified: a corrupt object raises `IntegrityError` and `path` is not
@@ -84,11 +94,24 @@ class ArtifactStore(Protocol):
 
 
 def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            h.update(block)
+        return _sha256_of(f)
+
+
+def _sha256_of(f: BinaryIO) -> str:
+    h = hashlib.sha256()
+    while block := f.read(CHUNK):
+        h.update(block)
     return h.hexdigest()
+
+
+def check_adopted(path: str | Path, want: str | None, got: str) -> None:
+    """IntegrityError when a file handed to `adopt_file` is not the one its writer hashed."""
+    if want is not None and got != want:
+        raise IntegrityError(
+            f"{path}: sha256 {got[:12]}… is not the {want[:12]}… it was written with; the file is "
+            "corrupt or was changed after it was written, and was not stored"
+        )
 
 
 class ByteProgress:
@@ -194,6 +217,13 @@ class LocalStore:
         return ObjectInfo(key=check_key(key), uri=str(dest), size=dest.stat().st_size, sha256=digest)
 
     def put_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> ObjectInfo:
+        return self._copy_in(key, path, progress, want=None)
+
+    def _copy_in(
+        self, key: str, path: str | Path, progress: ProgressFn | None, want: str | None
+    ) -> ObjectInfo:
+        """Copy and hash in one pass into a temp file; rename it over the key only if the digest is
+        `want` (when given), so a mismatch leaves the previous object in place."""
         h = hashlib.sha256()
         try:
             src_f = open(path, "rb")  # noqa: SIM115 - closed by the with below; open errors need their own message
@@ -208,10 +238,39 @@ class LocalStore:
                 if meter:
                     meter.add(len(block))
                     meter.report()
+            check_adopted(path, want, h.hexdigest())
         info = self._record(key, dest, h.hexdigest())
         if meter:
             meter.finish()
         return info
+
+    def adopt_file(self, key: str, path: str | Path, *, sha256: str | None = None) -> ObjectInfo:
+        """Rename the file into place after one hash-and-fsync pass over it, so it is as durable and
+        as checked as a put_file copy without being written twice. Across filesystems (EXDEV) it is
+        copied like put_file, then deleted."""
+        src, dest = Path(path), self._path(key)
+        try:
+            with open(src, "rb") as f:
+                digest = _sha256_of(f)
+                os.fsync(f.fileno())  # put_file's temp file is fsync'd before its rename: the same here
+        except OSError as exc:
+            raise StoreError(f"cannot read {src}: {exc}") from exc
+        check_adopted(src, sha256, digest)
+        if src.resolve() == dest.resolve():  # already in place (written straight into the store)
+            return self._record(key, dest, digest)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            # The old sidecar goes first, as in _atomic: a crash in between leaves an unverified
+            # object, never one checked against the previous object's digest.
+            self._sidecar(dest).unlink(missing_ok=True)
+            os.replace(src, dest)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise StoreError(f"cannot move {src} to {dest}: {exc}") from exc
+            info = self._copy_in(key, src, None, want=digest)
+            unlink_adopted(src, info.uri)
+            return info
+        return self._record(key, dest, digest)
 
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         with self._atomic(key) as (f, dest):
@@ -301,6 +360,14 @@ class LocalStore:
 
     def open(self, key: str) -> BinaryIO:
         return open(self._verified(key), "rb")
+
+
+def unlink_adopted(path: Path, uri: str) -> None:
+    """Delete a file that is now stored (and verified) at `uri`."""
+    try:
+        path.unlink()
+    except OSError as exc:
+        raise StoreError(f"{path} is stored as {uri} but could not be deleted: {exc}") from exc
 
 
 def open_store(cfg: StoreConfig | str) -> ArtifactStore:

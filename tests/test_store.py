@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -280,6 +281,65 @@ def test_corrupted_object_is_detected(store: ArtifactStore, big_file: Path, tmp_
         store.get_bytes("run/manifest.json")
     with pytest.raises(IntegrityError):
         store.open("run/manifest.json")
+
+
+def test_adopt_file_takes_the_file_over(store: ArtifactStore, big_file: Path, tmp_path: Path) -> None:
+    src = tmp_path / "closed" / "shard-00000.safetensors"
+    src.parent.mkdir()
+    src.write_bytes(big_file.read_bytes())
+    inode = src.stat().st_ino
+    want = hashlib.sha256(big_file.read_bytes()).hexdigest()
+    store.put_bytes("run/shard.bin", b"an older object under the key")
+
+    info = store.adopt_file("run/shard.bin", src, sha256=want)
+    assert (info.key, info.size, info.sha256) == ("run/shard.bin", big_file.stat().st_size, want)
+    assert not src.exists() and list(src.parent.iterdir()) == []
+    assert store.get_bytes("run/shard.bin") == big_file.read_bytes()
+    if isinstance(store, LocalStore):
+        local = store.local_path("run/shard.bin")
+        assert local is not None and local.stat().st_ino == inode  # renamed, not copied
+        assert leftovers(store) == ["run/.shard.bin.sha256", "run/shard.bin"]
+    corrupt(store, "run/shard.bin")  # the digest was recorded: later reads still verify
+    with pytest.raises(IntegrityError):
+        store.get_bytes("run/shard.bin")
+
+    store.put_bytes("run/keep.bin", b"version 1")
+    src.write_bytes(b"changed after it was hashed")
+    for key in ("run/new.bin", "run/keep.bin"):
+        with pytest.raises(IntegrityError, match="was not stored") as err:
+            store.adopt_file(key, src, sha256=want)
+        assert str(src) in str(err.value)
+        assert src.read_bytes() == b"changed after it was hashed"  # refused files stay with the caller
+    assert not store.exists("run/new.bin")
+    assert store.get_bytes("run/keep.bin") == b"version 1"
+
+    with pytest.raises(StoreError, match="cannot read .*missing.bin"):
+        store.adopt_file("run/missing.bin", tmp_path / "missing.bin")
+    changed = hashlib.sha256(src.read_bytes()).hexdigest()
+    assert store.adopt_file("run/unchecked.bin", src).sha256 == changed  # no digest given: none checked
+    assert store.list("run") == ["run/keep.bin", "run/shard.bin", "run/unchecked.bin"]
+
+
+SHM = Path("/dev/shm")
+
+
+@pytest.mark.skipif(
+    not SHM.is_dir() or SHM.stat().st_dev == Path(__file__).stat().st_dev,
+    reason="needs /dev/shm on a filesystem other than the checkout's",
+)
+def test_local_adopt_file_across_filesystems_copies_then_deletes(tmp_path: Path) -> None:
+    """rename() fails with EXDEV across filesystems: the file is copied in, verified, then deleted."""
+    store = LocalStore(tmp_path / "artifacts")
+    data = os.urandom(3 << 20)
+    with tempfile.TemporaryDirectory(dir=SHM) as shm:
+        src = Path(shm) / "shard.bin"
+        src.write_bytes(data)
+        assert src.stat().st_dev != (tmp_path).stat().st_dev
+        info = store.adopt_file("run/shard.bin", src, sha256=hashlib.sha256(data).hexdigest())
+        assert not src.exists()
+    assert info.sha256 == hashlib.sha256(data).hexdigest()
+    assert store.get_bytes("run/shard.bin") == data
+    assert leftovers(store) == ["run/.shard.bin.sha256", "run/shard.bin"]  # no temp file left
 
 
 def test_open_store_picks_the_backend(tmp_path: Path) -> None:

@@ -2,8 +2,9 @@
 bounded.
 
 Each closed shard is uploaded by a worker thread; the upload is verified (the store's sha256 of what it
-received equals the sha256 computed while the shard was written), recorded in `progress.json`, and the
-local copy optionally deleted. `submit` blocks while `max_pending` shards are still waiting, which is
+received equals the sha256 computed while the shard was written), recorded in `progress.json`. With
+`delete_local` the store takes the file over (`adopt_file`: a rename into a local store, an upload
+then delete for S3), so the shard is not written a second time. `submit` blocks while `max_pending` shards are still waiting, which is
 what bounds the local disk when `delete_local_after_upload` is set (the preflight assumes it).
 """
 
@@ -52,14 +53,13 @@ class Uploader:
     def _upload(self, info: ShardInfo, shard: ClosedShard) -> ClosedShard:
         try:
             key = f"{self.prefix}/{shard.path}"
-            # A store that can take the file over (a local store on the same filesystem: rename plus
-            # its checksum record) saves a second write of every shard; others get a copy.
-            adopt = getattr(self.store, "adopt_file", None)
-            obj = (
-                adopt(key, info.path, info.sha256)
-                if adopt is not None
-                else self.store.put_file(key, info.path)
-            )
+            if self.delete_local:
+                # The store takes the file over: a LocalStore on the same filesystem renames it (no
+                # second write of every shard), an S3Store deletes it once the object is verified.
+                # A file that no longer has the digest it was written with is refused, and kept.
+                obj = self.store.adopt_file(key, info.path, sha256=info.sha256)
+            else:
+                obj = self.store.put_file(key, info.path)
             if obj.sha256 != info.sha256 or obj.size != info.bytes:
                 raise IntegrityError(
                     f"upload of {info.path} to {obj.uri} is corrupt: store has {obj.size} bytes sha256 "
@@ -67,16 +67,10 @@ class Uploader:
                 )
             self.progress.add(shard)
             self.uploaded_bytes += info.bytes
-            if self.delete_local and info.path.exists() and info.path.resolve() != self._store_path(key):
-                info.path.unlink(missing_ok=True)
             log.info("uploaded %s (%d samples, %d tokens)", obj.uri, shard.samples, shard.tokens)
             return shard
         finally:
             self._slots.release()
-
-    def _store_path(self, key: str) -> object:
-        local = self.store.local_path(key)
-        return local.resolve() if local is not None else None
 
     def wait(self) -> list[ClosedShard]:
         """Block until every submitted upload is done; re-raise the first failure."""
