@@ -1,0 +1,185 @@
+"""Extraction fanned out over hosts: one slice per call, each with its own servers (real reference server
+processes), its own progress object and its record; `assemble` builds the manifest from the records.
+
+1. Library: two slices run at the same time (two threads standing in for two hosts) against one store,
+   a missing slice record makes `assemble` refuse naming it, a re-run slice resumes without launching,
+   the assembled stage holds exactly the corpus and the very shards a single host with two servers
+   writes (same stage key), and re-runs are no-ops.
+2. Prefect: `prefect deploy` of `extract-slice/local` to a real Prefect server, a process worker, and the
+   extract flow fanning out over it with `run_deployment`, then assembling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+
+from aerie.errors import ExtractionError
+from aerie.extract.config import ExtractConfig
+from aerie.extract.corpus_rows import slice_bounds
+from aerie.extract.resume import ProgressFile
+from aerie.extract.slices import SliceMissingError, assemble, record_name, run_slice
+from aerie.extract.stage import run
+from aerie.manifest import load_manifest
+from aerie.serving import ServerConfig
+from aerie.store import LocalStore, StoreConfig, open_store
+from flows.extract import extract_flow
+from tests.extract_support import corpus_rows, write_corpus
+from tests.test_extract_server import free_port_pair
+from tests.test_pipeline import BIN, REPO, prefect_api  # noqa: F401 - the real Prefect server fixture
+
+LAYOUT = ("split", "slice", "index", "name", "first_row", "end_row", "samples", "tokens", "bytes")
+
+
+def _corpus(store: LocalStore, tokenizer, n: int) -> tuple[dict[str, list[dict]], object]:
+    rows = corpus_rows(tokenizer, n, seed=5, min_words=6, max_words=20)
+    splits = {"train": rows[: n - 3], "eval": rows[n - 3 :]}
+    return splits, write_corpus(store, "s", splits, rows_per_shard=6)
+
+
+def _cfg(tmp_path: Path, **update) -> ExtractConfig:
+    return ExtractConfig(
+        shard_bytes=1 << 18,  # a few samples per shard
+        batch_tokens=128,
+        work_dir=str(tmp_path / "work"),
+        canary_reference="never",  # the numeric canary is covered by test_extract_server
+        dump_timeout_s=60,
+        **update,
+    )
+
+
+def _layout(manifest: dict) -> dict[str, list[tuple]]:
+    return {
+        split: [tuple(s[f] for f in LAYOUT) for s in body["shards"]]
+        for split, body in manifest["splits"].items()
+    }
+
+
+@pytest.mark.slow
+def test_slices_run_apart_and_assemble_into_the_single_host_stage(tmp_path, smollm2):
+    store = LocalStore(tmp_path / "store")
+    splits, corpus = _corpus(store, smollm2.load_tokenizer(), 14)
+    corpus_tokens = sum(len(r["input_ids"]) for rs in splits.values() for r in rs)
+    server = ServerConfig(backend="reference", device="cpu", port=free_port_pair())
+    cfg = _cfg(tmp_path, num_slices=2)
+    common = {"store": store, "run_name": "s", "target": smollm2, "corpus": corpus, "server": server}
+    logs = tmp_path / "work"
+
+    # Two hosts at once: each slice writes only its own progress object.
+    with ThreadPoolExecutor(2) as pool:
+        records = list(pool.map(lambda k: run_slice(cfg, k, **common), [0, 1]))
+    assert [r.servers for r in records] == [[0], [1]]
+    assert all(r.canary is not None and r.tokens > 0 for r in records)
+    prefix = next(iter({k.rsplit("/slices/", 1)[0] for k in store.list("s/extract") if "/slices/" in k}))
+    assert not store.exists(f"{prefix}/progress.json")
+    for k, record in enumerate(records):
+        progress = ProgressFile(store, f"{prefix}/slices/slice-{k}-of-2.progress.json").shards
+        assert {s.slice for s in progress} == {k}
+        assert sorted(s.name for s in progress) == sorted(s["name"] for s in record.shards)
+
+    # A slice whose record is missing: assemble refuses, naming it (and only it).
+    store.delete(f"{prefix}/{record_name(1, 2)}")
+    with pytest.raises(SliceMissingError, match=r"not finished: slice 1 of 2 \(") as err:
+        assemble(cfg, **common)
+    assert "slice 0" not in str(err.value) and isinstance(err.value, ExtractionError)
+    # Re-running it resumes from its progress object: every shard is kept, no server is launched.
+    launched = len(list(logs.rglob("server-*.log")))
+    again = run_slice(cfg, 1, **common)
+    assert again.tokens == 0
+    assert again.resumed_rows == sum(
+        hi - lo for rs in splits.values() for lo, hi in [slice_bounds(len(rs), 2)[1]]
+    )
+    assert sorted(s["name"] for s in again.shards) == sorted(s["name"] for s in records[1].shards)
+    assert len(list(logs.rglob("server-*.log"))) == launched
+
+    result = assemble(cfg, **common)
+    assert not result.cache_hit
+    assert result.figures["tokens"] == corpus_tokens
+    assert result.figures["samples"] == sum(len(rs) for rs in splits.values())
+    manifest = load_manifest(store, result.prefix)
+    assert manifest["server"]["num_slices"] == 2 and [s["slice"] for s in manifest["slices"]] == [0, 1]
+
+    # Re-runs are no-ops: a finished slice returns its record untouched, assemble is a cache hit, and
+    # so is the in-process stage with the same config.
+    record0 = store.get_bytes(f"{prefix}/{record_name(0, 2)}")
+    assert run_slice(cfg, 0, **common) == records[0]
+    assert store.get_bytes(f"{prefix}/{record_name(0, 2)}") == record0
+    assert len(list(logs.rglob("server-*.log"))) == launched
+    assert assemble(cfg, **common).cache_hit
+    assert run(cfg, **common).manifest_sha256 == result.manifest_sha256
+
+    # One host with two servers: the same stage key and the very same shards.
+    single_store = LocalStore(tmp_path / "single")
+    _, single_corpus = _corpus(single_store, smollm2.load_tokenizer(), 14)
+    assert single_corpus.manifest_sha256 == corpus.manifest_sha256
+    single_cfg = _cfg(tmp_path / "one", num_servers=2)
+    single = run(single_cfg, **{**common, "store": single_store, "corpus": single_corpus})
+    assert single.key == result.key and single.figures["tokens"] == corpus_tokens
+    assert _layout(load_manifest(single_store, single.prefix)) == _layout(manifest)
+
+
+# ---- the fan-out through a Prefect deployment ------------------------------------------------------
+
+
+async def _slice_runs(prefix: str) -> list:
+    async with get_client() as client:
+        runs = await client.read_flow_runs()
+    return sorted((r for r in runs if r.name.startswith(prefix)), key=lambda r: r.name)
+
+
+@pytest.mark.slow
+def test_extract_flow_fans_out_over_the_slice_deployment(prefect_api, tmp_path, smollm2):  # noqa: F811
+    env = {**prefect_api["env"], "PREFECT_WORKER_QUERY_SECONDS": "2"}
+
+    def cli(*args: str) -> None:
+        out = subprocess.run(
+            [str(BIN / "prefect"), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
+        )
+        assert out.returncode == 0, f"prefect {' '.join(args)}:\n{out.stdout}\n{out.stderr}"
+
+    cli("work-pool", "create", "aerie-local", "--type", "process", "--overwrite")
+    cli("--no-prompt", "deploy", "--name", "local")  # eagle3-pipeline/local and extract-slice/local
+    store_cfg = StoreConfig(uri=str(tmp_path / "store"))
+    store = open_store(store_cfg)
+    splits, corpus = _corpus(store, smollm2.load_tokenizer(), 8)
+    params = {
+        "store_cfg": store_cfg,
+        "target": smollm2,
+        "corpus": corpus,
+        "server": ServerConfig(backend="reference", device="cpu", port=free_port_pair()),
+    }
+    fan_out = {"num_slices": 2, "slice_deployment": "extract-slice/local"}
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen(
+            [str(BIN / "prefect"), "worker", "start", "--pool", "aerie-local"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        # A slice that cannot run (its host's disk preflight refuses): the parent names it and its run.
+        with pytest.raises(ExtractionError, match=r"slice 0 of 2 \(flow run 'short-slice-0-of-2', ") as err:
+            extract_flow(cfg=_cfg(tmp_path, disk_margin=1e12, **fan_out), run_name="short", **params)
+        assert "slice 1 of 2 (flow run 'short-slice-1-of-2'" in str(err.value)
+        assert "not enough disk" in str(err.value)
+
+        result = extract_flow(cfg=_cfg(tmp_path, **fan_out), run_name="s", **params)
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=60)
+    assert result.figures["tokens"] == sum(len(r["input_ids"]) for rs in splits.values() for r in rs)
+    manifest = load_manifest(store, result.prefix)
+    assert manifest["server"]["num_slices"] == 2 and [s["servers"] for s in manifest["slices"]] == [[0], [1]]
+    runs = asyncio.run(_slice_runs("s-slice-"))
+    assert [r.name for r in runs] == ["s-slice-0-of-2", "s-slice-1-of-2"], log.read_text()[-3000:]
+    assert all(r.state.is_completed() and r.parent_task_run_id is not None for r in runs)  # subflows
