@@ -23,6 +23,20 @@ class ExtractConfig(StrictModel):
     num_servers: int = Field(
         1, ge=1, description="Servers extracting in parallel, each a contiguous slice of the corpus."
     )
+    num_slices: int = Field(
+        1,
+        ge=1,
+        description="Hosts extracting in parallel: the corpus is cut into num_slices x num_servers contiguous "
+        "ranges and slice k (one host, its own num_servers servers) runs ranges k*num_servers.., into the "
+        "same store; `assemble` then writes the manifest. Without `slice_deployment` the slices run here, "
+        "one after the other.",
+    )
+    slice_deployment: str | None = Field(
+        None,
+        description="Prefect deployment of one slice (flow/deployment, e.g. 'extract-slice/gpu'): when set, "
+        "the extract flow runs each unfinished slice through it (run_deployment, in parallel) and "
+        "assembles; None = run in this process.",
+    )
     max_restarts: int = Field(
         2, ge=0, description="Restarts of a server that dies mid-extraction (per server)."
     )

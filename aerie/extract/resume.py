@@ -5,7 +5,8 @@ are packed in row order, and a shard closes when the next sample would not fit. 
 fully described by (split, slice, index, first row, end row), and a re-run that starts again at the
 end row of the last uploaded shard, with the next shard index, rebuilds exactly the shards that were
 missing: no sample lost, none duplicated. An entry is added only after its upload was verified (the
-store's sha256 equals the one computed while writing), and the file is rewritten atomically.
+store's sha256 equals the one computed while writing), and the file is rewritten atomically. A slice
+of a multi-host run keeps its own progress object (`progress_key`): one writer per object.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ from aerie.store import ArtifactStore
 
 PROGRESS_FILE = "progress.json"
 PROGRESS_VERSION = 1
+
+
+def progress_key(slice_index: int | None, num_slices: int) -> str:
+    """The progress object of a single-host run, or of one slice of a multi-host run: each slice has
+    its own, because hosts writing one object concurrently would overwrite each other's entries (a
+    store put replaces the whole object)."""
+    if slice_index is None:
+        return PROGRESS_FILE
+    return f"slices/slice-{slice_index}-of-{num_slices}.progress.json"
 
 
 @dataclass(frozen=True)

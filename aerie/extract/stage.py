@@ -7,9 +7,12 @@ canary (`ModelServer` with `ExtractionCanary`), stream batches, pack shards, upl
 background, restart a dead server -> teardown (always) -> check the token counts against the corpus
 -> manifest (written last).
 
+With `num_slices` > 1 the corpus is cut into num_slices x num_servers contiguous ranges and each slice
+(one host with its own servers) can run anywhere against the same store: see `aerie.extract.slices`.
+
 The stage key covers what changes the shards' contents or layout (storage dtype, shard size, server
-count, splits), the server backend, the target and its revision and the corpus manifest digest;
-operational knobs (batch size, requests in flight, restarts, timeouts, work dir) are left out, so
+count over all slices, splits), the server backend, the target and its revision and the corpus manifest
+digest; operational knobs (batch size, requests in flight, restarts, timeouts, work dir) are left out, so
 changing them does not throw away uploaded shards on a re-run.
 """
 
@@ -30,7 +33,7 @@ from aerie.extract import preflight as disk
 from aerie.extract.canary import ExtractionCanary, fits_in_memory, pick_sample
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import SplitFiles, open_split, slice_bounds
-from aerie.extract.resume import PROGRESS_FILE, ClosedShard, ProgressFile
+from aerie.extract.resume import ClosedShard, ProgressFile, progress_key
 from aerie.extract.shards import SHARD_SCHEMA_VERSION, bytes_per_token
 from aerie.extract.uploads import Uploader
 from aerie.extract.worker import SliceResult, SliceWorker, TokenMeter
@@ -49,8 +52,12 @@ KEY_FIELDS = ("storage_dtype", "shard_bytes", "num_servers", "splits")
 
 
 def extract_key(cfg: ExtractConfig, server: ServerConfig, target: TargetInfo, corpus: StageResult) -> str:
+    extract = cfg.model_dump(mode="json", include=set(KEY_FIELDS))
+    # The shard layout is decided by the number of contiguous ranges, not by how many hosts run them:
+    # 2 hosts x 1 server write exactly the shards of 1 host x 2 servers (and a 1-slice key is unchanged).
+    extract["num_servers"] = total_servers(cfg)
     config = {
-        "extract": cfg.model_dump(mode="json", include=set(KEY_FIELDS)),
+        "extract": extract,
         "server_backend": server.backend,
         "target": target.name,
         "target_revision": target.revision,
@@ -58,7 +65,18 @@ def extract_key(cfg: ExtractConfig, server: ServerConfig, target: TargetInfo, co
     return stage_key(STAGE, config, [corpus.manifest_sha256])
 
 
-def _work_dir(cfg: ExtractConfig, run_name: str, key: str) -> Path:
+def total_servers(cfg: ExtractConfig) -> int:
+    return cfg.num_servers * cfg.num_slices
+
+
+def servers_of(cfg: ExtractConfig, slice_index: int | None) -> range:
+    """The global indices of the servers one host runs: slice k owns ranges k*num_servers.. of the
+    num_slices x num_servers ranges; a single-host run (None) owns its num_servers ranges."""
+    first = (slice_index or 0) * cfg.num_servers
+    return range(first, first + cfg.num_servers)
+
+
+def work_dir(cfg: ExtractConfig, run_name: str, key: str) -> Path:
     if cfg.work_dir:
         return Path(cfg.work_dir).expanduser().resolve() / run_name / key
     return Path(get_settings().cache_dir) / "extract" / run_name / key
@@ -96,13 +114,14 @@ def _quantize_device(cfg: ExtractConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _server_cfg(server: ServerConfig, k: int, num_servers: int) -> ServerConfig:
-    """Server k of a fan-out: its own port and, on one GPU host, its own GPU group."""
+def _server_cfg(server: ServerConfig, index: int, local: int, num_local: int) -> ServerConfig:
+    """Server `index` (global) of a fan-out: its own port (by global index, so slices sharing a host
+    never collide) and, when one host runs several, its own GPU group (by its index on this host)."""
     env = dict(server.env)
-    if num_servers > 1 and server.device != "cpu" and "CUDA_VISIBLE_DEVICES" not in env:
-        first = k * server.tp_size
+    if num_local > 1 and server.device != "cpu" and "CUDA_VISIBLE_DEVICES" not in env:
+        first = local * server.tp_size
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(server.tp_size))
-    return server.model_copy(update={"port": server.port + k, "env": env})
+    return server.model_copy(update={"port": server.port + index, "env": env})
 
 
 @dataclass
@@ -116,6 +135,8 @@ class Plan:
     tokens: int
     progress_file: ProgressFile
     preflight: disk.PreflightReport
+    servers: range  # global indices of the servers this host runs
+    bounds: dict[str, list[tuple[int, int]]]  # per split, the row range of each of those servers
 
 
 def plan(
@@ -126,20 +147,29 @@ def plan(
     target: TargetInfo,
     corpus: StageResult,
     server: ServerConfig,
+    slice_index: int | None = None,
 ) -> Plan:
-    """Read the corpus counts and the resume state, and run the disk preflight (`PreflightError`)."""
+    """Read the corpus counts and the resume state, and run the disk preflight (`PreflightError`).
+    `slice_index` plans one slice of a multi-host run (its own progress object and dump root)."""
     key = extract_key(cfg, server, target, corpus)
     stage = StageDir(store, run_name, STAGE, key)
-    work = _work_dir(cfg, run_name, key)
+    work = work_dir(cfg, run_name, key)
     work.mkdir(parents=True, exist_ok=True)
     splits: dict[str, SplitFiles] = {
         s: open_split(store, corpus.prefix, s, work / "corpus") for s in cfg.splits
     }
     if not any(sf.total_rows for sf in splits.values()):
         raise ExtractionError(f"the corpus at {corpus.prefix} has no rows in splits {cfg.splits}")
-    tokens = sum(sf.tokens for sf in splits.values())
-    progress_file = ProgressFile(store, stage.path(PROGRESS_FILE))
-    dumps = _dump_root(cfg, run_name, key, work, target.hidden_size)
+    servers = servers_of(cfg, slice_index)
+    bounds = {
+        s: slice_bounds(sf.total_rows, total_servers(cfg))[servers.start : servers.stop]
+        for s, sf in splits.items()
+    }
+    tokens = _tokens_estimate(splits, bounds)
+    progress_file = ProgressFile(store, stage.path(progress_key(slice_index, cfg.num_slices)))
+    # Slices sharing a host (and its tmpfs) must not remove each other's dumps when they finish.
+    dump_key = key if slice_index is None else f"{key}-slice{slice_index}"
+    dumps = _dump_root(cfg, run_name, dump_key, work, target.hidden_size)
     # What is already uploaded (resume) does not need disk again.
     report = disk.estimate(
         cfg,
@@ -151,7 +181,17 @@ def plan(
         dump_dir=dumps,
     )
     disk.check(report, cfg)
-    return Plan(stage, work, dumps, splits, tokens, progress_file, report)
+    return Plan(stage, work, dumps, splits, tokens, progress_file, report, servers, bounds)
+
+
+def _tokens_estimate(splits: dict[str, SplitFiles], bounds: dict[str, list[tuple[int, int]]]) -> int:
+    """Tokens in the planned row ranges: exact for the whole corpus, else pro rata by rows (the
+    per-row counts would mean reading every token list; the preflight has its margin)."""
+    total = 0
+    for split, sf in splits.items():
+        rows = sum(hi - lo for lo, hi in bounds[split])
+        total += sf.tokens if rows == sf.total_rows else round(sf.tokens * rows / max(sf.total_rows, 1))
+    return total
 
 
 def run(
@@ -169,34 +209,59 @@ def run(
     if cached is not None:
         progress(1.0, "cached")
         return cached
+    if cfg.num_slices > 1:
+        from aerie.extract import slices  # builds on this module
+
+        return slices.run_all_here(
+            cfg,
+            store=store,
+            run_name=run_name,
+            target=target,
+            corpus=corpus,
+            server=server,
+            progress=progress,
+        )
     began = time.monotonic()
     progress(0.0, "reading the corpus, disk preflight")
     p = plan(cfg, store=store, run_name=run_name, target=target, corpus=corpus, server=server)
-    work, splits, progress_file, tokens_total, report = (
-        p.work,
-        p.splits,
-        p.progress_file,
-        p.tokens,
-        p.preflight,
+    results, canary = extract(cfg, p, store=store, target=target, server=server, progress=progress)
+    canary_record = canary.result.record() if canary.result is not None else None
+    seconds = time.monotonic() - began
+    manifest = manifest_body(
+        cfg, target, corpus, server, p.splits, results, p.preflight.record(), canary_record, seconds
     )
-    bounds = {s: slice_bounds(sf.total_rows, cfg.num_servers) for s, sf in splits.items()}
+    result = stage.finish(manifest)
+    progress(1.0, f"{manifest['figures']['tokens']:,} tokens in {manifest['figures']['shards']} shards")
+    return result
 
+
+def extract(
+    cfg: ExtractConfig,
+    p: Plan,
+    *,
+    store: ArtifactStore,
+    target: TargetInfo,
+    server: ServerConfig,
+    progress: ProgressFn = no_progress,
+) -> tuple[list[SliceResult], ExtractionCanary]:
+    """Run the planned servers (threads), upload their shards, tear everything down (always)."""
+    stage, work, splits, progress_file = p.stage, p.work, p.splits, p.progress_file
     canary = _make_canary(cfg, target, splits)
     uploader = Uploader(
         store,
         stage.prefix,
         progress_file,
         delete_local=cfg.delete_local_after_upload,
-        max_pending=2 * cfg.num_servers,
+        max_pending=2 * len(p.servers),
     )
     done_tokens = sum(s.tokens for s in progress_file.shards)
-    meter = TokenMeter(tokens_total, done_tokens, progress)
+    meter = TokenMeter(p.tokens, done_tokens, progress)
     stop = threading.Event()
 
     def start_server(k: int, attempt: int) -> ModelServer:
         dump_dir = p.dumps / f"s{k}"
         spec = spec_for(
-            _server_cfg(server, k, cfg.num_servers),
+            _server_cfg(server, k, k - p.servers.start, len(p.servers)),
             model_path=target.path,
             mode="extract",
             name=f"extract-s{k}" + (f"-r{attempt}" if attempt else ""),
@@ -218,7 +283,7 @@ def run(
             k,
             cfg=cfg,
             splits=splits,
-            bounds={s: b[k] for s, b in bounds.items()},
+            bounds={s: b[i] for s, b in p.bounds.items()},
             prefix=stage.prefix,
             local_dir=work / "shards",
             hidden_size=target.hidden_size,
@@ -229,7 +294,7 @@ def run(
             stop=stop,
             quantize_device=_quantize_device(cfg),
         )
-        for k in range(cfg.num_servers)
+        for i, k in enumerate(p.servers)
     ]
     failed = False
     try:
@@ -238,8 +303,8 @@ def run(
         failed = True
         raise
     finally:
-        # Even on failure, let the closed shards finish uploading: progress.json then records them
-        # and the re-run resumes after them.
+        # Even on failure, let the closed shards finish uploading: the progress file then records
+        # them and the re-run resumes after them.
         try:
             uploader.wait()
         except StoreError:
@@ -251,11 +316,7 @@ def run(
             if p.dumps != work / "dumps":
                 _remove_dump_root(p.dumps)  # tmpfs is memory
     meter.add(0, force=True)
-
-    manifest = _manifest(cfg, target, corpus, server, splits, results, report.record(), canary, began)
-    result = stage.finish(manifest)
-    progress(1.0, f"{manifest['figures']['tokens']:,} tokens in {manifest['figures']['shards']} shards")
-    return result
+    return results, canary
 
 
 def _make_canary(cfg: ExtractConfig, target: TargetInfo, splits: dict[str, SplitFiles]) -> ExtractionCanary:
@@ -296,7 +357,7 @@ def _run_workers(workers: list[SliceWorker], stop: threading.Event) -> list[Slic
     return [f.result() for f in futures]
 
 
-def _manifest(
+def manifest_body(
     cfg: ExtractConfig,
     target: TargetInfo,
     corpus: StageResult,
@@ -304,9 +365,10 @@ def _manifest(
     splits: dict[str, SplitFiles],
     results: list[SliceResult],
     preflight_record: dict[str, Any],
-    canary: ExtractionCanary,
-    began: float,
+    canary_record: dict[str, Any] | None,
+    seconds: float,
 ) -> dict[str, Any]:
+    """The stage manifest; refuses (`ExtractionError`) unless the shards hold exactly the corpus."""
     shards: list[ClosedShard] = sorted(
         (s for r in results for s in r.shards),
         key=lambda s: (cfg.splits.index(s.split), s.slice, s.index),  # type: ignore[arg-type]
@@ -328,10 +390,8 @@ def _manifest(
         }
     tokens = sum(s.tokens for s in shards)
     nbytes = sum(s.bytes for s in shards)
-    seconds = time.monotonic() - began
     fresh_tokens = sum(r.tokens for r in results)
     pump = max((r.pump_seconds for r in results), default=0.0)
-    canary_record = canary.result.record() if canary.result is not None else None
     return {
         "target": {
             "name": target.name,

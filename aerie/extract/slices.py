@@ -1,0 +1,270 @@
+"""One slice of a multi-host extraction, and the assembly of the finished slices into the stage.
+
+    run_slice(cfg, k, store=, run_name=, target=, corpus=, server=) -> SliceRecord
+    assemble(cfg, store=, run_name=, target=, corpus=, server=) -> StageResult
+
+With `num_slices` = n, every split is cut into n x num_servers contiguous row ranges and slice k is one
+host running ranges k*num_servers .. (k+1)*num_servers - 1 through its own servers. Slices share
+nothing but the store: each writes its shards (named by global server index, so the layout is the one
+a single host with n x num_servers servers writes), its own progress object (`resume.progress_key`;
+one writer per object) and, last, its record `slices/slice-<k>-of-<n>.json`. A slice whose record
+exists is done: running it again launches nothing. `assemble` (any host, once every slice is done)
+builds the stage manifest from the records, refusing unless the shards hold exactly the corpus; with
+the manifest written, it is a cache hit like any stage.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+from aerie.errors import ConfigError, ExtractionError, ObjectNotFoundError, StoreError, TargetError
+from aerie.extract import stage as extract_stage
+from aerie.extract.config import ExtractConfig
+from aerie.extract.corpus_rows import SplitFiles, open_split
+from aerie.extract.resume import ClosedShard
+from aerie.extract.worker import SliceResult
+from aerie.manifest import StageDir, StageResult
+from aerie.progress import ProgressFn, no_progress
+from aerie.serving import ServerConfig
+from aerie.store import ArtifactStore
+from aerie.targets import TargetConfig, TargetInfo, resolve_target
+
+
+class SliceMissingError(ExtractionError):
+    """The stage cannot be assembled: a slice has not finished (no record in the store)."""
+
+
+class SliceRecord(BaseModel):
+    """What a finished slice leaves in the store; `assemble` builds the manifest from these."""
+
+    slice: int
+    num_slices: int
+    servers: list[int] = Field(description="Global indices of the slice's servers (= its row ranges).")
+    host: str
+    shards: list[dict[str, Any]] = Field(description="The slice's shards (ClosedShard records).")
+    tokens: int = Field(description="Tokens extracted by the run that finished the slice (not resumed).")
+    restarts: int
+    resumed_rows: int
+    pump_seconds: float
+    seconds: float
+    canary: dict[str, Any] | None
+    preflight: dict[str, Any]
+
+    def result(self) -> SliceResult:
+        return SliceResult(
+            slice=self.slice,
+            shards=[ClosedShard(**s) for s in self.shards],
+            tokens=self.tokens,
+            restarts=self.restarts,
+            resumed_rows=self.resumed_rows,
+            pump_seconds=self.pump_seconds,
+        )
+
+
+def record_name(slice_index: int, num_slices: int) -> str:
+    return f"slices/slice-{slice_index}-of-{num_slices}.json"
+
+
+def read_record(stage: StageDir, slice_index: int, num_slices: int) -> SliceRecord | None:
+    """The slice's record, or None when it has not finished (a corrupt record counts as unfinished:
+    re-running the slice resumes from its progress object and rewrites it)."""
+    try:
+        return SliceRecord.model_validate_json(
+            stage.store.get_bytes(stage.path(record_name(slice_index, num_slices)))
+        )
+    except ObjectNotFoundError:
+        return None
+    except (StoreError, ValidationError, ValueError):
+        return None
+
+
+def _stage(
+    cfg: ExtractConfig,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    corpus: StageResult,
+    server: ServerConfig,
+) -> StageDir:
+    return StageDir(
+        store, run_name, extract_stage.STAGE, extract_stage.extract_key(cfg, server, target, corpus)
+    )
+
+
+def run_slice(
+    cfg: ExtractConfig,
+    slice_index: int,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    corpus: StageResult,
+    server: ServerConfig,
+    progress: ProgressFn = no_progress,
+) -> SliceRecord:
+    """Extract slice `slice_index` of `cfg.num_slices` on this host (preflight, its own servers,
+    uploads, teardown) and write its record last. A finished slice returns its record at once."""
+    n = cfg.num_slices
+    if not 0 <= slice_index < n:
+        raise ConfigError(f"extract slice index {slice_index} is outside 0..{n - 1} (extract.num_slices={n})")
+    stage = _stage(cfg, store, run_name, target, corpus, server)
+    done = read_record(stage, slice_index, n)
+    if done is not None:
+        progress(1.0, f"slice {slice_index} of {n}: already done")
+        return done
+    began = time.monotonic()
+    progress(0.0, f"slice {slice_index} of {n}: reading the corpus, disk preflight")
+    p = extract_stage.plan(
+        cfg,
+        store=store,
+        run_name=run_name,
+        target=target,
+        corpus=corpus,
+        server=server,
+        slice_index=slice_index,
+    )
+    results, canary = extract_stage.extract(
+        cfg, p, store=store, target=target, server=server, progress=progress
+    )
+    _check_complete(p, results, slice_index, n)
+    record = SliceRecord(
+        slice=slice_index,
+        num_slices=n,
+        servers=list(p.servers),
+        host=socket.gethostname(),
+        shards=[s.record() for r in results for s in r.shards],
+        tokens=sum(r.tokens for r in results),
+        restarts=sum(r.restarts for r in results),
+        resumed_rows=sum(r.resumed_rows for r in results),
+        pump_seconds=max((r.pump_seconds for r in results), default=0.0),
+        seconds=round(time.monotonic() - began, 3),
+        canary=canary.result.record() if canary.result is not None else None,
+        preflight=p.preflight.record(),
+    )
+    # Written last: the record is what says "this slice is done".
+    store.put_bytes(stage.path(record_name(slice_index, n)), record.model_dump_json(indent=1).encode())
+    progress(1.0, f"slice {slice_index} of {n}: {sum(s['tokens'] for s in record.shards):,} tokens")
+    return record
+
+
+def _check_complete(p: extract_stage.Plan, results: list[SliceResult], slice_index: int, n: int) -> None:
+    """Each server's shards chain over exactly its row range of every split (else no record)."""
+    for i, result in enumerate(results):
+        for split, ranges in p.bounds.items():
+            lo, hi = ranges[i]
+            mine = sorted((s for s in result.shards if s.split == split), key=lambda s: s.index)
+            row = lo
+            for s in mine:
+                if s.first_row != row:
+                    break
+                row = s.end_row
+            if row != hi:
+                raise ExtractionError(
+                    f"slice {slice_index} of {n}, server s{result.slice}, {split}: its shards cover rows "
+                    f"{lo}..{row} of {lo}..{hi}; not writing the slice record"
+                )
+
+
+def assemble(
+    cfg: ExtractConfig,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    corpus: StageResult,
+    server: ServerConfig,
+    progress: ProgressFn = no_progress,
+) -> StageResult:
+    """Write the stage manifest from the slice records (`SliceMissingError` naming the unfinished
+    slices; `ExtractionError` unless the shards hold exactly the corpus). A cache hit once written."""
+    stage = _stage(cfg, store, run_name, target, corpus, server)
+    cached = stage.cached_result()
+    if cached is not None:
+        progress(1.0, "cached")
+        return cached
+    n = cfg.num_slices
+    records = [read_record(stage, k, n) for k in range(n)]
+    missing = [k for k, r in enumerate(records) if r is None]
+    if missing:
+        names = ", ".join(f"slice {k} of {n} ({stage.path(record_name(k, n))})" for k in missing)
+        raise SliceMissingError(
+            f"cannot assemble the extraction at {stage.prefix}: not finished: {names}; run the missing "
+            "slices (extract_slice_flow, or aerie.extract.slices.run_slice) first"
+        )
+    done = [r for r in records if r is not None]
+    work = extract_stage.work_dir(cfg, run_name, stage.key)
+    splits: dict[str, SplitFiles] = {
+        s: open_split(store, corpus.prefix, s, work / "corpus") for s in cfg.splits
+    }
+    canary = next((r.canary for r in done if r.canary is not None), None)
+    manifest = extract_stage.manifest_body(
+        cfg,
+        target,
+        corpus,
+        server,
+        splits,
+        [r.result() for r in done],
+        {"slices": [r.preflight for r in done]},
+        canary,
+        max(r.seconds for r in done),  # the slices ran side by side
+    )
+    manifest["server"]["num_slices"] = n
+    manifest["slices"] = [
+        {"slice": r.slice, "host": r.host, "servers": r.servers, "seconds": r.seconds, "tokens": r.tokens}
+        for r in done
+    ]
+    result = stage.finish(manifest)
+    progress(
+        1.0, f"assembled {n} slices: {result.figures['tokens']:,} tokens in {result.figures['shards']} shards"
+    )
+    return result
+
+
+def run_all_here(
+    cfg: ExtractConfig,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    corpus: StageResult,
+    server: ServerConfig,
+    progress: ProgressFn = no_progress,
+) -> StageResult:
+    """Every slice on this host, one after the other (finished ones are skipped), then assemble: what a
+    multi-slice config does without a fan-out, and how a partly fanned-out run is finished anywhere."""
+    n = cfg.num_slices
+    common: dict[str, Any] = {
+        "store": store,
+        "run_name": run_name,
+        "target": target,
+        "corpus": corpus,
+        "server": server,
+    }
+    for k in range(n):
+
+        def slice_progress(fraction: float, message: str, k: int = k) -> None:
+            progress(
+                (k + fraction) / n, message if message.startswith("slice") else f"slice {k} of {n}: {message}"
+            )
+
+        run_slice(cfg, k, progress=slice_progress, **common)
+    return assemble(cfg, progress=progress, **common)
+
+
+def local_target(target: TargetInfo) -> TargetInfo:
+    """The target as this host has it. A slice may run on another host than the one that resolved the
+    target; it needs the same weights (same revision) here, resolved again by name when the path differs."""
+    if (Path(target.path) / "config.json").is_file():
+        return target
+    here = resolve_target(TargetConfig(name=target.name, revision=target.revision))
+    if here.revision != target.revision:
+        raise TargetError(
+            f"target {target.name} on {socket.gethostname()} is revision {here.revision}, the run's is "
+            f"{target.revision}: stage the same weights on every extraction host"
+        )
+    return here
