@@ -25,6 +25,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
+from pydantic import BaseModel
 
 from aerie.errors import ConfigError, ExtractionError, PreflightError
 from aerie.extract import slices
@@ -246,7 +247,7 @@ def _fan_out(cfg: ExtractConfig, store: ArtifactStore, params: dict[str, Any]) -
 def _start_slice(cfg: ExtractConfig, params: dict[str, Any], k: int) -> FlowRun:
     """Create slice k's flow run (a subflow of this one) and return without waiting for it."""
     parameters = {
-        name: value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+        name: value.model_dump(mode="json") if isinstance(value, BaseModel) else value
         for name, value in params.items()
     }
     parameters.update(slice_index=k, num_slices=cfg.num_slices)
