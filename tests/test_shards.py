@@ -146,6 +146,19 @@ def test_quantize_handles_zero_rows_and_groups():
         quantize_fp8(x, groups=4)
 
 
+def test_quantize_a_group_so_small_its_inverse_scale_overflows():
+    """amax/448 of a ~1e-38 group is a float32 denormal whose reciprocal is inf: multiplying by it
+    would give +-inf codes (NaN for zeros); such a group is divided by its scale instead."""
+    x = torch.tensor([[1e-38, -5e-39, 0.0, 2e-39, 1.0, -2.0, 0.5, 3.0]]).bfloat16()
+    q, s = quantize_fp8(x, groups=2)
+    assert bool(torch.isinf(s.reciprocal()[0, 0])) and bool(torch.isfinite(s.reciprocal()[0, 1]))
+    back = dequantize_fp8(q, s, torch.float32)
+    want = x.float()
+    assert bool((back - want).abs().le(fp8_bound(want, s.repeat_interleave(4, dim=1))).all())
+    alone, _ = quantize_fp8(x[:, 4:], groups=1)  # the ordinary group's codes are what they are alone
+    assert torch.equal(q[:, 4:].view(torch.uint8), alone.view(torch.uint8))
+
+
 def test_shards_split_by_size_without_splitting_samples(tmp_path):
     gen = torch.Generator().manual_seed(1)
     samples = [make_sample(i, 50, gen) for i in range(10)]

@@ -30,6 +30,7 @@ import json
 import os
 import struct
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -110,7 +111,9 @@ def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tens
     (q [N, G*D] float8_e4m3fn, scale [N, G] float32). Dequantized = q * scale.
 
     Written for throughput (the client quantizes every token it extracts): the absmax is taken in the
-    input dtype (exact), and the one float32 copy is scaled and clamped in place."""
+    input dtype (exact), and the one float32 copy is scaled in place. The cast to fp8 (torch's is a
+    scalar loop on CPU) is most of the cost; a clamp, another full pass, runs only where it can
+    change something (see below)."""
     if x.dim() != 2 or x.shape[1] % groups:
         raise ValueError(f"quantize_fp8 wants [N, G*D] with G={groups}, got {tuple(x.shape)}")
     n, width = x.shape
@@ -118,8 +121,16 @@ def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tens
     amax = xg.abs().amax(dim=2, keepdim=True).float()
     # A zero row gets scale 1 (its q is all zeros); non-finite values are refused upstream.
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    inv = scale.reciprocal()
     xf = xg.float() if xg.dtype != torch.float32 else xg.clone()
-    xf.mul_(scale.reciprocal()).clamp_(-FP8_MAX, FP8_MAX)  # clamp: x*(1/s) may round just past 448
+    xf.mul_(inv)
+    # With a finite 1/scale, |x|*(1/s) <= amax*(1/s) = 448*(1 + ~3 float32 ulps), far below 464, from
+    # where the cast would round past 448 (to NaN): a clamp would change no bit, so it is skipped.
+    # Only a group so tiny (amax < ~1e-36) that 1/scale overflows to inf is divided instead (x*inf
+    # would give +-inf, and NaN for zeros), and clamped: its denormal scale is rounded.
+    overflow = ~torch.isfinite(inv)
+    if bool(overflow.any()):
+        xf = torch.where(overflow, xg.float() / scale, xf).clamp_(-FP8_MAX, FP8_MAX)
     return xf.to(torch.float8_e4m3fn).reshape(n, width), scale.reshape(n, groups)
 
 
@@ -259,6 +270,10 @@ class ShardWriter:
             chunks = self._chunks[key]
             if not chunks:
                 continue
+            if key not in ("aux_hidden", "last_hidden"):
+                # Ids, mask and scales are a few bytes a token: one write (and one hash call) for the
+                # shard instead of one per sample. The hidden states stream as they are.
+                chunks = [torch.cat(chunks)]
             shape = [len(self._lengths) + 1] if key == "offsets" else [n]
             if key in widths:
                 shape.append(widths[key])
@@ -287,13 +302,34 @@ class ShardWriter:
         return info
 
 
+class _HashBehind:
+    """sha256 fed from a second thread, in order, so hashing a shard overlaps writing it: both
+    release the GIL on large buffers, and a shard then costs max(write, hash) instead of their sum
+    (sha256 runs at about the speed of a page-cache write)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-shard-hash")
+
+    def update(self, data: memoryview) -> None:
+        # One worker runs the updates in submission order; `data` stays alive in the caller.
+        self._pool.submit(self._h.update, data)
+
+    def hexdigest(self) -> str:
+        self._pool.shutdown(wait=True)
+        return self._h.hexdigest()
+
+    def cancel(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _write_safetensors(
     path: Path,
     tensors: list[tuple[str, torch.dtype, list[int], list[torch.Tensor]]],
     metadata: dict[str, str],
 ) -> tuple[int, str]:
     """Write the safetensors layout (u64 header length, JSON header, data) streaming each tensor's
-    chunks; temp file + fsync + rename. Returns (bytes, sha256)."""
+    chunks, hashing them in a second thread; temp file + fsync + rename. Returns (bytes, sha256)."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, dtype, shape, chunks in tensors:
@@ -303,25 +339,26 @@ def _write_safetensors(
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     tmp = path.with_name(f".{path.name}.tmp")
-    h = hashlib.sha256()
+    h = _HashBehind()
     try:
         with open(tmp, "wb") as f:
-            for part in (struct.pack("<Q", len(blob)), blob):
-                f.write(part)
+            parts = [memoryview(struct.pack("<Q", len(blob)) + blob)]
+            parts += [_raw(c) for _, _, _, chunks in tensors for c in chunks]
+            for part in parts:
                 h.update(part)
-            for _, _, _, chunks in tensors:
-                for c in chunks:
-                    raw = _raw(c)
-                    f.write(raw)
-                    h.update(raw)
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
+        digest = h.hexdigest()
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except OSError as exc:
+    except BaseException as exc:
+        h.cancel()
         tmp.unlink(missing_ok=True)
-        raise ExtractionError(f"cannot write shard {path}: {exc}") from exc
-    return 8 + len(blob) + offset, h.hexdigest()
+        if isinstance(exc, OSError):
+            raise ExtractionError(f"cannot write shard {path}: {exc}") from exc
+        raise
+    return 8 + len(blob) + offset, digest
 
 
 class ShardReader:
