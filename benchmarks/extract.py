@@ -114,6 +114,7 @@ def bare_forward(
     out: dict[str, Any] = {
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "attention": backend,
+        "attention_fallback_reason": packed.backend_reason(),
         "by_pack": {},
     }
     for size in pack_tokens:

@@ -287,7 +287,8 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
 
     peak, peak_source = peak_flops(args.device)
-    runs = []
+    runs: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
     for name in configs:
         cfg = draft_config(CONFIGS[name])
         for tokens in sizes:
@@ -298,7 +299,13 @@ def main() -> None:
             if not cuda:
                 print("SpecForge's step needs triton + CUDA: skipped on cpu", file=sys.stderr)
             else:
-                runs.append(specforge_step(name, cfg, args))
+                try:
+                    runs.append(specforge_step(name, cfg, args))
+                except Exception as exc:  # noqa: BLE001 - a broken peer must not lose aerie's figures
+                    failures.append({"system": "specforge-0.2.0", "config": name, "error": repr(exc)[:500]})
+                    print(json.dumps(failures[-1]), flush=True)
+                    release(args.device)
+                    continue
                 print(json.dumps(runs[-1]), flush=True)
                 release(args.device)
     for run in runs:
@@ -324,6 +331,7 @@ def main() -> None:
             "peak_flops": peak,
             "peak_source": peak_source,
             "runs": runs,
+            "failures": failures,
         },
     }
     out = RESULTS / f"train-{args.device}.json"

@@ -38,6 +38,7 @@ class RefServerArgs:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_batch_tokens: int = 16384
     max_running_requests: int = 64
+    decode_backend: Literal["auto", "slots", "batched"] = "auto"
     cpu_threads: int = 0
     aux_layers: tuple[int, ...] | None = None
     skip_tokenizer_init: bool = False
@@ -68,6 +69,7 @@ class RefServerArgs:
         argv += ["--device", self.device, "--dtype", self.dtype]
         argv += ["--max-batch-tokens", str(self.max_batch_tokens)]
         argv += ["--max-running-requests", str(self.max_running_requests)]
+        argv += ["--decode-backend", self.decode_backend]
         argv += ["--cpu-threads", str(self.cpu_threads)]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
@@ -116,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Tokens per packed extraction forward, and the prompt-token budget of a generation batch.",
     )
     p.add_argument("--max-running-requests", type=int, default=64, help="Sequences decoded together at most.")
+    p.add_argument(
+        "--decode-backend",
+        default="auto",
+        choices=["auto", "slots", "batched"],
+        help="slots: a preallocated KV cache with one row per request (Llama-family models); batched: "
+        "transformers' DynamicCache (any model); auto: slots where the model qualifies.",
+    )
     p.add_argument(
         "--cpu-threads",
         type=int,
@@ -183,6 +192,7 @@ def parse_args(argv: Sequence[str]) -> RefServerArgs:
         dtype=ns.dtype,
         max_batch_tokens=ns.max_batch_tokens,
         max_running_requests=ns.max_running_requests,
+        decode_backend=ns.decode_backend,
         cpu_threads=ns.cpu_threads,
         aux_layers=tuple(ns.aux_layers) if ns.aux_layers is not None else None,
         skip_tokenizer_init=ns.skip_tokenizer_init,

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 PACKED_ATTENTION = "aerie_packed"
 
 # "loop" until a warm-up proves the fused kernel works and agrees (see choose_backend).
-_backend = {"name": "loop"}
+_backend: dict[str, str] = {"name": "loop"}
 
 
 def packed_attention_forward(
@@ -80,12 +80,29 @@ def _varlen(
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    params = _varlen_params(varlen_attn)
+    extra: dict[str, Any] = {}
+    # The API moved between torch releases: 2.10 takes is_causal, later ones a (left, right) window;
+    # grouped-query heads are only accepted natively by the newer ones.
+    if "window_size" in params:
+        extra["window_size"] = (-1, 0)
+    else:
+        extra["is_causal"] = True
+    if "enable_gqa" in params:
+        extra["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu32 = cu.to(device=q.device, dtype=torch.int32)
-    out = varlen_attn(
-        q, k, v, cu32, cu32, max_len, max_len, scale=scaling, window_size=(-1, 0), enable_gqa=True
-    )
+    out = varlen_attn(q, k, v, cu32, cu32, max_len, max_len, scale=scaling, **extra)
     assert isinstance(out, torch.Tensor)
     return out.unsqueeze(0)
+
+
+def _varlen_params(fn: Any) -> frozenset[str]:
+    import inspect
+
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def register() -> None:
@@ -153,16 +170,24 @@ def choose_backend(probe: Any) -> str:
 
     `probe()` runs a packed forward and returns its output; it is called once per backend.
     """
-    _backend["name"] = "loop"
+    _backend.update(name="loop", reason="")
     reference = probe()
     if not reference.is_cuda or reference.dtype == torch.float32:
         return "loop"
     try:
         _backend["name"] = "varlen"
         fused = probe()
-    except (RuntimeError, ImportError, TypeError):
+    except (RuntimeError, ImportError, TypeError) as exc:
         _backend["name"] = "loop"
+        _backend["reason"] = f"varlen kernel failed: {type(exc).__name__}: {exc}"[:300]
         return "loop"
     if not torch.allclose(fused.float(), reference.float(), atol=5e-2, rtol=5e-2):
         _backend["name"] = "loop"
+        diff = (fused.float() - reference.float()).abs().max().item()
+        _backend["reason"] = f"varlen kernel disagrees with the segment loop (max abs diff {diff:.3g})"
     return _backend["name"]
+
+
+def backend_reason() -> str:
+    """Why the last choose_backend fell back to the loop ("" when it did not)."""
+    return _backend.get("reason", "") if _backend["name"] == "loop" else ""

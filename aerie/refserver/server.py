@@ -109,7 +109,8 @@ def _start(args: RefServerArgs) -> Any:
     aux = check_aux_layers(args.aux_layers or default_aux_layers(loaded.num_layers), loaded.num_layers)
     _log_memory_plan(args, loaded)
     capture = HiddenStateCapture(loaded.model, aux, loaded.device) if args.mode == "extract" else None
-    backend_name = _choose_attention(capture) if capture is not None else "sdpa"
+    # Packed prefill serves extraction and the slot decoder's admissions alike.
+    backend_name = _choose_attention(capture or HiddenStateCapture(loaded.model, aux, loaded.device))
     scheduler = Scheduler(
         build_backend(args, loaded),
         capture,
@@ -138,11 +139,22 @@ def build_backend(args: RefServerArgs, loaded: Any) -> Any:
     Seam for the evaluation stage: `aerie.evaluate.spec_decode.create_backend(loaded, args)` returns an
     object implementing `aerie.refserver.generation.GenerationBackend`.
     """
+    from aerie.refserver import slots
     from aerie.refserver.generation import BatchedDecoder
 
     if args.speculative_algorithm:
         return _spec_decode_module().create_backend(loaded, args)
-    return BatchedDecoder(
+    use_slots = args.decode_backend == "slots" or (
+        args.decode_backend == "auto" and slots.supports(loaded.model)
+    )
+    if args.decode_backend == "slots" and not slots.supports(loaded.model):
+        raise ArgsError(
+            f"--decode-backend slots: {loaded.model_type} models are not supported "
+            f"({', '.join(sorted(slots.SUPPORTED_MODEL_TYPES))} are); use auto or batched"
+        )
+    cls = slots.SlotDecoder if use_slots else BatchedDecoder
+    logger.info(f"Decode backend: {cls.__name__}")
+    return cls(
         loaded.model,
         loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
@@ -182,7 +194,8 @@ def _choose_attention(capture: Any) -> str:
     pack = packed.make_pack([list(range(10, 30)), list(range(40, 47))], capture.device)
     with torch.inference_mode():
         name = packed.choose_backend(lambda: capture.forward_pack(pack)[1])
-    logger.info(f"Packed prefill attention: {name}")
+    reason = packed.backend_reason()
+    logger.info(f"Packed prefill attention: {name}" + (f" ({reason})" if reason else ""))
     return name
 
 
