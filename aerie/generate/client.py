@@ -27,7 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 import aerie
-from aerie.errors import EndpointAuthError, EndpointError, EndpointRequestError
+from aerie.errors import EndpointAuthError, EndpointRequestError, RequestFailedError
 from aerie.generate.config import EndpointConfig, SamplingParams
 from aerie.generate.ratelimit import RateLimiter
 from aerie.generate.transport import Http11Transport
@@ -42,15 +42,6 @@ _CONTEXT_HINTS = (
     "too long",
     "too many tokens",
 )
-
-
-class RequestFailedError(EndpointError):
-    """One conversation's request failed for good in this run: retries exhausted, or the endpoint
-    rejected that one prompt. The dataset goes on; the conversation is retried on the next run."""
-
-    def __init__(self, kind: str, message: str, attempts: int) -> None:
-        super().__init__(message)
-        self.kind, self.attempts = kind, attempts
 
 
 class _Transient(Exception):
