@@ -71,6 +71,9 @@ class TargetInfo(BaseModel):
     pad_token_id: int | None
     chat_template_sha256: str
     size_bytes: int
+    trust_remote_code: bool = Field(
+        False, description="The target config's: load the model's and tokenizer's own code (Kimi)."
+    )
 
     @property
     def aux_layers_input(self) -> list[int]:
@@ -86,14 +89,26 @@ class TargetInfo(BaseModel):
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.path)
+        try:
+            return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise TargetError(
+                f"cannot load the tokenizer of target {self.name} from {self.path}: {exc}"
+                + (
+                    ""
+                    if self.trust_remote_code
+                    else " (if it ships its own code, set target.trust_remote_code)"
+                )
+            ) from exc
 
     def load_model(self, device: str = "cpu", dtype: str = "auto") -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         torch_dtype = resolve_dtype(dtype, device)
         try:
-            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_pretrained(
+                self.path, dtype=torch_dtype, trust_remote_code=self.trust_remote_code
+            )
         except (OSError, ValueError) as exc:
             raise TargetError(f"cannot load target {self.name} from {self.path}: {exc}") from exc
         return model.to(device).eval()  # type: ignore[arg-type]
@@ -128,7 +143,7 @@ def resolve_target(cfg: TargetConfig | str, cache_dir: Path | None = None) -> Ta
         revision = cfg.revision or _dir_digest(path)
     else:
         path, revision = _hf_cached(cfg)
-    return _facts(cfg.name, path, revision)
+    return _facts(cfg.name, path, revision, trust_remote_code=cfg.trust_remote_code)
 
 
 def _package_file(package: str, filename: str) -> Path:
@@ -252,7 +267,7 @@ class _Cfg:
         return default
 
 
-def _facts(name: str, path: Path, revision: str) -> TargetInfo:
+def _facts(name: str, path: Path, revision: str, *, trust_remote_code: bool) -> TargetInfo:
     try:
         c = _Cfg(path)
     except (OSError, ValueError) as exc:
@@ -299,6 +314,7 @@ def _facts(name: str, path: Path, revision: str) -> TargetInfo:
             pad_token_id=c.get("pad_token_id"),
             chat_template_sha256=hashlib.sha256(template.encode()).hexdigest(),
             size_bytes=sum(f.stat().st_size for f in path.glob("*.safetensors")),
+            trust_remote_code=trust_remote_code,
         )
     except (TypeError, ValueError) as exc:
         raise TargetError(f"{path}/config.json lacks a field aerie needs: {exc}") from exc

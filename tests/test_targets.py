@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
 from aerie.errors import TargetError
-from aerie.targets import resolve_target
+from aerie.targets import TargetConfig, resolve_target
 
 
 def test_embedded_target_facts(smollm2):
@@ -31,3 +35,56 @@ def test_embedded_target_answers_paris(smollm2):
 def test_unknown_target_is_a_clear_error(tmp_path):
     with pytest.raises(TargetError, match="neither an embedded target"):
         resolve_target("no-such-org/no-such-model", cache_dir=tmp_path)
+
+
+PROBE_TOKENIZER = '''from transformers import PreTrainedTokenizerFast
+
+
+class ProbeTokenizer(PreTrainedTokenizerFast):
+    """Shipped with the model, as Kimi's tokenizer is: loads only with trust_remote_code."""
+'''
+PROBE_MODEL = '''from transformers import LlamaForCausalLM
+
+
+class ProbeForCausalLM(LlamaForCausalLM):
+    """Shipped with the model: loads only with trust_remote_code."""
+'''
+
+
+def remote_code_target(src: Path, dest: Path) -> Path:
+    """The embedded target's files as a local directory whose tokenizer and model classes are the
+    directory's own code (`auto_map`), the way Kimi-K2.5 ships them."""
+    dest.mkdir()
+    for name in ("generation_config.json", "tokenizer.json", "chat_template.jinja"):
+        shutil.copy(src / name, dest / name)
+    (dest / "model.safetensors").symlink_to(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_probe.ProbeForCausalLM"}
+    (dest / "config.json").write_text(json.dumps(config))
+    tok_config = json.loads((src / "tokenizer_config.json").read_text())
+    tok_config.update(
+        tokenizer_class="ProbeTokenizer",
+        auto_map={"AutoTokenizer": [None, "tokenization_probe.ProbeTokenizer"]},
+    )
+    (dest / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (dest / "tokenization_probe.py").write_text(PROBE_TOKENIZER)
+    (dest / "modeling_probe.py").write_text(PROBE_MODEL)
+    return dest
+
+
+def test_trust_remote_code_reaches_the_tokenizer_and_the_model(smollm2, tmp_path):
+    path = remote_code_target(Path(smollm2.path), tmp_path / "remote")
+    trusted = resolve_target(TargetConfig(name=str(path), trust_remote_code=True), cache_dir=tmp_path)
+    assert trusted.trust_remote_code
+    tok = trusted.load_tokenizer()
+    assert type(tok).__name__ == "ProbeTokenizer"
+    text = "Owls and tides: a short note on rivers."
+    assert tok(text)["input_ids"] == smollm2.load_tokenizer()(text)["input_ids"]
+    assert type(trusted.load_model("cpu")).__name__ == "ProbeForCausalLM"
+
+    untrusted = resolve_target(str(path), cache_dir=tmp_path)
+    assert not untrusted.trust_remote_code
+    with pytest.raises(TargetError, match="set target.trust_remote_code"):
+        untrusted.load_tokenizer()
+    # A known architecture falls back to transformers' own class when the directory's code is not trusted.
+    assert type(untrusted.load_model("cpu")).__name__ == "LlamaForCausalLM"

@@ -261,7 +261,9 @@ def local_target(target: TargetInfo) -> TargetInfo:
     target; it needs the same weights (same revision) here, resolved again by name when the path differs."""
     if (Path(target.path) / "config.json").is_file():
         return target
-    here = resolve_target(TargetConfig(name=target.name, revision=target.revision))
+    here = resolve_target(
+        TargetConfig(name=target.name, revision=target.revision, trust_remote_code=target.trust_remote_code)
+    )
     if here.revision != target.revision:
         raise TargetError(
             f"target {target.name} on {socket.gethostname()} is revision {here.revision}, the run's is "
