@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aerie.errors import TargetError
 from aerie.refserver.sglang_log import avail_mem_gb, logger, shard_bar
+from aerie.targets import avoid_cudnn_attention
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +82,7 @@ def load_model(
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    avoid_cudnn_attention(dev)
     path = Path(model_path).expanduser()
     before = avail_mem_gb(dev)
     logger.info(f"Load weight begin. avail mem={before:.2f} GB")

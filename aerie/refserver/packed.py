@@ -181,10 +181,12 @@ def choose_backend(probe: Any) -> str:
         _backend["name"] = "loop"
         _backend["reason"] = f"varlen kernel failed: {type(exc).__name__}: {exc}"[:300]
         return "loop"
-    if not torch.allclose(fused.float(), reference.float(), atol=5e-2, rtol=5e-2):
+    # Relative to the states' size: 30 bf16 layers differ by a few 0.1 in elements of magnitude ~100
+    # between any two kernels; a wrong mask or layout differs by O(1).
+    error = float((fused.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-6))
+    if error > 2e-2:
         _backend["name"] = "loop"
-        diff = (fused.float() - reference.float()).abs().max().item()
-        _backend["reason"] = f"varlen kernel disagrees with the segment loop (max abs diff {diff:.3g})"
+        _backend["reason"] = f"varlen kernel disagrees with the segment loop (relative error {error:.3g})"
     return _backend["name"]
 
 
