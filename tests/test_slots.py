@@ -102,6 +102,18 @@ def test_max_running_limits_admission(loaded: Any) -> None:
     assert not dec.can_admit(reqs[2], 2, 20)
 
 
+def test_a_running_batch_admits_only_once_an_eighth_of_its_rows_is_free(loaded: Any) -> None:
+    dec = _decoder(SlotDecoder, loaded, max_running=16)  # admits again at 2 free rows
+    tok = loaded.tokenizer
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    reqs = [GenRequest(f"q{i}", tok(f"Count to {i}:")["input_ids"], params) for i in range(16)]
+    with torch.inference_mode():
+        dec.admit(reqs[:15])
+    assert not dec.can_admit(reqs[15], 0, 0)  # one free row: wait for more
+    empty = _decoder(SlotDecoder, loaded, max_running=16)
+    assert empty.can_admit(reqs[15], 0, 0)  # an idle decoder takes anything
+
+
 def test_abort_all_returns_the_running_requests_and_empties_the_batch(loaded: Any) -> None:
     dec = _decoder(SlotDecoder, loaded)
     reqs = _requests(loaded, [30, 30])

@@ -121,9 +121,16 @@ class SlotDecoder(BatchedDecoder):
         layers: Any = self.base.layers
         self.kv = KVSlots(len(layers), self.kv_heads, self.head_dim, dtype, device)
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # tokens cached per running row
+        self.admit_when_free = max(1, max_running // 8)
 
     def can_admit(self, request: GenRequest, admitting: int, admitting_tokens: int) -> bool:
-        if self.num_running + admitting >= self.max_running:
+        free = self.max_running - self.num_running
+        if admitting >= free:
+            return False
+        # A prefill costs about one decoding step of kernel launches whatever its size (measured on an
+        # H200: admitting one request per step halved the tokens/s), so a running batch takes newcomers
+        # only once an eighth of its rows is free.
+        if not admitting and self.num_running and free < self.admit_when_free:
             return False
         return not (admitting and admitting_tokens + len(request.input_ids) > self.max_prefill_tokens)
 
