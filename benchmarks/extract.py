@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import socket
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from safetensors.torch import save_file
 
 from aerie.extract.config import ExtractConfig
 from aerie.extract.shards import HiddenSample, ShardWriter
+from aerie.extract.stage import _dump_root
 from aerie.extract.stage import run as run_extract
 from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.serving import ServerConfig
@@ -236,7 +238,12 @@ def pipeline(
     )
     wall = time.perf_counter() - began
     f = result.figures
+    # Where the server's per-sample dumps went: on disk they double the bytes written.
+    dumps = _dump_root(cfg, "bench", "key", work, target.hidden_size)
+    shm = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 0
     return {
+        "dumps_on": "tmpfs" if str(dumps).startswith("/dev/shm") else "disk",
+        "dev_shm_free_gib": round(shm / 2**30, 2),
         "tokens": f["tokens"],
         "shards": f["shards"],
         "bytes": f["bytes"],
