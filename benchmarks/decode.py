@@ -37,7 +37,11 @@ from aerie.refserver.loader import load_model  # noqa: E402
 from aerie.refserver.slots import SlotDecoder  # noqa: E402
 from aerie.targets import resolve_target  # noqa: E402
 
-BACKENDS: dict[str, type[BatchedDecoder]] = {"batched": BatchedDecoder, "slots": SlotDecoder}
+BACKENDS: dict[str, tuple[type[BatchedDecoder], dict[str, Any]]] = {
+    "batched": (BatchedDecoder, {}),
+    "slots": (SlotDecoder, {}),
+    "slots-graphs": (SlotDecoder, {"graphs": "cuda"}),  # CUDA only
+}
 
 
 def make_requests(
@@ -95,7 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--backends", default="batched,slots")
+    p.add_argument("--backends", default="batched,slots", help="from: batched, slots, slots-graphs (CUDA)")
     p.add_argument("--concurrency", default="8", help="comma list of max running requests")
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--prompt-len", default="16,256")
@@ -126,7 +130,8 @@ def main() -> None:
             concurrency * args.requests_per_slot, loaded.vocab_size, (lo_p, hi_p), (lo_n, hi_n)
         )
         for name in args.backends.split(","):
-            decoder = BACKENDS[name](
+            cls, extra = BACKENDS[name]
+            decoder = cls(
                 loaded.model,
                 None,
                 eos_token_ids=loaded.eos_token_ids,
@@ -134,6 +139,7 @@ def main() -> None:
                 max_running=concurrency,
                 max_prefill_tokens=65536,
                 seed=0,
+                **extra,
             )
             drive(decoder, requests[: max(2, concurrency // 4)], 30.0, loaded.device)  # warm-up
             run = {

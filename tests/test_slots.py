@@ -34,7 +34,7 @@ def loaded(smollm2: Any) -> Any:
     return load_model(smollm2.path, "cpu", "float32", skip_tokenizer=False)
 
 
-def _decoder(cls: type[BatchedDecoder], loaded: Any, max_running: int = 8) -> BatchedDecoder:
+def _decoder(cls: type[BatchedDecoder], loaded: Any, max_running: int = 8, **extra: Any) -> BatchedDecoder:
     return cls(
         loaded.model,
         loaded.tokenizer,
@@ -43,6 +43,7 @@ def _decoder(cls: type[BatchedDecoder], loaded: Any, max_running: int = 8) -> Ba
         max_running=max_running,
         max_prefill_tokens=4096,
         seed=0,
+        **extra,
     )
 
 
@@ -92,6 +93,18 @@ def test_joining_and_finishing_rows_keep_every_output_exact(loaded: Any) -> None
     mixed = _drive(_decoder(SlotDecoder, loaded), waves, steps_between=3)
     assert mixed == plain
     assert {rid: len(ids) for rid, ids in mixed.items()} == {r.rid: r.params.max_new_tokens for r in reqs}
+
+
+def test_the_graph_shaped_step_decodes_exactly_like_the_eager_one(loaded: Any) -> None:
+    # What a CUDA graph replays (all rows, free ones on dummy tokens; width rounded up to a bucket,
+    # ids and positions from static buffers), run eagerly: a GPU is needed only for the capture itself.
+    reqs = _requests(loaded, [2, 11, 4, 12, 6, 9])
+    waves = [reqs[:4], reqs[4:]]
+    eager = _drive(_decoder(SlotDecoder, loaded), waves, steps_between=3)
+    static = _decoder(SlotDecoder, loaded, graphs="static")
+    assert _drive(static, waves, steps_between=3) == eager
+    assert isinstance(static, SlotDecoder) and static.graphs is not None
+    assert static.kv.rows == 8 and static.kv.length % 256 == 0  # every row, bucketed width
 
 
 def test_max_running_limits_admission(loaded: Any) -> None:

@@ -39,6 +39,7 @@ class RefServerArgs:
     max_batch_tokens: int = 16384
     max_running_requests: int = 64
     decode_backend: Literal["auto", "slots", "batched"] = "auto"
+    cuda_graphs: bool = False
     cpu_threads: int = 0
     aux_layers: tuple[int, ...] | None = None
     skip_tokenizer_init: bool = False
@@ -70,6 +71,8 @@ class RefServerArgs:
         argv += ["--max-batch-tokens", str(self.max_batch_tokens)]
         argv += ["--max-running-requests", str(self.max_running_requests)]
         argv += ["--decode-backend", self.decode_backend]
+        if self.cuda_graphs:
+            argv.append("--cuda-graphs")
         argv += ["--cpu-threads", str(self.cpu_threads)]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
@@ -124,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "slots", "batched"],
         help="slots: a preallocated KV cache with one row per request (Llama-family models); batched: "
         "transformers' DynamicCache (any model); auto: slots where the model qualifies.",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="Slot decoder on CUDA: replay each decoding step as a CUDA graph (one per cache-width "
+        "bucket, checked against the eager step on first use; falls back to eager on any failure).",
     )
     p.add_argument(
         "--cpu-threads",
@@ -193,6 +202,7 @@ def parse_args(argv: Sequence[str]) -> RefServerArgs:
         max_batch_tokens=ns.max_batch_tokens,
         max_running_requests=ns.max_running_requests,
         decode_backend=ns.decode_backend,
+        cuda_graphs=ns.cuda_graphs,
         cpu_threads=ns.cpu_threads,
         aux_layers=tuple(ns.aux_layers) if ns.aux_layers is not None else None,
         skip_tokenizer_init=ns.skip_tokenizer_init,

@@ -152,17 +152,19 @@ def build_backend(args: RefServerArgs, loaded: Any) -> Any:
             f"--decode-backend slots: {loaded.model_type} models are not supported "
             f"({', '.join(sorted(slots.SUPPORTED_MODEL_TYPES))} are); use auto or batched"
         )
-    cls = slots.SlotDecoder if use_slots else BatchedDecoder
-    logger.info(f"Decode backend: {cls.__name__}")
-    return cls(
-        loaded.model,
-        loaded.tokenizer,
-        eos_token_ids=loaded.eos_token_ids,
-        device=loaded.device,
-        max_running=args.max_running_requests,
-        max_prefill_tokens=args.max_batch_tokens,
-        seed=args.random_seed,
-    )
+    common: dict[str, Any] = {
+        "eos_token_ids": loaded.eos_token_ids,
+        "device": loaded.device,
+        "max_running": args.max_running_requests,
+        "max_prefill_tokens": args.max_batch_tokens,
+        "seed": args.random_seed,
+    }
+    if not use_slots:
+        logger.info("Decode backend: BatchedDecoder")
+        return BatchedDecoder(loaded.model, loaded.tokenizer, **common)
+    graphs: slots.GraphMode = "cuda" if args.cuda_graphs and str(loaded.device).startswith("cuda") else "off"
+    logger.info(f"Decode backend: SlotDecoder, CUDA graphs {graphs}")
+    return slots.SlotDecoder(loaded.model, loaded.tokenizer, graphs=graphs, **common)
 
 
 def _log_memory_plan(args: RefServerArgs, loaded: Any) -> None:
