@@ -69,7 +69,10 @@ def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str
     from aerie.serving import ModelServer, spec_for
 
     server_cfg = cfg.server.model_copy(update={"backend": "reference", "launcher": "process"})
-    with ModelServer(spec_for(server_cfg, model_path=target.path, mode="serve")) as server:
+    spec = spec_for(
+        server_cfg, model_path=target.path, mode="serve", trust_remote_code=target.trust_remote_code
+    )
+    with ModelServer(spec) as server:
         yield f"{server.url}/v1"
 
 

@@ -68,6 +68,21 @@ def assert_gone(launcher: ProcessLauncher, port: int) -> None:
 # -- spec building ------------------------------------------------------------------------------
 
 
+def test_a_target_that_needs_its_own_code_is_launched_trusting_it(tmp_path: Path) -> None:
+    from aerie.refserver.args import parse_args
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for backend in ("reference", "sglang"):
+        cfg = ServerConfig(backend=backend, port=31234)  # type: ignore[arg-type]
+        assert "--trust-remote-code" in spec_for(cfg, model_path=str(model), trust_remote_code=True).command
+        assert "--trust-remote-code" not in spec_for(cfg, model_path=str(model)).command
+    # ... and the reference server takes the flag it is given.
+    ref = spec_for(ServerConfig(port=31234), model_path=str(model), trust_remote_code=True)
+    assert parse_args(ref.command[3:]).trust_remote_code
+
+
 def test_reference_spec_passes_the_nonce_and_the_extraction_mode(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()

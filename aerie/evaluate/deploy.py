@@ -73,13 +73,20 @@ def server_specs(
 ) -> dict[str, ServerSpec]:
     """The baseline and speculative launches (same backend, model and port; launched one at a time)."""
     return {
-        "baseline": spec_for(server, model_path=target.path, mode="serve", name=f"{server.backend}-baseline"),
+        "baseline": spec_for(
+            server,
+            model_path=target.path,
+            mode="serve",
+            name=f"{server.backend}-baseline",
+            trust_remote_code=target.trust_remote_code,
+        ),
         "speculative": spec_for(
             server,
             model_path=target.path,
             mode="serve",
             name=f"{server.backend}-eagle3",
             speculative=speculative_args(cfg, server, drafter_dir),
+            trust_remote_code=target.trust_remote_code,
         ),
     }
 

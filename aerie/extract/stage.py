@@ -268,6 +268,7 @@ def extract(
             dump_dir=dump_dir,
             clean_dump_dir=True,
             log_path=work / "logs" / f"server-s{k}-{attempt}.log",
+            trust_remote_code=target.trust_remote_code,
         )
         dump_dir.mkdir(parents=True, exist_ok=True)
 

@@ -191,8 +191,12 @@ def spec_for(
     module: str | None = None,
     extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
+    trust_remote_code: bool = False,
 ) -> ServerSpec:
     """Build the launch of the configured backend for `model_path`.
+
+    `trust_remote_code` (the target's own setting) adds `--trust-remote-code`, which both servers take:
+    a target that ships its own modelling code (Kimi) does not load without it.
 
     `mode="extract"` starts the hidden-state extraction variant: the reference server with
     `--mode extract --dump-dir`, or SGLang through `cfg.sglang_extract_module` (aerie's plugin
@@ -231,6 +235,8 @@ def spec_for(
         server_env.setdefault("no_proxy", "localhost,127.0.0.1,0.0.0.0")
         if mode == "extract" and dump is not None:
             server_env["AERIE_DUMP_DIR"] = str(dump)
+    if trust_remote_code:
+        command.append("--trust-remote-code")
     command += list(cfg.extra_args) + list(extra_args or [])
 
     if cfg.startup_timeout_s is not None:
