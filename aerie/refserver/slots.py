@@ -101,22 +101,12 @@ class SlotDecoder(BatchedDecoder):
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None,
         *,
-        eos_token_ids: Sequence[int],
-        device: str,
-        max_running: int,
-        max_prefill_tokens: int,
-        seed: int | None = None,
         graphs: GraphMode = "off",
+        **decoder_args: Any,
     ) -> None:
-        super().__init__(
-            model,
-            tokenizer,
-            eos_token_ids=eos_token_ids,
-            device=device,
-            max_running=max_running,
-            max_prefill_tokens=max_prefill_tokens,
-            seed=seed,
-        )
+        """`decoder_args` are BatchedDecoder's (eos_token_ids, device, max_running, ...)."""
+        super().__init__(model, tokenizer, **decoder_args)
+        device, max_running = self.device, self.max_running
         cfg = model.config
         self.base: Any = model.base_model  # a Llama-like decoder stack (checked by supports)
         self.num_heads = int(cfg.num_attention_heads)
