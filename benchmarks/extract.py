@@ -249,6 +249,7 @@ def pipeline(
         "bytes": f["bytes"],
         "bytes_per_token": round(f["bytes"] / f["tokens"], 2),
         "steady_tokens_per_s": f["steady_tokens_per_s"],
+        "commit_share": f.get("commit_share"),
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
     }

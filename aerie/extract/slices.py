@@ -51,6 +51,7 @@ class SliceRecord(BaseModel):
     restarts: int
     resumed_rows: int
     pump_seconds: float
+    commit_seconds: float = 0.0
     seconds: float
     canary: dict[str, Any] | None
     preflight: dict[str, Any]
@@ -63,6 +64,7 @@ class SliceRecord(BaseModel):
             restarts=self.restarts,
             resumed_rows=self.resumed_rows,
             pump_seconds=self.pump_seconds,
+            commit_seconds=self.commit_seconds,
         )
 
 
@@ -142,6 +144,7 @@ def run_slice(
         restarts=sum(r.restarts for r in results),
         resumed_rows=sum(r.resumed_rows for r in results),
         pump_seconds=max((r.pump_seconds for r in results), default=0.0),
+        commit_seconds=max((r.commit_seconds for r in results), default=0.0),
         seconds=round(time.monotonic() - began, 3),
         canary=canary.result.record() if canary.result is not None else None,
         preflight=p.preflight.record(),

@@ -425,6 +425,8 @@ def manifest_body(
             "tokens_per_s": round(fresh_tokens / seconds, 1) if seconds > 0 else None,
             # Without server starts and canaries: what the extraction itself sustains.
             "steady_tokens_per_s": round(fresh_tokens / pump, 1) if pump > 0 else None,
+            # Share of the slowest slice's extraction time spent packing shards (see SliceResult).
+            "commit_share": round(max(r.commit_seconds for r in results) / pump, 3) if pump > 0 else None,
             "server_restarts": sum(r.restarts for r in results),
             "canary_passed": canary_record is not None or fresh_tokens == 0,
         },

@@ -40,6 +40,9 @@ class SliceResult:
     restarts: int = 0
     resumed_rows: int = 0
     pump_seconds: float = 0.0  # time spent extracting, without server starts and canaries
+    # Of pump_seconds, the time spent adding samples to shards (the rest waits on the server and the
+    # dump reads): near 1 of pump_seconds means this client, not the server, sets the pace.
+    commit_seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
 
@@ -224,6 +227,7 @@ class SliceWorker:
             await client.aclose()
 
     def _commit(self, samples: list[HiddenSample], writer: ShardWriter, state: _SplitState) -> None:
+        began = time.monotonic()
         tokens = 0
         for sample in samples:
             row = state.next_row
@@ -234,6 +238,7 @@ class SliceWorker:
             tokens += sample.tokens
         self.result.tokens += tokens
         self.meter.add(tokens)
+        self.result.commit_seconds += time.monotonic() - began
 
     def _closed(self, info: ShardInfo, split: str, state: _SplitState, *, end_row: int) -> None:
         index = int(info.name.rsplit("-", 1)[1].split(".")[0])
