@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
-from prefect.testing.utilities import prefect_test_harness
 
 from aerie.corpus.config import CorpusConfig
 from aerie.errors import SchemaError
@@ -18,11 +17,8 @@ from aerie.store import LocalStore, StoreConfig
 from flows.merge import merge_corpus
 from tests.corpus_support import generated_result, msg
 
-
-@pytest.fixture(scope="module", autouse=True)
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+pytest_plugins = ("tests.prefect_support",)
+pytestmark = pytest.mark.usefixtures("prefect_harness")  # one harness for every flow module
 
 
 async def _artifacts() -> dict[str, str]:

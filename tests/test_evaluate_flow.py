@@ -8,7 +8,6 @@ import asyncio
 import pytest
 import torch
 from prefect.client.orchestration import get_client
-from prefect.testing.utilities import prefect_test_harness
 
 from aerie.evaluate.config import DeployConfig, EvaluateConfig
 from aerie.serving import ServerConfig
@@ -17,11 +16,8 @@ from flows.deploy import deploy_flow
 from flows.evaluate import evaluate_flow
 from tests.evaluate_support import corpus_result, train_result
 
-
-@pytest.fixture(scope="module", autouse=True)
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+pytest_plugins = ("tests.prefect_support",)
+pytestmark = pytest.mark.usefixtures("prefect_harness")  # one harness for every flow module
 
 
 async def _artifacts() -> dict[str, str]:

@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.testing.utilities import prefect_test_harness
 
 from aerie.errors import PreflightError
 from aerie.extract.config import ExtractConfig
@@ -18,11 +17,8 @@ from flows.extract import extract_flow
 from tests.conftest import free_port
 from tests.extract_support import corpus_rows, write_corpus
 
-
-@pytest.fixture(scope="module", autouse=True)
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+pytest_plugins = ("tests.prefect_support",)
+pytestmark = pytest.mark.usefixtures("prefect_harness")  # one harness for every flow module
 
 
 @pytest.fixture

@@ -33,7 +33,9 @@ from aerie.store import LocalStore, StoreConfig, open_store
 from flows.extract import extract_flow
 from tests.extract_support import corpus_rows, write_corpus
 from tests.test_extract_server import free_port_pair
-from tests.test_pipeline import BIN, REPO, prefect_api  # noqa: F401 - the real Prefect server fixture
+from tests.test_pipeline import BIN, REPO
+
+pytest_plugins = ("tests.prefect_support",)  # prefect_api: the real Prefect server
 
 LAYOUT = ("split", "slice", "index", "name", "first_row", "end_row", "samples", "tokens", "bytes")
 
@@ -135,7 +137,7 @@ async def _slice_runs(prefix: str) -> list:
 
 
 @pytest.mark.slow
-def test_extract_flow_fans_out_over_the_slice_deployment(prefect_api, tmp_path, smollm2):  # noqa: F811
+def test_extract_flow_fans_out_over_the_slice_deployment(prefect_api, tmp_path, smollm2):
     env = {**prefect_api["env"], "PREFECT_WORKER_QUERY_SECONDS": "2"}
 
     def cli(*args: str) -> None:

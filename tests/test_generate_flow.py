@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId
-from prefect.testing.utilities import prefect_test_harness
 
 from aerie.datasets import SourceSpec
 from aerie.errors import EndpointAuthError
@@ -21,11 +20,8 @@ from aerie.store import StoreConfig, open_store
 from flows.generate import generate_all
 from tests.fault_server import FaultServer, status
 
-
-@pytest.fixture(scope="module", autouse=True)
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+pytest_plugins = ("tests.prefect_support",)
+pytestmark = pytest.mark.usefixtures("prefect_harness")  # one harness for every flow module
 
 
 def _source(path: Path, prefix: str, n: int) -> SourceSpec:

@@ -3,26 +3,20 @@
 One tiny configuration runs every stage for real (reference server, generation, merge, extraction,
 training, evaluation, deployment benchmark); the same config again is all cache hits; a changed
 training parameter re-runs only training and what follows; a forced failure posts to a local webhook;
-and `prefect deploy` of prefect.yaml + `prefect deployment run` is executed by a process worker.
+and `prefect deploy` of prefect.yaml + `prefect deployment run` is executed by a process worker (on the
+first run's store: finished stages are cache hits there, a changed deployment benchmark runs for real).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.events.worker import EventsWorker
-from prefect.logging.handlers import APILogWorker
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from aerie.config import PipelineConfig, apply_overrides
 from aerie.presets import get_preset
@@ -30,7 +24,7 @@ from aerie.settings import get_settings
 from tests import pipeline_support
 from tests.conftest import free_port
 
-pytest_plugins = ("tests.webhook_support",)
+pytest_plugins = ("tests.prefect_support", "tests.webhook_support")
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -46,49 +40,22 @@ def tiny_config(store: Path) -> PipelineConfig:
 
 
 @pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    """A real `prefect server start` process (the worker and the CLI need a server they can reach)."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
-        time.sleep(0.5)
-    with temporary_settings({PREFECT_API_URL: url}):
-        yield {"url": url, "env": {**env, "PREFECT_API_URL": url}}
-        # Flush Prefect's log and event workers while this server still answers: left bound to a dead
-        # server, they make the next module's prefect_test_harness hang in its own drain at teardown.
-        APILogWorker.drain_all()
-        EventsWorker.drain_all()
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
-    log.close()
+def pipeline_store(tmp_path_factory) -> Path:
+    """The store of the full in-process run, shared with the worker's run: the worker's run then
+    finds the upstream stages finished (as a re-run on another machine would) and runs for real only
+    the stage its parameters change (deploy: two reference servers from the worker's flow run). Run
+    alone, the worker's test still passes, running every stage."""
+    return tmp_path_factory.mktemp("pipeline") / "artifacts"
 
 
 def _by_stage(results) -> dict:
     return {r.stage: r for r in results}
 
 
-def test_pipeline_runs_every_stage_caches_and_reruns_only_what_changed(prefect_api, tmp_path):
+def test_pipeline_runs_every_stage_caches_and_reruns_only_what_changed(prefect_api, pipeline_store):
     from flows.pipeline import eagle3_pipeline
 
-    cfg = tiny_config(tmp_path / "artifacts")
+    cfg = tiny_config(pipeline_store)
     first = _by_stage(eagle3_pipeline(config=cfg))
     assert list(first) == STAGES
     assert not any(r.cache_hit for r in first.values())
@@ -107,10 +74,15 @@ def test_pipeline_runs_every_stage_caches_and_reruns_only_what_changed(prefect_a
 
 
 def test_failure_posts_to_the_webhook(prefect_api, tmp_path, webhook, monkeypatch):
+    import flows.generate
     from flows.pipeline import eagle3_pipeline
 
     url, received = webhook
     monkeypatch.setenv("AERIE_WEBHOOK_URL", url)
+    # The missing source is retried like transient trouble (30 s + 120 s apart in production); the
+    # same retries without the waits keep this test about the failure and its webhook post.
+    task = flows.generate.generate_task
+    monkeypatch.setattr(flows.generate, "generate_task", task.with_options(retry_delay_seconds=0))
     get_settings.cache_clear()
     missing = tmp_path / "no-such-prompts.jsonl"
     cfg = apply_overrides(
@@ -127,7 +99,7 @@ def test_failure_posts_to_the_webhook(prefect_api, tmp_path, webhook, monkeypatc
     assert all(url not in t for t in texts)
 
 
-def test_prefect_deploy_and_a_worker_runs_the_deployment(prefect_api, tmp_path):
+def test_prefect_deploy_and_a_worker_runs_the_deployment(prefect_api, pipeline_store):
     env = {**prefect_api["env"], "PREFECT_API_URL": prefect_api["url"]}
     prefect = str(BIN / "prefect")
 
@@ -140,7 +112,9 @@ def test_prefect_deploy_and_a_worker_runs_the_deployment(prefect_api, tmp_path):
 
     cli("work-pool", "create", "aerie-local", "--type", "process", "--overwrite")
     cli("--no-prompt", "deploy", "--name", "local")
-    params = {"preset": "smollm2-local", "overrides": tiny_overrides(tmp_path / "artifacts")}
+    # Another deployment benchmark than the in-process run's: the worker's flow run does real work.
+    overrides = [*tiny_overrides(pipeline_store), "deploy.num_prompts=3"]
+    params = {"preset": "smollm2-local", "overrides": overrides}
     out = cli("deployment", "run", "eagle3-pipeline/local", "--params", json.dumps(params))
     flow_run_id = next(w for line in out.splitlines() if "UUID" in line for w in line.split() if len(w) == 36)
     worker = subprocess.run(

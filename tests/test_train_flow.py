@@ -8,18 +8,14 @@ import asyncio
 import pytest
 import torch
 from prefect.client.orchestration import get_client
-from prefect.testing.utilities import prefect_test_harness
 
 from aerie.store import StoreConfig
 from aerie.train.config import TrainConfig
 from flows.train import train_flow
 from tests.train_support import make_samples, make_upstream, tiny_target
 
-
-@pytest.fixture(scope="module", autouse=True)
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+pytest_plugins = ("tests.prefect_support",)
+pytestmark = pytest.mark.usefixtures("prefect_harness")  # one harness for every flow module
 
 
 async def _artifacts() -> dict[str, str]:
