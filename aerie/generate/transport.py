@@ -52,6 +52,11 @@ class _Connection(asyncio.Protocol):
         self._until_close = False
         self._body = bytearray()
 
+    @property
+    def response_started(self) -> bool:
+        """Whether any byte of the current response arrived (then a retry could repeat its effect)."""
+        return self._head is not None or bool(self._buffer.strip())
+
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -258,11 +263,12 @@ class Http11Transport(httpx.AsyncBaseTransport):
                     status, reason, headers, content, keep_alive = await conn.roundtrip(
                         payload, timeouts.get("read")
                     )
-                except httpx.RemoteProtocolError:
-                    if idle is None:
+                except (httpx.RemoteProtocolError, httpx.ReadError):
+                    if idle is None or conn.response_started:
                         raise
                     # A reused keep-alive connection the server closed while our request was on its
-                    # way (its FIN had not arrived when the pool checked it): once more on a new one.
+                    # way (its FIN, or its RST when our bytes reached a closed socket, had not arrived
+                    # when the pool checked it), before any byte of an answer: once more on a new one.
                     conn.close()
                     conn = await self._connect(request, origin, timeouts.get("connect"))
                     status, reason, headers, content, keep_alive = await conn.roundtrip(
