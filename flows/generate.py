@@ -23,7 +23,7 @@ from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 from prefect.context import TaskRunContext
 
-from aerie.errors import ConfigError, EndpointAuthError, EndpointError, EndpointRequestError
+from aerie.errors import ConfigError, DataError, EndpointAuthError, EndpointError, EndpointRequestError
 from aerie.generate import stage as generate_stage
 from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.manifest import StageResult, canonical_json
@@ -31,12 +31,13 @@ from aerie.store import StoreConfig, open_store
 from flows.reporting import artifact_key, notify_failure, prefect_progress, stage_table
 from flows.stagecache import run_cached
 
-NOT_RETRIED = (EndpointAuthError, EndpointRequestError, ConfigError)
+# A missing or malformed source fails the same way on every attempt (DataError covers both).
+NOT_RETRIED = (EndpointAuthError, EndpointRequestError, ConfigError, DataError)
 
 
 def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
     """Retry transient trouble (an outage that exhausted the request retries, a full failure budget);
-    never a rejected key or request, which fails the same way again."""
+    never a rejected key or request, a bad config or bad source data, which fail the same way again."""
     try:
         state.result()
     except NOT_RETRIED:

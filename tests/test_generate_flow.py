@@ -13,7 +13,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId
 
 from aerie.datasets import SourceSpec
-from aerie.errors import EndpointAuthError
+from aerie.errors import EndpointAuthError, EndpointError, SchemaError, SourceNotFoundError
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
 from aerie.generate.output import read_conversations
 from aerie.store import StoreConfig, open_store
@@ -94,3 +94,29 @@ def test_rejected_key_fails_without_retry_and_spares_the_other_dataset(tmp_path:
         assert len(beta) == 1  # stopped at the first 401: no request retry, no task retry
         alpha = open_store(store_cfg).list("flow-auth/generate-alpha")
         assert any(key.endswith("/manifest.json") for key in alpha)
+
+
+class _FailedWith:
+    """A task state whose result raises `exc` (what Prefect hands a retry condition)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def result(self) -> None:
+        raise self.exc
+
+
+@pytest.mark.parametrize(
+    ("exc", "retried"),
+    [
+        (SourceNotFoundError("prompts.jsonl: no such file"), False),
+        (SchemaError("prompts.jsonl line 3: no 'messages' field"), False),
+        (EndpointAuthError("401: bad key"), False),
+        (EndpointError("the endpoint stayed down through every request retry"), True),
+        (OSError("connection reset"), True),
+    ],
+)
+def test_only_transient_failures_are_retried(exc: Exception, retried: bool) -> None:
+    from flows.generate import _worth_retrying
+
+    assert _worth_retrying(None, None, _FailedWith(exc)) is retried

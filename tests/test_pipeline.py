@@ -79,8 +79,8 @@ def test_failure_posts_to_the_webhook(prefect_api, tmp_path, webhook, monkeypatc
 
     url, received = webhook
     monkeypatch.setenv("AERIE_WEBHOOK_URL", url)
-    # The missing source is retried like transient trouble (30 s + 120 s apart in production); the
-    # same retries without the waits keep this test about the failure and its webhook post.
+    # A missing source is not retried (it would fail the same way 30 s and 120 s later), but should
+    # that rule regress, waits of 0 keep this test about the failure and its webhook post.
     task = flows.generate.generate_task
     monkeypatch.setattr(flows.generate, "generate_task", task.with_options(retry_delay_seconds=0))
     get_settings.cache_clear()
