@@ -124,7 +124,26 @@ def main() -> None:
         attention = packed.choose_backend(lambda: capture.forward_pack(probe)[1])
     lo_p, hi_p = map(int, args.prompt_len.split(","))
     lo_n, hi_n = map(int, args.new_tokens.split(","))
-    runs = []
+    machine = f"{platform.node()} {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
+    if args.device == "cuda":
+        machine += f", {torch.cuda.get_device_name()}"
+    runs: list[dict[str, Any]] = []
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine,
+        "command": " ".join(["python", *sys.argv]),
+        "complete": False,  # rewritten after every run: a run cut short by a timeout keeps what it measured
+        "figures": {
+            "model": "SmolLM2-135M-Instruct",
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "packed_prefill_attention": attention,
+            "attention_fallback_reason": packed.backend_reason(),
+            "prompt_len": [lo_p, hi_p],
+            "new_tokens": [lo_n, hi_n],
+            "runs": runs,
+        },
+    }
+    out = ROOT / "benchmarks" / "results" / f"decode-{args.device}.json"
     for concurrency in map(int, args.concurrency.split(",")):
         requests = make_requests(
             concurrency * args.requests_per_slot, loaded.vocab_size, (lo_p, hi_p), (lo_n, hi_n)
@@ -141,35 +160,23 @@ def main() -> None:
                 seed=0,
                 **extra,
             )
-            drive(decoder, requests[: max(2, concurrency // 4)], 30.0, loaded.device)  # warm-up
+            warm = requests[: max(2, concurrency // 4)]
+            drive(decoder, warm, min(30.0, args.budget_s), loaded.device)
             run = {
                 "backend": name,
                 "concurrency": concurrency,
                 **drive(decoder, requests, args.budget_s, loaded.device),
             }
+            graphs = getattr(decoder, "graphs", None)
+            if graphs is not None and graphs.capture:
+                run["graphs_captured"], run["graphs_disabled"] = len(graphs.graphs), graphs.disabled
             print(json.dumps(run), flush=True)
             runs.append(run)
+            out.write_text(json.dumps(result, indent=2) + "\n")
             del decoder
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    machine = f"{platform.node()} {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
-    if args.device == "cuda":
-        machine += f", {torch.cuda.get_device_name()}"
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine,
-        "command": " ".join(["python", *sys.argv]),
-        "figures": {
-            "model": "SmolLM2-135M-Instruct",
-            "dtype": str(loaded.dtype).removeprefix("torch."),
-            "packed_prefill_attention": attention,
-            "attention_fallback_reason": packed.backend_reason(),
-            "prompt_len": [lo_p, hi_p],
-            "new_tokens": [lo_n, hi_n],
-            "runs": runs,
-        },
-    }
-    out = ROOT / "benchmarks" / "results" / f"decode-{args.device}.json"
+    result["complete"] = True
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

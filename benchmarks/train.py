@@ -287,42 +287,16 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
 
     peak, peak_source = peak_flops(args.device)
-    runs: list[dict[str, Any]] = []
-    failures: list[dict[str, Any]] = []
-    for name in configs:
-        cfg = draft_config(CONFIGS[name])
-        for tokens in sizes:
-            runs.append(aerie_step(name, cfg, tokens, args))
-            print(json.dumps(runs[-1]), flush=True)
-            release(args.device)
-        if args.specforge_path:
-            if not cuda:
-                print("SpecForge's step needs triton + CUDA: skipped on cpu", file=sys.stderr)
-            else:
-                try:
-                    runs.append(specforge_step(name, cfg, args))
-                except Exception as exc:  # noqa: BLE001 - a broken peer must not lose aerie's figures
-                    failures.append({"system": "specforge-0.2.0", "config": name, "error": repr(exc)[:500]})
-                    print(json.dumps(failures[-1]), flush=True)
-                    release(args.device)
-                    continue
-                print(json.dumps(runs[-1]), flush=True)
-                release(args.device)
-    for run in runs:
-        run["mfu"] = round(run["model_tflops_per_s"] * 1e12 / peak, 4) if math.isfinite(peak) else None
-    for name in configs:
-        sf = next((r for r in runs if r["config"] == name and r["system"] != "aerie"), None)
-        if sf:
-            for r in runs:
-                if r["config"] == name and r["system"] == "aerie":
-                    r["speedup_vs_specforge"] = round(r["tokens_per_s"] / sf["tokens_per_s"], 2)
     machine = f"{platform.node()} {platform.machine()} {psutil.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}"
     if cuda:
         machine += f", {torch.cuda.get_device_name()}"
+    runs: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "complete": False,  # rewritten after every step measured: a cut-short run keeps its figures
         "figures": {
             "seq_len": args.seq_len,
             "ttt_length": args.ttt,
@@ -336,8 +310,42 @@ def main() -> None:
     }
     out = RESULTS / f"train-{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+
+    def measure(system: str, name: str, tokens: int, step: Any) -> None:
+        """One measurement; a failure (out of memory, a broken peer) is recorded, not fatal."""
+        try:
+            run = step()
+        except Exception as exc:  # noqa: BLE001 - one failed size must not lose the other figures
+            failures.append(
+                {"system": system, "config": name, "batch_tokens": tokens, "error": repr(exc)[:500]}
+            )
+            print(json.dumps(failures[-1]), flush=True)
+        else:
+            run["mfu"] = round(run["model_tflops_per_s"] * 1e12 / peak, 4) if math.isfinite(peak) else None
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+        release(args.device)
+        _compare_with_specforge(runs)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    for name in configs:
+        cfg = draft_config(CONFIGS[name])
+        for tokens in sizes:
+            measure("aerie", name, tokens, lambda: aerie_step(name, cfg, tokens, args))  # noqa: B023
+        if args.specforge_path and not cuda:
+            print("SpecForge's step needs triton + CUDA: skipped on cpu", file=sys.stderr)
+        elif args.specforge_path:
+            measure("specforge-0.2.0", name, args.seq_len, lambda: specforge_step(name, cfg, args))  # noqa: B023
+    result["complete"] = True
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+
+
+def _compare_with_specforge(runs: list[dict[str, Any]]) -> None:
+    for sf in (r for r in runs if r["system"] != "aerie"):
+        for r in runs:
+            if r["config"] == sf["config"] and r["system"] == "aerie":
+                r["speedup_vs_specforge"] = round(r["tokens_per_s"] / sf["tokens_per_s"], 2)
 
 
 if __name__ == "__main__":
