@@ -265,6 +265,25 @@ def match_server_threads(device: str) -> int:
     return torch.get_num_threads()
 
 
+def save(figures: dict[str, Any], args: argparse.Namespace, *, complete: bool) -> None:
+    """Write the record; called after every part, so a run cut short keeps what it measured."""
+    gpu = args.device.startswith("cuda")
+    name = "extract.json" if args.device == "cpu" else f"extract-{args.device.replace(':', '')}.json"
+    gpu_name = f", {torch.cuda.get_device_name()}" if gpu else ""
+    record = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node() and 'vm'} {platform.machine()} {os.cpu_count()} CPUs{gpu_name}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, load avg {os.getloadavg()[0]:.1f}",
+        "command": "python benchmarks/extract.py " + " ".join(sys.argv[1:]),
+        "complete": complete,
+        "figures": figures,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / name).write_text(json.dumps(record, indent=2) + "\n")
+    if complete:
+        print(f"wrote {RESULTS / name}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -311,12 +330,15 @@ def main() -> None:
     }
     figures["bare_forward"] = bare_forward(target, args.device, sequences, pack_tokens)
     print("bare forward:", figures["bare_forward"], flush=True)
+    save(figures, args, complete=False)
     figures["storage_write"] = storage_write(work, args.shard_mb, target.hidden_size)
     print("storage write:", figures["storage_write"], flush=True)
+    save(figures, args, complete=False)
     figures["baseline_one_sample_one_file"] = baseline_one_by_one(
         target, args.device, sequences[: args.baseline_samples], work
     )
     print("baseline:", figures["baseline_one_sample_one_file"], flush=True)
+    save(figures, args, complete=False)
 
     store = LocalStore(work / "store")
     corpus = write_corpus(store, sequences, work)
@@ -329,6 +351,7 @@ def main() -> None:
     for storage in args.storages.split(","):
         figures["pipeline"][storage] = pipeline(target, args.device, store, corpus, work, storage, args)
         print(f"pipeline {storage}:", figures["pipeline"][storage], flush=True)
+        save(figures, args, complete=False)
         # The load of a shared machine changes while the pipelines run: measure the forward again after
         # each and keep the best, so the roofline is not understated.
         remeasured.append(bare_forward(target, args.device, sequences, [best_pack])["best_tokens_per_s"])
@@ -345,19 +368,7 @@ def main() -> None:
             figures["pipeline"]["fp8"]["bytes"] / figures["pipeline"]["bf16"]["bytes"], 4
         )
 
-    load = os.getloadavg()[0]
-    name = "extract.json" if args.device == "cpu" else f"extract-{args.device.replace(':', '')}.json"
-    gpu_name = f", {torch.cuda.get_device_name()}" if gpu else ""
-    record = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node() and 'vm'} {platform.machine()} {os.cpu_count()} CPUs{gpu_name}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}, load avg {load:.1f}",
-        "command": "python benchmarks/extract.py " + " ".join(sys.argv[1:]),
-        "figures": figures,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / name).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {RESULTS / name}")
+    save(figures, args, complete=True)
 
 
 if __name__ == "__main__":
