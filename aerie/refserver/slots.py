@@ -2,8 +2,9 @@
 
 Why it exists: `BatchedDecoder` keeps transformers' DynamicCache, which copies every layer's whole
 cache when a request joins (left pad + concatenate) or leaves (index select), and grows it by
-concatenation at every step. With 256 requests running on an H200 those copies, not the model, set
-the speed of the capstone's generation (~1.5K tokens/s). Here:
+concatenation at every step. (The capstone's generation on an H200, ~1.5K tokens/s, was mostly lost
+to cuDNN attention plans, since kept off: `aerie.targets.avoid_cudnn_attention`; the copies and the
+per-admission cost came next.) Here:
 
 - each layer owns K/V buffers `[rows, kv_heads, length, head_dim]`, grown by doubling (rarely);
 - a running request owns a row, and the running rows are always `0..B-1`: when requests finish,
