@@ -8,6 +8,8 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
   many samples concatenated into one row, segment-causal attention, no padding) on full packs of
   `--pack-tokens` tokens, no HTTP, no disk. The best pack size counts;
 - storage write: safetensors files of shard size (`--shard-mb`) written to the work dir with fsync;
+- dump roundtrip: the per-sample dump files alone (write as the server does, read as the client does),
+  in tmpfs and in the work dir, one thread;
 - baseline: the peers' offline style, one sample per forward and one file per sample;
 - pipeline: the real extraction stage (reference server process, /generate batches, dump files,
   shard packing, verified upload into a local store) over the same corpus, per storage dtype, in
@@ -208,6 +210,49 @@ def storage_write(work: Path, shard_mb: int, hidden: int, repeat: int = 3) -> di
     return out
 
 
+def dump_roundtrip(
+    work: Path, hidden: int, samples: int = 64, tokens_per_sample: int = 700
+) -> dict[str, Any]:
+    """The per-sample dump path alone, single-threaded: the server's `write_dump` (serialize, fsync,
+    rename) then the client's `read_dump` + unlink, in tmpfs and in the work dir. Each pipeline token
+    crosses it once, so its rate bounds the pipeline from above."""
+    from aerie.refserver.dump import write_dump
+    from aerie.refserver.extraction import Capture
+    from aerie.sglang_plugin.dumps import read_dump
+
+    caps = [
+        Capture(
+            torch.zeros(tokens_per_sample, dtype=torch.int32),
+            torch.randn(tokens_per_sample, 3 * hidden).to(torch.bfloat16),
+            torch.randn(tokens_per_sample, hidden).to(torch.bfloat16),
+        )
+        for _ in range(4)
+    ]
+    out: dict[str, Any] = {"tokens_per_sample": tokens_per_sample}
+    places = {"work_dir": work / "dumps-bench", "tmpfs": Path("/dev/shm") / f"aerie-bench-{os.getpid()}"}
+    for where, folder in places.items():
+        if where == "tmpfs" and not Path("/dev/shm").is_dir():
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            began = time.perf_counter()
+            for i in range(samples):
+                write_dump(folder, f"r{i}", caps[i % len(caps)])
+            written = time.perf_counter() - began
+            began = time.perf_counter()
+            for i in range(samples):
+                path = folder / f"r{i}.safetensors"
+                read_dump(path)
+                path.unlink()
+            read = time.perf_counter() - began
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        tokens = samples * tokens_per_sample
+        out[f"{where}_write_tokens_per_s"] = round(tokens / written, 1)
+        out[f"{where}_read_tokens_per_s"] = round(tokens / read, 1)
+    return out
+
+
 def pipeline(
     target: TargetInfo,
     device: str,
@@ -333,6 +378,9 @@ def main() -> None:
     save(figures, args, complete=False)
     figures["storage_write"] = storage_write(work, args.shard_mb, target.hidden_size)
     print("storage write:", figures["storage_write"], flush=True)
+    save(figures, args, complete=False)
+    figures["dump_roundtrip"] = dump_roundtrip(work, target.hidden_size)
+    print("dump roundtrip:", figures["dump_roundtrip"], flush=True)
     save(figures, args, complete=False)
     figures["baseline_one_sample_one_file"] = baseline_one_by_one(
         target, args.device, sequences[: args.baseline_samples], work
