@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from aerie.refserver import packed  # noqa: E402
+from aerie.refserver.extraction import HiddenStateCapture  # noqa: E402
 from aerie.refserver.generation import BatchedDecoder, GenRequest, SamplingParams  # noqa: E402
 from aerie.refserver.loader import load_model  # noqa: E402
 from aerie.refserver.slots import SlotDecoder  # noqa: E402
@@ -116,12 +117,7 @@ def main() -> None:
     packed.register()
     target = resolve_target("smollm2-135m-instruct")
     loaded = load_model(target.path, args.device, args.dtype, skip_tokenizer=True)
-    probe = packed.make_pack([list(range(10, 40)), list(range(50, 60))], loaded.device)
-    from aerie.refserver.extraction import HiddenStateCapture
-
-    capture = HiddenStateCapture(loaded.model, (2,), loaded.device)
-    with torch.inference_mode():
-        attention = packed.choose_backend(lambda: capture.forward_pack(probe)[1])
+    attention = HiddenStateCapture(loaded.model, (2,), loaded.device).choose_attention()
     lo_p, hi_p = map(int, args.prompt_len.split(","))
     lo_n, hi_n = map(int, args.new_tokens.split(","))
     machine = f"{platform.node()} {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"

@@ -32,11 +32,12 @@ from aerie.extract import slices
 from aerie.extract import stage as extract_stage
 from aerie.extract.config import ExtractConfig
 from aerie.extract.preflight import human_bytes
-from aerie.manifest import StageDir, StageResult
+from aerie.manifest import StageResult
 from aerie.serving.config import ServerConfig
 from aerie.store import ArtifactStore, StoreConfig, open_store
 from aerie.targets import TargetInfo
 from flows.reporting import artifact_key, notify_failure, prefect_progress, stage_table
+from flows.retrying import retry_unless
 from flows.stagecache import run_cached, stage_cache_key
 
 SLICE_POLL_S = 5.0  # how often the parent looks at its slice runs
@@ -54,8 +55,7 @@ def preflight_task(
     """Corpus token counts and free disk; raises PreflightError (never retried) when short. Nothing to
     check when the stage already completed."""
     store = open_store(store_cfg)
-    key = extract_stage.extract_key(cfg, server, target, corpus)
-    if StageDir(store, run_name, extract_stage.STAGE, key).manifest() is not None:
+    if extract_stage.stage_dir(cfg, store, run_name, target, corpus, server).manifest() is not None:
         return {"cached": True, "tokens": 0, "filesystems": []}
     plan = extract_stage.plan(
         cfg, store=store, run_name=run_name, target=target, corpus=corpus, server=server
@@ -136,9 +136,8 @@ def slice_target_task(target: TargetInfo) -> TargetInfo:
     return slices.local_target(target)
 
 
-def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
-    """A dead server or a store hiccup may pass in 30 s; a disk shortage or a bad config does not."""
-    return not isinstance(state.data, PreflightError | ConfigError)
+# A dead server or a store hiccup may pass in 30 s; a disk shortage or a bad config does not.
+_worth_retrying = retry_unless(PreflightError, ConfigError)
 
 
 @task(
@@ -219,8 +218,9 @@ def assemble_task(
 
 def _fan_out(cfg: ExtractConfig, store: ArtifactStore, params: dict[str, Any]) -> StageResult:
     """Run every unfinished slice through `cfg.slice_deployment` at once, wait, then assemble."""
-    key = extract_stage.extract_key(cfg, params["server"], params["target"], params["corpus"])
-    stage = StageDir(store, params["run_name"], extract_stage.STAGE, key)
+    stage = extract_stage.stage_dir(
+        cfg, store, params["run_name"], params["target"], params["corpus"], params["server"]
+    )
     cached = stage.cached_result()
     if cached is not None:
         return cached

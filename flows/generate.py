@@ -29,22 +29,16 @@ from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.manifest import StageResult, canonical_json
 from aerie.store import StoreConfig, open_store
 from flows.reporting import artifact_key, notify_failure, prefect_progress, stage_table
+from flows.retrying import retry_unless
 from flows.stagecache import run_cached
 
 # A missing or malformed source fails the same way on every attempt (DataError covers both).
 NOT_RETRIED = (EndpointAuthError, EndpointRequestError, ConfigError, DataError)
 
 
-def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry transient trouble (an outage that exhausted the request retries, a full failure budget);
-    never a rejected key or request, a bad config or bad source data, which fail the same way again."""
-    try:
-        state.result()
-    except NOT_RETRIED:
-        return False
-    except Exception:
-        return True
-    return True
+# Retry transient trouble (an outage that exhausted the request retries, a full failure budget); never
+# a rejected key or request, a bad config or bad source data, which fail the same way again.
+_worth_retrying = retry_unless(*NOT_RETRIED)
 
 
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:

@@ -30,17 +30,10 @@ from aerie.manifest import StageResult, canonical_json, load_manifest
 from aerie.store import StoreConfig, open_store
 from aerie.targets import TargetInfo
 from flows.reporting import artifact_key, image_artifact, notify_failure, prefect_progress, stage_table
+from flows.retrying import retry_unless
 from flows.stagecache import run_cached
 
-
-def _worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
-    try:
-        state.result()
-    except (DataError, ConfigError):
-        return False
-    except Exception:
-        return True
-    return True
+_worth_retrying = retry_unless(DataError, ConfigError)
 
 
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:

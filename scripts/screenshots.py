@@ -13,85 +13,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the shared tiny configuration lives in tests/pipeline_support.py
 from tests import pipeline_support  # noqa: E402
+from tests.processes import free_port, prefect_server, stop  # noqa: E402
 
-BIN = Path(sys.executable).parent
 RUN_NAME = "screenshots"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tiny_overrides(store: Path) -> list[str]:
     """The test suite's tiny pipeline: every stage runs for real, in minutes."""
     return pipeline_support.tiny_overrides(store, run=RUN_NAME, port=free_port())
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a process group this script started (its own session), by pid only."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-@contextlib.contextmanager
-def prefect_server(home: Path) -> Iterator[str]:
-    """A `prefect server start` with its UI, yielding its base URL once /api/health answers."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_API_URL": f"{base}/api",
-    }
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/api/health", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"Prefect server did not come up; see {home / 'server.log'}")
-            time.sleep(1)
-        yield base
-    finally:
-        stop(proc)
-        log.close()
 
 
 def run_pipeline(base: str, home: Path, store: Path) -> None:
@@ -186,7 +125,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="aerie-screens-") as tmp:
         home, store = Path(tmp) / "prefect", Path(tmp) / "store"
         home.mkdir()
-        with prefect_server(home) as base:
+        with prefect_server(home, ui=True) as (base, _env):
             run_pipeline(base, home, store)
             pages = asyncio.run(find_pages(base))
             for name, url in pages.items():

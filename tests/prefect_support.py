@@ -17,25 +17,16 @@ itself (`prefect_server_process`) is started once per session.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.testing.utilities import prefect_test_harness
 
-from tests.conftest import free_port
-
-BIN = Path(sys.executable).parent
+from tests.processes import prefect_server
 
 
 @pytest.fixture(scope="session")
@@ -47,36 +38,9 @@ def prefect_harness() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def prefect_server_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Start `prefect server start` and wait for /health; yields its API URL and environment."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    log = open(home / "server.log", "wb")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}"
-                )
-            time.sleep(0.5)
+    with prefect_server(tmp_path_factory.mktemp("prefect-home")) as (base, env):
+        url = f"{base}/api"
         yield {"url": url, "env": {**env, "PREFECT_API_URL": url}}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from aerie.errors import ConfigError, ExtractionError, ObjectNotFoundError, StoreError, TargetError
+from aerie.errors import ConfigError, ExtractionError, StoreError, TargetError
 from aerie.extract import stage as extract_stage
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import SplitFiles, open_split
@@ -79,23 +79,8 @@ def read_record(stage: StageDir, slice_index: int, num_slices: int) -> SliceReco
         return SliceRecord.model_validate_json(
             stage.store.get_bytes(stage.path(record_name(slice_index, num_slices)))
         )
-    except ObjectNotFoundError:
+    except (StoreError, ValidationError, ValueError):  # ObjectNotFoundError is a StoreError
         return None
-    except (StoreError, ValidationError, ValueError):
-        return None
-
-
-def _stage(
-    cfg: ExtractConfig,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
-    corpus: StageResult,
-    server: ServerConfig,
-) -> StageDir:
-    return StageDir(
-        store, run_name, extract_stage.STAGE, extract_stage.extract_key(cfg, server, target, corpus)
-    )
 
 
 def run_slice(
@@ -114,7 +99,7 @@ def run_slice(
     n = cfg.num_slices
     if not 0 <= slice_index < n:
         raise ConfigError(f"extract slice index {slice_index} is outside 0..{n - 1} (extract.num_slices={n})")
-    stage = _stage(cfg, store, run_name, target, corpus, server)
+    stage = extract_stage.stage_dir(cfg, store, run_name, target, corpus, server)
     done = read_record(stage, slice_index, n)
     if done is not None:
         progress(1.0, f"slice {slice_index} of {n}: already done")
@@ -185,7 +170,7 @@ def assemble(
 ) -> StageResult:
     """Write the stage manifest from the slice records (`SliceMissingError` naming the unfinished
     slices; `ExtractionError` unless the shards hold exactly the corpus). A cache hit once written."""
-    stage = _stage(cfg, store, run_name, target, corpus, server)
+    stage = extract_stage.stage_dir(cfg, store, run_name, target, corpus, server)
     cached = stage.cached_result()
     if cached is not None:
         progress(1.0, "cached")

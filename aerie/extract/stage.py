@@ -65,6 +65,18 @@ def extract_key(cfg: ExtractConfig, server: ServerConfig, target: TargetInfo, co
     return stage_key(STAGE, config, [corpus.manifest_sha256])
 
 
+def stage_dir(
+    cfg: ExtractConfig,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    corpus: StageResult,
+    server: ServerConfig,
+) -> StageDir:
+    """Where this extraction's manifest, shards, progress and slice records live in the store."""
+    return StageDir(store, run_name, STAGE, extract_key(cfg, server, target, corpus))
+
+
 def total_servers(cfg: ExtractConfig) -> int:
     return cfg.num_servers * cfg.num_slices
 
@@ -151,9 +163,8 @@ def plan(
 ) -> Plan:
     """Read the corpus counts and the resume state, and run the disk preflight (`PreflightError`).
     `slice_index` plans one slice of a multi-host run (its own progress object and dump root)."""
-    key = extract_key(cfg, server, target, corpus)
-    stage = StageDir(store, run_name, STAGE, key)
-    work = work_dir(cfg, run_name, key)
+    stage = stage_dir(cfg, store, run_name, target, corpus, server)
+    work = work_dir(cfg, run_name, stage.key)
     work.mkdir(parents=True, exist_ok=True)
     splits: dict[str, SplitFiles] = {
         s: open_split(store, corpus.prefix, s, work / "corpus") for s in cfg.splits
@@ -168,7 +179,7 @@ def plan(
     tokens = _tokens_estimate(splits, bounds)
     progress_file = ProgressFile(store, stage.path(progress_key(slice_index, cfg.num_slices)))
     # Slices sharing a host (and its tmpfs) must not remove each other's dumps when they finish.
-    dump_key = key if slice_index is None else f"{key}-slice{slice_index}"
+    dump_key = stage.key if slice_index is None else f"{stage.key}-slice{slice_index}"
     dumps = _dump_root(cfg, run_name, dump_key, work, target.hidden_size)
     # What is already uploaded (resume) does not need disk again.
     report = disk.estimate(
@@ -204,7 +215,7 @@ def run(
     server: ServerConfig,
     progress: ProgressFn = no_progress,
 ) -> StageResult:
-    stage = StageDir(store, run_name, STAGE, extract_key(cfg, server, target, corpus))
+    stage = stage_dir(cfg, store, run_name, target, corpus, server)
     cached = stage.cached_result()
     if cached is not None:
         progress(1.0, "cached")

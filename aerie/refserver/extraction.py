@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aerie.refserver.packed import Pack, make_pack, packed_attention
+from aerie.refserver.packed import Pack, choose_backend, make_pack, packed_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -65,6 +65,13 @@ class HiddenStateCapture:
                 h.remove()
         aux = torch.cat([captured[i][0] for i in self.aux_layers], dim=-1)
         return aux, out.last_hidden_state[0]
+
+    def choose_attention(self) -> str:
+        """Pick the packed-prefill kernel on a probe of two sequences (`packed.choose_backend`: the
+        fused varlen kernel only where it runs and agrees with the per-sequence loop)."""
+        pack = make_pack([list(range(10, 30)), list(range(40, 47))], self.device)
+        with torch.inference_mode():
+            return choose_backend(lambda: self.forward_pack(pack)[1])
 
     def capture(self, sequences: Sequence[Sequence[int]]) -> list[Capture]:
         """Prefill the sequences in one packed forward and split the states per sequence."""

@@ -17,6 +17,7 @@ want: the segment boundaries are the mask. Generation keeps using SDPA with its 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -80,15 +81,9 @@ def _varlen(
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
-    params = _varlen_params(varlen_attn)
-    extra: dict[str, Any] = {}
-    # The API moved between torch releases: 2.10 takes is_causal, later ones a (left, right) window;
-    # grouped-query heads are only accepted natively by the newer ones.
-    if "window_size" in params:
-        extra["window_size"] = (-1, 0)
-    else:
-        extra["is_causal"] = True
-    if "enable_gqa" in params:
+    causal, native_gqa = _varlen_api()
+    extra: dict[str, Any] = dict(causal)
+    if native_gqa:
         extra["enable_gqa"] = True
     elif k.shape[1] != q.shape[1]:
         groups = q.shape[1] // k.shape[1]
@@ -99,10 +94,18 @@ def _varlen(
     return out.unsqueeze(0)
 
 
-def _varlen_params(fn: Any) -> frozenset[str]:
+@functools.cache
+def _varlen_api() -> tuple[dict[str, Any], bool]:
+    """(the causal keyword, whether grouped-query heads are native) of the installed torch, read once:
+    the API moved between releases (2.10 takes is_causal, later ones a (left, right) window; only the
+    newer ones take enable_gqa)."""
     import inspect
 
-    return frozenset(inspect.signature(fn).parameters)
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return causal, "enable_gqa" in params
 
 
 def register() -> None:

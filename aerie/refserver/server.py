@@ -110,7 +110,9 @@ def _start(args: RefServerArgs) -> Any:
     _log_memory_plan(args, loaded)
     capture = HiddenStateCapture(loaded.model, aux, loaded.device) if args.mode == "extract" else None
     # Packed prefill serves extraction and the slot decoder's admissions alike.
-    backend_name = _choose_attention(capture or HiddenStateCapture(loaded.model, aux, loaded.device))
+    backend_name = (capture or HiddenStateCapture(loaded.model, aux, loaded.device)).choose_attention()
+    reason = packed.backend_reason()
+    logger.info(f"Packed prefill attention: {backend_name}" + (f" ({reason})" if reason else ""))
     scheduler = Scheduler(
         build_backend(args, loaded),
         capture,
@@ -185,20 +187,6 @@ def _log_memory_plan(args: RefServerArgs, loaded: Any) -> None:
         f"max_prefill_tokens={args.max_batch_tokens}, max_running_requests={args.max_running_requests}, "
         f"context_len={loaded.context_len}, available_gpu_mem={avail_mem_gb(loaded.device):.2f} GB"
     )
-
-
-def _choose_attention(capture: Any) -> str:
-    """Pick the packed-prefill kernel on a probe of two sequences (fused varlen only where it agrees)."""
-    import torch
-
-    from aerie.refserver import packed
-
-    pack = packed.make_pack([list(range(10, 30)), list(range(40, 47))], capture.device)
-    with torch.inference_mode():
-        name = packed.choose_backend(lambda: capture.forward_pack(pack)[1])
-    reason = packed.backend_reason()
-    logger.info(f"Packed prefill attention: {name}" + (f" ({reason})" if reason else ""))
-    return name
 
 
 # -- serving ------------------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""Processes the tests and `scripts/screenshots.py` start: free ports, process groups, a Prefect server.
+
+Free of pytest on purpose, so the screenshot script can use it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process started in its own session (`start_new_session=True`), with its children."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def prefect_server(
+    home: Path, *, ui: bool = False, timeout_s: float = 180
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """`prefect server start` on a free port of 127.0.0.1 with its state in `home`; yields (base URL,
+    the environment it runs with) once /api/health answers, and stops it on the way out."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    argv = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    if ui:
+        env["PREFECT_UI_API_URL"] = f"{base}/api"
+    else:
+        argv.append("--no-ui")
+    log_path = home / "server.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/api/health", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"prefect server did not start ({log_path}): {log_path.read_text()[-2000:]}"
+                )
+            time.sleep(0.5)
+        yield base, env
+    finally:
+        stop(proc)
+        log.close()
