@@ -146,6 +146,8 @@ def aerie_step(name: str, cfg: DraftConfig, tokens: int, args: argparse.Namespac
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     seconds, loss = time_steps(step, args.warmup, args.steps, device)
+    if args.profile:
+        profile_step(step, f"{name}-{tokens}", args)
     flops = train_flops(cfg, tokens, args.seq_len, args.ttt)
     out = {
         "system": "aerie",
@@ -160,6 +162,23 @@ def aerie_step(name: str, cfg: DraftConfig, tokens: int, args: argparse.Namespac
     if device == "cuda":
         out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return out
+
+
+def profile_step(step: Any, label: str, args: argparse.Namespace) -> None:
+    """One more step under torch.profiler: the ops that take the time, as a table in --profile DIR."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+    sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60)
+    path = Path(args.profile) / f"train-profile-{label}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table + "\n")
+    print(table, flush=True)
 
 
 def specforge_step(name: str, cfg: DraftConfig, args: argparse.Namespace) -> dict[str, Any]:
@@ -211,6 +230,8 @@ def specforge_step(name: str, cfg: DraftConfig, args: argparse.Namespace) -> dic
 
     torch.cuda.reset_peak_memory_stats()
     seconds, loss = time_steps(step, args.warmup, args.steps, device)
+    if args.profile:
+        profile_step(step, f"{name}-{tokens}", args)
     flops = train_flops(cfg, tokens, args.seq_len, args.ttt)
     out = {
         "system": "specforge-0.2.0",
@@ -269,6 +290,7 @@ def main() -> None:
         "--specforge-path", default=None, help="dir holding an unpacked specforge==0.2.0 wheel"
     )
     parser.add_argument("--specforge-attention", default="flex_attention", choices=["flex_attention", "sdpa"])
+    parser.add_argument("--profile", default=None, help="dir: profile one more aerie step per size, op table there")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device visible")
