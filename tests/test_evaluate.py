@@ -71,6 +71,15 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
     md = store.get_bytes(f"{result.prefix}/report.md").decode()
     assert "## Acceptance length" in md and "| mtbench | eagle3 | 2 |" in md
     assert "pos 3" in md and "of the target's output tokens are in the draft vocabulary" in md
+    # The teacher-forced replay of the eagle3 answers walks the same rounds as the decoder did.
+    for name in ("mtbench", "heldout"):
+        measured = next(
+            r["accept_length"]
+            for r in report["results"]
+            if (r["dataset"], r["proposer"], r["num_steps"]) == (name, "eagle3", 3)
+        )
+        assert report["diagnosis"][name]["simulated_accept_length"] == pytest.approx(measured, abs=1e-3)
+    assert "## Where acceptance is lost" in md
     assert store.get_bytes(f"{result.prefix}/acceptance.png")[:4] == b"\x89PNG"
     per_prompt = store.get_bytes(f"{result.prefix}/per_prompt.jsonl").decode().splitlines()
     assert len(per_prompt) == 16

@@ -54,6 +54,44 @@ def conditional_table(results: list[dict[str, Any]]) -> list[str]:
     return _table(["dataset", "proposer", "steps", *[f"pos {j + 1}" for j in range(width)]], rows)
 
 
+def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[str, Any]]) -> list[str]:
+    """Measured vs teacher-forced acceptance and per-token accuracy (aerie.evaluate.diagnose)."""
+    rows = []
+    by_position = []
+    for dataset, d in diagnosis.items():
+        if not d.get("rounds"):
+            continue
+        k = d["num_steps"]
+        measured = next(
+            (
+                r["accept_length"]
+                for r in results
+                if (r["dataset"], r["proposer"], r["num_steps"]) == (dataset, "eagle3", k)
+            ),
+            None,
+        )
+        acc = " / ".join(f"{x:.2f}" for x in d["per_token_accuracy"])
+        rows.append([dataset, str(k), measured, d["simulated_accept_length"], acc])
+        cells = ", ".join(f"{span}: {x:.2f}" for span, x in d["step0_accuracy_by_answer_position"].items())
+        by_position.append(f"- {dataset}: {cells}")
+    if not rows:
+        return []
+    return [
+        "## Where acceptance is lost (EAGLE-3, teacher-forced on the target's own answers)",
+        "",
+        "The drafter's training-time-test forward replayed on each answer, walked in rounds as the decoder "
+        "walks it. Simulated = measured: serving drafts what training taught, so a low figure is the "
+        "drafter's accuracy; a gap is a train/serve mismatch (positions, aux layers, vocab map, draft cache).",
+        "",
+        *_table(["dataset", "steps", "measured", "simulated", "per-token accuracy by draft step"], rows),
+        "",
+        "Step-0 accuracy by position in the answer (tokens):",
+        "",
+        *by_position,
+        "",
+    ]
+
+
 def evaluation_markdown(report: dict[str, Any]) -> str:
     results = report["results"]
     lines = [
@@ -72,6 +110,7 @@ def evaluation_markdown(report: dict[str, Any]) -> str:
         "",
         *conditional_table(results),
         "",
+        *diagnosis_section(report.get("diagnosis") or {}, results),
         "## Setup",
         "",
     ]

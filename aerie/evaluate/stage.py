@@ -75,6 +75,8 @@ def run(
     done = 0
     results: list[dict[str, Any]] = []
     per_prompt: list[dict[str, Any]] = []
+    diagnosis: dict[str, dict[str, Any]] = {}
+    answers: dict[str, dict[str, list[int]]] = {}  # dataset -> prompt id -> the eagle3 run's answer
     with tempfile.TemporaryDirectory(prefix="aerie-eval-") as tmp:
         loaded: dict[str, Any] = {}
         for name, proposer_name, k in plan:
@@ -96,8 +98,21 @@ def run(
             done += len(datasets[name])
             results.append(part["result"])
             per_prompt += part["per_prompt"]
+            if proposer_name == "eagle3" and k == max(cfg.num_steps) and "answers" in part:
+                answers[name] = part["answers"]
             progress(done / total, f"{name} {proposer_name} k={k}: τ={part['result']['accept_length']:.2f}")
 
+        for name in answers:  # parts written before answers were kept have none: no diagnosis then
+            part_key = sd.path(f"parts/{name}-diagnosis.json")
+            if not store.exists(part_key):
+                progress(done / total, f"{name}: teacher-forced diagnosis")
+                if not loaded:
+                    loaded = _load(cfg, store, target, drafter, Path(tmp), device, dtype)
+                found = _diagnose(
+                    loaded, datasets[name], answers[name], max(cfg.num_steps), cfg.max_new_tokens
+                )
+                store.put_bytes(part_key, json.dumps(found).encode())
+            diagnosis[name] = json.loads(store.get_bytes(part_key))
         agreement = _agreement(per_prompt)
         train_manifest = load_manifest(store, drafter.prefix)
         report_body = {
@@ -119,6 +134,7 @@ def run(
             "heldout_skipped": held_skipped,
             "results": results,
             "agreement": agreement,
+            "diagnosis": diagnosis,
         }
         png = plot_acceptance(results, Path(tmp) / ACCEPTANCE_PNG)
         store.put_file(sd.path(ACCEPTANCE_PNG), png)
@@ -195,6 +211,7 @@ def _measure(
 
     stats = SpecStats(k)
     rows: list[dict[str, Any]] = []
+    answers: dict[str, list[int]] = {}
     # Where acceptance is lost: a target token outside the draft vocabulary can never be drafted.
     in_vocab = loaded["drafter"].t2d.cpu() if proposer_name == "eagle3" else None
     covered = 0
@@ -208,6 +225,7 @@ def _measure(
         outputs = decoder.generate([p.input_ids for p in batch], cfg.max_new_tokens)
         for prompt, out in zip(batch, outputs, strict=True):
             stats.add(out)
+            answers[prompt.id] = out.output_ids
             if in_vocab is not None and out.output_ids:
                 covered += int(in_vocab[out.output_ids].sum())
             rows.append(
@@ -229,7 +247,22 @@ def _measure(
     result: dict[str, Any] = {"dataset": dataset, "proposer": proposer_name, **stats.to_dict()}
     if in_vocab is not None:
         result["draft_vocab_coverage"] = round(covered / max(1, stats.completion_tokens), 4)
-    return {"result": result, "per_prompt": rows}
+    part: dict[str, Any] = {"result": result, "per_prompt": rows}
+    if proposer_name == "eagle3":
+        part["answers"] = answers  # what the teacher-forced diagnosis replays
+    return part
+
+
+def _diagnose(
+    loaded: dict[str, Any], prompts: list[EvalPrompt], answers: dict[str, list[int]], steps: int, max_new: int
+) -> dict[str, Any]:
+    from aerie.evaluate.diagnose import diagnose
+    from aerie.evaluate.eagle import EagleProposer
+
+    drafter = loaded["drafter"]
+    pairs = [(p.input_ids, answers[p.id]) for p in prompts if p.id in answers]
+    found = diagnose(loaded["model"], drafter, EagleProposer(drafter).aux_layers, pairs, steps, max_new)
+    return {"num_steps": steps, **found}
 
 
 def _digest(ids: list[int]) -> str:

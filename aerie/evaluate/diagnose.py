@@ -1,0 +1,112 @@
+"""Where acceptance is lost: the drafter's teacher-forced predictions on the target's own answers.
+
+The EAGLE-3 measurement decodes each prompt to the target's greedy answer. Here each (prompt, answer) is
+run once more through the target (its aux hidden states) and once through the drafter's training-time
+test forward (`Eagle3Drafter.forward`, the code the trainer optimises), and the answer is walked in rounds
+exactly as the speculative decoder walks it: the committed text ends at x_m, the drafter's last pair is
+row m-1, its step k predicts x_{m+1+k}; a round accepts the longest correct prefix of its chain and the
+target's bonus token, and the next round starts after them. This gives:
+
+- the **simulated acceptance length**. Equal to the measured one, serving drafts what training taught
+  (positions, aux layers, vocab map and draft cache all agree) and a low figure is a weak drafter; a gap
+  is a train/serve mismatch (the ±1 layer or position errors that have cost peers acceptance silently);
+- **per-token accuracy per draft step** (every answer position, not only where rounds start);
+- **step-0 accuracy by position in the answer**: answers' openings are usually harder than their tails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from aerie.draft.model import Eagle3Drafter
+
+BUCKET = 64  # answer tokens per bucket of the by-position accuracy
+
+
+@torch.no_grad()
+def draft_hits(
+    model: Any, drafter: Eagle3Drafter, aux_layers: Sequence[int], prompt: Sequence[int], answer: Sequence[int],
+    steps: int,
+) -> Tensor:  # fmt: skip
+    """hits [steps, T-1] bool: the drafter's step k at row t names token t+2+k of prompt+answer (the
+    answer is the target's greedy output, so that token is what verification would accept)."""
+    param = next(drafter.parameters())
+    ids = torch.tensor([*prompt, *answer], device=param.device)
+    t = ids.shape[0]
+    states = model(ids[None], output_hidden_states=True).hidden_states
+    aux = torch.cat([states[i][0] for i in aux_layers], dim=-1).to(param.dtype)
+    logits = drafter(aux, ids, torch.arange(t, device=ids.device), torch.zeros_like(ids), steps)
+    hits = torch.zeros(steps, t - 1, dtype=torch.bool)
+    for k, step_logits in enumerate(logits):
+        n = t - 2 - k
+        if n > 0:
+            drafted = drafter.to_target_ids(step_logits[:n].argmax(-1))
+            hits[k, :n] = (drafted == ids[2 + k :]).cpu()
+    return hits
+
+
+def simulate_rounds(hits: Tensor, prompt_len: int, total_len: int, max_new_tokens: int) -> list[int]:
+    """Drafts accepted per round when speculative decoding walks the answer (see the module docstring).
+
+    The first round starts after the prefill's token x_{prompt_len}. As in `SpecDecoder._round`, a chain
+    holds at most `max_new_tokens - generated - 1` drafts (what may still be emitted, less the bonus)."""
+    steps = hits.shape[0]
+    accepted: list[int] = []
+    m = prompt_len
+    while m < total_len - 1:
+        row, a = m - 1, 0
+        chain = min(steps, max_new_tokens - (m - prompt_len + 1) - 1)
+        while a < chain and m + 1 + a < total_len and hits[a, row]:
+            a += 1
+        accepted.append(a)
+        m += a + 1
+    return accepted
+
+
+def diagnose(
+    model: Any,
+    drafter: Eagle3Drafter,
+    aux_layers: Sequence[int],
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    steps: int,
+    max_new_tokens: int,
+) -> dict[str, Any]:
+    """Teacher-forced figures over (prompt, answer) pairs decoded with `max_new_tokens`; see the module
+    docstring. The simulated acceptance length is defined as the decoder's: tokens after the prefill's
+    per round."""
+    rounds = 0
+    verify_tokens = 0
+    step_hits = torch.zeros(steps)
+    step_rows = torch.zeros(steps)
+    by_position: dict[int, list[int]] = {}
+    for prompt, answer in pairs:
+        if len(answer) < 2:
+            continue
+        hits = draft_hits(model, drafter, aux_layers, prompt, answer, steps)
+        total = len(prompt) + len(answer)
+        rounds += len(simulate_rounds(hits, len(prompt), total, max_new_tokens))
+        verify_tokens += len(answer) - 1
+        rows = hits[:, len(prompt) - 1 : total - 2]  # rows whose step 0 names an answer token (from the 2nd)
+        for k in range(steps):  # step k of the last k rows would name tokens past the answer
+            step_hits[k] += rows[k, : max(0, rows.shape[1] - k)].sum()
+            step_rows[k] += max(0, rows.shape[1] - k)
+        for offset, hit in enumerate(rows[0].tolist()):
+            bucket = by_position.setdefault((offset + 1) // BUCKET, [0, 0])
+            bucket[0] += int(hit)
+            bucket[1] += 1
+    if not rounds:
+        return {"rounds": 0}
+    return {
+        "rounds": rounds,
+        "simulated_accept_length": round(verify_tokens / rounds, 4),
+        "per_token_accuracy": [round(float(x), 4) for x in step_hits / step_rows.clamp(min=1)],
+        "step0_accuracy_by_answer_position": {
+            f"{b * BUCKET}-{b * BUCKET + BUCKET - 1}": round(hit / count, 4)
+            for b, (hit, count) in sorted(by_position.items())
+        },
+    }
