@@ -91,15 +91,22 @@ def smollm2_gpu() -> PipelineConfig:
     cfg.extract.requests_in_flight = 4
     cfg.train.device = "cuda"
     cfg.train.draft_vocab_size = 16384
-    cfg.train.epochs = 3
-    cfg.train.lr = 5e-4
+    # Measured on one H200 (benchmarks/results/h200-capstone.json): lr 1e-3 with the lm_head started from
+    # the target's rows beat 5e-4 from scratch (MT-Bench 1.34 vs 1.15 on the small corpus); 2 epochs of
+    # 6.2M tokens took 146 s and the held-out accuracy was still rising, so epochs buy acceptance.
+    cfg.train.epochs = 2
+    cfg.train.lr = 1e-3
+    cfg.train.init_head_from_target = True
     cfg.train.batch_tokens = 32768
     cfg.train.max_length = 1024
     cfg.train.eval_every = 100
     cfg.train.checkpoint_every = 200
     cfg.evaluate.device = "cuda"
-    cfg.evaluate.max_new_tokens = 256
-    cfg.evaluate.heldout_samples = 80
+    # float32: bf16 verify forwards flip near-ties, so only fp32 outputs check losslessness (270/270 vs 97/270).
+    cfg.evaluate.dtype = "float32"
+    cfg.evaluate.max_new_tokens = 128
+    cfg.evaluate.batch_size = 32
+    cfg.evaluate.heldout_samples = 40
     cfg.deploy.concurrency = [1, 8, 32]
     cfg.deploy.num_prompts = 32
     cfg.deploy.max_new_tokens = 128
