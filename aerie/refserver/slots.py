@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from aerie.refserver import packed
+from aerie.refserver.decode_graphs import CudaGraphRunner, DecodeGraphs
 from aerie.refserver.generation import BatchedDecoder, GenRequest, GenResult
-from aerie.refserver.sglang_log import logger
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -42,7 +42,9 @@ _LENGTH_QUANTUM = 256  # cache length grows in multiples of this, at least doubl
 
 # attend(layer index, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq * D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-GraphMode = Literal["off", "static", "cuda"]  # static: graph-shaped forward run eagerly (tests)
+# cuda: decoding steps replayed as CUDA graphs (aerie.refserver.decode_graphs); static: the same
+# static-shape step run eagerly (the CPU tests)
+GraphMode = Literal["off", "static", "cuda"]
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -118,7 +120,18 @@ class SlotDecoder(BatchedDecoder):
         self.kv = KVSlots(len(layers), self.kv_heads, self.head_dim, dtype, device)
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # tokens cached per running row
         self.admit_when_free = max(1, max_running // 8)
-        self.graphs = DecodeGraphs(self, max_running, capture=graphs == "cuda") if graphs != "off" else None
+        self.graphs: DecodeGraphs | None = None
+        if graphs != "off":
+            head: Any = model.lm_head.weight  # the logits' size and dtype, for the static output
+            self.graphs = DecodeGraphs(
+                self._decode_logits,
+                self.kv,
+                max_running,
+                vocab=int(head.shape[0]),
+                dtype=head.dtype,
+                runner=CudaGraphRunner() if graphs == "cuda" else None,
+                quantum=_LENGTH_QUANTUM,
+            )
 
     def can_admit(self, request: GenRequest, admitting: int, admitting_tokens: int) -> bool:
         free = self.max_running - self.num_running
@@ -157,13 +170,11 @@ class SlotDecoder(BatchedDecoder):
         assert self.next_ids is not None
         n = len(self.rows)
         width = int(self.lengths.max()) + 1  # one sync per step; _record needs the tokens anyway
-        logits = self.graphs.logits(n, width) if self.graphs is not None else None
+        logits = self.graphs.logits(self.next_ids, self.lengths, width) if self.graphs is not None else None
         if logits is None:
             self.kv.ensure(n, width)
             rows = torch.arange(n, device=self.device)
-            positions = self.lengths.clone()
-            hidden = self._forward(self.next_ids, positions, rows, self._decode_attend(positions, width))
-            logits = self.model.lm_head(hidden)
+            logits = self._decode_logits(self.next_ids, self.lengths.clone(), rows, width)
         self.lengths += 1
         tokens = self._sample(logits, self.rows)
         self.next_ids = tokens
@@ -196,6 +207,15 @@ class SlotDecoder(BatchedDecoder):
         self.rows = self.rows[:n]
         self.lengths = self.lengths[:n]
         self.next_ids = self.next_ids[:n] if n and self.next_ids is not None else None
+
+    def _decode_logits(
+        self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        """Logits of one token per row in `rows` (`ids` at `positions`) over cache width `width`:
+        the decoding forward, eager or as DecodeGraphs captures it."""
+        hidden = self._forward(ids, positions, rows, self._decode_attend(positions, width))
+        logits: torch.Tensor = self.model.lm_head(hidden)
+        return logits
 
     def _forward(
         self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, attend: Attend
@@ -262,81 +282,6 @@ class SlotDecoder(BatchedDecoder):
             return torch.matmul(probs, values).reshape(n, -1)  # [B, Hkv, G, D] -> [B, Hq * D]
 
         return attend
-
-
-class DecodeGraphs:
-    """The decoding forward with static shapes, replayed as CUDA graphs (`capture=True`).
-
-    Why: a 256-row step of SmolLM2 is ~1,400 kernel launches, 19 ms of CPU for 5 ms of GPU on an
-    H200. A graph replays them in one launch. Graphs need fixed shapes and addresses, so every graph
-    runs all `rows` rows (free rows decode token 0 at position 0 of their own unused cache row, which
-    the next admission overwrites) over a cache width rounded up to `bucket`, reading ids and positions
-    from static buffers; one graph per width, all in one memory pool, dropped when the cache is
-    reallocated. The first replay of each graph is checked against the eager forward on the same
-    inputs; any failure turns graphs off for good (logged) and decoding goes on eagerly.
-    `capture=False` runs the same static-shape forward eagerly (what the CPU tests check).
-    """
-
-    def __init__(self, dec: SlotDecoder, rows: int, *, capture: bool, bucket: int = _LENGTH_QUANTUM):
-        self.dec, self.rows, self.capture, self.bucket = dec, rows, capture, bucket
-        self.ids = torch.zeros(rows, dtype=torch.long, device=dec.device)
-        self.pos = torch.zeros(rows, dtype=torch.long, device=dec.device)
-        self.index = torch.arange(rows, device=dec.device)
-        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
-        self.pool: Any = None
-        self.kv_version = -1
-        self.disabled = ""
-
-    def logits(self, n: int, width: int) -> torch.Tensor | None:
-        """Logits [n, V] of the running rows' next tokens, or None to decode eagerly."""
-        if self.disabled:
-            return None
-        width = -(-width // self.bucket) * self.bucket
-        self.dec.kv.ensure(self.rows, width)
-        if self.dec.kv.version != self.kv_version:
-            self.graphs.clear()
-            self.kv_version = self.dec.kv.version
-        assert self.dec.next_ids is not None
-        self.ids[:n].copy_(self.dec.next_ids)
-        self.ids[n:].zero_()
-        self.pos[:n].copy_(self.dec.lengths)
-        self.pos[n:].zero_()
-        if not self.capture:
-            return self._body(width)[:n]
-        entry = self.graphs.get(width)
-        if entry is None:
-            try:
-                entry = self._capture_checked(width, n)
-            except RuntimeError as exc:
-                self.disabled = f"CUDA graph capture failed: {type(exc).__name__}: {exc}"[:300]
-            if entry is None:
-                logger.warning(f"Decoding eagerly from now on: {self.disabled}")
-                return None
-            self.graphs[width] = entry
-        graph, out = entry
-        graph.replay()
-        return out[:n]
-
-    def _body(self, width: int) -> torch.Tensor:
-        attend = self.dec._decode_attend(self.pos, width)
-        return self.dec.model.lm_head(self.dec._forward(self.ids, self.pos, self.index, attend))
-
-    def _capture_checked(self, width: int, n: int) -> tuple[Any, torch.Tensor] | None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            eager = self._body(width)[:n].float()  # also the warm-up: lazy inits stay out of the graph
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._body(width)
-        self.pool = graph.pool()
-        graph.replay()  # rewrites the same K/V at the same positions: idempotent
-        error = float((out[:n].float() - eager).norm() / eager.norm().clamp_min(1e-6))
-        if error > 2e-2:
-            self.disabled = f"graph replay disagrees with the eager forward (relative error {error:.3g})"
-            return None
-        return graph, out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
