@@ -36,6 +36,7 @@ from aerie.draft.model import DraftConfig, Eagle3Drafter
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
 from aerie.train.distributed import DistInfo
+from aerie.train.fused import fused_backend
 from aerie.train.loop import forward_loss
 from aerie.train.objective import Teacher
 
@@ -158,6 +159,8 @@ def aerie_step(name: str, cfg: DraftConfig, tokens: int, args: argparse.Namespac
         "tokens_per_s": round(tokens / seconds, 1),
         "model_tflops_per_s": round(flops / seconds / 1e12, 3),
         "loss": round(loss, 5),
+        # the objective's [T, Vd] kernels: "inductor", "eager" (CPU), or which fell back and why
+        "objective_kernels": fused_backend(),
     }
     if device == "cuda":
         out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -290,7 +293,9 @@ def main() -> None:
         "--specforge-path", default=None, help="dir holding an unpacked specforge==0.2.0 wheel"
     )
     parser.add_argument("--specforge-attention", default="flex_attention", choices=["flex_attention", "sdpa"])
-    parser.add_argument("--profile", default=None, help="dir: profile one more aerie step per size, op table there")
+    parser.add_argument(
+        "--profile", default=None, help="dir: profile one more aerie step per size, op table there"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device visible")

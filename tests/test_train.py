@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +16,12 @@ from aerie.draft.export import load_drafter
 from aerie.draft.vocab import build_vocab_map
 from aerie.errors import DataError
 from aerie.store import StoreConfig, open_store
-from aerie.train import stage
+from aerie.train import fused, objective, stage
 from aerie.train.config import TrainConfig
 from aerie.train.data import PAD_DOC, BatchReader, EpochPlans, SampleIndex, plan_epoch
 from aerie.train.distributed import DistInfo
 from aerie.train.loop import TrainSpec, _indices, run_training
-from aerie.train.objective import SoftCrossEntropy, summarize, supervised_rows, ttt_loss
+from aerie.train.objective import Teacher, soft_cross_entropy, summarize, supervised_rows, ttt_loss
 from tests.train_support import make_samples, make_upstream, tiny_target, write_shards
 
 pytest_plugins = ("tests.s3_support",)
@@ -52,20 +54,168 @@ def small_cfg(**over) -> TrainConfig:
     return TrainConfig(**{**base, **over})
 
 
-def test_soft_cross_entropy_matches_autograd_reference() -> None:
-    torch.manual_seed(0)
+def _reference_soft_ce(logits: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor):
+    """The definition, by autograd in fp32: ce = -sum p log_softmax(z) over probs' rows, and d(ce . w)/dz."""
+    z = logits.detach().float().requires_grad_()
+    m = probs.shape[0]
+    ce = -(probs.float() * F.log_softmax(z[:m], -1)).sum(-1)
+    (grad,) = torch.autograd.grad((ce * weight).sum(), z)
+    return ce, grad
+
+
+def _soft_ce_inputs(dtype: torch.dtype, n: int = 37, m: int = 35, vd: int = 50):
+    """Logits [n, vd]; probs [m, vd] whose rows sum to anything in [0, 1.5) (0 included), not just 1."""
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(n, vd, generator=g)).to(dtype)
+    mass = 1.5 * torch.rand(m, 1, generator=g)
+    mass[3] = 0.0  # a row with no target mass at all
+    probs = (torch.softmax(2 * torch.randn(m, vd, generator=g), -1) * mass).to(dtype)
+    return logits, probs, torch.rand(m, generator=g)
+
+
+@pytest.mark.parametrize("chunk_rows", [1000, 8, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_cross_entropy_matches_autograd_reference(dtype, chunk_rows, monkeypatch) -> None:
+    """Forward ce, argmax and the gradient (scaled by a per-row grad_ce) against the definition: rows whose
+    probs do not sum to 1, rows past probs (no target: ce 0, gradient 0), one chunk or many."""
+    monkeypatch.setattr(fused, "EAGER_CHUNK_ELEMENTS", chunk_rows * 50)
+    logits, probs, weight = _soft_ce_inputs(dtype)
+    z = logits.clone().requires_grad_()
+    ce, argmax = soft_cross_entropy(z, probs)
+    (grad,) = torch.autograd.grad((ce[:35] * weight).sum(), z)
+    ref_ce, ref_grad = _reference_soft_ce(logits, probs, weight)
+    assert grad.dtype == dtype and ce.shape == argmax.shape == (37,)
+    torch.testing.assert_close(ce[:35], ref_ce, atol=2e-5, rtol=1e-5)
+    assert ce[35:].tolist() == [0.0, 0.0]
+    assert torch.equal(argmax, logits.argmax(-1))
+    tol = 1e-6 if dtype == torch.float32 else 4e-3  # bf16: the gradient is rounded, then scaled (2 ulp)
+    torch.testing.assert_close(grad.float(), ref_grad, atol=tol, rtol=tol)
+    assert not grad[35:].any()
+
+
+def test_fusable_soft_ce_math_matches_eager() -> None:
+    """The function inductor compiles on CUDA computes what eager does (run eagerly here, no compiler)."""
     for dtype in (torch.float32, torch.bfloat16):
-        logits = (3 * torch.randn(37, 50)).to(dtype).requires_grad_()
-        probs = torch.softmax(2 * torch.randn(37, 50), -1).to(dtype)
-        weight = torch.rand(37)
-        ours = SoftCrossEntropy.apply(logits, probs)
-        (grad,) = torch.autograd.grad((ours * weight).sum(), logits)
-        ref_in = logits.detach().float().requires_grad_()
-        ref = -(probs.float() * F.log_softmax(ref_in, -1)).sum(-1)
-        (ref_grad,) = torch.autograd.grad((ref * weight).sum(), ref_in)
-        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-        tol = 1e-6 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(grad.float(), ref_grad, atol=tol, rtol=tol)
+        logits, probs, _ = _soft_ce_inputs(dtype, n=35)
+        g_eager, g_fusable = torch.empty_like(logits), torch.empty_like(logits)
+        ce, top = fused.soft_ce_rows_eager(logits, probs, g_eager)
+        ce_f, top_f = fused.soft_ce_rows_fusable(logits, probs, g_fusable)
+        torch.testing.assert_close(ce_f, ce, atol=2e-5, rtol=1e-5)
+        assert torch.equal(top_f, top)
+        tol = 1e-6 if dtype == torch.float32 else 8e-3  # one bf16 ulp of values up to 1.5
+        torch.testing.assert_close(g_fusable.float(), g_eager.float(), atol=tol, rtol=0)
+
+
+def test_teacher_distribution_is_softmax_and_argmax_of_fp32_logits(monkeypatch) -> None:
+    monkeypatch.setattr(fused, "EAGER_CHUNK_ELEMENTS", 7 * 40)  # 7-row chunks over 30 rows
+    g = torch.Generator().manual_seed(1)
+    lm_head, hidden = torch.randn(64, 16, generator=g), torch.randn(30, 16, generator=g)
+    used = torch.arange(0, 64, 64 // 40)[:40]
+    t2d = torch.zeros(64, dtype=torch.bool)
+    t2d[used] = True
+    probs, argmax = Teacher(lm_head, used, t2d).distribution(hidden, torch.bfloat16)
+    logits = hidden @ lm_head[used].T
+    assert probs.dtype == torch.bfloat16
+    torch.testing.assert_close(probs.float(), torch.softmax(logits, -1), atol=4e-3, rtol=0)
+    assert torch.equal(argmax, logits.argmax(-1))
+
+
+def _kernel(fusable, backend: str = "eager") -> fused.FusedKernel:
+    """The soft-CE kernel compiled on CPU (dynamo's "eager" backend by default: no C++ compiler needed)."""
+    agree = fused.soft_ce_agree
+    return fused.FusedKernel(
+        "ce", fused.soft_ce_rows_eager, fusable, agree, devices=("cpu",), backend=backend
+    )
+
+
+def test_fused_kernel_falls_back_to_eager_once_and_says_why(caplog) -> None:
+    """A kernel that cannot compile (a graph break under fullgraph) runs eagerly, warns once, says why."""
+
+    def unfusable(z, p, g_out):
+        torch._dynamo.graph_break()
+        return fused.soft_ce_rows_fusable(z, p, g_out)
+
+    kernel = _kernel(unfusable)
+    logits, probs, _ = _soft_ce_inputs(torch.float32, n=35)
+    g, g_ref = torch.empty_like(logits), torch.empty_like(logits)
+    with caplog.at_level(logging.WARNING, logger="aerie.train.fused"):
+        for _ in range(2):
+            ce, top = kernel(logits, probs, g)
+    ce_ref, top_ref = fused.soft_ce_rows_eager(logits, probs, g_ref)
+    assert torch.equal(ce, ce_ref) and torch.equal(top, top_ref) and torch.equal(g, g_ref)
+    assert [r.message for r in caplog.records if "eager from now on" in r.message] == [
+        f"fused ce kernel unusable, eager from now on: {kernel.failure}"
+    ]
+    assert kernel.failure.startswith("Unsupported: ") and "graph_break()" in kernel.failure
+    assert fused.fused_backend([kernel]) == f"ce: eager fallback ({kernel.failure})"
+    assert not kernel.compiles_on(logits.device) and not kernel.ran_compiled
+
+
+def test_fused_kernel_that_disagrees_with_eager_is_not_used() -> None:
+    """A kernel that compiles but computes something else is caught on its first chunk: eager results."""
+
+    def wrong(z, p, g_out):
+        ce, top = fused.soft_ce_rows_fusable(z, p, g_out)
+        return ce + 0.5, top
+
+    kernel, good = _kernel(wrong), _kernel(fused.soft_ce_rows_fusable)
+    logits, probs, _ = _soft_ce_inputs(torch.float32, n=35)
+    ce, _ = kernel(logits, probs, torch.empty_like(logits))
+    ce_ref, _ = fused.soft_ce_rows_eager(logits, probs, torch.empty_like(logits))
+    assert torch.equal(ce, ce_ref)
+    assert "cross-entropy differs from eager" in kernel.failure
+    good(logits, probs, torch.empty_like(logits))
+    assert good.ran_compiled and not good.failure
+    assert fused.fused_backend([good]) == "compiled (eager)"  # by dynamo's "eager" backend
+
+
+def _inductor_cpu_missing() -> str:
+    """Why inductor cannot build CPU kernels here ("" when it can)."""
+    try:
+        from torch._inductor import cpp_builder
+
+        return "" if shutil.which(cpp_builder.get_cpp_compiler()) else "no C++ compiler for inductor on PATH"
+    except Exception as exc:  # noqa: BLE001 - any failure to find one means: skip
+        return f"inductor's C++ compiler lookup failed: {exc!r}"
+
+
+@pytest.mark.slow
+def test_inductor_kernels_match_eager_through_the_objective(monkeypatch) -> None:
+    """The production kernels compiled by inductor (on CPU here; CUDA in training) through the autograd
+    function and the teacher, chunked (a short last chunk: a second, dynamic-rows graph): same as eager."""
+    missing = _inductor_cpu_missing()
+    if missing:
+        pytest.skip(missing)
+    ce_kernel = _kernel(fused.soft_ce_rows_fusable, backend="inductor")
+    teacher_kernel = fused.FusedKernel(
+        "teacher", fused.teacher_rows, fused.teacher_rows, fused.teacher_agree, devices=("cpu",)
+    )
+    monkeypatch.setattr(fused, "FUSED_CHUNK_ELEMENTS", 16 * 50)  # 16-row chunks: 16, 16, 3
+    logits, probs, weight = _soft_ce_inputs(torch.bfloat16)
+    results = []
+    for kernel in (ce_kernel, fused.FusedKernel("ce", fused.soft_ce_rows_eager, fused.soft_ce_rows_eager,
+                                                 fused.soft_ce_agree, devices=())):  # fmt: skip
+        monkeypatch.setattr(objective, "SOFT_CE", kernel)
+        z = logits.clone().requires_grad_()
+        ce, argmax = soft_cross_entropy(z, probs)
+        (grad,) = torch.autograd.grad((ce[:35] * weight).sum(), z)
+        results.append((ce, argmax, grad))
+    (ce, argmax, grad), (ce_e, argmax_e, grad_e) = results
+    assert ce_kernel.ran_compiled and not ce_kernel.failure, ce_kernel.failure
+    torch.testing.assert_close(ce, ce_e, atol=1e-4, rtol=1e-5)
+    assert torch.equal(logits.gather(-1, argmax[:, None]), logits.gather(-1, argmax_e[:, None]))
+    torch.testing.assert_close(grad.float(), grad_e.float(), atol=4e-3, rtol=0)
+
+    monkeypatch.setattr(objective, "TEACHER", teacher_kernel)
+    g = torch.Generator().manual_seed(2)
+    lm_head, hidden = torch.randn(64, 16, generator=g), torch.randn(35, 16, generator=g)
+    used, t2d = torch.arange(50), torch.ones(64, dtype=torch.bool)
+    probs_c, argmax_c = Teacher(lm_head, used, t2d).distribution(hidden, torch.bfloat16)
+    assert teacher_kernel.ran_compiled and not teacher_kernel.failure, teacher_kernel.failure
+    logits_t = hidden @ lm_head[:50].T
+    torch.testing.assert_close(probs_c.float(), torch.softmax(logits_t, -1), atol=4e-3, rtol=0)
+    assert torch.equal(argmax_c, logits_t.argmax(-1))
+    assert fused.fused_backend([ce_kernel, teacher_kernel]) == "inductor"
 
 
 def test_conditional_accuracy_and_acceptance_length() -> None:

@@ -8,8 +8,9 @@ positions, which lets prompts and padding dilute the signal), weighted step_deca
 
 The teacher is compact: the target's lm_head rows of the draft vocab [Vd, H] applied to the stored final
 hidden state, so no [T, V] tensor is ever built. Its distribution is computed once per batch (each step
-reads a shifted view), and the cross-entropy is a chunked autograd function that keeps only the logits
-and teacher probabilities alive (no fp32 [T, Vd] copies per step).
+reads a shifted view). The cross-entropy is a chunked autograd function that computes its gradient in the
+forward and keeps only that ([T, Vd] in the logits' dtype, the same memory as keeping the logits), so the
+backward is one multiply; on CUDA the per-chunk work runs as fused inductor kernels (`aerie.train.fused`).
 
 Metrics, as sums over rows so they can be all-reduced and accumulated:
 - acc_k: the draft's argmax equals the target's argmax (in eval: over the *full* target vocab, so a
@@ -28,9 +29,8 @@ import torch
 from torch import Tensor
 
 from aerie.train.data import Batch
+from aerie.train.fused import EAGER_CHUNK_ELEMENTS, SOFT_CE, TEACHER
 
-# Rows of fp32 work per chunk in the cross-entropy: 2**25 floats = 128 MiB whatever Vd is.
-_CHUNK_ELEMENTS = 1 << 25
 STAT_ROWS = ("loss_sum", "count", "correct", "cond_num", "cond_den")
 
 Reduce = Callable[[Tensor], Tensor]
@@ -66,12 +66,11 @@ class Teacher:
         t, vd = last_hidden.shape[0], self.head.shape[0]
         probs = torch.empty(t, vd, device=last_hidden.device, dtype=dtype)
         argmax = torch.empty(t, device=last_hidden.device, dtype=torch.int64)
-        rows = max(1, _CHUNK_ELEMENTS // vd)
+        rows = TEACHER.chunk_rows(last_hidden.device, vd)
         with _tf32(last_hidden.is_cuda):
             for s in range(0, t, rows):
-                logits = last_hidden[s : s + rows].float() @ self.head.T  # [rows, Vd]
-                probs[s : s + rows] = torch.softmax(logits, dim=-1).to(dtype)
-                argmax[s : s + rows] = logits.argmax(-1)
+                logits = last_hidden[s : s + rows].float() @ self.head.T  # [rows, Vd] fp32
+                (argmax[s : s + rows],) = TEACHER(logits, probs[s : s + rows])
         return probs, argmax
 
     @torch.no_grad()
@@ -80,7 +79,7 @@ class Teacher:
         if self.full is None:
             return torch.ones(last_hidden.shape[0], dtype=torch.bool, device=last_hidden.device)
         t, v = last_hidden.shape[0], self.full.shape[0]
-        rows = max(1, _CHUNK_ELEMENTS // v)
+        rows = max(1, EAGER_CHUNK_ELEMENTS // v)
         out = torch.empty(t, dtype=torch.bool, device=last_hidden.device)
         for s in range(0, t, rows):
             out[s : s + rows] = self.t2d[(last_hidden[s : s + rows] @ self.full.T).argmax(-1)]
@@ -102,36 +101,43 @@ def _tf32(enabled: bool) -> Iterator[None]:
 
 
 class SoftCrossEntropy(torch.autograd.Function):
-    """ce[i] = -sum_v p[i, v] log softmax(z[i])_v with fp32 math in row chunks.
+    """(ce [N] fp32, argmax [N]) for logits [N, Vd] and target probs [M, Vd], M <= N.
 
-    Saves only its inputs; the softmax is recomputed chunk by chunk in backward, so peak memory is one
-    chunk, not a fp32 copy of [T, Vd] per TTT step.
+    ce[i] = -sum_v p[i, v] log softmax(z[i])_v for i < M; rows i >= M have no target: ce 0, gradient 0.
+    Taking all N rows (not logits[:M]) keeps autograd from building a zero-padded [N, Vd] gradient for a
+    slice. The gradient softmax(z) * sum(p) - p is computed in the forward, chunk by chunk (fused on CUDA),
+    and saved in the logits' dtype; backward scales it by grad_ce in place. argmax (not differentiable) is
+    the logits' per-row argmax, for the accuracy metrics, read in the same pass.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, probs: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         n, vd = logits.shape
-        rows = max(1, _CHUNK_ELEMENTS // vd)
-        ce = torch.empty(n, device=logits.device, dtype=torch.float32)
-        for s in range(0, n, rows):
-            z = logits[s : s + rows].float()
-            p = probs[s : s + rows].float()
-            ce[s : s + rows] = torch.logsumexp(z, -1) * p.sum(-1) - (p * z).sum(-1)
-        ctx.save_for_backward(logits, probs)
-        return ce
+        m = probs.shape[0]
+        ce = torch.zeros(n, device=logits.device, dtype=torch.float32)
+        argmax = torch.empty(n, device=logits.device, dtype=torch.int64)
+        grad = torch.empty_like(logits)
+        rows = SOFT_CE.chunk_rows(logits.device, vd)
+        for s in range(0, m, rows):
+            e = min(s + rows, m)
+            ce[s:e], argmax[s:e] = SOFT_CE(logits[s:e], probs[s:e], grad[s:e])
+        grad[m:].zero_()
+        argmax[m:] = logits[m:].argmax(-1)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(argmax)
+        return ce, argmax
 
     @staticmethod
-    def backward(ctx, grad_ce: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        logits, probs = ctx.saved_tensors
-        n, vd = logits.shape
-        rows = max(1, _CHUNK_ELEMENTS // vd)
-        grad = torch.empty_like(logits)
-        for s in range(0, n, rows):
-            z = logits[s : s + rows].float()
-            p = probs[s : s + rows].float()
-            g = torch.softmax(z, -1) * p.sum(-1, keepdim=True) - p
-            grad[s : s + rows] = (g * grad_ce[s : s + rows, None]).to(grad.dtype)
-        return grad, None
+    def backward(ctx, grad_ce: Tensor, _grad_argmax: Tensor | None) -> tuple[Tensor, None]:  # type: ignore[override]
+        # In place: the saved gradient is used once (a second backward fails autograd's version check).
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(grad_ce[:, None]), None
+
+
+def soft_cross_entropy(logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
+    """`SoftCrossEntropy` (typed): (ce [N] fp32, argmax [N]); rows past probs' M have ce 0."""
+    ce, argmax = SoftCrossEntropy.apply(logits, probs)
+    return ce, argmax
 
 
 def supervised_rows(batch: Batch, ttt_length: int) -> list[Tensor]:
@@ -158,8 +164,10 @@ def ttt_loss(
 ) -> tuple[Tensor, Tensor]:
     """Weighted loss (scalar) and the metric sums [5, K] (rows: STAT_ROWS), summed over all ranks.
 
-    logits[k] [T, Vd] from the drafter; probs [T, Vd] / teacher_argmax [T] from `Teacher.distribution`;
-    valid from `supervised_rows`; in_vocab [T] from `Teacher.argmax_in_draft_vocab` (eval only).
+    logits[k] [T, Vd] from the drafter, *emptied* as it is read: each step's logits are dropped once their
+    gradient exists, so the K steps hold K + 1 [T, Vd] tensors at most, not 2K.
+    probs [T, Vd] / teacher_argmax [T] from `Teacher.distribution`; valid from `supervised_rows`;
+    in_vocab [T] from `Teacher.argmax_in_draft_vocab` (eval only).
     The loss is normalised by the *global* supervised count of each step and multiplied by the world size,
     because DDP averages gradients over ranks.
     """
@@ -169,13 +177,14 @@ def ttt_loss(
     stats[1] = counts
     loss = probs.new_zeros((), dtype=torch.float32)
     chain_ok = torch.ones_like(valid[0])
-    for k, step_logits in enumerate(logits):
+    for k in range(k_steps):
         n = valid[k].shape[0]
-        ce = SoftCrossEntropy.apply(step_logits[:n], probs[1 + k : 1 + k + n])  # [n] fp32
+        ce, draft_argmax = soft_cross_entropy(logits.pop(0), probs[1 + k : 1 + k + n])
+        ce = ce[:n]  # rows past n have no target: ce 0, no gradient
         weight = valid[k].float() * (step_decay**k * world_size / counts[k].clamp(min=1))
         loss = loss + (ce * weight).sum()
         with torch.no_grad():
-            correct = step_logits[:n].argmax(-1) == teacher_argmax[1 + k : 1 + k + n]
+            correct = draft_argmax[:n] == teacher_argmax[1 + k : 1 + k + n]
             if in_vocab is not None:
                 correct &= in_vocab[1 + k : 1 + k + n]
             chain_ok = chain_ok[:n]
