@@ -7,7 +7,8 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
 - bare forward: the model's forward with hidden-state capture (the reference server's packed path:
   many samples concatenated into one row, segment-causal attention, no padding) on full packs of
   `--pack-tokens` tokens, no HTTP, no disk. The best pack size counts;
-- storage write: safetensors files of shard size (`--shard-mb`) written to the work dir with fsync;
+- storage write: safetensors files of shard size (`--shard-mb`) written to the work dir with fsync,
+  then aerie's serial ShardWriter and its ShardCommitter (`--commit-workers` encode threads) per dtype;
 - dump roundtrip: the per-sample dump files alone (write as the server does, read as the client does),
   in tmpfs and in the work dir, one thread;
 - baseline: the peers' offline style, one sample per forward and one file per sample;
@@ -42,8 +43,9 @@ import polars as pl
 import torch
 from safetensors.torch import save_file
 
+from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
-from aerie.extract.shards import HiddenSample, ShardWriter
+from aerie.extract.shards import HiddenSample, ShardInfo, ShardWriter, Storage
 from aerie.extract.stage import _dump_root
 from aerie.extract.stage import run as run_extract
 from aerie.manifest import StageDir, StageResult, stage_key
@@ -170,8 +172,11 @@ def baseline_one_by_one(
     return {"samples": len(sequences), "tokens": tokens, "tokens_per_s": round(tokens / elapsed, 1)}
 
 
-def storage_write(work: Path, shard_mb: int, hidden: int, repeat: int = 3) -> dict[str, Any]:
-    """Raw safetensors write (+fsync) of shard-sized tensors, and aerie's ShardWriter per dtype."""
+def storage_write(
+    work: Path, shard_mb: int, hidden: int, commit_workers: int, repeat: int = 3
+) -> dict[str, Any]:
+    """Raw safetensors write (+fsync) of shard-sized tensors, and aerie's ShardWriter (one thread) and
+    ShardCommitter (`commit_workers` encode threads) per dtype."""
     tokens = max(1, (shard_mb << 20) // (8 * hidden))
     aux = torch.randn(tokens, 3 * hidden).to(torch.bfloat16)
     last = torch.randn(tokens, hidden).to(torch.bfloat16)
@@ -185,28 +190,63 @@ def storage_write(work: Path, shard_mb: int, hidden: int, repeat: int = 3) -> di
         os.close(fd)
         rates.append(path.stat().st_size / (time.perf_counter() - began))
         path.unlink()
-    out: dict[str, Any] = {"shard_mib": shard_mb, "raw_safetensors_bytes_per_s": round(max(rates))}
-    for storage in ("bf16", "fp8"):
-        writer = ShardWriter(work / f"w-{storage}", storage=storage, shard_bytes=1 << 62, hidden_size=hidden)  # type: ignore[arg-type]
+    out: dict[str, Any] = {
+        "shard_mib": shard_mb,
+        "raw_safetensors_bytes_per_s": round(max(rates)),
+        "commit_workers": commit_workers,
+    }
+    step = 1024
+    samples = [
+        HiddenSample(
+            f"s{i}",
+            torch.zeros(min(step, tokens - i), dtype=torch.long),
+            torch.ones(min(step, tokens - i), dtype=torch.bool),
+            aux[i : i + step],
+            last[i : i + step],
+        )
+        for i in range(0, tokens, step)
+    ]
+    # A few shards per run, so the committer's write-behind (a shard written while the next fills) shows.
+    shard_bytes = max(1 << 20, (shard_mb << 20) // 4)
+    storages: tuple[Storage, ...] = ("bf16", "fp8")
+    closed: list[ShardInfo] = []
+    for storage in storages:
+        # ShardWriter.add: everything in this thread (the serial commit path).
+        writer = ShardWriter(
+            work / f"w-{storage}", storage=storage, shard_bytes=shard_bytes, hidden_size=hidden
+        )
         began = time.perf_counter()
-        step = 1024
-        for i in range(0, tokens, step):
-            n = min(step, tokens - i)
-            writer.add(
-                HiddenSample(
-                    f"s{i}",
-                    torch.zeros(n, dtype=torch.long),
-                    torch.ones(n, dtype=torch.bool),
-                    aux[i : i + n],
-                    last[i : i + n],
-                )
-            )
-        info = writer.close()
+        infos = [info for sample in samples if (info := writer.add(sample)) is not None]
+        if (info := writer.close()) is not None:
+            infos.append(info)
         elapsed = time.perf_counter() - began
-        assert info is not None
         out[f"shardwriter_{storage}_tokens_per_s"] = round(tokens / elapsed, 1)
-        out[f"shardwriter_{storage}_bytes_per_token"] = round(info.bytes / tokens, 2)
-        info.path.unlink()
+        out[f"shardwriter_{storage}_bytes_per_token"] = round(sum(i.bytes for i in infos) / tokens, 2)
+        for i in infos:
+            i.path.unlink()
+        # The pipeline's commit path: encode on `commit_workers` threads, append in order, write behind.
+        closed.clear()
+        writer = ShardWriter(
+            work / f"c-{storage}", storage=storage, shard_bytes=shard_bytes, hidden_size=hidden
+        )
+        committer = ShardCommitter(
+            writer,
+            first_row=0,
+            workers=commit_workers,
+            max_pending_tokens=16 * step,
+            on_closed=lambda info, first, end: closed.append(info),
+        )
+        began = time.perf_counter()
+        try:
+            for sample in samples:
+                committer.submit(sample)
+            committer.finish()
+        finally:
+            committer.close()
+        elapsed = time.perf_counter() - began
+        out[f"shardcommitter_{storage}_tokens_per_s"] = round(tokens / elapsed, 1)
+        for c in closed:
+            c.path.unlink()
     return out
 
 
@@ -270,6 +310,7 @@ def pipeline(
         splits=["train"],
         work_dir=str(work / f"pipe-{storage}"),
         delete_local_after_upload=True,
+        commit_workers=args.commit_workers,
     )
     server = ServerConfig(
         backend="reference",
@@ -295,6 +336,7 @@ def pipeline(
         "bytes_per_token": round(f["bytes"] / f["tokens"], 2),
         "steady_tokens_per_s": f["steady_tokens_per_s"],
         "commit_share": f.get("commit_share"),
+        "commit_workers": cfg.resolved_commit_workers(),
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
     }
@@ -346,6 +388,9 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=int, default=None, help="cpu 128, cuda 1024")
     ap.add_argument("--baseline-samples", type=int, default=None, help="cpu 12, cuda 512")
     ap.add_argument("--storages", default="bf16,fp8")
+    ap.add_argument(
+        "--commit-workers", type=int, default=None, help="encode threads per server (default: the config's)"
+    )
     ap.add_argument("--work-dir", default=None)
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -376,7 +421,8 @@ def main() -> None:
     figures["bare_forward"] = bare_forward(target, args.device, sequences, pack_tokens)
     print("bare forward:", figures["bare_forward"], flush=True)
     save(figures, args, complete=False)
-    figures["storage_write"] = storage_write(work, args.shard_mb, target.hidden_size)
+    commit_workers = ExtractConfig(commit_workers=args.commit_workers).resolved_commit_workers()
+    figures["storage_write"] = storage_write(work, args.shard_mb, target.hidden_size, commit_workers)
     print("storage write:", figures["storage_write"], flush=True)
     save(figures, args, complete=False)
     figures["dump_roundtrip"] = dump_roundtrip(work, target.hidden_size)

@@ -86,6 +86,7 @@ def test_fanout_kill9_resume_exact_counts(tmp_path, smollm2):
         requests_in_flight=2,
         num_servers=2,
         max_restarts=0,
+        commit_workers=2,  # the parallel commit path, through both kills and the resume
         work_dir=str(tmp_path / "work"),
         delete_local_after_upload=True,
         dump_timeout_s=60,

@@ -121,7 +121,8 @@ def test_slices_run_apart_and_assemble_into_the_single_host_stage(tmp_path, smol
     single_store = LocalStore(tmp_path / "single")
     _, single_corpus = _corpus(single_store, smollm2.load_tokenizer(), 14)
     assert single_corpus.manifest_sha256 == corpus.manifest_sha256
-    single_cfg = _cfg(tmp_path / "one", num_servers=2)
+    # (3 commit threads per server where the slices had this host's default: shards do not depend on it)
+    single_cfg = _cfg(tmp_path / "one", num_servers=2, commit_workers=3)
     single = run(single_cfg, **{**common, "store": single_store, "corpus": single_corpus})
     assert single.key == result.key and single.figures["tokens"] == corpus_tokens
     assert _layout(load_manifest(single_store, single.prefix)) == _layout(manifest)

@@ -3,6 +3,7 @@
 shards.py       the shard format (ShardWriter / ShardReader / HiddenSample, fp8 with per-token scales)
 stage.py        `run(cfg, store=, run_name=, target=, corpus=, server=) -> StageResult`
 worker.py       one server and its corpus slice: ordered commits, restarts
+commit.py       the commit path: samples encoded on several threads, appended in order, shards written behind
 client.py       `/generate` batches and the dump files they produce
 canary.py       proves a fresh server writes the right hidden states before any shard is written
 preflight.py    refuses, with the numbers, when the disk cannot hold the result

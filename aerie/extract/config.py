@@ -52,7 +52,17 @@ class ExtractConfig(StrictModel):
         "read back once, at the GPU's rate) when it has room for the dumps in flight, else <work_dir>/dumps.",
     )
     quantize_device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Where fp8 shards are quantized; auto = cuda when this process sees a GPU."
+        "auto",
+        description="Where fp8 shards are quantized. auto = cpu, on the commit_workers threads: that scales "
+        "with the cores and leaves the GPU to the server; cuda quantizes each sample on this process's GPU "
+        "(transfers and a sync per sample, behind the server's forward passes).",
+    )
+    commit_workers: int | None = Field(
+        None,
+        ge=1,
+        description="Threads per server encoding samples for the shards (fp8 quantization, casts), while one "
+        "thread appends them in row order and another writes closed shards; the shards are byte-identical "
+        "for any count. None = half this host's CPUs (os.cpu_count()) shared by its num_servers, 1 to 16.",
     )
     disk_margin: float = Field(1.2, ge=1.0, description="Preflight asks for estimated bytes x this margin.")
     splits: list[Literal["train", "eval"]] = Field(
@@ -72,3 +82,11 @@ class ExtractConfig(StrictModel):
     canary_rtol: float = Field(
         0.05, gt=0, description="Relative error allowed between server and reference hidden states."
     )
+
+    def resolved_commit_workers(self) -> int:
+        """`commit_workers`, or the default for this host (`aerie.extract.commit.default_workers`)."""
+        if self.commit_workers is not None:
+            return self.commit_workers
+        from aerie.extract.commit import default_workers  # torch: only when extracting
+
+        return default_workers(self.num_servers)

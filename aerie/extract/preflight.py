@@ -74,9 +74,11 @@ def _device(path: Path) -> int:
 
 
 def dumps_in_flight_bytes(cfg: ExtractConfig, hidden_size: int) -> int:
-    """Dump bytes the servers may hold at once: every request in flight, with the margin."""
+    """Dump bytes the servers may hold at once: every request in flight, plus the batch the commit
+    path is encoding (its samples are read from their dumps), with the margin."""
     per_token = 4 + 4 * hidden_size * DUMP_ELEMENT_BYTES
-    return int(cfg.num_servers * cfg.requests_in_flight * cfg.batch_tokens * per_token * cfg.disk_margin)
+    batches = cfg.requests_in_flight + 1
+    return int(cfg.num_servers * batches * cfg.batch_tokens * per_token * cfg.disk_margin)
 
 
 def estimate(

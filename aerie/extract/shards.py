@@ -25,6 +25,7 @@ The writer streams the safetensors layout itself (header, then each tensor's chu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -161,12 +162,86 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@dataclass
+class EncodedRows:
+    """Rows [lo, hi) of one sample's hidden states in storage form: bf16, or fp8 codes and their
+    scales. Rows are encoded independently (the fp8 scales are per token), so a sample encoded in
+    row ranges gives the same bytes as encoded whole."""
+
+    aux: torch.Tensor  # [n, 3H]
+    last: torch.Tensor  # [n, H]
+    aux_scale: torch.Tensor | None = None  # [n, 3] float32, fp8 only
+    last_scale: torch.Tensor | None = None  # [n, 1]
+
+
+@dataclass
+class SealedShard:
+    """A shard whose samples are decided, not yet on disk: `write` streams it out. Sealing and writing
+    are apart so a commit pipeline can write one shard while it fills the next."""
+
+    name: str
+    path: Path
+    chunks: dict[str, list[torch.Tensor]] = field(repr=False)
+    sample_ids: list[str] = field(repr=False)
+    lengths: list[int] = field(repr=False)
+    storage: Storage
+    hidden_size: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def write(self) -> ShardInfo:
+        """Write the file (temp + fsync + rename) and return what the manifest records of it."""
+        offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(self.lengths, dtype=torch.int64).cumsum(0)
+        chunks = dict(self.chunks, offsets=[offsets])
+        h = self.hidden_size
+        n = self.tokens
+        widths = {"aux_hidden": 3 * h, "last_hidden": h, "aux_scale": 3, "last_scale": 1}
+        tensors: list[tuple[str, torch.dtype, list[int], list[torch.Tensor]]] = []
+        for key in _ORDER:
+            parts = chunks[key]
+            if not parts:
+                continue
+            if key not in ("aux_hidden", "last_hidden"):
+                # Ids, mask and scales are a few bytes a token: one write (and one hash call) for the
+                # shard instead of one per sample. The hidden states stream as they are.
+                parts = [torch.cat(parts)]
+            shape = [len(self.lengths) + 1] if key == "offsets" else [n]
+            if key in widths:
+                shape.append(widths[key])
+            tensors.append((key, parts[0].dtype, shape, parts))
+        metadata = {
+            "schema_version": str(SHARD_SCHEMA_VERSION),
+            "storage": self.storage,
+            "hidden_size": str(h),
+            "samples": str(len(self.sample_ids)),
+            "tokens": str(n),
+            "sample_ids": json.dumps(self.sample_ids),
+        }
+        size, digest = _write_safetensors(self.path, tensors, metadata)
+        return ShardInfo(
+            name=self.name,
+            path=self.path,
+            samples=len(self.sample_ids),
+            tokens=n,
+            bytes=size,
+            sha256=digest,
+            sample_ids=list(self.sample_ids),
+        )
+
+
 class ShardWriter:
     """Packs samples, in the order given, into shards of about `shard_bytes` each.
 
     A sample never spans two shards: when adding it would push the open shard past `shard_bytes`, the
     open shard is closed first. Which samples land in which shard therefore depends only on the sample
     order and sizes, which makes re-runs reproduce the same shards (resume relies on it).
+
+    `add` does everything in the caller's thread. Its steps are also public for a pipeline
+    (`aerie.extract.commit`): `check` and `encode` (thread-safe: the costly part, quantization) in any
+    thread, `append` and `seal` in sample order from one thread, `SealedShard.write` anywhere.
     """
 
     def __init__(
@@ -189,13 +264,12 @@ class ShardWriter:
         self.hidden_size = hidden_size
         self.prefix = prefix
         self.index = first_index
-        # fp8 quantization touches every value; on a GPU host it is far faster on the GPU.
         self.quantize_device = quantize_device
         self._bpt = bytes_per_token(storage, hidden_size)
         self._reset()
 
     def _reset(self) -> None:
-        self._chunks: dict[str, list[torch.Tensor]] = {name: [] for name in _ORDER}
+        self._chunks: dict[str, list[torch.Tensor]] = {name: [] for name in _ORDER if name != "offsets"}
         self._ids: list[str] = []
         self._lengths: list[int] = []
         self._tokens = 0
@@ -209,36 +283,17 @@ class ShardWriter:
 
     def add(self, sample: HiddenSample) -> ShardInfo | None:
         """Append one sample; returns the info of the shard this closed, if any."""
-        t = self._check(sample)
-        closed = None
-        if self._ids and self._pending_bytes() + t * self._bpt + 8 > self.shard_bytes:
-            closed = self._flush()
-        h = self.hidden_size
-        self._chunks["input_ids"].append(sample.input_ids.to(torch.int32))
-        self._chunks["loss_mask"].append(sample.loss_mask.to(torch.uint8))
-        if self.storage == "bf16":
-            self._chunks["aux_hidden"].append(sample.aux_hidden.to(torch.bfloat16))
-            self._chunks["last_hidden"].append(sample.last_hidden.to(torch.bfloat16))
-        else:
-            dev = self.quantize_device
-            aux_q, aux_s = quantize_fp8(sample.aux_hidden.reshape(t, 3 * h).to(dev), groups=3)
-            last_q, last_s = quantize_fp8(sample.last_hidden.reshape(t, h).to(dev), groups=1)
-            if dev != "cpu":
-                aux_q, aux_s, last_q, last_s = (v.cpu() for v in (aux_q, aux_s, last_q, last_s))
-            self._chunks["aux_hidden"].append(aux_q)
-            self._chunks["aux_scale"].append(aux_s)
-            self._chunks["last_hidden"].append(last_q)
-            self._chunks["last_scale"].append(last_s)
-        self._ids.append(sample.id)
-        self._lengths.append(t)
-        self._tokens += t
-        return closed
+        t = self.check(sample)
+        sealed = self.append(sample, [self.encode(sample, 0, t)])
+        return sealed.write() if sealed is not None else None
 
     def close(self) -> ShardInfo | None:
         """Write the open shard, if it holds any sample."""
-        return self._flush() if self._ids else None
+        sealed = self.seal()
+        return sealed.write() if sealed is not None else None
 
-    def _check(self, s: HiddenSample) -> int:
+    def check(self, s: HiddenSample) -> int:
+        """The sample's token count; `ExtractionError` unless its tensors fit this writer."""
         t = int(s.input_ids.shape[0])
         h = self.hidden_size
         want = {
@@ -257,49 +312,64 @@ class ShardWriter:
             raise ExtractionError(f"sample {s.id!r}: token ids outside int32")
         return t
 
-    def _flush(self) -> ShardInfo:
-        name = f"{self.prefix}-{self.index:05d}.safetensors"
-        offsets = torch.zeros(len(self._lengths) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(self._lengths, dtype=torch.int64).cumsum(0)
-        self._chunks["offsets"] = [offsets]
+    def encode(self, sample: HiddenSample, lo: int, hi: int) -> EncodedRows:
+        """Rows [lo, hi) of a checked sample in storage form. Reads no writer state: safe in any
+        thread, in any order."""
         h = self.hidden_size
-        n = self._tokens
-        widths = {"aux_hidden": 3 * h, "last_hidden": h, "aux_scale": 3, "last_scale": 1}
-        tensors: list[tuple[str, torch.dtype, list[int], list[torch.Tensor]]] = []
-        for key in _ORDER:
-            chunks = self._chunks[key]
-            if not chunks:
-                continue
-            if key not in ("aux_hidden", "last_hidden"):
-                # Ids, mask and scales are a few bytes a token: one write (and one hash call) for the
-                # shard instead of one per sample. The hidden states stream as they are.
-                chunks = [torch.cat(chunks)]
-            shape = [len(self._lengths) + 1] if key == "offsets" else [n]
-            if key in widths:
-                shape.append(widths[key])
-            tensors.append((key, chunks[0].dtype, shape, chunks))
-        metadata = {
-            "schema_version": str(SHARD_SCHEMA_VERSION),
-            "storage": self.storage,
-            "hidden_size": str(h),
-            "samples": str(len(self._ids)),
-            "tokens": str(n),
-            "sample_ids": json.dumps(self._ids),
-        }
-        path = self.out_dir / name
-        size, digest = _write_safetensors(path, tensors, metadata)
-        info = ShardInfo(
+        aux = sample.aux_hidden[lo:hi]
+        last = sample.last_hidden[lo:hi]
+        if self.storage == "bf16":
+            return EncodedRows(aux.to(torch.bfloat16), last.to(torch.bfloat16))
+        # fp8 quantization touches every value; `quantize_device` may move it to a GPU.
+        dev = self.quantize_device
+        aux_q, aux_s = quantize_fp8(aux.reshape(hi - lo, 3 * h).to(dev), groups=3)
+        last_q, last_s = quantize_fp8(last.reshape(hi - lo, h).to(dev), groups=1)
+        if dev != "cpu":
+            aux_q, aux_s, last_q, last_s = (v.cpu() for v in (aux_q, aux_s, last_q, last_s))
+        return EncodedRows(aux_q, last_q, aux_s, last_s)
+
+    def append(self, sample: HiddenSample, rows: list[EncodedRows]) -> SealedShard | None:
+        """Add a checked sample, encoded (`rows` cover its tokens in order), to the open shard; when
+        it does not fit there, the open shard is sealed first and returned (to be written)."""
+        t = int(sample.input_ids.shape[0])
+        if sum(int(r.aux.shape[0]) for r in rows) != t:
+            raise ExtractionError(
+                f"internal: the encoded rows of sample {sample.id!r} do not cover its {t} tokens"
+            )
+        sealed = None
+        if self._ids and self._pending_bytes() + t * self._bpt + 8 > self.shard_bytes:
+            sealed = self.seal()
+        self._chunks["input_ids"].append(sample.input_ids.to(torch.int32))
+        self._chunks["loss_mask"].append(sample.loss_mask.to(torch.uint8))
+        for r in rows:
+            self._chunks["aux_hidden"].append(r.aux)
+            self._chunks["last_hidden"].append(r.last)
+            if r.aux_scale is not None and r.last_scale is not None:
+                self._chunks["aux_scale"].append(r.aux_scale)
+                self._chunks["last_scale"].append(r.last_scale)
+        self._ids.append(sample.id)
+        self._lengths.append(t)
+        self._tokens += t
+        return sealed
+
+    def seal(self) -> SealedShard | None:
+        """Close the open shard without writing it (None when it holds no sample); the next sample
+        opens the next index."""
+        if not self._ids:
+            return None
+        name = f"{self.prefix}-{self.index:05d}.safetensors"
+        sealed = SealedShard(
             name=name,
-            path=path,
-            samples=len(self._ids),
-            tokens=n,
-            bytes=size,
-            sha256=digest,
-            sample_ids=list(self._ids),
+            path=self.out_dir / name,
+            chunks=self._chunks,
+            sample_ids=self._ids,
+            lengths=self._lengths,
+            storage=self.storage,
+            hidden_size=self.hidden_size,
         )
         self.index += 1
         self._reset()
-        return info
+        return sealed
 
 
 class _HashBehind:
@@ -354,7 +424,8 @@ def _write_safetensors(
         _fsync_dir(path.parent)
     except BaseException as exc:
         h.cancel()
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # cleanup must not hide why the write failed
+            tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
             raise ExtractionError(f"cannot write shard {path}: {exc}") from exc
         raise

@@ -119,11 +119,9 @@ def _remove_dump_root(root: Path) -> None:
 
 
 def _quantize_device(cfg: ExtractConfig) -> str:
-    if cfg.quantize_device != "auto":
-        return cfg.quantize_device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    # auto = cpu: the commit pool's threads scale with the cores, while per-sample GPU quantization
+    # (what auto meant before) waits on transfers and on the server's forward passes sharing the GPU.
+    return "cpu" if cfg.quantize_device == "auto" else cfg.quantize_device
 
 
 def _server_cfg(server: ServerConfig, index: int, local: int, num_local: int) -> ServerConfig:
@@ -436,7 +434,7 @@ def manifest_body(
             "tokens_per_s": round(fresh_tokens / seconds, 1) if seconds > 0 else None,
             # Without server starts and canaries: what the extraction itself sustains.
             "steady_tokens_per_s": round(fresh_tokens / pump, 1) if pump > 0 else None,
-            # Share of the slowest slice's extraction time spent packing shards (see SliceResult).
+            # Share of the slowest slice's extraction time it waited on the commit path (see SliceResult).
             "commit_share": round(max(r.commit_seconds for r in results) / pump, 3) if pump > 0 else None,
             "server_restarts": sum(r.restarts for r in results),
             "canary_passed": canary_record is not None or fresh_tokens == 0,

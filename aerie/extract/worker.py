@@ -1,10 +1,13 @@
 """One extraction server and its slice of the corpus: launch, pump batches, pack shards, restart.
 
 Batches go out `requests_in_flight` at a time but are committed strictly in row order, so the shard
-writer sees the slice's samples in corpus order whatever order the replies come in. If the server
-dies (connection refused/reset, a 5xx, a dump that never appears) the uncommitted batches are simply
-sent again to a fresh server: the writer keeps everything committed so far, and the rids name the row,
-so a retry overwrites a stale dump instead of duplicating a sample.
+writer sees the slice's samples in corpus order whatever order the replies come in. Committing hands
+the samples to a `ShardCommitter` (encoding on `commit_workers` threads, shards written behind), so
+the pump waits only when that pipeline is full. If the server dies (connection refused/reset, a 5xx,
+a dump that never appears) the uncommitted batches are simply sent again to a fresh server: the
+committer keeps everything committed so far, and the rids name the row, so a retry overwrites a stale
+dump instead of duplicating a sample. When the slice fails for good, what was committed is drained
+into shards first (uploaded, so a re-run resumes after them), unless the commit path itself failed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from aerie.errors import ExtractionError, ServerError
 from aerie.extract.client import ExtractionClient, ServerUnavailable, make_batches
+from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import SplitFiles
 from aerie.extract.resume import ClosedShard, ProgressFile
@@ -40,8 +44,9 @@ class SliceResult:
     restarts: int = 0
     resumed_rows: int = 0
     pump_seconds: float = 0.0  # time spent extracting, without server starts and canaries
-    # Of pump_seconds, the time spent adding samples to shards (the rest waits on the server and the
-    # dump reads): near 1 of pump_seconds means this client, not the server, sets the pace.
+    # Of pump_seconds, the time the pump waited on the commit path (handing samples over while it was
+    # full, and its final drain; the rest waits on the server and the dump reads): near 1 of
+    # pump_seconds means this client, not the server, sets the pace.
     commit_seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -143,23 +148,49 @@ class SliceWorker:
             first_index=index,
             quantize_device=self.quantize_device,
         )
-        state = _SplitState(split=split, next_row=row, shard_first=row)
-        while state.next_row < hi:
+        committer = ShardCommitter(
+            writer,
+            first_row=row,
+            workers=self.cfg.resolved_commit_workers(),
+            # One batch being encoded while the pump admits the next: enough to keep every encode
+            # thread busy, and the dumps held stay within what the preflight counts.
+            max_pending_tokens=self.cfg.batch_tokens,
+            on_closed=lambda info, first, end: self._closed(info, split, first, end),
+            on_appended=self._appended,
+        )
+        try:
+            self._pump_split(split, hi, committer)
+            began = time.monotonic()
+            committer.finish()
+            self.result.pump_seconds += time.monotonic() - began
+            self.result.commit_seconds += time.monotonic() - began
+        except Exception:
+            if not committer.failed:
+                self._drain_quietly(committer, split)
+            raise
+        finally:
+            committer.close()
+
+    def _pump_split(self, split: str, hi: int, committer: ShardCommitter) -> None:
+        while committer.next_row < hi:
             if self.stop_event.is_set():
                 raise ExtractionError(f"slice {self.k}: stopped because another slice failed")
             server = self._ensure_server()
             began = time.monotonic()
             try:
-                asyncio.run(self._pump(server, split, hi, writer, state))
+                asyncio.run(self._pump(server, split, hi, committer))
             except ServerUnavailable as exc:
-                self._on_server_failure(server, exc, split, state.next_row)
+                self._on_server_failure(server, exc, split, committer.next_row)
             finally:
                 self.result.pump_seconds += time.monotonic() - began
-        began = time.monotonic()
-        info = writer.close()
-        if info is not None:
-            self._closed(info, split, state, end_row=hi)
-        self.result.pump_seconds += time.monotonic() - began
+
+    def _drain_quietly(self, committer: ShardCommitter, split: str) -> None:
+        """The slice is failing: get what it committed into shards (and uploads), so the re-run
+        resumes after them, without hiding the failure that is on its way up."""
+        try:
+            committer.drain()
+        except Exception:
+            log.exception("slice %d (%s): draining the commit path while failing failed too", self.k, split)
 
     # -- server life --------------------------------------------------------------------------------
 
@@ -196,9 +227,7 @@ class SliceWorker:
 
     # -- the pump -----------------------------------------------------------------------------------
 
-    async def _pump(
-        self, server: ModelServer, split: str, hi: int, writer: ShardWriter, state: _SplitState
-    ) -> None:
+    async def _pump(self, server: ModelServer, split: str, hi: int, committer: ShardCommitter) -> None:
         assert server.spec.dump_dir is not None
         client = ExtractionClient(
             server.url,
@@ -206,7 +235,7 @@ class SliceWorker:
             request_timeout_s=self.cfg.request_timeout_s,
             dump_timeout_s=self.cfg.dump_timeout_s,
         )
-        rows = self.splits[split].iter_rows(state.next_row, hi)
+        rows = self.splits[split].iter_rows(committer.next_row, hi)
         batches = make_batches(rows, self.cfg.batch_tokens, rid_prefix=f"{split}")
         in_flight: deque[asyncio.Task[list[HiddenSample]]] = deque()
         try:
@@ -216,31 +245,31 @@ class SliceWorker:
                 in_flight.append(asyncio.create_task(client.extract(batch)))
                 if len(in_flight) >= self.cfg.requests_in_flight:
                     samples = await in_flight.popleft()
-                    await asyncio.to_thread(self._commit, samples, writer, state)
+                    await asyncio.to_thread(self._commit, samples, committer)
             while in_flight:
                 samples = await in_flight.popleft()
-                await asyncio.to_thread(self._commit, samples, writer, state)
+                await asyncio.to_thread(self._commit, samples, committer)
         finally:
             for task in in_flight:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
             await client.aclose()
 
-    def _commit(self, samples: list[HiddenSample], writer: ShardWriter, state: _SplitState) -> None:
+    def _commit(self, samples: list[HiddenSample], committer: ShardCommitter) -> None:
+        """Hand a batch to the commit path (in a thread: `submit` blocks while the path is full, and
+        the event loop keeps the requests in flight going meanwhile)."""
         began = time.monotonic()
-        tokens = 0
         for sample in samples:
-            row = state.next_row
-            info = writer.add(sample)
-            if info is not None:
-                self._closed(info, state.split, state, end_row=row)
-            state.next_row = row + 1
-            tokens += sample.tokens
-        self.result.tokens += tokens
-        self.meter.add(tokens)
+            committer.submit(sample)
         self.result.commit_seconds += time.monotonic() - began
 
-    def _closed(self, info: ShardInfo, split: str, state: _SplitState, *, end_row: int) -> None:
+    def _appended(self, tokens: int) -> None:
+        """A sample is in its shard (the commit path's append thread): count it as extracted."""
+        self.result.tokens += tokens
+        self.meter.add(tokens)
+
+    def _closed(self, info: ShardInfo, split: str, first_row: int, end_row: int) -> None:
+        """A shard is written (the commit path's write thread, in shard order): upload it."""
         index = int(info.name.rsplit("-", 1)[1].split(".")[0])
         shard = ClosedShard(
             split=split,
@@ -248,7 +277,7 @@ class SliceWorker:
             index=index,
             name=info.name,
             path=f"shards/{split}/{info.name}",
-            first_row=state.shard_first,
+            first_row=first_row,
             end_row=end_row,
             samples=info.samples,
             tokens=info.tokens,
@@ -257,15 +286,7 @@ class SliceWorker:
         )
         if shard.end_row - shard.first_row != shard.samples:
             raise ExtractionError(
-                f"internal: shard {info.name} holds {info.samples} samples but rows {shard.first_row}..{end_row}"
+                f"internal: shard {info.name} holds {info.samples} samples but rows {first_row}..{end_row}"
             )
-        state.shard_first = end_row
         self.uploader.submit(info, shard)
         self.result.shards.append(shard)
-
-
-@dataclass
-class _SplitState:
-    split: str
-    next_row: int
-    shard_first: int

@@ -1,0 +1,239 @@
+"""The commit path of one server's slice: samples in row order in, shards out, on several cores.
+
+`ShardWriter.add` does everything in one thread: encode (fp8 quantization, a few passes over every
+value), append, and every ~1 GB write and hash of a closed shard. On a GPU host that one thread set
+the pace of the whole extraction (it was busy 84% of the time). `ShardCommitter` splits the work:
+
+    submit (the pump's thread) --> encode pool (`workers` threads, rows of a sample in parallel)
+        --> append (one thread, strict row order) --> write (one thread, one shard at a time)
+        --> on_closed(info, first_row, end_row), in shard order
+
+Only encoding runs out of order, and it reads no writer state: which samples land in which shard,
+and every byte of every shard, are exactly what `ShardWriter.add` writes for the same samples.
+A shard is written while the next one fills, so a write-bound host keeps its disk busy.
+
+Memory is bounded: `submit` blocks while `max_pending_tokens` tokens are submitted but not yet
+appended (back-pressure on the pump), and the shard being written plus the one filling are the
+only shards held. The time `submit` and `finish` spend blocked is `waited_s`.
+
+Encode threads run torch single-threaded: the pool is the parallelism, and a pool of threads that
+each open a full intra-op OpenMP team oversubscribes the cores (on a loaded 2-core host that made
+quantization ~50x slower).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from aerie.errors import ExtractionError
+from aerie.extract.shards import EncodedRows, HiddenSample, SealedShard, ShardInfo, ShardWriter
+
+log = logging.getLogger(__name__)
+
+# Rows per encode task: long samples are split so the pool stays balanced (and one very long sample
+# does not stall the ordered append behind a single thread).
+ENCODE_ROWS = 2048
+MAX_DEFAULT_WORKERS = 16
+
+ClosedFn = Callable[[ShardInfo, int, int], None]  # (info, first row, end row)
+AppendedFn = Callable[[int], None]  # tokens of one sample, once it is in the open shard
+
+_THREADS_LOCK = threading.Lock()
+
+
+def default_workers(servers_on_host: int = 1) -> int:
+    """Encode threads per server when the config leaves it open: half this host's CPUs, shared by
+    its servers (the other half serves the server processes, the pumps, shard writes, hashing and
+    uploads), at least 1, at most 16 (past that the shard write, not encoding, bounds a server)."""
+    cpus = os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_WORKERS, cpus // 2 // max(1, servers_on_host)))
+
+
+def _single_threaded_pool(workers: int, name: str) -> ThreadPoolExecutor:
+    """A pool whose threads run torch ops single-threaded, leaving the rest of the process alone.
+
+    With the OpenMP backend the intra-op thread count is per calling thread (the OpenMP ICV, set once
+    per thread from torch's global when the thread first asks), but `torch.set_num_threads` also sets
+    the global. So every pool thread sets 1 for itself, all wait on a barrier, then the global is put
+    back. Where the backend keeps one global count (no OpenMP), the restore wins and the pool runs
+    with torch's default: slower on a busy host, but never wrong."""
+    barrier = threading.Barrier(workers + 1)
+
+    def init() -> None:
+        torch.get_num_threads()  # this thread's lazy init happens now, not later over our setting
+        torch.set_num_threads(1)
+        barrier.wait(timeout=60)
+
+    with _THREADS_LOCK:
+        before = torch.get_num_threads()
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, initializer=init)
+        try:
+            # Each submit starts a thread while none is idle; the initializers hold them on the barrier.
+            for _ in range(workers):
+                pool.submit(lambda: None)
+            barrier.wait(timeout=60)  # a thread that never starts: BrokenBarrierError, not a hang
+        finally:
+            torch.set_num_threads(before)
+    return pool
+
+
+class ShardCommitter:
+    """Feeds `writer` from a pool of encode threads; see the module docstring. Not thread-safe
+    itself: one thread calls `submit`, `finish`, `drain` and `close` (the slice's pump)."""
+
+    def __init__(
+        self,
+        writer: ShardWriter,
+        *,
+        first_row: int,
+        workers: int,
+        max_pending_tokens: int,
+        on_closed: ClosedFn,
+        on_appended: AppendedFn | None = None,
+        encode_rows: int = ENCODE_ROWS,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.writer = writer
+        self.next_row = first_row
+        self.workers = workers
+        self.max_pending_tokens = max_pending_tokens
+        self.encode_rows = encode_rows
+        self.waited_s = 0.0
+        self._on_closed = on_closed
+        self._on_appended = on_appended
+        self._shard_first = first_row  # the append thread's (and `finish`'s, once that thread is idle)
+        self._cond = threading.Condition()
+        self._pending_tokens = 0
+        self._failure: BaseException | None = None
+        self._cancelled = False
+        self._write_slot = threading.Semaphore(1)  # one shard written while the next one fills
+        self._encode = _single_threaded_pool(workers, "aerie-commit-encode")
+        self._append_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-commit-append")
+        self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-commit-write")
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    # -- the caller's side ---------------------------------------------------------------------------
+
+    def submit(self, sample: HiddenSample) -> None:
+        """Queue the next row's sample; blocks while the pipeline holds `max_pending_tokens`.
+        Raises the pipeline's first failure (a bad sample, a shard that could not be written)."""
+        self._raise_failure()
+        t = self.writer.check(sample)
+        began = time.monotonic()
+        with self._cond:
+            # A sample larger than the budget still goes in, alone.
+            while (
+                not (self._failure or self._cancelled)
+                and self._pending_tokens
+                and self._pending_tokens + t > self.max_pending_tokens
+            ):
+                self._cond.wait()
+            self._pending_tokens += t
+        self.waited_s += time.monotonic() - began
+        self._raise_failure()
+        parts = [
+            self._encode.submit(self.writer.encode, sample, lo, min(lo + self.encode_rows, t))
+            for lo in range(0, t, self.encode_rows)
+        ]
+        row = self.next_row
+        self.next_row += 1
+        self._append_pool.submit(self._append, row, sample, parts, t)
+
+    def drain(self) -> None:
+        """Wait until every submitted sample is in the open shard and every closed shard is written
+        and reported; the open shard stays open. Raises the pipeline's first failure."""
+        began = time.monotonic()
+        try:
+            self._append_pool.submit(lambda: None).result()  # the append thread runs in order
+            self._write_pool.submit(lambda: None).result()
+        finally:
+            self.waited_s += time.monotonic() - began
+        self._raise_failure()
+
+    def finish(self) -> None:
+        """Drain, then write the open shard (its end row: the next row to submit)."""
+        self.drain()
+        began = time.monotonic()
+        try:
+            end_row = self.next_row
+            sealed = self._append_pool.submit(self.writer.seal).result()
+            if sealed is not None:
+                self._write_slot.acquire()
+                self._write_pool.submit(self._write, sealed, self._shard_first, end_row).result()
+                self._shard_first = end_row
+        finally:
+            self.waited_s += time.monotonic() - began
+        self._raise_failure()
+
+    def close(self) -> None:
+        """Stop the threads. Work still queued (after a failure, without `drain`) is dropped: no
+        sample is half in a shard, the open shard is never written, and a shard already being
+        written finishes (its temp file is renamed or removed, never left half-written)."""
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
+        self._encode.shutdown(wait=True, cancel_futures=True)
+        self._append_pool.shutdown(wait=True, cancel_futures=True)
+        self._write_pool.shutdown(wait=True)
+
+    # -- the pipeline's threads -----------------------------------------------------------------------
+
+    def _append(self, row: int, sample: HiddenSample, parts: list[Future[EncodedRows]], tokens: int) -> None:
+        try:
+            if self._failure is not None or self._cancelled:
+                return
+            rows = [p.result() for p in parts]
+            sealed = self.writer.append(sample, rows)
+            if sealed is not None:
+                # Shard [shard_first, row) is complete: write it behind; wait only while the previous
+                # one is still being written (then the disk, not this thread, is the bound).
+                self._write_slot.acquire()
+                self._write_pool.submit(self._write, sealed, self._shard_first, row)
+                self._shard_first = row
+            if self._on_appended is not None:
+                self._on_appended(tokens)
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            with self._cond:
+                self._pending_tokens -= tokens
+                self._cond.notify_all()
+
+    def _write(self, sealed: SealedShard, first_row: int, end_row: int) -> None:
+        try:
+            if self._failure is not None:
+                return
+            info = sealed.write()
+            self._on_closed(info, first_row, end_row)
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            self._write_slot.release()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._failure is None:
+                self._failure = exc
+            self._cond.notify_all()
+
+    def _raise_failure(self) -> None:
+        exc = self._failure
+        if exc is None:
+            return
+        if isinstance(exc, ExtractionError):
+            raise exc
+        raise ExtractionError(
+            f"committing samples to {self.writer.prefix}-*.safetensors in {self.writer.out_dir} failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
