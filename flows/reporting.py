@@ -51,9 +51,14 @@ def prefect_progress(key: str, description: str, min_interval_s: float = 1.0) ->
             if decile != state["decile"]:
                 state["decile"] = decile
                 logger.info("%s: %.0f%% %s", description, pct, message)
-        update_progress_artifact(
-            artifact_id=artifact_id, progress=pct, description=f"{description}: {message}"
-        )
+        try:
+            update_progress_artifact(
+                artifact_id=artifact_id, progress=pct, description=f"{description}: {message}"
+            )
+        except Exception as exc:  # noqa: BLE001 - a progress bar must never fail hours of work
+            if not state.get("warned"):
+                state["warned"] = 1.0
+                logger.warning("%s: progress artifact not updated (%r); the work goes on", description, exc)
 
     return update
 

@@ -23,6 +23,7 @@ quantization ~50x slower).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import threading
@@ -148,7 +149,9 @@ class ShardCommitter:
         ]
         row = self.next_row
         self.next_row += 1
-        self._append_pool.submit(self._append, row, sample, parts, t)
+        # The callbacks run on the pipeline's threads with the caller's context variables (Prefect's
+        # run context among them: progress artifacts are updated from there), as asyncio.to_thread does.
+        self._append_pool.submit(contextvars.copy_context().run, self._append, row, sample, parts, t)
 
     def drain(self) -> None:
         """Wait until every submitted sample is in the open shard and every closed shard is written
@@ -170,7 +173,9 @@ class ShardCommitter:
             sealed = self._append_pool.submit(self.writer.seal).result()
             if sealed is not None:
                 self._write_slot.acquire()
-                self._write_pool.submit(self._write, sealed, self._shard_first, end_row).result()
+                self._write_pool.submit(
+                    contextvars.copy_context().run, self._write, sealed, self._shard_first, end_row
+                ).result()
                 self._shard_first = end_row
         finally:
             self.waited_s += time.monotonic() - began
@@ -199,7 +204,9 @@ class ShardCommitter:
                 # Shard [shard_first, row) is complete: write it behind; wait only while the previous
                 # one is still being written (then the disk, not this thread, is the bound).
                 self._write_slot.acquire()
-                self._write_pool.submit(self._write, sealed, self._shard_first, row)
+                self._write_pool.submit(
+                    contextvars.copy_context().run, self._write, sealed, self._shard_first, row
+                )
                 self._shard_first = row
             if self._on_appended is not None:
                 self._on_appended(tokens)
