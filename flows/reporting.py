@@ -38,7 +38,7 @@ def prefect_progress(key: str, description: str, min_interval_s: float = 1.0) ->
     artifact_id = cast(UUID, create_progress_artifact(0.0, key=artifact_key(key), description=description))
     logger = get_run_logger()
     lock = threading.Lock()
-    state = {"last": 0.0, "decile": -1}
+    state: dict[str, float] = {"last": 0.0, "decile": -1, "warned": False}
 
     def update(fraction: float, message: str) -> None:
         pct = max(0.0, min(100.0, fraction * 100.0))
@@ -56,8 +56,8 @@ def prefect_progress(key: str, description: str, min_interval_s: float = 1.0) ->
                 artifact_id=artifact_id, progress=pct, description=f"{description}: {message}"
             )
         except Exception as exc:  # noqa: BLE001 - a progress bar must never fail hours of work
-            if not state.get("warned"):
-                state["warned"] = 1.0
+            if not state["warned"]:
+                state["warned"] = True
                 logger.warning("%s: progress artifact not updated (%r); the work goes on", description, exc)
 
     return update

@@ -12,7 +12,7 @@ from aerie.draft.export import draft_config_for
 from aerie.draft.model import Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
 from aerie.evaluate.diagnose import diagnose, simulate_rounds
-from aerie.evaluate.eagle import EagleProposer
+from aerie.evaluate.eagle import EagleProposer, hidden_state_indices
 from aerie.evaluate.spec_decode import SpecDecoder, SpecStats, greedy_reference
 
 TEXTS = ("The capital of France is", "Write a haiku about the sea.", "List three colors:")
@@ -56,7 +56,7 @@ def _trained_drafter(smollm2, target, pairs) -> Eagle3Drafter:
     drafter.set_vocab(used - torch.arange(len(used)), t2d)
     to_draft = torch.full((smollm2.vocab_size,), -100)
     to_draft[used] = torch.arange(len(used))
-    layers = EagleProposer(drafter).aux_layers
+    layers = hidden_state_indices(drafter.config)
     batches = []
     with torch.no_grad():
         for p, a in pairs:
@@ -88,7 +88,7 @@ def test_simulated_acceptance_equals_the_decoders(smollm2, target, pairs) -> Non
     stats = SpecStats(STEPS)
     for out in outputs:
         stats.add(out)
-    found = diagnose(target, drafter, proposer.aux_layers, pairs, STEPS, NEW)
+    found = diagnose(target, drafter, pairs, STEPS, NEW)
     assert 1.3 < stats.accept_length < STEPS + 1  # some drafts right, some wrong: the check means something
     assert found["rounds"] == stats.verify_ct
     assert found["simulated_accept_length"] == pytest.approx(stats.accept_length, abs=1e-3)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from aerie.evaluate.eagle import hidden_state_indices
+
 if TYPE_CHECKING:
     from aerie.draft.model import Eagle3Drafter
 
@@ -30,16 +32,15 @@ BUCKET = 64  # answer tokens per bucket of the by-position accuracy
 
 @torch.no_grad()
 def draft_hits(
-    model: Any, drafter: Eagle3Drafter, aux_layers: Sequence[int], prompt: Sequence[int], answer: Sequence[int],
-    steps: int,
-) -> Tensor:  # fmt: skip
+    model: Any, drafter: Eagle3Drafter, prompt: Sequence[int], answer: Sequence[int], steps: int
+) -> Tensor:
     """hits [steps, T-1] bool: the drafter's step k at row t names token t+2+k of prompt+answer (the
     answer is the target's greedy output, so that token is what verification would accept)."""
     param = next(drafter.parameters())
     ids = torch.tensor([*prompt, *answer], device=param.device)
     t = ids.shape[0]
     states = model(ids[None], output_hidden_states=True).hidden_states
-    aux = torch.cat([states[i][0] for i in aux_layers], dim=-1).to(param.dtype)
+    aux = torch.cat([states[i][0] for i in hidden_state_indices(drafter.config)], dim=-1).to(param.dtype)
     logits = drafter(aux, ids, torch.arange(t, device=ids.device), torch.zeros_like(ids), steps)
     hits = torch.zeros(steps, t - 1, dtype=torch.bool)
     for k, step_logits in enumerate(logits):
@@ -71,7 +72,6 @@ def simulate_rounds(hits: Tensor, prompt_len: int, total_len: int, max_new_token
 def diagnose(
     model: Any,
     drafter: Eagle3Drafter,
-    aux_layers: Sequence[int],
     pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
     steps: int,
     max_new_tokens: int,
@@ -87,7 +87,7 @@ def diagnose(
     for prompt, answer in pairs:
         if len(answer) < 2:
             continue
-        hits = draft_hits(model, drafter, aux_layers, prompt, answer, steps)
+        hits = draft_hits(model, drafter, prompt, answer, steps)
         total = len(prompt) + len(answer)
         rounds += len(simulate_rounds(hits, len(prompt), total, max_new_tokens))
         verify_tokens += len(answer) - 1

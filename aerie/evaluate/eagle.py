@@ -29,10 +29,16 @@ from aerie.errors import EvaluationError
 from aerie.evaluate.spec_decode import compaction_index
 
 if TYPE_CHECKING:
-    from aerie.draft.model import Eagle3Drafter
+    from aerie.draft.model import DraftConfig, Eagle3Drafter
 
 _COMPACT_FACTOR = 2
 _COMPACT_SLACK = 64
+
+
+def hidden_state_indices(cfg: DraftConfig) -> list[int]:
+    """The target hidden states a drafter reads, as HF `hidden_states` indices (input-of-layer
+    convention: the drafter config's output-of-layer ids + 1)."""
+    return [i + 1 for i in cfg.aux_layer_ids]
 
 
 class RaggedKV:
@@ -129,9 +135,7 @@ class EagleProposer:
 
     @property
     def aux_layers(self) -> list[int]:
-        """The target hidden states the drafter reads, as HF `hidden_states` indices (input-of-layer
-        convention: the drafter config's output-of-layer ids + 1)."""
-        return [i + 1 for i in self.drafter.config.aux_layer_ids]
+        return hidden_state_indices(self.drafter.config)
 
     # -- Proposer protocol -------------------------------------------------------------------------
 

@@ -257,11 +257,9 @@ def _diagnose(
     loaded: dict[str, Any], prompts: list[EvalPrompt], answers: dict[str, list[int]], steps: int, max_new: int
 ) -> dict[str, Any]:
     from aerie.evaluate.diagnose import diagnose
-    from aerie.evaluate.eagle import EagleProposer
 
-    drafter = loaded["drafter"]
     pairs = [(p.input_ids, answers[p.id]) for p in prompts if p.id in answers]
-    found = diagnose(loaded["model"], drafter, EagleProposer(drafter).aux_layers, pairs, steps, max_new)
+    found = diagnose(loaded["model"], loaded["drafter"], pairs, steps, max_new)
     return {"num_steps": steps, **found}
 
 
