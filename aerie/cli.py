@@ -6,18 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from aerie.config import PipelineConfig, apply_overrides, load_yaml, to_yaml
+from aerie.config import to_yaml
 from aerie.errors import AerieError
 from aerie.pipeline import STAGES
-from aerie.presets import PRESETS, get_preset
-
-
-def _config(preset_or_file: str, overrides: list[str]) -> PipelineConfig:
-    if preset_or_file.endswith((".yaml", ".yml")):
-        cfg = load_yaml(preset_or_file)
-    else:
-        cfg = get_preset(preset_or_file)
-    return apply_overrides(cfg, overrides) if overrides else cfg
+from aerie.presets import PRESETS, load_config
 
 
 def _cmd_presets(_: argparse.Namespace) -> int:
@@ -28,12 +20,12 @@ def _cmd_presets(_: argparse.Namespace) -> int:
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    print(to_yaml(_config(args.preset, args.overrides)), end="")
+    print(to_yaml(load_config(args.preset, args.overrides)), end="")
     return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    cfg = _config(args.preset, args.overrides)
+    cfg = load_config(args.preset, args.overrides)
     if args.no_prefect or args.until:
         from aerie.pipeline import run_pipeline as run_stages
 

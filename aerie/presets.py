@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from aerie.config import PipelineConfig
+from aerie.config import PipelineConfig, apply_overrides, load_yaml
 from aerie.datasets import SourceSpec
 from aerie.errors import ConfigError
 from aerie.generate.config import DatasetSpec, EndpointConfig, SamplingParams
@@ -143,7 +143,6 @@ def kimi_k25_8gpu() -> PipelineConfig:
     cfg.server.tp_size = 8
     cfg.server.device = "cuda"
     cfg.server.image = "aerie/sglang-extract:0.5.23"
-    cfg.server.extra_args = ["--trust-remote-code"]
     cfg.extract.storage_dtype = "fp8"
     cfg.extract.batch_tokens = 65536
     cfg.extract.requests_in_flight = 4
@@ -165,6 +164,16 @@ PRESETS: dict[str, Callable[[], PipelineConfig]] = {
     "smollm2-gpu": smollm2_gpu,
     "kimi-k2.5-8gpu": kimi_k25_8gpu,
 }
+
+
+def load_config(preset_or_file: str, overrides: list[str]) -> PipelineConfig:
+    """A preset name or YAML file with `key=value` overrides applied (what `aerie run` runs)."""
+    cfg = (
+        load_yaml(preset_or_file)
+        if preset_or_file.endswith((".yaml", ".yml"))
+        else get_preset(preset_or_file)
+    )
+    return apply_overrides(cfg, overrides) if overrides else cfg
 
 
 def get_preset(name: str) -> PipelineConfig:

@@ -104,13 +104,11 @@ class ShardCommitter:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.writer = writer
         self.next_row = first_row
-        self.workers = workers
         self.max_pending_tokens = max_pending_tokens
         self.encode_rows = encode_rows
         self.waited_s = 0.0
         self._on_closed = on_closed
         self._on_appended = on_appended
-        self._shard_first = first_row  # the append thread's (and `finish`'s, once that thread is idle)
         self._cond = threading.Condition()
         self._pending_tokens = 0
         self._failure: BaseException | None = None
@@ -169,14 +167,9 @@ class ShardCommitter:
         self.drain()
         began = time.monotonic()
         try:
-            end_row = self.next_row
             sealed = self._append_pool.submit(self.writer.seal).result()
             if sealed is not None:
-                self._write_slot.acquire()
-                self._write_pool.submit(
-                    contextvars.copy_context().run, self._write, sealed, self._shard_first, end_row
-                ).result()
-                self._shard_first = end_row
+                self._write_behind(sealed, end_row=self.next_row).result()
         finally:
             self.waited_s += time.monotonic() - began
         self._raise_failure()
@@ -200,14 +193,8 @@ class ShardCommitter:
                 return
             rows = [p.result() for p in parts]
             sealed = self.writer.append(sample, rows)
-            if sealed is not None:
-                # Shard [shard_first, row) is complete: write it behind; wait only while the previous
-                # one is still being written (then the disk, not this thread, is the bound).
-                self._write_slot.acquire()
-                self._write_pool.submit(
-                    contextvars.copy_context().run, self._write, sealed, self._shard_first, row
-                )
-                self._shard_first = row
+            if sealed is not None:  # the shard of the rows before this one is complete
+                self._write_behind(sealed, end_row=row)
             if self._on_appended is not None:
                 self._on_appended(tokens)
         except BaseException as exc:
@@ -216,6 +203,15 @@ class ShardCommitter:
             with self._cond:
                 self._pending_tokens -= tokens
                 self._cond.notify_all()
+
+    def _write_behind(self, sealed: SealedShard, end_row: int) -> Future[None]:
+        """Write `sealed` (rows up to `end_row`) on the write thread; waits only while the previous
+        shard is still being written (then the disk, not the caller, is the bound)."""
+        self._write_slot.acquire()
+        first_row = end_row - len(sealed.sample_ids)
+        return self._write_pool.submit(
+            contextvars.copy_context().run, self._write, sealed, first_row, end_row
+        )
 
     def _write(self, sealed: SealedShard, first_row: int, end_row: int) -> None:
         try:

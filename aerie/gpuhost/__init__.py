@@ -47,7 +47,7 @@ from aerie.gpuhost.bundles import CONTENTS, StagedFile, plan_bundles, write_bund
 from aerie.gpuhost.cli import build_parser, main
 from aerie.gpuhost.files import FORMAT, MIB, sha256_file
 from aerie.gpuhost.home import DEFAULT_HOME, Home
-from aerie.gpuhost.hostconfig import host_config, preset_config
+from aerie.gpuhost.hostconfig import host_config
 from aerie.gpuhost.hostenv import (
     AERIE_IMPORT_CHECK,
     IMPORT_CHECK,
@@ -128,7 +128,6 @@ __all__ = [
     "pack_out",
     "pipeline",
     "plan_bundles",
-    "preset_config",
     "restore",
     "run_stages",
     "sha256_file",

@@ -51,16 +51,9 @@ def _cmd_install(args: argparse.Namespace) -> int:
 def _cmd_env(args: argparse.Namespace) -> int:
     home = Home(Path(args.home))
     env = host_environ(home, Path(args.cache_dir) if args.cache_dir else None, base={})
-    for key in (
-        "PYTHONPATH",
-        "AERIE_CACHE_DIR",
-        "AERIE_GPUHOST_HOME",
-        "HF_HUB_OFFLINE",
-        "TRANSFORMERS_OFFLINE",
-        "PYTHONUNBUFFERED",
-    ):
-        value = env[key] + ("${PYTHONPATH:+:$PYTHONPATH}" if key == "PYTHONPATH" else "")
-        print(f'export {key}="{value}"')
+    for key, value in env.items():
+        suffix = "${PYTHONPATH:+:$PYTHONPATH}" if key == "PYTHONPATH" else ""
+        print(f'export {key}="{value}{suffix}"')
     return 0
 
 

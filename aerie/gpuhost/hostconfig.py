@@ -13,22 +13,14 @@ from aerie.gpuhost.home import Home
 from aerie.gpuhost.standins import SHAREGPT_EXPORT
 
 
-def preset_config(preset: str, overrides: list[str]) -> Any:
-    """A preset name or YAML file with `key=value` overrides applied, as `aerie run` reads it."""
-    from aerie.config import apply_overrides, load_yaml
-    from aerie.presets import get_preset
-
-    cfg = load_yaml(preset) if preset.endswith((".yaml", ".yml")) else get_preset(preset)
-    return apply_overrides(cfg, overrides) if overrides else cfg
-
-
 def host_config(home: Home, preset: str, overrides: list[str], store: Path) -> Path:
     """Write the preset (with overrides) as YAML for this host, its store in the home. The datasets stay
     as they are (the stand-in packages serve them); raises when the staged ShareGPT export cannot serve
     them as configured."""
     from aerie.config import to_yaml
+    from aerie.presets import load_config  # pydantic: only once the wheels are installed
 
-    cfg = preset_config(preset, [*overrides, f"store.uri={store}"])
+    cfg = load_config(preset, [*overrides, f"store.uri={store}"])
     export_path = home.staged / SHAREGPT_EXPORT
     for dataset in cfg.generate.datasets:
         if dataset.source.kind == "sharegpt":

@@ -132,7 +132,6 @@ def _supervise(
         _stop(proc, args.grace_s)
         stopped = True
     pump.join(timeout=10)
-    _sweep(_descendants(proc.pid))
     if stopped:
         print("gpuhost: stopped at the budget; the next `run` resumes from the store", flush=True)
         return EXIT_STOPPED

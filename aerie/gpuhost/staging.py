@@ -9,7 +9,6 @@ from pathlib import Path
 from aerie.errors import ConfigError
 from aerie.gpuhost.bundles import StagedFile, plan_bundles, write_bundles
 from aerie.gpuhost.files import MIB, size_text
-from aerie.gpuhost.hostconfig import preset_config
 from aerie.gpuhost.standins import (
     SHAREGPT_EXPORT,
     SHAREGPT_STANDIN,
@@ -23,11 +22,12 @@ from aerie.gpuhost.wheels import BASE_ROOTS, EXTRAS, download_wheels, wheel_pins
 
 def stage(args: argparse.Namespace) -> int:
     from aerie.datasets import MTBENCH_PACKAGE, MTBENCH_QUESTIONS, SHAREGPT_PACKAGE
+    from aerie.presets import load_config
     from aerie.targets import EMBEDDED
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = preset_config(args.preset, args.overrides)
+    cfg = load_config(args.preset, args.overrides)
     files: list[StagedFile] = []
     pins: dict[str, str] = {}
     if args.wheels:

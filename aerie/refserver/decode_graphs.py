@@ -206,7 +206,5 @@ class DecodeGraphs:
 
     def _disable(self, reason: str) -> None:
         self.disabled = reason[:300]
-        self.graphs.clear()
-        self.checked.clear()
-        self.pool = None
+        self._new_generation()  # drops the graphs and their pool
         logger.warning(f"Decoding eagerly from now on: {self.disabled}")

@@ -89,7 +89,7 @@ def _spec_decode_module() -> Any:
 def _start(args: RefServerArgs) -> Any:
     import torch
 
-    from aerie.refserver import packed
+    from aerie.refserver import packed, slots
     from aerie.refserver.app import ServerState
     from aerie.refserver.extraction import HiddenStateCapture
     from aerie.refserver.loader import load_model
@@ -109,12 +109,16 @@ def _start(args: RefServerArgs) -> Any:
     aux = check_aux_layers(args.aux_layers or default_aux_layers(loaded.num_layers), loaded.num_layers)
     _log_memory_plan(args, loaded)
     capture = HiddenStateCapture(loaded.model, aux, loaded.device) if args.mode == "extract" else None
-    # Packed prefill serves extraction and the slot decoder's admissions alike.
-    backend_name = (capture or HiddenStateCapture(loaded.model, aux, loaded.device)).choose_attention()
-    reason = packed.backend_reason()
-    logger.info(f"Packed prefill attention: {backend_name}" + (f" ({reason})" if reason else ""))
+    backend = build_backend(args, loaded)
+    # Packed prefill serves extraction and the slot decoder's admissions; the other decoders use SDPA.
+    if capture is not None or isinstance(backend, slots.SlotDecoder):
+        backend_name = (capture or HiddenStateCapture(loaded.model, aux, loaded.device)).choose_attention()
+        reason = packed.backend_reason()
+        logger.info(f"Packed prefill attention: {backend_name}" + (f" ({reason})" if reason else ""))
+    else:
+        backend_name = "sdpa"
     scheduler = Scheduler(
-        build_backend(args, loaded),
+        backend,
         capture,
         Path(args.dump_dir) if args.dump_dir else None,
         max_batch_tokens=args.max_batch_tokens,
@@ -146,10 +150,9 @@ def build_backend(args: RefServerArgs, loaded: Any) -> Any:
 
     if args.speculative_algorithm:
         return _spec_decode_module().create_backend(loaded, args)
-    use_slots = args.decode_backend == "slots" or (
-        args.decode_backend == "auto" and slots.supports(loaded.model)
-    )
-    if args.decode_backend == "slots" and not slots.supports(loaded.model):
+    supported = slots.supports(loaded.model)
+    use_slots = args.decode_backend != "batched" and supported
+    if args.decode_backend == "slots" and not supported:
         raise ArgsError(
             f"--decode-backend slots: {loaded.model_type} models are not supported "
             f"({', '.join(sorted(slots.SUPPORTED_MODEL_TYPES))} are); use auto or batched"

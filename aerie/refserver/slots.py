@@ -151,7 +151,7 @@ class SlotDecoder(BatchedDecoder):
         prompts = [r.input_ids for r in requests]
         pack = packed.make_pack(prompts, self.device)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
-        self.kv.ensure(first + len(prompts), int(lengths.max()) + 1)
+        self.kv.ensure(first + len(prompts), pack.max_len + 1)
         rows = torch.arange(first, first + len(prompts), device=self.device).repeat_interleave(lengths)
         positions = pack.position_ids[0]
         hidden = self._forward(pack.input_ids[0], positions, rows, self._packed_attend(pack))
