@@ -1,0 +1,132 @@
+"""Where a trained drafter's acceptance is lost, on this machine (CPU is enough for SmolLM2).
+
+    .venv/bin/python benchmarks/diagnose.py --drafter DIR [--mtbench 8] [--max-new-tokens 128]
+        [--corpus-eval EVAL.parquet --corpus-rows 80]
+
+- MT-Bench: the target decodes each question with the drafter (lossless speculative decoding, as the
+  evaluate stage does) and the measured acceptance length is set beside the one simulated from the
+  drafter's training-time-test forward on the same answers (`aerie.evaluate.diagnose`): equal figures
+  mean serving drafts what training taught; fp8-roundtripped features (as the shards store them) are
+  simulated too.
+- corpus eval split (optional): the same teacher-forced replay on the corpus's own answers (the target's
+  generations the drafter was trained on), for step-0 accuracy by position in the whole answer.
+
+The drafter of the H200 capstone comes back with `python -m aerie.gpuhost restore --home /tmp/h
+.stage/state` (results/<run>/train/<key>/drafter, and the merge stage's eval parquet under store/).
+Writes benchmarks/results/diagnose.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aerie.draft.export import load_drafter
+from aerie.evaluate.diagnose import diagnose
+from aerie.evaluate.eagle import EagleProposer
+from aerie.evaluate.prompts import mtbench_prompts
+from aerie.evaluate.spec_decode import SpecDecoder, SpecStats
+from aerie.extract.shards import dequantize_fp8, quantize_fp8
+from aerie.targets import resolve_target
+
+RESULTS = Path(__file__).parent / "results"
+
+
+class Fp8Features(torch.nn.Module):
+    """The target, with its hidden states passed through the shards' fp8 quantization (per token,
+    per layer scales), as the trainer read them."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, output_hidden_states: bool = True) -> Any:
+        out = self.model(ids, output_hidden_states=True)
+        out.hidden_states = tuple(
+            dequantize_fp8(*quantize_fp8(h[0], 1), torch.float32)[None] for h in out.hidden_states
+        )
+        return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--drafter", required=True, help="an exported drafter directory")
+    p.add_argument("--mtbench", type=int, default=8, help="MT-Bench questions decoded")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--corpus-eval", default=None, help="the merge stage's eval-*.parquet")
+    p.add_argument("--corpus-rows", type=int, default=80)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target = resolve_target("smollm2-135m-instruct")
+    model = target.load_model("cpu", "float32")
+    drafter = load_drafter(args.drafter, target, device="cpu", dtype=torch.float32)
+    proposer = EagleProposer(drafter)
+    prompts = mtbench_prompts(target.load_tokenizer(), args.mtbench, 1024)
+    decoder = SpecDecoder(
+        model,
+        proposer,
+        num_steps=args.steps,
+        eos_token_ids=target.eos_token_ids,
+        aux_layers=proposer.aux_layers,
+    )
+    outputs = decoder.generate([q.input_ids for q in prompts], args.max_new_tokens)
+    stats = SpecStats(args.steps)
+    for out in outputs:
+        stats.add(out)
+    pairs = [(q.input_ids, out.output_ids) for q, out in zip(prompts, outputs, strict=True)]
+    figures: dict[str, Any] = {
+        "mtbench": {
+            "prompts": len(prompts),
+            "measured_accept_length": round(stats.accept_length, 4),
+            "measured_conditional_acceptance": [
+                None if c is None else round(c, 4) for c in stats.conditional_acceptance
+            ],
+            "teacher_forced": diagnose(model, drafter, pairs, args.steps, args.max_new_tokens),
+            "teacher_forced_fp8_features": diagnose(
+                Fp8Features(model), drafter, pairs, args.steps, args.max_new_tokens
+            ),
+        }
+    }
+    print(json.dumps(figures["mtbench"], indent=1), flush=True)
+    if args.corpus_eval:
+        figures["corpus_eval"] = corpus_figures(model, drafter, args)
+        print(json.dumps(figures["corpus_eval"], indent=1), flush=True)
+    weights = Path(args.drafter) / "model.safetensors"
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}, {args.threads} threads",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "drafter_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
+        "figures": figures,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "diagnose.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def corpus_figures(model: Any, drafter: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The replay on the corpus's own answers (each row cut at its first supervised token)."""
+    import polars as pl
+
+    pairs = []
+    for row in pl.read_parquet(args.corpus_eval).head(args.corpus_rows).iter_rows(named=True):
+        mask = list(row["loss_mask"])
+        if 1 in mask and mask.index(1) > 0:
+            first = mask.index(1)
+            pairs.append((list(row["input_ids"][:first]), list(row["input_ids"][first:])))
+    longest = max(len(a) for _, a in pairs)
+    return {"rows": len(pairs), **diagnose(model, drafter, pairs, args.steps, longest + 1)}
+
+
+if __name__ == "__main__":
+    main()
