@@ -218,3 +218,13 @@ def test_load_refuses_a_drafter_for_another_target(tmp_path, smollm2) -> None:
     out = export_drafter(drafter, tmp_path / "drafter", target)
     with pytest.raises(TargetError, match="hidden 64 / vocab 256"):
         load_drafter(out, smollm2)
+
+
+def test_a_wider_draft_mlp_is_exported_and_loaded(tmp_path) -> None:
+    target, _ = tiny_target(tmp_path)
+    drafter = Eagle3Drafter(draft_config_for(target, 64, intermediate_size=3 * target.intermediate_size),
+                            load_embedding(target))  # fmt: skip
+    out = export_drafter(drafter, tmp_path / "drafter", target)
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 3 * target.intermediate_size
+    loaded = load_drafter(out, target, dtype=torch.float32)
+    assert tuple(loaded.midlayer.mlp.up_proj.weight.shape) == (3 * target.intermediate_size, target.hidden_size)

@@ -52,11 +52,14 @@ EXPORT_KEYS: dict[str, Any] = {
 }
 
 
-def draft_config_for(target: TargetInfo, draft_vocab_size: int) -> DraftConfig:
-    """The drafter geometry for a target: one Llama layer with the target's attention shape."""
+def draft_config_for(
+    target: TargetInfo, draft_vocab_size: int, intermediate_size: int | None = None
+) -> DraftConfig:
+    """The drafter geometry for a target: one Llama layer with the target's attention shape. The MLP
+    width is free (SGLang reads it from the drafter's own config.json); None takes the target's."""
     return DraftConfig(
         hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size,
+        intermediate_size=intermediate_size or target.intermediate_size,
         num_attention_heads=target.num_attention_heads,
         num_key_value_heads=target.num_key_value_heads,
         head_dim=target.head_dim,

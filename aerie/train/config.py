@@ -13,6 +13,9 @@ class TrainConfig(StrictModel):
     """Train an EAGLE-3 drafter on extracted hidden states."""
 
     draft_vocab_size: int = Field(32000, ge=16, description="Draft vocabulary size (capped at the target's).")
+    draft_intermediate_size: int | None = Field(
+        None, ge=1, description="MLP width of the draft layer; None = the target's intermediate size."
+    )
     ttt_length: int = Field(7, ge=1, description="Training-time-test unroll steps.")
     step_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of step k is step_decay**k.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training shards.")

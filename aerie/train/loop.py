@@ -207,7 +207,7 @@ def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer,
 
     vocab = load_file(spec.vocab_path)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank and every run
-    draft_cfg = draft_config_for(spec.target, vocab["used"].numel())
+    draft_cfg = draft_config_for(spec.target, vocab["used"].numel(), cfg.draft_intermediate_size)
     drafter = Eagle3Drafter(draft_cfg, load_embedding(spec.target, dtype))
     drafter.set_vocab(vocab["d2t"], vocab["t2d"])
     lm_head = load_lm_head(spec.target)
