@@ -227,4 +227,7 @@ def test_a_wider_draft_mlp_is_exported_and_loaded(tmp_path) -> None:
     out = export_drafter(drafter, tmp_path / "drafter", target)
     assert json.loads((out / "config.json").read_text())["intermediate_size"] == 3 * target.intermediate_size
     loaded = load_drafter(out, target, dtype=torch.float32)
-    assert tuple(loaded.midlayer.mlp.up_proj.weight.shape) == (3 * target.intermediate_size, target.hidden_size)
+    assert tuple(loaded.midlayer.mlp.up_proj.weight.shape) == (
+        3 * target.intermediate_size,
+        target.hidden_size,
+    )
