@@ -285,7 +285,7 @@ def _finish(
     if not best_file.is_file():
         raise TrainingError(f"training ended without a best checkpoint at {best_file}")
     best = json.loads(store.get_bytes(sd.path(f"{BEST_KEY}/best.json")))
-    draft_cfg = draft_config_for(target, vocab.draft_vocab_size)
+    draft_cfg = draft_config_for(target, vocab.draft_vocab_size, cfg.draft_intermediate_size)
     drafter = Eagle3Drafter(draft_cfg, load_embedding(target))
     drafter.load_state_dict(load_file(str(best_file)))
     provenance = {"best_step": best["step"], "accept_length": best["accept_length"], **vocab.figures()}
