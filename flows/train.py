@@ -114,8 +114,9 @@ def train_flow(
     f = result.figures
     stage_table(
         result,
-        f"train: best step {f.get('best_step')} of {f.get('steps')}, expected acceptance length "
-        f"{f.get('accept_length')}, vocab coverage {f.get('vocab_coverage')}",
+        f"train: best step {f.get('best_step')} of {f.get('steps')}, held-out acceptance length "
+        f"{f.get('accept_length_rounds')} in rounds ({f.get('accept_length')} per position), "
+        f"vocab coverage {f.get('vocab_coverage')}",
     )
     report_task(result, store_cfg)
     return result

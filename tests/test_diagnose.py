@@ -1,19 +1,30 @@
 """The teacher-forced diagnosis: its round walk on hand-made hits, and, on the real embedded target with a
 drafter trained here to draft some tokens right, that the acceptance it simulates from the training-time
-test forward equals the acceptance the speculative decoder measures (train/serve consistency)."""
+test forward equals the acceptance the speculative decoder measures (train/serve consistency), and that
+the trainer's held-out `accept_length_rounds`, over the same answers packed into one row, equals it too."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from aerie.draft.export import draft_config_for
 from aerie.draft.model import Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
-from aerie.evaluate.diagnose import diagnose, simulate_rounds
+from aerie.evaluate.diagnose import diagnose
 from aerie.evaluate.eagle import EagleProposer, hidden_state_indices
 from aerie.evaluate.spec_decode import SpecDecoder, SpecStats, greedy_reference
+from aerie.extract.shards import HiddenSample
+from aerie.train.config import TrainConfig
+from aerie.train.data import Batch
+from aerie.train.distributed import DistInfo
+from aerie.train.loop import TrainSpec, build_trainer, evaluate_batches
+from aerie.train.objective import simulate_rounds
+from tests.train_support import write_shards
 
 TEXTS = ("The capital of France is", "Write a haiku about the sea.", "List three colors:")
 NEW = 24
@@ -45,7 +56,8 @@ def pairs(smollm2, target) -> list[tuple[list[int], list[int]]]:
     return [(p, greedy_reference(target, p, NEW, smollm2.eos_token_ids)) for p in prompts]
 
 
-def _trained_drafter(smollm2, target, pairs) -> Eagle3Drafter:
+@pytest.fixture(scope="module")
+def drafter(smollm2, target, pairs) -> Eagle3Drafter:
     """A drafter fitted (hard labels, TTT forward) to these answers for a few dozen steps: right on some
     tokens, wrong on others, which is what makes the comparison below informative."""
     used = torch.unique(torch.tensor([t for p, a in pairs for t in p + a]))
@@ -77,8 +89,9 @@ def _trained_drafter(smollm2, target, pairs) -> Eagle3Drafter:
     return drafter.eval()
 
 
-def test_simulated_acceptance_equals_the_decoders(smollm2, target, pairs) -> None:
-    drafter = _trained_drafter(smollm2, target, pairs)
+@pytest.fixture(scope="module")
+def measured(smollm2, target, pairs, drafter) -> SpecStats:
+    """What the speculative decoder (the drafter proposing, the target verifying) measures on the prompts."""
     proposer = EagleProposer(drafter)
     decoder = SpecDecoder(
         target, proposer, num_steps=STEPS, eos_token_ids=smollm2.eos_token_ids, aux_layers=proposer.aux_layers
@@ -88,9 +101,71 @@ def test_simulated_acceptance_equals_the_decoders(smollm2, target, pairs) -> Non
     stats = SpecStats(STEPS)
     for out in outputs:
         stats.add(out)
+    return stats
+
+
+def test_simulated_acceptance_equals_the_decoders(target, pairs, drafter, measured) -> None:
+    stats = measured
     found = diagnose(target, drafter, pairs, STEPS, NEW)
     assert 1.3 < stats.accept_length < STEPS + 1  # some drafts right, some wrong: the check means something
     assert found["rounds"] == stats.verify_ct
     assert found["simulated_accept_length"] == pytest.approx(stats.accept_length, abs=1e-3)
     assert set(found["step0_accuracy_by_answer_position"]) == {"0-63"}
     assert all(0.0 <= x <= 1.0 for x in found["per_token_accuracy"])
+
+
+@torch.no_grad()
+def _packed_row(target, drafter: Eagle3Drafter, pairs) -> tuple[Batch, list[HiddenSample]]:
+    """The (prompt, answer) pairs as the extract stage captures them (aux states, final hidden state,
+    answer tokens supervised), back to back in one packed row of fp32 (shards round to bf16)."""
+    samples = []
+    for i, (p, a) in enumerate(pairs):
+        ids = torch.tensor(p + a)
+        states = target(ids[None], output_hidden_states=True).hidden_states
+        aux = torch.cat([states[j][0] for j in hidden_state_indices(drafter.config)], -1)
+        mask = torch.zeros(ids.shape[0], dtype=torch.bool)
+        mask[len(p) :] = True
+        samples.append(HiddenSample(f"pair-{i}", ids, mask, aux, states[-1][0]))
+    batch = Batch(
+        input_ids=torch.cat([s.input_ids for s in samples]),
+        loss_mask=torch.cat([s.loss_mask for s in samples]),
+        positions=torch.cat([torch.arange(s.input_ids.shape[0]) for s in samples]),
+        doc_ids=torch.cat(
+            [torch.full(s.input_ids.shape, i, dtype=torch.int32) for i, s in enumerate(samples)]
+        ),
+        aux_hidden=torch.cat([s.aux_hidden for s in samples]),
+        last_hidden=torch.cat([s.last_hidden for s in samples]),
+        tokens=sum(s.input_ids.shape[0] for s in samples),
+    )
+    return batch, samples
+
+
+def test_trainers_round_walk_equals_the_decoders_acceptance(
+    smollm2, target, pairs, drafter, measured, tmp_path: Path
+) -> None:
+    """The trainer (built as the train stage builds it, the fitted drafter's weights loaded), evaluating the
+    decoder's own answers: `accept_length_rounds` is what the decoder measured; `accept_length`, the
+    per-position estimate, is not (it averages over positions the rounds never start at)."""
+    batch, samples = _packed_row(target, drafter, pairs)
+    vocab = {"used": drafter.d2t + torch.arange(drafter.d2t.numel()), "d2t": drafter.d2t, "t2d": drafter.t2d}
+    save_file({k: v.contiguous() for k, v in vocab.items()}, str(tmp_path / "vocab.safetensors"))
+    shards = [str(p) for p in write_shards(samples, tmp_path / "shards")]
+    cfg = TrainConfig(
+        draft_vocab_size=drafter.config.draft_vocab_size, ttt_length=STEPS, device="cpu",
+        batch_tokens=batch.tokens, max_length=batch.tokens,
+    )  # fmt: skip
+    spec = TrainSpec(
+        cfg=cfg, target=smollm2, train_shards=shards, eval_shards=shards,
+        vocab_path=str(tmp_path / "vocab.safetensors"), work_dir=str(tmp_path / "work"), device="cpu",
+    )  # fmt: skip
+    tr, _ = build_trainer(spec, DistInfo(), lambda record: None)
+    tr.drafter.load_state_dict(drafter.state_dict())
+    found = evaluate_batches(tr, [batch])
+    # The same walk by the diagnosis' own path (each answer alone, draft ids mapped to target ids) with
+    # no length cap, as the trainer walks; and the decoder's figure, where the cap of NEW tokens on two
+    # of the answers (a last chain one draft shorter) happens not to bind.
+    unpacked = diagnose(target, drafter, pairs, STEPS, max_new_tokens=10**9)
+    assert found["rounds"] == unpacked["rounds"] == measured.verify_ct
+    assert found["accept_length_rounds"] == pytest.approx(unpacked["simulated_accept_length"], abs=1e-4)
+    assert found["accept_length_rounds"] == pytest.approx(measured.accept_length, abs=1e-4)
+    assert found["accept_length"] > found["accept_length_rounds"] + 0.05  # the estimate the walk corrects

@@ -18,10 +18,18 @@ from aerie.errors import DataError
 from aerie.store import StoreConfig, open_store
 from aerie.train import fused, objective, stage
 from aerie.train.config import TrainConfig
-from aerie.train.data import PAD_DOC, BatchReader, EpochPlans, SampleIndex, plan_epoch
+from aerie.train.data import PAD_DOC, Batch, BatchReader, EpochPlans, SampleIndex, plan_epoch
 from aerie.train.distributed import DistInfo
 from aerie.train.loop import TrainSpec, _indices, run_training
-from aerie.train.objective import Teacher, soft_cross_entropy, summarize, supervised_rows, ttt_loss
+from aerie.train.objective import (
+    Teacher,
+    answer_spans,
+    soft_cross_entropy,
+    summarize,
+    supervised_rows,
+    ttt_loss,
+    walk_answers,
+)
 from tests.train_support import make_samples, make_upstream, tiny_target, write_shards
 
 pytest_plugins = ("tests.s3_support",)
@@ -245,6 +253,65 @@ def test_conditional_accuracy_and_acceptance_length() -> None:
     assert summary["accept_length"] == pytest.approx(1 + c[0] + c[0] * c[1] + c[0] * c[1] * c[2])
 
 
+def _mask_batch(loss_mask: list[int], doc_ids: list[int]) -> Batch:
+    """A packed row with only what the alignment reads: which tokens are supervised, in which document."""
+    t = len(loss_mask)
+    return Batch(
+        input_ids=torch.zeros(t, dtype=torch.int64),
+        loss_mask=torch.tensor(loss_mask, dtype=torch.bool),
+        positions=torch.arange(t),
+        doc_ids=torch.tensor(doc_ids, dtype=torch.int32),
+        aux_hidden=torch.zeros(t, 0),
+        last_hidden=torch.zeros(t, 0),
+        tokens=t,
+    )
+
+
+def test_answer_spans_split_at_documents_and_turns() -> None:
+    batch = _mask_batch(
+        #  0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
+        [1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 3, -1, -1],
+    )
+    # doc 0 opens the row with answer tokens (a cut-off remainder): its first token has no row to draft
+    # from; doc 1 has two turns; doc 2's answer ends at the document, doc 3 follows straight on.
+    assert answer_spans(batch) == [(1, 3), (5, 7), (8, 10), (11, 12), (13, 14)]
+
+
+def test_round_walk_is_below_the_per_position_estimate_when_misses_cluster() -> None:
+    """One answer x2..x11 after a 2-token prompt, 2 TTT steps, with a miss usually followed by another:
+    rounds start right after a miss, so they see the hard positions more often than the average does."""
+    t, vd = 12, 5
+    teacher_argmax = torch.arange(t) % vd
+    probs = F.one_hot(teacher_argmax, vd).float()
+    patterns = [
+        [1, 1, 0, 0, 1, 1, 0, 0, 1, 1],  # step 0, rows 0..9: row t names x_{t+2}
+        [1, 0, 0, 0, 1, 0, 0, 0, 1],  # step 1, rows 0..8: row t names x_{t+3}
+    ]
+    logits = []
+    for k, pattern in enumerate(patterns):
+        n = t - 2 - k
+        target = teacher_argmax[1 + k : 1 + k + n]
+        guess = torch.where(torch.tensor(pattern, dtype=torch.bool), target, (target + 1) % vd)
+        logits.append(torch.cat([F.one_hot(guess, vd).float() * 5, torch.zeros(t - n, vd)]))
+    batch = _mask_batch([0, 0] + [1] * 10, [0] * t)
+    hits: list[torch.Tensor] = []
+    _, stats = ttt_loss(logits, probs, teacher_argmax, supervised_rows(batch, 2), 0.8, hits=hits)
+    assert [h.int().tolist() for h in hits] == patterns
+    # x2 comes from the prefill. Rounds: row 1 (1 drafted right, step 1 wrong), row 3 (miss), row 4 (both),
+    # row 7 (miss), row 8 (both, to x11): 5 rounds for the 9 tokens after x2.
+    assert walk_answers(batch, hits) == (5, 9)
+    per_position = summarize(stats)["accept_length"]
+    assert per_position == pytest.approx(1 + 6 / 10 + 6 / 10 * 3 / 5)  # 1.96
+    assert per_position > 9 / 5
+    # A second copy of the answer in the same row, as its own document: twice the rounds and tokens.
+    two = _mask_batch(([0, 0] + [1] * 10) * 2, [0] * t + [1] * t)
+    doubled = [torch.cat([h, torch.zeros(t, dtype=torch.bool)]) for h in hits]
+    for k, h in enumerate(hits):
+        doubled[k][t : t + h.shape[0]] = h
+    assert walk_answers(two, doubled) == (10, 18)
+
+
 def test_packing_covers_every_token_once_and_fills_rows() -> None:
     lengths = np.array([5, 40, 7, 100, 3, 22])
     rows = plan_epoch(lengths, batch_tokens=32, max_length=64, seed=3, epoch=0)
@@ -332,8 +399,11 @@ def test_tiny_set_overfits(tiny, tmp_path) -> None:
     assert state.step == 200 and evals[-1]["step"] == 200
     assert evals[-1]["acc"][0] > 0.9, evals[-1]
     assert evals[-1]["accept_length"] > evals[0]["accept_length"]
-    best = max(evals, key=lambda r: r["accept_length"])
-    assert (state.best_step, state.best_accept_length) == (best["step"], best["accept_length"])
+    assert evals[-1]["accept_length_rounds"] > evals[0]["accept_length_rounds"]
+    # 4 answers of 40 tokens: 39 verify tokens each, at most ttt_length + 1 of them per round.
+    assert all(4 * 39 / (3 + 1) <= r["rounds"] <= 4 * 39 for r in evals)
+    best = max(evals, key=lambda r: r["accept_length_rounds"])  # the first of equals, as the loop keeps
+    assert (state.best_step, state.best_accept_length_rounds) == (best["step"], best["accept_length_rounds"])
 
 
 def test_heldout_comes_from_train_without_an_eval_split(tiny, tmp_path) -> None:
@@ -356,6 +426,12 @@ def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
     manifest = json.loads(up.store.get_bytes(f"{result.prefix}/manifest.json"))
     assert manifest["vocab"]["draft_vocab_size"] == 128 and 0 < manifest["vocab"]["vocab_coverage"] <= 1
     assert manifest["best"]["accept_length"] >= 1.0 and manifest["best"]["step"] in (4, 8, 12)
+    evals = {r["step"]: r for r in map(json.loads, up.store.get_bytes(f"{result.prefix}/metrics.jsonl").splitlines())
+             if r["kind"] == "eval"}  # fmt: skip
+    best = evals[manifest["best"]["step"]]
+    assert best["accept_length_rounds"] == max(r["accept_length_rounds"] for r in evals.values())
+    assert manifest["best"] == {k: best[k] for k in ("step", "accept_length_rounds", "accept_length")}
+    assert result.figures["accept_length_rounds"] == best["accept_length_rounds"]
     assert manifest["training"]["total_steps"] == 12  # 4 samples x 48 tokens = 2 rows of 96, x 6 epochs
     assert (
         manifest["drafter_config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -369,6 +445,7 @@ def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
     assert steps == ["step-00000008", "step-00000012"]  # keep_checkpoints=2 pruned step 4
     drafter = load_drafter(Path(up.store.root) / result.prefix / "drafter", target, dtype=torch.float32)
     assert drafter.lm_head.weight.shape == (128, 64)
+    assert drafter.config.intermediate_size == target.intermediate_size  # by default, the target's width
     lines = [
         json.loads(x) for x in up.store.get_bytes(f"{result.prefix}/metrics.jsonl").decode().splitlines()
     ]
@@ -384,7 +461,8 @@ def test_stage_on_s3_downloads_shards_and_uploads_everything(tiny, tmp_path, s3_
     target, train, held = tiny
     store = open_store(s3_config)
     up = make_upstream(tmp_path, target, train, held, store=store)
-    cfg = small_cfg(epochs=2, cache_dir=str(tmp_path / "cache"))
+    # A draft MLP narrower than the target's (128): the exported drafter must carry its own width.
+    cfg = small_cfg(epochs=2, cache_dir=str(tmp_path / "cache"), draft_intermediate_size=96)
     result = stage.run(cfg, store=store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
     cached = sorted(p.name for p in (tmp_path / "cache" / "shards").rglob("*.safetensors"))
     assert cached == ["shard-00000.safetensors", "shard-00000.safetensors"]  # one train, one eval
@@ -393,7 +471,9 @@ def test_stage_on_s3_downloads_shards_and_uploads_everything(tiny, tmp_path, s3_
     local = tmp_path / "drafter"
     for name in ("config.json", "model.safetensors"):
         store.get_file(f"{result.prefix}/drafter/{name}", local / name)
-    assert load_drafter(local, target).config.draft_vocab_size == 256
+    assert json.loads((local / "config.json").read_text())["intermediate_size"] == 96
+    drafter = load_drafter(local, target)
+    assert drafter.config.draft_vocab_size == 256 and drafter.midlayer.mlp.up_proj.weight.shape == (96, 64)
 
 
 class Crash(Exception):

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from aerie.evaluate.eagle import hidden_state_indices
+from aerie.train.objective import simulate_rounds
 
 if TYPE_CHECKING:
     from aerie.draft.model import Eagle3Drafter
@@ -49,24 +50,6 @@ def draft_hits(
             drafted = drafter.to_target_ids(step_logits[:n].argmax(-1))
             hits[k, :n] = (drafted == ids[2 + k :]).cpu()
     return hits
-
-
-def simulate_rounds(hits: Tensor, prompt_len: int, total_len: int, max_new_tokens: int) -> list[int]:
-    """Drafts accepted per round when speculative decoding walks the answer (see the module docstring).
-
-    The first round starts after the prefill's token x_{prompt_len}. As in `SpecDecoder._round`, a chain
-    holds at most `max_new_tokens - generated - 1` drafts (what may still be emitted, less the bonus)."""
-    steps = hits.shape[0]
-    accepted: list[int] = []
-    m = prompt_len
-    while m < total_len - 1:
-        row, a = m - 1, 0
-        chain = min(steps, max_new_tokens - (m - prompt_len + 1) - 1)
-        while a < chain and m + 1 + a < total_len and hits[a, row]:
-            a += 1
-        accepted.append(a)
-        m += a + 1
-    return accepted
 
 
 def diagnose(

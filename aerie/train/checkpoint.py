@@ -39,7 +39,7 @@ class TrainState:
 
     step: int = 0
     tokens: int = 0
-    best_accept_length: float = -1.0
+    best_accept_length_rounds: float = -1.0  # the held-out figure the best drafter is kept by
     best_step: int = -1
 
 
@@ -112,4 +112,9 @@ def load_checkpoint(
         raise TrainingError(f"checkpoint {path} cannot be restored: {exc}") from exc
     scheduler.load_state_dict(trainer["scheduler"])
     set_rng_state(trainer["rng"])
-    return TrainState(**trainer["state"])
+    state = dict(trainer["state"])
+    # Checkpoints from before the round-walk figure kept the best by the per-position estimate, which is
+    # not comparable: the resumed run re-finds its best.
+    if state.pop("best_accept_length", None) is not None:
+        state["best_step"] = -1
+    return TrainState(**state)

@@ -1,10 +1,11 @@
 """The drafter training loop and what it needs: `build_trainer` wires the parts, `train` is the loop.
 
 `train` reads top to bottom: next packed row, TTT forward + loss, backward, clip, step; then on their
-cadences a log record, a held-out evaluation (keeping the best drafter by expected acceptance length,
-not by loss: drafters overfit while the loss still falls), and a checkpoint. Everything the outside world
-sees leaves through `emit(record)`: the stage turns records into metrics.jsonl lines, progress and store
-uploads, whether the loop runs in-process or in torchrun workers.
+cadences a log record, a held-out evaluation (keeping the best drafter by its acceptance length with the
+answers walked in rounds as the decoder walks them, `accept_length_rounds`, not by loss: drafters overfit
+while the loss still falls), and a checkpoint. Everything the outside world sees leaves through
+`emit(record)`: the stage turns records into metrics.jsonl lines, progress and store uploads, whether the
+loop runs in-process or in torchrun workers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from aerie.train.checkpoint import TrainState, checkpoint_name, load_checkpoint,
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch, EpochPlans, Prefetcher, SampleIndex, batch_stream
 from aerie.train.distributed import DistInfo
-from aerie.train.objective import Teacher, summarize, supervised_rows, ttt_loss, weighted_loss
+from aerie.train.objective import Teacher, summarize, supervised_rows, ttt_loss, walk_answers, weighted_loss
 
 Emit = Callable[[dict[str, Any]], None]
 BEST = "best"
@@ -102,9 +103,10 @@ def train(tr: Trainer, state: TrainState) -> TrainState:
                 window_start, window_tokens = time.perf_counter(), 0
             if state.step % cfg.eval_every == 0 or last:
                 result = evaluate(tr)
-                if result["accept_length"] > state.best_accept_length:
-                    state.best_accept_length, state.best_step = float(result["accept_length"]), state.step
-                    save_best(tr, state)
+                if result["accept_length_rounds"] > state.best_accept_length_rounds:
+                    state.best_accept_length_rounds = result["accept_length_rounds"]
+                    state.best_step = state.step
+                    save_best(tr, state, result)
                 tr.emit({"kind": "eval", "step": state.step, **result, "best_step": state.best_step})
             if state.step % cfg.checkpoint_every == 0 or last:
                 save(tr, state)
@@ -114,9 +116,15 @@ def train(tr: Trainer, state: TrainState) -> TrainState:
 
 
 def forward_loss(
-    tr: Trainer, model: nn.Module, batch: Batch, reduce: Callable[[Tensor], Tensor], exact: bool = False
+    tr: Trainer,
+    model: nn.Module,
+    batch: Batch,
+    reduce: Callable[[Tensor], Tensor],
+    exact: bool = False,
+    hits: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """TTT forward over one packed row; (loss, metric sums [5, K]). `exact` checks the full-vocab argmax."""
+    """TTT forward over one packed row; (loss, metric sums [5, K]). `exact` checks the full-vocab argmax;
+    `hits` (eval) receives each step's right-and-supervised rows (see `ttt_loss`)."""
     autocast = (
         torch.autocast("cuda", dtype=tr.dtype) if tr.device.type == "cuda" else contextlib.nullcontext()
     )
@@ -129,21 +137,40 @@ def forward_loss(
     valid = supervised_rows(batch, tr.cfg.ttt_length)
     return ttt_loss(
         logits, probs, teacher_argmax, valid, tr.cfg.step_decay,
-        in_vocab=in_vocab, reduce=reduce, world_size=tr.dist.world,
+        in_vocab=in_vocab, reduce=reduce, world_size=tr.dist.world, hits=hits,
     )  # fmt: skip
 
 
 @torch.no_grad()
 def evaluate(tr: Trainer) -> dict[str, Any]:
-    """Metrics over the held-out rows (each rank a share, summed once at the end): the acceptance estimate."""
+    """Metrics over the held-out rows (each rank a share, summed once at the end): `summarize`'s per-step
+    figures and per-position `accept_length`, plus `accept_length_rounds` (verify tokens per round when
+    every held-out answer is walked in rounds, as the decoder walks it) and its `rounds`."""
     total = tr.eval_plans.batches_per_epoch
     if tr.cfg.eval_max_batches is not None:
         total = min(total, tr.cfg.eval_max_batches)
     mine = len(range(tr.dist.rank, total, tr.dist.world))
+    batches = batch_stream(tr.eval_plans, tr.dist.rank, tr.dist.world, mine)
+    return evaluate_batches(tr, (batch.to(tr.device, tr.dtype) for batch in batches))
+
+
+@torch.no_grad()
+def evaluate_batches(tr: Trainer, batches: Iterable[Batch]) -> dict[str, Any]:
+    """`evaluate`'s figures over this rank's share of held-out rows (on the device), summed over ranks."""
     stats = torch.zeros(5, tr.cfg.ttt_length, device=tr.device)
-    for batch in batch_stream(tr.eval_plans, tr.dist.rank, tr.dist.world, mine):
-        stats += forward_loss(tr, tr.drafter, batch.to(tr.device, tr.dtype), reduce=_no_reduce, exact=True)[1]
-    return summarize(tr.dist.reduce(stats))
+    walked = torch.zeros(2, dtype=torch.int64, device=tr.device)  # rounds, verify tokens
+    for batch in batches:
+        hits: list[Tensor] = []
+        stats += forward_loss(tr, tr.drafter, batch, reduce=_no_reduce, exact=True, hits=hits)[1]
+        walked += torch.tensor(walk_answers(batch, hits), device=tr.device)
+    rounds, tokens = tr.dist.reduce(walked).tolist()
+    # No answer of two tokens or more: no round to verify, nothing accepted.
+    rounds_length = tokens / rounds if rounds else 1.0
+    return {
+        **summarize(tr.dist.reduce(stats)),
+        "accept_length_rounds": round(rounds_length, 6),
+        "rounds": rounds,
+    }
 
 
 def train_record(
@@ -172,13 +199,15 @@ def train_record(
     }
 
 
-def save_best(tr: Trainer, state: TrainState) -> None:
+def save_best(tr: Trainer, state: TrainState, result: dict[str, Any]) -> None:
+    """Weights of the best evaluation so far, and its figures (the stage writes them to best.json)."""
     if tr.dist.is_main:
         best = tr.work_dir / BEST
         best.mkdir(parents=True, exist_ok=True)
         save_weights(tr.drafter, best / ".model.tmp")
         (best / ".model.tmp").replace(best / "model.safetensors")
-        tr.emit({"kind": "best", "step": state.step, "accept_length": state.best_accept_length})
+        figures = {name: result[name] for name in ("accept_length_rounds", "accept_length")}
+        tr.emit({"kind": "best", "step": state.step, **figures})
 
 
 def save(tr: Trainer, state: TrainState) -> None:

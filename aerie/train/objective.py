@@ -16,8 +16,16 @@ Metrics, as sums over rows so they can be all-reduced and accumulated:
 - acc_k: the draft's argmax equals the target's argmax (in eval: over the *full* target vocab, so a
   target token outside the draft vocab counts as a miss, exactly as at serving);
 - cond_acc_k: the same, among rows whose steps 0..k-1 were all right (speculators' `cond_acc`);
-- expected acceptance length 1 + sum_k prod_{j<=k} cond_acc_j: what a chain of ttt_length drafts
-  would get accepted per target forward under greedy verification.
+- `accept_length` = 1 + sum_k prod_{j<=k} cond_acc_j: the per-position estimate of what a chain of
+  ttt_length drafts gets accepted per target forward under greedy verification. It averages over *every*
+  answer position, but decoding rounds start right after a rejection (or the bonus token), and positions
+  right after a miss are harder than average, so it runs high (H200: 3.24 where the decoder measured 2.58);
+- `accept_length_rounds` (eval only, `walk_answers`): each held-out answer walked in rounds the way the
+  speculative decoder walks it (`simulate_rounds`): answer tokens after the first per round. This is the
+  figure serving gets (on the decoder's own answers it equals the measured one exactly, see
+  aerie/evaluate/diagnose.py), so the best checkpoint is chosen by it; `accept_length` stays as the
+  smooth per-step summary that the cond_acc curves explain. On answers that are not the target's own
+  greedy text the walk still follows the text as written (the decoder would have followed the target).
 """
 
 from __future__ import annotations
@@ -161,13 +169,15 @@ def ttt_loss(
     in_vocab: Tensor | None = None,
     reduce: Reduce = _identity,
     world_size: int = 1,
+    hits: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Weighted loss (scalar) and the metric sums [5, K] (rows: STAT_ROWS), summed over all ranks.
 
     logits[k] [T, Vd] from the drafter, *emptied* as it is read: each step's logits are dropped once their
     gradient exists, so the K steps hold K + 1 [T, Vd] tensors at most, not 2K.
     probs [T, Vd] / teacher_argmax [T] from `Teacher.distribution`; valid from `supervised_rows`;
-    in_vocab [T] from `Teacher.argmax_in_draft_vocab` (eval only).
+    in_vocab [T] from `Teacher.argmax_in_draft_vocab` (eval only). `hits`, when given (eval), receives
+    per step k the [T-2-k] bool `correct & valid`: row t's step k names x_{t+2+k} (for `walk_answers`).
     The loss is normalised by the *global* supervised count of each step and multiplied by the world size,
     because DDP averages gradients over ranks.
     """
@@ -190,6 +200,8 @@ def ttt_loss(
             chain_ok = chain_ok[:n]
             stats[0, k] = (ce * valid[k]).sum()
             stats[2, k] = (correct & valid[k]).sum()
+            if hits is not None:
+                hits.append(correct & valid[k])
             stats[3, k] = (chain_ok & correct & valid[k]).sum()
             stats[4, k] = (chain_ok & valid[k]).sum()
             chain_ok = chain_ok & correct
@@ -216,3 +228,58 @@ def weighted_loss(summary: dict[str, float | list[float]], step_decay: float) ->
     losses = summary["loss"]
     assert isinstance(losses, list)
     return float(sum(step_decay**k * x for k, x in enumerate(losses)))
+
+
+def simulate_rounds(hits: Tensor, prompt_len: int, total_len: int, max_new_tokens: int) -> list[int]:
+    """Drafts accepted per round when speculative decoding walks the answer x_{prompt_len}..x_{total_len-1}.
+
+    hits [steps, >= total_len-2] bool: step k of row t names token t+2+k (the trainer's alignment: row
+    t's step k predicts x_{t+2+k}). The committed text ends at x_m, the drafter's last pair is row m-1,
+    its step k predicts x_{m+1+k}; a round accepts the longest correct prefix of its chain and the
+    target's bonus token, and the next round starts after them. The first round starts after the
+    prefill's token x_{prompt_len}. As in `SpecDecoder._round`, a chain holds at most
+    `max_new_tokens - generated - 1` drafts (what may still be emitted, less the bonus)."""
+    steps = hits.shape[0]
+    first = max(prompt_len - 1, 0)
+    # leading[i]: how many of row (first + i)'s drafts are right before its first miss.
+    leading = hits[:, first : max(first, total_len - 2)].to(torch.int64).cumprod(0).sum(0).tolist()
+    accepted: list[int] = []
+    m = prompt_len
+    while m < total_len - 1:
+        chain = min(steps, max_new_tokens - (m - prompt_len + 1) - 1, total_len - m - 1)
+        a = max(0, min(leading[m - 1 - first], chain))
+        accepted.append(a)
+        m += a + 1
+    return accepted
+
+
+def answer_spans(batch: Batch) -> list[tuple[int, int]]:
+    """(s, e): each maximal run s..e-1 of supervised positions inside one document of a packed row, with
+    the row before s in the same document (the drafter's first pair of the walk). A span that opens its
+    document (the cut-off remainder of a long sample) drops its first token: it has no row to draft from."""
+    mask = (batch.loss_mask & (batch.doc_ids >= 0)).cpu()
+    doc = batch.doc_ids.cpu()
+    same = doc[1:] == doc[:-1]  # [T-1]: positions p and p+1 are in one document
+    cont = mask[1:] & mask[:-1] & same
+    no = torch.zeros(1, dtype=torch.bool)
+    starts = (mask & ~torch.cat([no, cont])).nonzero().flatten().tolist()
+    ends = (mask & ~torch.cat([cont, no])).nonzero().flatten().add(1).tolist()
+    opens = torch.cat([torch.ones(1, dtype=torch.bool), ~same])  # [T]: p is its document's first row
+    return [(s + int(opens[s]), e) for s, e in zip(starts, ends, strict=True)]
+
+
+def walk_answers(batch: Batch, hits: list[Tensor], max_new_tokens: int = 1 << 30) -> tuple[int, int]:
+    """(rounds, verify tokens) of every answer span of `batch` walked by `simulate_rounds`, hits from
+    `ttt_loss` (at most ttt_length drafts a chain). Tokens are those after each answer's first (the
+    prefill's), as `aerie.evaluate.diagnose` and the decoder's accept length count them."""
+    t = batch.input_ids.shape[0]
+    matrix = torch.zeros(len(hits), t - 1, dtype=torch.bool, device=hits[0].device)
+    for k, row in enumerate(hits):
+        matrix[k, : row.shape[0]] = row
+    matrix = matrix.cpu()
+    rounds = tokens = 0
+    for s, e in answer_spans(batch):
+        if e - s >= 2:
+            rounds += len(simulate_rounds(matrix, s, e, max_new_tokens))
+            tokens += e - s - 1
+    return rounds, tokens

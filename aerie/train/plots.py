@@ -1,4 +1,5 @@
-"""PNG plots of a training run from its metrics.jsonl records: loss and per-TTT-step accuracy."""
+"""PNG plots of a training run from its metrics.jsonl records: loss and per-TTT-step accuracy, with the
+held-out acceptance length both walked in rounds (what serving gets) and per position (runs high)."""
 
 from __future__ import annotations
 
@@ -53,10 +54,20 @@ def plot_metrics(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         left.legend(fontsize=7)
     if evals:
         twin = right.twinx()
+        walked = [r for r in evals if "accept_length_rounds" in r]  # not in records of older runs
         twin.plot(
-            [r["step"] for r in evals], [r["accept_length"] for r in evals], "k--", label="accept length"
+            [r["step"] for r in walked],
+            [r["accept_length_rounds"] for r in walked],
+            "k-",
+            label="accept length (rounds)",
         )
-        twin.set_ylabel("expected acceptance length")
+        twin.plot(
+            [r["step"] for r in evals],
+            [r["accept_length"] for r in evals],
+            "k:",
+            label="accept length (per position)",
+        )
+        twin.set_ylabel("held-out acceptance length")
         twin.legend(loc="lower right", fontsize=7)
     acc_path = out_dir / ACCURACY_PNG
     fig.tight_layout()

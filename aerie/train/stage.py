@@ -1,7 +1,7 @@
 """The train stage: extract shards + corpus token counts -> an SGLang-loadable drafter.
 
     <run>/train/<key>/drafter/{config.json, model.safetensors, aerie.json}   the best drafter (by held-out
-                                                                              expected acceptance length)
+                                                                   acceptance length in rounds, see below)
     <run>/train/<key>/checkpoints/step-XXXXXXXX/...   the newest `keep_checkpoints`, latest.json points
     <run>/train/<key>/checkpoints/best/...            weights of the best evaluation so far
     <run>/train/<key>/metrics.jsonl, loss.png, accuracy.png
@@ -10,6 +10,10 @@
 The trainer runs in this process on one device, or as `torchrun` workers (`num_gpus > 1`). Either way
 it reports through records (see loop.py); this side turns them into metrics.jsonl, progress and store
 uploads. A re-run with the same key resumes from `checkpoints/latest.json` and continues exactly.
+
+Two held-out acceptance figures travel together (aerie/train/objective.py says why both exist):
+`accept_length_rounds`, the answers walked in rounds as the decoder walks them (what serving gets; the
+best drafter is chosen by it), and `accept_length`, the per-position estimate from cond_acc (runs high).
 """
 
 from __future__ import annotations
@@ -164,7 +168,10 @@ class RecordHandler:
                 message = f"step {step}/{self.total_steps} loss {record['loss']:.4f}"
             else:
                 self.last_eval = record
-                message = f"step {step}: eval accept length {record['accept_length']:.3f}"
+                message = (
+                    f"step {step}: eval accept length {record['accept_length_rounds']:.3f} in rounds "
+                    f"({record['accept_length']:.3f} per position)"
+                )
             self.progress(step / self.total_steps, message)
         elif kind == "best":
             self.best = record
@@ -288,7 +295,8 @@ def _finish(
     draft_cfg = draft_config_for(target, vocab.draft_vocab_size, cfg.draft_intermediate_size)
     drafter = Eagle3Drafter(draft_cfg, load_embedding(target))
     drafter.load_state_dict(load_file(str(best_file)))
-    provenance = {"best_step": best["step"], "accept_length": best["accept_length"], **vocab.figures()}
+    best_figures = {name: best[name] for name in ("accept_length_rounds", "accept_length")}
+    provenance = {"best_step": best["step"], **best_figures, **vocab.figures()}
     out = export_drafter(drafter, work / "drafter", target, provenance)
     drafter_files = sorted(p.name for p in out.iterdir() if p.is_file())
     for name in drafter_files:
@@ -298,7 +306,7 @@ def _finish(
     plots = plot_metrics(records, work / "plots")
     for png in plots:
         store.put_file(sd.path(png.name), png)
-    progress(1.0, f"best step {best['step']}: accept length {best['accept_length']:.3f}")
+    progress(1.0, f"best step {best['step']}: accept length {best['accept_length_rounds']:.3f} in rounds")
 
     last_train = events.last_train or next((r for r in reversed(records) if r["kind"] == "train"), {})
     last_eval = events.last_eval or next((r for r in reversed(records) if r["kind"] == "eval"), {})
@@ -315,7 +323,7 @@ def _finish(
                 "total_steps": last_train.get("total_steps"),
                 "tokens": last_train.get("tokens"),
             },
-            "best": {"step": best["step"], "accept_length": best["accept_length"]},
+            "best": {"step": best["step"], **best_figures},
             "final": {
                 "step": last_train.get("step"),
                 "loss": last_train.get("loss"),
@@ -331,6 +339,7 @@ def _finish(
             },
             "figures": {
                 "best_step": best["step"],
+                "accept_length_rounds": best["accept_length_rounds"],
                 "accept_length": best["accept_length"],
                 "final_loss": last_train.get("loss"),
                 "eval_acc_step0": (last_eval.get("acc") or [None])[0],
