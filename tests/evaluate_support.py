@@ -46,4 +46,6 @@ def train_result(
     sd = StageDir(store, run, "train", key)
     for path in sorted(out.iterdir()):
         store.put_file(sd.path(f"drafter/{path.name}"), path)
-    return sd.finish({"figures": {"accept_length": 1.0}, "files": {"drafter": ["drafter/"]}})
+    return sd.finish(
+        {"figures": {"accept_length": 1.5, "accept_length_rounds": 1.25}, "files": {"drafter": ["drafter/"]}}
+    )

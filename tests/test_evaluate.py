@@ -71,6 +71,7 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
     md = store.get_bytes(f"{result.prefix}/report.md").decode()
     assert "## Acceptance length" in md and "| mtbench | eagle3 | 2 |" in md
     assert "pos 3" in md and "of the target's output tokens are in the draft vocabulary" in md
+    assert "walked in rounds: 1.25 (per-position estimate 1.50" in md  # the train manifest's two figures
     # The teacher-forced replay of the eagle3 answers walks the same rounds as the decoder did.
     for name in ("mtbench", "heldout"):
         measured = next(

@@ -120,6 +120,7 @@ def run(
             "drafter": {
                 "prefix": f"{drafter.prefix}/drafter",
                 "expected_accept_length": train_manifest.get("figures", {}).get("accept_length"),
+                "trainer_accept_length_rounds": train_manifest.get("figures", {}).get("accept_length_rounds"),
             },
             "config": cfg.model_dump(mode="json"),
             "device": device,
