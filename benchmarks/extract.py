@@ -14,7 +14,9 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
 - baseline: the peers' offline style, one sample per forward and one file per sample;
 - pipeline: the real extraction stage (reference server process, /generate batches, dump files,
   shard packing, verified upload into a local store) over the same corpus, per storage dtype, in
-  steady state (server start and canary excluded, reported separately).
+  steady state (server start and canary excluded, reported separately), with `phases`: where that
+  steady time went (the client's waits on HTTP, dump reads and the commit path; the server's forward,
+  device->host copy, back-pressure, dump writes and idle time), in seconds and shares.
 
 efficiency = pipeline tokens/s / min(bare forward tokens/s, write bytes/s / shard bytes per token).
 
@@ -49,6 +51,7 @@ from aerie.extract.shards import HiddenSample, ShardInfo, ShardWriter, Storage
 from aerie.extract.stage import _dump_root
 from aerie.extract.stage import run as run_extract
 from aerie.manifest import StageDir, StageResult, stage_key
+from aerie.refserver.extraction import SYNC_COPY_ENV
 from aerie.serving import ServerConfig
 from aerie.store import ArtifactStore, LocalStore
 from aerie.targets import TargetInfo, resolve_target
@@ -317,6 +320,7 @@ def pipeline(
         device=device,
         port=_free_port(),
         extra_args=["--max-batch-tokens", str(args.server_batch_tokens)],
+        env={SYNC_COPY_ENV: "1"} if args.sync_copy else {},
     )  # type: ignore[arg-type]
     began = time.perf_counter()
     result = run_extract(
@@ -337,8 +341,12 @@ def pipeline(
         "steady_tokens_per_s": f["steady_tokens_per_s"],
         "commit_share": f.get("commit_share"),
         "commit_workers": cfg.resolved_commit_workers(),
+        "server_copy": "sync" if args.sync_copy or not device.startswith("cuda") else "overlapped",
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
+        # Seconds and shares of the steady wall: the client's critical path and the server's phases
+        # (aerie.extract.phases; the server's are aerie.refserver.scheduler.PhaseClock's).
+        "phases": f.get("phases"),
     }
 
 
@@ -377,7 +385,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=None, help="corpus samples (cpu 48, cuda 8192)")
     ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=None, help="cpu 384, cuda 2048")
-    ap.add_argument("--pack-tokens", default=None, help="comma list (cpu 2048,4096; cuda 16384,65536,131072)")
+    ap.add_argument("--pack-tokens", default=None, help="comma list (cpu 1024,2048; cuda 16384,65536,131072)")
     ap.add_argument(
         "--batch-tokens", type=int, default=None, help="tokens per /generate (cpu 4096, cuda 65536)"
     )
@@ -392,6 +400,11 @@ def main() -> None:
         "--commit-workers", type=int, default=None, help="encode threads per server (default: the config's)"
     )
     ap.add_argument("--work-dir", default=None)
+    ap.add_argument(
+        "--sync-copy",
+        action="store_true",
+        help="the server copies each pack to the host before the next forward (the pre-overlap path, CUDA)",
+    )
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here")

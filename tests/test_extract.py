@@ -16,6 +16,7 @@ from aerie.extract.canary import ExtractionCanary, compare_layers, reference_hid
 from aerie.extract.client import make_batches
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import Row, open_split, slice_bounds
+from aerie.extract.phases import PhaseTotals, RequestTiming
 from aerie.extract.resume import ClosedShard, ProgressFile
 from aerie.extract.shards import HiddenSample, ShardWriter, bytes_per_token
 from aerie.extract.uploads import Uploader
@@ -78,6 +79,34 @@ def test_batches_fill_up_to_the_token_budget_in_order():
     assert batches[0].rids == ["train-0", "train-1"]
     assert slice_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert slice_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_pump_waits_are_split_by_the_step_the_awaited_request_was_in():
+    # A request created at 0, started at 1, replied at 5, dumps visible at 6, read at 8, checked at 9.
+    timing = RequestTiming(created=0.0, began=1.0, replied=5.0, dumps_found=6.0, read=8.0, done=9.0)
+    phases = PhaseTotals()
+    phases.waited_on(timing, began=3.0, ended=9.5)  # the pump turned to it late; resumed 0.5 s after done
+    phases.committed(2.0)
+    assert phases.client == {
+        "queued": 0.0,
+        "http_wait": 2.0,
+        "dump_wait": 1.0,
+        "read_dumps": 2.0,
+        "check": 1.0,
+        "commit": 2.0,
+    }
+    figures = phases.figures(wall=10.0)
+    assert figures["client"]["other"] == {"s": 2.0, "share": 0.2}  # 10 - 8 named
+    assert figures["client"]["http_wait"]["share"] == 0.2 and figures["server"] is None
+    # The server's phases are deltas between the reads at either end of each pump; a pump whose end
+    # read failed (the server died) adds nothing and is counted; a server that reports none is None.
+    phases.server_window({"wall": 10.0, "forward": 4.0}, {"wall": 18.0, "forward": 10.0})
+    phases.server_window({"wall": 1.0, "forward": 0.5}, None)
+    phases.server_window(None, None)
+    assert phases.server == {"wall": 8.0, "forward": 6.0} and phases.server_windows_missed == 1
+    figures = PhaseTotals.from_record(phases.record()).figures(wall=10.0)
+    assert figures["server"] == {"forward": {"s": 6.0, "share": 0.6}} and figures["server_window_s"] == 8.0
+    assert figures["server_windows_missed"] == 1
 
 
 def test_corpus_split_in_manifest_order_and_from_any_row(tmp_path, smollm2):

@@ -44,6 +44,26 @@ def test_flow_refuses_in_preflight_without_launching(tmp_path, smollm2, corpus):
     assert not list((tmp_path / "work").rglob("*.log"))  # no server log: nothing was launched
 
 
+def _check_phases(phases: dict) -> None:
+    """The steady wall splits into the client's phases (its own time is `other`), and the server's
+    phases over the same windows cover its model thread's time."""
+    wall, client, server = phases["wall_s"], phases["client"], phases["server"]
+    assert wall > 0 and set(client) == {
+        "queued", "http_wait", "dump_wait", "read_dumps", "check", "commit", "other",
+    }  # fmt: skip
+    assert all(p["s"] >= 0 for name, p in client.items() if name != "other")
+    named = sum(p["s"] for name, p in client.items() if name != "other")
+    assert 0.5 * wall <= named <= wall + 0.01  # other >= 0: no wait counted twice
+    assert abs(sum(p["share"] for p in client.values()) - 1) < 0.01
+    assert client["http_wait"]["s"] > 0 and client["read_dumps"]["s"] > 0 and client["commit"]["s"] > 0
+    assert server is not None and all(p["s"] >= 0 for p in server.values())
+    assert server["forward"]["s"] > 0 and server["dump_write"]["s"] > 0
+    window = phases["server_window_s"]
+    assert 0 < window <= wall * 1.01
+    thread = sum(server[k]["s"] for k in ("idle", "write_slot_wait", "capture", "generate"))
+    assert 0.5 * window <= thread <= window * 1.01
+
+
 async def _artifact_keys() -> set[str]:
     async with get_client() as client:
         return {a.key for a in await client.read_artifacts() if a.key}
@@ -63,6 +83,7 @@ def test_flow_extracts_and_caches(tmp_path, smollm2, corpus):
     first = extract_flow(**params)
     assert not first.cache_hit
     assert first.figures["tokens"] == result.figures["tokens"] and first.figures["canary_passed"]
+    _check_phases(first.figures["phases"])
     keys = asyncio.run(_artifact_keys())
     assert "f-extract" in keys and "extract-figures" in keys
     second = extract_flow(**params)

@@ -121,6 +121,15 @@ def test_fanout_kill9_resume_exact_counts(tmp_path, smollm2):
     )
     assert figures["samples"] == len(rows)
     assert 0 < figures["commit_share"] < 1  # packing shards took part of the extraction time
+    # Where each server's steady time went: the client's phases are its wall (other >= 0), and the
+    # restarted s0's server reported its phases over the pump that completed on it.
+    by_slice = figures["phases_by_slice"]
+    assert set(by_slice) == {"s0", "s1"} and figures["phases"] in by_slice.values()
+    for phases in by_slice.values():
+        client = phases["client"]
+        assert all(p["s"] >= 0 for name, p in client.items() if name != "other")
+        assert client["other"]["s"] >= -0.01 and client["http_wait"]["s"] > 0
+        assert phases["server"] is not None and phases["server"]["forward"]["s"] > 0
 
     manifest = load_manifest(store, prefix)
     assert manifest["layers"] == {"input_of_layer": [2, 15, 27], "output_of_layer": [1, 14, 26]}

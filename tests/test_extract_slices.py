@@ -105,6 +105,9 @@ def test_slices_run_apart_and_assemble_into_the_single_host_stage(tmp_path, smol
     assert not result.cache_hit
     assert result.figures["tokens"] == corpus_tokens
     assert result.figures["samples"] == sum(len(rs) for rs in splits.values())
+    # The slices' records carry their phases: the assembled figures say where the time went.
+    phases = result.figures["phases"]
+    assert phases["client"]["http_wait"]["s"] > 0 and phases["server"]["forward"]["s"] > 0
     manifest = load_manifest(store, result.prefix)
     assert manifest["server"]["num_slices"] == 2 and [s["slice"] for s in manifest["slices"]] == [0, 1]
 

@@ -119,6 +119,38 @@ def test_prefill_dump_matches_a_transformers_forward(server: RefServer, referenc
         assert f.metadata()["aux_layers"] == "2,15,27" and f.metadata()["rid"] == "sample-one"
 
 
+def _phases(server: RefServer) -> dict[str, float]:
+    return httpx.get(server.url + "/server_info").json()["internal_states"][0]["extract_phases_s"]
+
+
+def test_server_info_says_where_extraction_time_goes(server: RefServer, smollm2) -> None:
+    before = _phases(server)
+    body = {
+        "input_ids": [_token_ids(smollm2, n, seed=40 + n) for n in (90, 12, 150)],
+        "rid": ["phase-a", "phase-b", "phase-c"],
+        "sampling_params": {"max_new_tokens": 0},
+    }
+    assert _generate(server, body).status_code == 200
+    after = _phases(server)
+    delta = {k: after[k] - before[k] for k in after}
+    assert set(after) == {
+        "wall", "idle", "write_slot_wait", "capture", "forward", "copy", "generate",
+        "dump_copy_wait", "dump_write", "writers_busy", "request_parse", "reply_build",
+    }  # fmt: skip
+    assert all(v >= 0 for v in after.values()) and all(v >= 0 for v in delta.values())
+    # The request's pack ran, was copied and written, and its HTTP handling was timed.
+    assert delta["forward"] > 0 and delta["dump_write"] > 0 and delta["request_parse"] > 0
+    assert delta["reply_build"] > 0 and delta["idle"] > 0
+    # On the CPU the forward and the (no-op) copy happen inside the model thread's capture time.
+    assert after["forward"] + after["copy"] <= after["capture"] + 1e-3
+    assert after["dump_copy_wait"] == 0  # nothing in flight to wait for off CUDA
+    # The model thread's phases cover its wall (all but bookkeeping), and never exceed it.
+    thread = after["idle"] + after["write_slot_wait"] + after["capture"] + after["generate"]
+    assert 0.8 * after["wall"] <= thread <= after["wall"] * 1.001 + 1e-3
+    # The writers' busy wall is at most their summed work (plus the moments between the timers).
+    assert after["writers_busy"] <= 1.05 * (after["dump_write"] + after["dump_copy_wait"]) + 0.05
+
+
 def test_packed_batch_gives_the_same_dumps_as_one_at_a_time(server: RefServer, smollm2, dump_dir) -> None:
     lengths = [5, 64, 17, 130, 1]
     seqs = [_token_ids(smollm2, n, seed=10 + i) for i, n in enumerate(lengths)]

@@ -21,6 +21,7 @@ import torch
 
 from aerie.errors import ExtractionError
 from aerie.extract.corpus_rows import Row
+from aerie.extract.phases import SERVER_PHASES_KEY, RequestTiming
 from aerie.extract.shards import HiddenSample
 from aerie.sglang_plugin.dumps import (
     PLUGIN_ERROR_FILE,
@@ -155,10 +156,14 @@ class ExtractionClient:
         out = resp.json()
         return out if isinstance(out, list) else [out]
 
-    async def extract(self, batch: Batch) -> list[HiddenSample]:
-        """Prefill one batch; the samples in batch order. Dumps are deleted once read."""
+    async def extract(self, batch: Batch, timing: RequestTiming | None = None) -> list[HiddenSample]:
+        """Prefill one batch; the samples in batch order. Dumps are deleted once read. `timing`, when
+        given, records when each step was reached (`aerie.extract.phases`)."""
+        timing = timing if timing is not None else RequestTiming()
+        timing.began = time.monotonic()
         clear_dumps(self.dump_dir, batch.rids)
         items = await self.post_generate(generate_body(batch))
+        timing.replied = time.monotonic()
         if len(items) != len(batch.rids):
             raise ExtractionError(f"/generate answered {len(items)} items for {len(batch.rids)} sequences")
         for rid, item in zip(batch.rids, items, strict=True):
@@ -168,8 +173,23 @@ class ExtractionClient:
                     f"the reply for {rid} names dump {dump.get('key')!r}, expected {rid}.safetensors"
                 )
         paths = [await wait_for_dump(self.dump_dir, rid, self.dump_timeout_s) for rid in batch.rids]
+        timing.dumps_found = time.monotonic()
         tensors = await asyncio.to_thread(_read_and_delete, paths)
-        return [to_sample(row, t, str(p)) for row, t, p in zip(batch.rows, tensors, paths, strict=True)]
+        timing.read = time.monotonic()
+        samples = [to_sample(row, t, str(p)) for row, t, p in zip(batch.rows, tensors, paths, strict=True)]
+        timing.done = time.monotonic()
+        return samples
+
+    async def server_phases(self) -> dict[str, float] | None:
+        """The server's phase totals so far (the reference server's `/server_info`
+        `internal_states[0].extract_phases_s`), or None where it reports none or cannot answer: a
+        diagnostic, so it never fails the extraction."""
+        try:
+            resp = await self._http.get("/server_info", timeout=10.0)
+            phases = (resp.json().get("internal_states") or [{}])[0].get(SERVER_PHASES_KEY)
+            return {str(k): float(v) for k, v in phases.items()} if isinstance(phases, dict) else None
+        except (httpx.HTTPError, ValueError, AttributeError, IndexError, TypeError):
+            return None
 
     async def greedy_next_token(self, input_ids: list[int], rid: str) -> int:
         """The server's own greedy next token after `input_ids` (max_new_tokens=1)."""

@@ -26,6 +26,7 @@ from aerie.errors import ConfigError, ExtractionError, StoreError, TargetError
 from aerie.extract import stage as extract_stage
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import SplitFiles, open_split
+from aerie.extract.phases import PhaseTotals
 from aerie.extract.resume import ClosedShard
 from aerie.extract.worker import SliceResult
 from aerie.manifest import StageDir, StageResult
@@ -52,6 +53,9 @@ class SliceRecord(BaseModel):
     resumed_rows: int
     pump_seconds: float
     commit_seconds: float = 0.0
+    phases: dict[str, Any] | None = Field(
+        None, description="The slowest server's phase seconds (PhaseTotals.record); None in older records."
+    )
     seconds: float
     canary: dict[str, Any] | None
     preflight: dict[str, Any]
@@ -65,6 +69,7 @@ class SliceRecord(BaseModel):
             resumed_rows=self.resumed_rows,
             pump_seconds=self.pump_seconds,
             commit_seconds=self.commit_seconds,
+            phases=PhaseTotals.from_record(self.phases),
         )
 
 
@@ -130,6 +135,7 @@ def run_slice(
         resumed_rows=sum(r.resumed_rows for r in results),
         pump_seconds=max((r.pump_seconds for r in results), default=0.0),
         commit_seconds=max((r.commit_seconds for r in results), default=0.0),
+        phases=max(results, key=lambda r: r.pump_seconds).phases.record() if results else None,
         seconds=round(time.monotonic() - began, 3),
         canary=canary.result.record() if canary.result is not None else None,
         preflight=p.preflight.record(),

@@ -367,6 +367,17 @@ def _run_workers(workers: list[SliceWorker], stop: threading.Event) -> list[Slic
     return [f.result() for f in futures]
 
 
+def _phases_by_slice(results: list[SliceResult]) -> dict[str, Any]:
+    """With fan-out, every slice's phases (each over its own steady time), keyed s<k>."""
+    if len(results) < 2:
+        return {}
+    return {
+        "phases_by_slice": {
+            f"s{r.slice}": r.phases.figures(r.pump_seconds) for r in results if r.pump_seconds > 0
+        }
+    }
+
+
 def manifest_body(
     cfg: ExtractConfig,
     target: TargetInfo,
@@ -402,6 +413,7 @@ def manifest_body(
     nbytes = sum(s.bytes for s in shards)
     fresh_tokens = sum(r.tokens for r in results)
     pump = max((r.pump_seconds for r in results), default=0.0)
+    slowest = max(results, key=lambda r: r.pump_seconds, default=None)
     return {
         "target": {
             "name": target.name,
@@ -436,6 +448,9 @@ def manifest_body(
             "steady_tokens_per_s": round(fresh_tokens / pump, 1) if pump > 0 else None,
             # Share of the slowest slice's extraction time it waited on the commit path (see SliceResult).
             "commit_share": round(max(r.commit_seconds for r in results) / pump, 3) if pump > 0 else None,
+            # Where the slowest slice's steady time went, client and server (aerie.extract.phases).
+            "phases": slowest.phases.figures(pump) if slowest is not None and pump > 0 else None,
+            **_phases_by_slice(results),
             "server_restarts": sum(r.restarts for r in results),
             "canary_passed": canary_record is not None or fresh_tokens == 0,
         },

@@ -26,6 +26,7 @@ from aerie.extract.client import ExtractionClient, ServerUnavailable, make_batch
 from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import SplitFiles
+from aerie.extract.phases import PhaseTotals, RequestTiming
 from aerie.extract.resume import ClosedShard, ProgressFile
 from aerie.extract.shards import HiddenSample, ShardInfo, ShardWriter
 from aerie.extract.uploads import Uploader
@@ -48,6 +49,8 @@ class SliceResult:
     # full, and its final drain; the rest waits on the server and the dump reads): near 1 of
     # pump_seconds means this client, not the server, sets the pace.
     commit_seconds: float = 0.0
+    # Where pump_seconds went, client and server side (`aerie.extract.phases`).
+    phases: PhaseTotals = field(default_factory=PhaseTotals)
     errors: list[str] = field(default_factory=list)
 
 
@@ -162,8 +165,10 @@ class SliceWorker:
             self._pump_split(split, hi, committer)
             began = time.monotonic()
             committer.finish()
-            self.result.pump_seconds += time.monotonic() - began
-            self.result.commit_seconds += time.monotonic() - began
+            finished = time.monotonic() - began
+            self.result.pump_seconds += finished
+            self.result.commit_seconds += finished
+            self.result.phases.committed(finished)
         except Exception:
             if not committer.failed:
                 self._drain_quietly(committer, split)
@@ -178,11 +183,12 @@ class SliceWorker:
             server = self._ensure_server()
             began = time.monotonic()
             try:
-                asyncio.run(self._pump(server, split, hi, committer))
+                try:
+                    asyncio.run(self._pump(server, split, hi, committer))
+                finally:  # extracting only: stopping a failed server is not part of it
+                    self.result.pump_seconds += time.monotonic() - began
             except ServerUnavailable as exc:
                 self._on_server_failure(server, exc, split, committer.next_row)
-            finally:
-                self.result.pump_seconds += time.monotonic() - began
 
     def _drain_quietly(self, committer: ShardCommitter, split: str) -> None:
         """The slice is failing: get what it committed into shards (and uploads), so the re-run
@@ -237,23 +243,40 @@ class SliceWorker:
         )
         rows = self.splits[split].iter_rows(committer.next_row, hi)
         batches = make_batches(rows, self.cfg.batch_tokens, rid_prefix=f"{split}")
-        in_flight: deque[asyncio.Task[list[HiddenSample]]] = deque()
+        in_flight: deque[tuple[asyncio.Task[list[HiddenSample]], RequestTiming]] = deque()
+        server_before = server_after = None
         try:
+            server_before = await client.server_phases()
             for batch in batches:
                 if self.stop_event.is_set():
                     raise ExtractionError(f"slice {self.k}: stopped because another slice failed")
-                in_flight.append(asyncio.create_task(client.extract(batch)))
+                timing = RequestTiming()
+                in_flight.append((asyncio.create_task(client.extract(batch, timing)), timing))
                 if len(in_flight) >= self.cfg.requests_in_flight:
-                    samples = await in_flight.popleft()
-                    await asyncio.to_thread(self._commit, samples, committer)
+                    await self._commit_next(in_flight, committer)
             while in_flight:
-                samples = await in_flight.popleft()
-                await asyncio.to_thread(self._commit, samples, committer)
+                await self._commit_next(in_flight, committer)
+            server_after = await client.server_phases()
         finally:
-            for task in in_flight:
+            self.result.phases.server_window(server_before, server_after)
+            for task, _ in in_flight:
                 task.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
+            await asyncio.gather(*(task for task, _ in in_flight), return_exceptions=True)
             await client.aclose()
+
+    async def _commit_next(
+        self,
+        in_flight: deque[tuple[asyncio.Task[list[HiddenSample]], RequestTiming]],
+        committer: ShardCommitter,
+    ) -> None:
+        """Wait for the oldest request, then commit its samples; the waits go to the phases."""
+        task, timing = in_flight.popleft()
+        began = time.monotonic()
+        samples = await task
+        replied = time.monotonic()
+        self.result.phases.waited_on(timing, began, replied)
+        await asyncio.to_thread(self._commit, samples, committer)
+        self.result.phases.committed(time.monotonic() - replied)
 
     def _commit(self, samples: list[HiddenSample], committer: ShardCommitter) -> None:
         """Hand a batch to the commit path (in a thread: `submit` blocks while the path is full, and

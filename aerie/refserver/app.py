@@ -4,7 +4,7 @@
 |---|---|
 | `/health`, `/health_generate` | 503 while Starting (before the warm-up succeeds) or Draining (after SIGTERM); else a real 1-token generation: 200 when any model step completes within the timeout |
 | `/ready` | 200 iff Up (a flag, no generation) |
-| `/server_info` (`/get_server_info`) | args, `weight_version`, `launch_command`, `version`, resolved device/dtype/aux layers, status, pid |
+| `/server_info` (`/get_server_info`) | args, `weight_version`, `launch_command`, `version`, resolved device/dtype/aux layers, status, pid; `internal_states[0]`: counters and `extract_phases_s` (`scheduler.PhaseClock`) |
 | `/model_info` (`/get_model_info`), `/v1/models` | model facts; 200 as soon as the port is open (not readiness signals) |
 | `/generate` | SGLang body; `max_new_tokens: 0` = prefill only; in extract mode that writes `<rid>.safetensors` |
 | `/v1/chat/completions` | OpenAI body, chat template from the tokenizer; concurrent requests share batches |
@@ -125,10 +125,13 @@ async def _guard(state: ServerState, request: Request, handler: Any) -> Response
     """Parse JSON, refuse while draining, count the request in flight, map errors to SGLang's bodies."""
     if state.status == "Draining":
         return _error("The server is shutting down (SIGTERM received).", 503)
+    began = time.perf_counter()
     try:
         payload = await request.json()
     except ValueError as exc:
         return _error(f"the body is not JSON: {exc}")
+    if request.url.path == "/generate":
+        state.scheduler.phases.add(request_parse=time.perf_counter() - began)
     with state.track():
         try:
             return await handler(state, payload)
@@ -193,6 +196,7 @@ def _server_info(state: ServerState) -> dict[str, Any]:
                 "num_waiting_reqs": s.num_waiting,
                 "num_in_flight_http": state.in_flight,
                 **vars(s.stats),
+                "extract_phases_s": s.phases.snapshot(),
             }
         ],
     }
@@ -226,6 +230,7 @@ class _Item:
 
 
 async def _generate(state: ServerState, payload: Any) -> Response:
+    parse_began = time.perf_counter()
     try:
         body = GenerateBody.model_validate(payload)
     except ValidationError as exc:
@@ -236,10 +241,14 @@ async def _generate(state: ServerState, payload: Any) -> Response:
         raise RequestError("return_logprob is not supported by the aerie reference server")
     batch, items = _generate_items(state, body)
     started = time.monotonic()
+    state.scheduler.phases.add(request_parse=time.perf_counter() - parse_began)
     results = await _run_items(state, items)
     latency = time.monotonic() - started
+    reply_began = time.perf_counter()
     out = [_generate_reply(state, item, res, latency) for item, res in zip(items, results, strict=True)]
-    return JSONResponse(out if batch else out[0])
+    response = JSONResponse(out if batch else out[0])
+    state.scheduler.phases.add(reply_build=time.perf_counter() - reply_began)
+    return response
 
 
 def _generate_items(state: ServerState, body: GenerateBody) -> tuple[bool, list[_Item]]:

@@ -7,12 +7,20 @@ Two tensors per token, exactly as DESIGN.md's capture contract defines them:
   on each of those layers records its input, so no other layer's states are kept.
 - `last_hidden [T, H]`: the base model's output, i.e. after the final norm = the input of lm_head
   (the trainer recomputes the teacher distribution from it). lm_head itself is never run.
+
+On CUDA the device->host copy does not hold up the model thread: `start` launches the forward, then
+copies the two tensors into pinned host memory on a side stream and returns; the dump writer waits
+for that copy (`PackCapture.wait`) while the next pack's forward already runs. Elsewhere, or with
+`AERIE_REFSERVER_SYNC_COPY=1` in the server's environment (to compare, or if the overlap misbehaves
+on some device), `start` computes and copies before it returns, as it always did.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +29,8 @@ from aerie.refserver.packed import Pack, choose_backend, make_pack, packed_atten
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+SYNC_COPY_ENV = "AERIE_REFSERVER_SYNC_COPY"
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,35 @@ class Capture:
     last_hidden: torch.Tensor  # [T, H]
 
 
+@dataclass
+class PackCapture:
+    """One pack's captures, with how long its forward and its device->host copy took.
+
+    `in_flight` packs (CUDA) hold host tensors that are still being filled: call `wait()` before
+    reading them; it then fills `forward_s`/`copy_s` from CUDA events (GPU time: the forward from its
+    start on the compute stream, the copy from the forward's end to the copy's end on the copy stream).
+    Packs that are not in flight were computed and copied in `start`, timed by the host clock."""
+
+    captures: list[Capture]
+    forward_s: float = 0.0
+    copy_s: float = 0.0
+    _events: tuple[Any, Any, Any] | None = field(default=None, repr=False)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._events is not None
+
+    def wait(self) -> None:
+        """Block until the host copies are complete (re-raises a CUDA error of this pack's forward)."""
+        if self._events is None:
+            return
+        start, forward_end, copied = self._events
+        copied.synchronize()
+        self.forward_s = start.elapsed_time(forward_end) / 1000
+        self.copy_s = forward_end.elapsed_time(copied) / 1000
+        self._events = None
+
+
 class HiddenStateCapture:
     """Runs packed prefills of the target with capture hooks on the aux layers."""
 
@@ -41,6 +80,9 @@ class HiddenStateCapture:
         self.layers = _decoder_layers(self.base)
         self.aux_layers = tuple(aux_layers)
         self.device = device
+        # Where the device->host copies run, beside the forward passes (CUDA only; None = synchronous).
+        overlap = str(device).startswith("cuda") and os.environ.get(SYNC_COPY_ENV, "") in ("", "0")
+        self._copy_stream = torch.cuda.Stream(device) if overlap else None
 
     def forward_pack(self, pack: Pack) -> tuple[torch.Tensor, torch.Tensor]:
         """aux [T, kH] and last [T, H] for a packed row, on the model's device."""
@@ -75,14 +117,63 @@ class HiddenStateCapture:
 
     def capture(self, sequences: Sequence[Sequence[int]]) -> list[Capture]:
         """Prefill the sequences in one packed forward and split the states per sequence."""
+        pack = self.start(sequences)
+        pack.wait()
+        return pack.captures
+
+    def start(self, sequences: Sequence[Sequence[int]]) -> PackCapture:
+        """`capture`, returning before the host copy is complete where the device allows (CUDA)."""
+        if self._copy_stream is None:
+            return self._capture_now(sequences)
+        return self._capture_async(sequences, self._copy_stream)
+
+    def _capture_now(self, sequences: Sequence[Sequence[int]]) -> PackCapture:
         pack = make_pack(sequences, self.device)
+        began = time.perf_counter()
         aux, last = self.forward_pack(pack)
+        computed = time.perf_counter()
         aux, last = aux.cpu(), last.cpu()  # one device->host copy per pack, then views
+        copied = time.perf_counter()
         ids = pack.input_ids[0].to(device="cpu", dtype=torch.int32)
-        bounds = pack.cu_seqlens.tolist()
-        # Row ranges of contiguous [T, ...] tensors are contiguous: the dump writer serializes the
-        # views directly (a per-sample clone copied every byte of the pack once more).
-        return [Capture(ids[s:e], aux[s:e], last[s:e]) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+        return PackCapture(
+            _split(ids, aux, last, pack.cu_seqlens.tolist()), computed - began, copied - computed
+        )
+
+    def _capture_async(self, sequences: Sequence[Sequence[int]], copy_stream: Any) -> PackCapture:
+        """Forward on the current stream, then copy into pinned host memory on `copy_stream`, without
+        waiting: nothing here synchronizes with the device (the pack is built on the host and sent
+        from pinned memory; ids and bounds come from the host copy), so the model thread goes on to
+        the next pack while this one computes and copies."""
+        host = make_pack(sequences, "cpu")
+        compute = torch.cuda.current_stream(self.device)
+        start, forward_end, copied = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record(compute)
+        ids, pos, cu = (
+            t.pin_memory().to(self.device, non_blocking=True)
+            for t in (host.input_ids, host.position_ids, host.cu_seqlens)
+        )
+        pack = Pack(ids, pos, cu, host.max_len)
+        aux, last = self.forward_pack(pack)
+        forward_end.record(compute)
+        copy_stream.wait_event(forward_end)
+        with torch.cuda.stream(copy_stream):
+            aux_host = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
+            last_host = torch.empty(last.shape, dtype=last.dtype, pin_memory=True)
+            aux_host.copy_(aux, non_blocking=True)
+            last_host.copy_(last, non_blocking=True)
+            copied.record(copy_stream)
+        # The device tensors are freed when this returns: keep the allocator off them until copied.
+        aux.record_stream(copy_stream)
+        last.record_stream(copy_stream)
+        host_ids = host.input_ids[0].to(torch.int32)
+        captures = _split(host_ids, aux_host, last_host, host.cu_seqlens.tolist())
+        return PackCapture(captures, _events=(start, forward_end, copied))
+
+
+def _split(ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor, bounds: list[int]) -> list[Capture]:
+    # Row ranges of contiguous [T, ...] tensors are contiguous: the dump writer serializes the
+    # views directly (a per-sample clone copied every byte of the pack once more).
+    return [Capture(ids[s:e], aux[s:e], last[s:e]) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def _recorder(captured: dict[int, torch.Tensor], index: int) -> Any:

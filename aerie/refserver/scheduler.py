@@ -9,6 +9,9 @@ owns the model (no locks around torch state, no interleaved KV caches) and loops
 2. admit waiting generation requests into the running batch (prefill);
 3. run one decoding step of the running batch.
 
+`phases` adds up where the wall time goes (`PhaseClock`; /server_info's `extract_phases_s`), so a
+slow extraction says whether the forward, the copies, the dump writers or the feed sets its pace.
+
 `last_progress` records when a model step last completed: `/health` is healthy when any step
 completes after the probe started, the signal SGLang uses (research/sglang.md §2.2).
 """
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 
 from aerie.refserver.dump import fsync_dir, write_dump
-from aerie.refserver.extraction import Capture, HiddenStateCapture
+from aerie.refserver.extraction import HiddenStateCapture, PackCapture
 from aerie.refserver.generation import GenerationBackend, GenRequest, GenResult
 
 logger = logging.getLogger("aerie.refserver")
@@ -60,6 +63,82 @@ class SchedulerStats:
     peak_running: int = 0  # most requests decoded together so far (proves batching happened)
 
 
+class PhaseClock:
+    """Seconds spent per phase since the model thread started; `snapshot()` is what /server_info shows.
+
+    The model thread's time splits into `idle` (no work queued), `write_slot_wait` (back-pressure: every
+    writer slot held by packs not yet written), `capture` (its own time in `HiddenStateCapture.start`:
+    building the pack and running or launching the forward; on CUDA the copy is not waited for here),
+    `generate` (prefills and decoding steps) and what is left (bookkeeping). `forward` and `copy` are
+    the pack forwards and device->host copies: host clock on the CPU (so within `capture`), GPU time
+    from CUDA events on CUDA (overlapping the model thread). The dump writers add `dump_copy_wait`
+    (waiting for a pack's copy to land), `dump_write` (serialize, fsync, rename), both summed over the
+    writer threads (up to `writer_threads` x wall), and `writers_busy`, the wall time at least one of
+    them was working. `request_parse` / `reply_build` are the `/generate` handler's own time on the
+    event loop (JSON, validation; building and serializing the reply), outside the model thread."""
+
+    FIELDS = (
+        "idle",
+        "write_slot_wait",
+        "capture",
+        "forward",
+        "copy",
+        "generate",
+        "dump_copy_wait",
+        "dump_write",
+        "writers_busy",
+        "request_parse",
+        "reply_build",
+    )
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.seconds = dict.fromkeys(self.FIELDS, 0.0)
+        self._lock = threading.Lock()  # the model thread, the writers and the event loop all add
+        self._busy = 0
+        self._busy_since = 0.0
+        self._idle_since: float | None = None
+
+    def add(self, **seconds: float) -> None:
+        with self._lock:
+            for name, value in seconds.items():
+                self.seconds[name] += value
+
+    def idle_started(self) -> None:
+        with self._lock:
+            self._idle_since = time.perf_counter()
+
+    def idle_done(self) -> None:
+        with self._lock:
+            if self._idle_since is not None:
+                self.seconds["idle"] += time.perf_counter() - self._idle_since
+            self._idle_since = None
+
+    def writer_started(self) -> None:
+        with self._lock:
+            if self._busy == 0:
+                self._busy_since = time.perf_counter()
+            self._busy += 1
+
+    def writer_done(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            if self._busy == 0:
+                self.seconds["writers_busy"] += time.perf_counter() - self._busy_since
+
+    def snapshot(self) -> dict[str, float]:
+        """The totals so far, with `wall` (seconds since the model thread started) to take deltas of."""
+        with self._lock:
+            now = time.perf_counter()
+            out = dict(self.seconds)
+            if self._busy:  # the waits and the work in progress count up to now
+                out["writers_busy"] += now - self._busy_since
+            if self._idle_since is not None:
+                out["idle"] += now - self._idle_since
+        out["wall"] = now - self.started
+        return {k: round(v, 6) for k, v in out.items()}
+
+
 class Scheduler:
     """Feeds a `GenerationBackend` and a `HiddenStateCapture` from one worker thread."""
 
@@ -79,6 +158,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.dump_metadata = dump_metadata or {}
         self.stats = SchedulerStats()
+        self.phases = PhaseClock()
         self.last_progress = time.monotonic()
         self._cond = threading.Condition()
         self._extract: collections.deque[_ExtractItem] = collections.deque()
@@ -92,6 +172,7 @@ class Scheduler:
     # -- called from the event loop -------------------------------------------------------------
 
     def start(self) -> None:
+        self.phases = PhaseClock()  # its wall starts with the model thread
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -134,8 +215,10 @@ class Scheduler:
         with torch.inference_mode():
             while True:
                 with self._cond:
+                    self.phases.idle_started()
                     while not (self._stop or self._extract or self._waiting or self._running):
                         self._cond.wait()
+                    self.phases.idle_done()
                     if self._stop:
                         self._fail_everything(RuntimeError("the server is shutting down"))
                         return
@@ -143,12 +226,15 @@ class Scheduler:
                     admit = self._take_admissions()
                 if extract:
                     self._run_extraction(extract)
+                began, generating = time.perf_counter(), bool(admit or self._running)
                 if admit:
                     self.stats.prefill_tokens += sum(len(i.request.input_ids) for i in admit)
                     requests = [i.request for i in admit]
                     self._guarded(admit, lambda: self.backend.admit(requests))  # noqa: B023 (called at once)
                 if self._running:
                     self._guarded(list(self._running.values()), self.backend.step)
+                if generating:
+                    self.phases.add(generate=time.perf_counter() - began)
 
     def _take_extraction(self) -> list[_ExtractItem]:
         """One pack: waiting sequences, across requests, up to max_batch_tokens (a longer one alone)."""
@@ -199,9 +285,11 @@ class Scheduler:
         assert self.capture is not None
         # Back-pressure: at most `writer_threads + 1` packs captured but not yet written, so a slow
         # disk bounds host memory instead of letting captured states pile up.
+        began = time.perf_counter()
         self._write_slots.acquire()
+        acquired = time.perf_counter()
         try:
-            captures = self.capture.capture([i.input_ids for i in batch])
+            pack = self.capture.start([i.input_ids for i in batch])
         except Exception as exc:  # e.g. out of memory on one pack: fail its requests only
             self._write_slots.release()
             logger.exception("packed prefill failed")
@@ -209,17 +297,50 @@ class Scheduler:
             for item in batch:
                 item.future.set_exception(exc)
             return
+        self.phases.add(write_slot_wait=acquired - began, capture=time.perf_counter() - acquired)
+        if not pack.in_flight:
+            self.phases.add(forward=pack.forward_s, copy=pack.copy_s)
         self.last_progress = time.monotonic()
         self.stats.extracted_sequences += len(batch)
         self.stats.extracted_tokens += sum(len(i.input_ids) for i in batch)
-        self._writers.submit(self._write_pack, batch, captures)
+        self._writers.submit(self._write_pack, batch, pack)
 
-    def _write_pack(self, batch: list[_ExtractItem], captures: list[Capture]) -> None:
-        """Write a pack's files, make the renames durable with one directory fsync, then reply."""
+    def _write_pack(self, batch: list[_ExtractItem], pack: PackCapture) -> None:
+        """Wait for the pack's host copy, write its files, make the renames durable with one
+        directory fsync, then reply."""
+        assert self.dump_dir is not None
+        self.phases.writer_started()
+        try:
+            if pack.in_flight:
+                began = time.perf_counter()
+                try:
+                    pack.wait()
+                except Exception as exc:  # the forward or the copy failed on the device
+                    logger.exception("packed prefill failed")
+                    self.stats.failures += 1
+                    for item in batch:
+                        item.future.set_exception(exc)
+                    return
+                self.phases.add(
+                    dump_copy_wait=time.perf_counter() - began, forward=pack.forward_s, copy=pack.copy_s
+                )
+            began = time.perf_counter()
+            done = self._write_files(batch, pack)
+            self.phases.add(dump_write=time.perf_counter() - began)
+        finally:
+            self.phases.writer_done()
+            self._write_slots.release()
+        self.stats.dumps_written += len(done)
+        for item, meta in done:
+            item.future.set_result(meta)
+
+    def _write_files(self, batch: list[_ExtractItem], pack: PackCapture) -> list[tuple[_ExtractItem, Any]]:
+        """The pack's dump files; the items written, with their replies' dump meta. A failed item gets
+        its exception here; a failed directory fsync fails them all (and returns none)."""
         assert self.dump_dir is not None
         done: list[tuple[_ExtractItem, dict[str, Any]]] = []
         try:
-            for item, cap in zip(batch, captures, strict=True):
+            for item, cap in zip(batch, pack.captures, strict=True):
                 try:
                     meta = write_dump(self.dump_dir, item.rid, cap, {**self.dump_metadata, "rid": item.rid})
                 except Exception as exc:  # a full disk fails this sample with the OSError text, loudly
@@ -233,12 +354,8 @@ class Scheduler:
         except Exception as exc:
             for item, _ in done:
                 item.future.set_exception(exc)
-            return
-        finally:
-            self._write_slots.release()
-        self.stats.dumps_written += len(done)
-        for item, meta in done:
-            item.future.set_result(meta)
+            return []
+        return done
 
     def _fail_everything(self, exc: Exception) -> None:
         futures: list[Future[Any]] = [i.future for i in self._extract]

@@ -1,0 +1,124 @@
+"""Where a slice's steady extraction time goes: the pump's critical path, and its server's phases.
+
+The pump (`SliceWorker`, one per server) keeps `requests_in_flight` requests going and consumes the
+replies in order, so its wall time is a chain of waits: on the oldest request, or on the commit
+path; the rest is its own work (reading corpus rows, making batches, starting requests, the event
+loop). Each wait on a request is attributed to the step that request was in meanwhile:
+
+- `queued`: the request's task had not started yet (the event loop was busy elsewhere);
+- `http_wait`: clearing stale dumps, then waiting for the `/generate` reply (the server's queue,
+  forward, copy and dump writes, and the HTTP/JSON both ways);
+- `dump_wait`: the reply came but the dump files were not visible yet;
+- `read_dumps`: reading them back (and deleting them);
+- `check`: checking them against the corpus rows and building the samples;
+
+and `commit` is the time spent handing samples to the commit path (blocked while it is full) and
+its final drain. So the client phases plus `other` (the remainder) are exactly the pump's wall.
+
+The server's side is the reference server's `PhaseClock` (`/server_info` `internal_states[0]`
+`extract_phases_s`), read when each pump starts and ends; its deltas cover the same windows. Servers
+that do not report it (SGLang) leave `server` None. See `aerie.refserver.scheduler.PhaseClock` for
+what each server phase means; the dump writers' sums can exceed the wall (several threads).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+CLIENT_PHASES = ("queued", "http_wait", "dump_wait", "read_dumps", "check", "commit")
+SERVER_PHASES_KEY = "extract_phases_s"
+
+
+@dataclass
+class RequestTiming:
+    """When one request reached each step (`time.monotonic()`; 0 = not reached yet)."""
+
+    created: float = field(default_factory=time.monotonic)
+    began: float = 0.0
+    replied: float = 0.0
+    dumps_found: float = 0.0
+    read: float = 0.0
+    done: float = 0.0
+
+    def steps(self) -> list[tuple[str, float, float]]:
+        """(phase, start, end) of each step reached so far."""
+        marks = [self.created, self.began, self.replied, self.dumps_found, self.read, self.done]
+        out = []
+        for name, lo, hi in zip(CLIENT_PHASES[:-1], marks[:-1], marks[1:], strict=True):
+            if not hi:
+                break
+            out.append((name, lo, hi))
+        return out
+
+
+@dataclass
+class PhaseTotals:
+    """A slice's phase seconds: the client's (summed over its pumps) and its server's (deltas)."""
+
+    client: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CLIENT_PHASES, 0.0))
+    server: dict[str, float] | None = None
+    server_windows_missed: int = 0  # pumps whose server could not be read at both ends (it died)
+
+    def waited_on(self, timing: RequestTiming, began: float, ended: float) -> None:
+        """The pump waited from `began` to `ended` for the request `timing` describes."""
+        for name, lo, hi in timing.steps():
+            overlap = min(hi, ended) - max(lo, began)
+            if overlap > 0:
+                self.client[name] += overlap
+
+    def committed(self, seconds: float) -> None:
+        self.client["commit"] += seconds
+
+    def server_window(self, before: dict[str, float] | None, after: dict[str, float] | None) -> None:
+        """Add the server's phase deltas between two `/server_info` reads of one pump (None: it
+        reported none, e.g. SGLang, or could not be read, e.g. it died mid-pump)."""
+        if before is None or after is None:
+            if before is not None or after is not None:
+                self.server_windows_missed += 1
+            return
+        total = self.server if self.server is not None else {}
+        for name, value in after.items():
+            total[name] = total.get(name, 0.0) + value - before.get(name, 0.0)
+        self.server = total
+
+    def record(self) -> dict[str, Any]:
+        """Plain seconds, for a slice record (`PhaseTotals.from_record` reads it back)."""
+        return {
+            "client": dict(self.client),
+            "server": None if self.server is None else dict(self.server),
+            "server_windows_missed": self.server_windows_missed,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any] | None) -> PhaseTotals:
+        if not record:
+            return cls()
+        return cls(
+            client={**dict.fromkeys(CLIENT_PHASES, 0.0), **record.get("client", {})},
+            server=record.get("server"),
+            server_windows_missed=int(record.get("server_windows_missed", 0)),
+        )
+
+    def figures(self, wall: float) -> dict[str, Any]:
+        """Seconds and shares of `wall` (the pump's steady time), client then server.
+        `client.other` is the pump's own time: the wall less the named client phases."""
+        client = {**self.client, "other": wall - sum(self.client.values())}
+        out: dict[str, Any] = {"wall_s": round(wall, 3), "client": _table(client, wall)}
+        if self.server is None:
+            out["server"] = None
+        else:
+            out["server"] = _table({k: v for k, v in self.server.items() if k != "wall"}, wall)
+            # The server time the reads cover (the pumps' windows; less than the wall by the final drain).
+            out["server_window_s"] = round(self.server.get("wall", 0.0), 3)
+        if self.server_windows_missed:
+            out["server_windows_missed"] = self.server_windows_missed
+        return out
+
+
+def _table(seconds: dict[str, float], wall: float) -> dict[str, dict[str, float]]:
+    return {
+        name: {"s": round(v, 3), "share": round(v / wall, 3) if wall > 0 else 0.0}
+        for name, v in seconds.items()
+    }
