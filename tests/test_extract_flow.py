@@ -84,6 +84,9 @@ def test_flow_extracts_and_caches(tmp_path, smollm2, corpus):
     assert not first.cache_hit
     assert first.figures["tokens"] == result.figures["tokens"] and first.figures["canary_passed"]
     _check_phases(first.figures["phases"])
+    # One request, one pack: the reference server was told the request size (its default is 16,384).
+    (log,) = (tmp_path / "work").rglob("server-s0-0.log")
+    assert "max_prefill_tokens=256," in log.read_text()
     keys = asyncio.run(_artifact_keys())
     assert "f-extract" in keys and "extract-figures" in keys
     second = extract_flow(**params)

@@ -124,6 +124,16 @@ def _quantize_device(cfg: ExtractConfig) -> str:
     return "cpu" if cfg.quantize_device == "auto" else cfg.quantize_device
 
 
+def _pack_args(server: ServerConfig, cfg: ExtractConfig) -> list[str]:
+    """One request, one packed forward: the reference server packs waiting sequences up to its
+    `--max-batch-tokens` (16,384 by default), which split the preset's 65,536-token requests into four
+    smaller forwards (on the H200: 489K tokens/s at 16K-token packs, 613K at 64K). A value the server
+    config already sets is kept."""
+    if server.backend != "reference" or "--max-batch-tokens" in server.extra_args:
+        return []
+    return ["--max-batch-tokens", str(cfg.batch_tokens)]
+
+
 def _server_cfg(server: ServerConfig, index: int, local: int, num_local: int) -> ServerConfig:
     """Server `index` (global) of a fan-out: its own port (by global index, so slices sharing a host
     never collide) and, when one host runs several, its own GPU group (by its index on this host)."""
@@ -277,6 +287,7 @@ def extract(
             dump_dir=dump_dir,
             clean_dump_dir=True,
             log_path=work / "logs" / f"server-s{k}-{attempt}.log",
+            extra_args=_pack_args(server, cfg),
             trust_remote_code=target.trust_remote_code,
         )
         dump_dir.mkdir(parents=True, exist_ok=True)
