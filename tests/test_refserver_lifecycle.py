@@ -180,6 +180,10 @@ def test_args_round_trip_and_checks(smollm2, tmp_path: Path) -> None:
         parse_args(["--model-path", str(tmp_path)])
     with pytest.raises(ArgsError, match="unique"):
         parse_args(["--model-path", smollm2.path, "--aux-layers", "2", "2", "5"])
+    writers = parse_args(["--model-path", smollm2.path, "--dump-writers", "4"])
+    assert writers.dump_writers == 4 and parse_args(writers.to_argv()).dump_writers == 4
+    with pytest.raises(ArgsError, match="--dump-writers must be positive"):
+        parse_args(["--model-path", smollm2.path, "--dump-writers", "0"])
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:

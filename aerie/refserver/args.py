@@ -38,6 +38,7 @@ class RefServerArgs:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_batch_tokens: int = 16384
     max_running_requests: int = 64
+    dump_writers: int = 2
     decode_backend: Literal["auto", "slots", "batched"] = "auto"
     cuda_graphs: bool = False
     cpu_threads: int = 0
@@ -70,6 +71,7 @@ class RefServerArgs:
         argv += ["--device", self.device, "--dtype", self.dtype]
         argv += ["--max-batch-tokens", str(self.max_batch_tokens)]
         argv += ["--max-running-requests", str(self.max_running_requests)]
+        argv += ["--dump-writers", str(self.dump_writers)]
         argv += ["--decode-backend", self.decode_backend]
         if self.cuda_graphs:
             argv.append("--cuda-graphs")
@@ -121,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Tokens per packed extraction forward, and the prompt-token budget of a generation batch.",
     )
     p.add_argument("--max-running-requests", type=int, default=64, help="Sequences decoded together at most.")
+    p.add_argument(
+        "--dump-writers",
+        type=int,
+        default=2,
+        help="Extraction: threads writing dump files; each writes one pack at a time, and at most this many "
+        "+ 1 captured packs wait for them (back-pressure).",
+    )
     p.add_argument(
         "--decode-backend",
         default="auto",
@@ -201,6 +210,7 @@ def parse_args(argv: Sequence[str]) -> RefServerArgs:
         dtype=ns.dtype,
         max_batch_tokens=ns.max_batch_tokens,
         max_running_requests=ns.max_running_requests,
+        dump_writers=ns.dump_writers,
         decode_backend=ns.decode_backend,
         cuda_graphs=ns.cuda_graphs,
         cpu_threads=ns.cpu_threads,
@@ -228,8 +238,10 @@ def check_args(args: RefServerArgs) -> None:
         raise ArgsError(f"--model-path {args.model_path}: no config.json there (an HF-format directory)")
     if not 1 <= args.port <= 65535:
         raise ArgsError(f"--port {args.port}: not a TCP port")
-    if args.max_batch_tokens < 1 or args.max_running_requests < 1 or args.cpu_threads < 0:
-        raise ArgsError("--max-batch-tokens and --max-running-requests must be positive, --cpu-threads >= 0")
+    if min(args.max_batch_tokens, args.max_running_requests, args.dump_writers) < 1 or args.cpu_threads < 0:
+        raise ArgsError(
+            "--max-batch-tokens, --max-running-requests and --dump-writers must be positive, --cpu-threads >= 0"
+        )
     if args.chunked_prefill_size != -1:
         raise ArgsError(
             f"--chunked-prefill-size {args.chunked_prefill_size}: the reference server never chunks; use -1"

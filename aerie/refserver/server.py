@@ -122,6 +122,7 @@ def _start(args: RefServerArgs) -> Any:
         capture,
         Path(args.dump_dir) if args.dump_dir else None,
         max_batch_tokens=args.max_batch_tokens,
+        writer_threads=args.dump_writers,
         dump_metadata={
             "aux_layers": ",".join(map(str, aux)),
             "aux_layers_convention": "input",
