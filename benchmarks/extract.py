@@ -319,7 +319,12 @@ def pipeline(
         backend="reference",
         device=device,
         port=_free_port(),
-        extra_args=["--max-batch-tokens", str(args.server_batch_tokens)],
+        extra_args=[
+            "--max-batch-tokens",
+            str(args.server_batch_tokens),
+            "--dump-writers",
+            str(args.dump_writers),
+        ],
         env={SYNC_COPY_ENV: "1"} if args.sync_copy else {},
     )  # type: ignore[arg-type]
     began = time.perf_counter()
@@ -393,6 +398,7 @@ def main() -> None:
         "--server-batch-tokens", type=int, default=None, help="server pack size (cpu 4096, cuda 65536)"
     )
     ap.add_argument("--requests-in-flight", type=int, default=4)
+    ap.add_argument("--dump-writers", type=int, default=2, help="the server's dump-writing threads")
     ap.add_argument("--shard-mb", type=int, default=None, help="cpu 128, cuda 1024")
     ap.add_argument("--baseline-samples", type=int, default=None, help="cpu 12, cuda 512")
     ap.add_argument("--storages", default="bf16,fp8")
