@@ -70,7 +70,11 @@ def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str
 
     server_cfg = cfg.server.model_copy(update={"backend": "reference", "launcher": "process"})
     spec = spec_for(
-        server_cfg, model_path=target.path, mode="serve", trust_remote_code=target.trust_remote_code
+        server_cfg,
+        model_path=target.path,
+        mode="serve",
+        extra_args=cfg.generate.endpoint.launch_args,
+        trust_remote_code=target.trust_remote_code,
     )
     with ModelServer(spec) as server:
         yield f"{server.url}/v1"

@@ -54,3 +54,31 @@ def test_regenerates_with_the_reference_server(smollm2, tmp_path: Path):
         assert all(m["content"] and m["content"] != "stale" for m in row["messages"][1::2])
         assert set(row["finish_reasons"]) <= {"stop", "length"} and len(row["finish_reasons"]) == 2
         assert row["prompt_tokens"] > 0 and 0 < row["completion_tokens"] <= 16
+
+
+def test_the_launched_generation_server_gets_the_endpoints_launch_args(smollm2) -> None:
+    """The pipeline's own generation server takes `endpoint.launch_args` after `server.extra_args`
+    (the later flag wins), and a set base_url refuses them: nothing would be launched."""
+    import httpx
+
+    from aerie.config import apply_overrides
+    from aerie.errors import ConfigError
+    from aerie.pipeline import generation_endpoint
+    from aerie.presets import smollm2_local
+    from tests.conftest import free_port
+
+    cfg = apply_overrides(
+        smollm2_local(),
+        [
+            f"server.port={free_port()}",
+            'server.extra_args=[--max-running-requests,"5"]',
+            'generate.endpoint.launch_args=[--max-running-requests,"3"]',
+        ],
+    )
+    with generation_endpoint(cfg, smollm2) as url:
+        info = httpx.get(url.removesuffix("/v1") + "/server_info", timeout=10).json()
+    assert info["max_running_requests"] == 3
+    with pytest.raises(ConfigError, match="base_url is set"):
+        apply_overrides(
+            smollm2_local(), ["generate.endpoint.base_url=http://x/v1", "generate.endpoint.launch_args=[-x]"]
+        )

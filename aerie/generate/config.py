@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
 from aerie.datasets import SourceSpec
@@ -69,6 +69,21 @@ class EndpointConfig(StrictModel):
         None,
         description="OpenRouter provider routing (order, allow_fallbacks, quantizations...), passed through.",
     )
+    launch_args: list[str] = Field(
+        default_factory=list,
+        description="With base_url None: reference-server flags for the generation server only, after "
+        "server.extra_args (e.g. --cuda-graphs, which the deploy stage's servers must not get: its "
+        "speculative backend has no graphs, so only its baseline would be sped up).",
+    )
+
+    @model_validator(mode="after")
+    def _launch_args_need_a_launch(self) -> EndpointConfig:
+        if self.launch_args and self.base_url:
+            raise ValueError(
+                f"launch_args {self.launch_args} apply to the reference server the pipeline launches, but "
+                f"base_url is set ({self.base_url}): nothing is launched"
+            )
+        return self
 
 
 class DatasetSpec(StrictModel):
