@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
 from aerie.extract.shards import HiddenSample, ShardInfo, ShardWriter, Storage
-from aerie.extract.stage import _dump_root
+from aerie.extract.stage import dump_root
 from aerie.extract.stage import run as run_extract
 from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.refserver.extraction import SYNC_COPY_ENV
@@ -334,7 +334,7 @@ def pipeline(
     wall = time.perf_counter() - began
     f = result.figures
     # Where the server's per-sample dumps went: on disk they double the bytes written.
-    dumps = _dump_root(cfg, "bench", "key", work, target.hidden_size)
+    dumps = dump_root(cfg, "bench", "key", work, target.hidden_size)
     shm = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 0
     return {
         "dumps_on": "tmpfs" if str(dumps).startswith("/dev/shm") else "disk",

@@ -237,17 +237,17 @@ def test_canary_catches_a_pre_norm_last_hidden(smollm2, reference):
 
 
 def test_dumps_go_to_tmpfs_when_it_has_room(tmp_path):
-    from aerie.extract.stage import _dump_root
+    from aerie.extract.stage import dump_root
 
     cfg = ExtractConfig(batch_tokens=1024, requests_in_flight=2)
     work = tmp_path / "work"
-    root = _dump_root(cfg, "r", "k", work, hidden_size=576)
+    root = dump_root(cfg, "r", "k", work, hidden_size=576)
     if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
         assert root == Path("/dev/shm/aerie-extract/r/k")
     else:
         assert root == work / "dumps"
     # Kimi-size dumps in flight do not fit any tmpfs here: they go to the work dir.
     huge = cfg.model_copy(update={"batch_tokens": 1 << 30})
-    assert _dump_root(huge, "r", "k", work, hidden_size=7168) == work / "dumps"
+    assert dump_root(huge, "r", "k", work, hidden_size=7168) == work / "dumps"
     explicit = cfg.model_copy(update={"dump_dir": str(tmp_path / "d")})
-    assert _dump_root(explicit, "r", "k", work, hidden_size=576) == tmp_path / "d" / "r" / "k"
+    assert dump_root(explicit, "r", "k", work, hidden_size=576) == tmp_path / "d" / "r" / "k"

@@ -94,7 +94,7 @@ def work_dir(cfg: ExtractConfig, run_name: str, key: str) -> Path:
     return Path(get_settings().cache_dir) / "extract" / run_name / key
 
 
-def _dump_root(cfg: ExtractConfig, run_name: str, key: str, work: Path, hidden_size: int) -> Path:
+def dump_root(cfg: ExtractConfig, run_name: str, key: str, work: Path, hidden_size: int) -> Path:
     """Dumps are written once and read back once: on tmpfs when it has room for twice the dumps in
     flight (so a disk-bound host spends its disk bandwidth on shards only), else in the work dir."""
     if cfg.dump_dir:
@@ -188,7 +188,7 @@ def plan(
     progress_file = ProgressFile(store, stage.path(progress_key(slice_index, cfg.num_slices)))
     # Slices sharing a host (and its tmpfs) must not remove each other's dumps when they finish.
     dump_key = stage.key if slice_index is None else f"{stage.key}-slice{slice_index}"
-    dumps = _dump_root(cfg, run_name, dump_key, work, target.hidden_size)
+    dumps = dump_root(cfg, run_name, dump_key, work, target.hidden_size)
     # What is already uploaded (resume) does not need disk again.
     report = disk.estimate(
         cfg,
