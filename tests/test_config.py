@@ -23,6 +23,9 @@ def test_overrides_change_only_what_they_name():
     )
     assert (cfg.train.epochs, cfg.evaluate.num_steps, cfg.generate.datasets[0].num_samples) == (2, [3], 5)
     assert cfg.train.lr == base.train.lr
+    # Flags with numbers, as typed on a command line (YAML reads 65536 as an int; the field wants str).
+    flags = apply_overrides(base, ["server.extra_args=[--max-batch-tokens,65536,--cuda-graphs]"])
+    assert flags.server.extra_args == ["--max-batch-tokens", "65536", "--cuda-graphs"]
 
 
 @pytest.mark.parametrize(

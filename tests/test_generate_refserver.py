@@ -71,8 +71,8 @@ def test_the_launched_generation_server_gets_the_endpoints_launch_args(smollm2) 
         smollm2_local(),
         [
             f"server.port={free_port()}",
-            'server.extra_args=[--max-running-requests,"5"]',
-            'generate.endpoint.launch_args=[--max-running-requests,"3"]',
+            "server.extra_args=[--max-running-requests,5]",
+            "generate.endpoint.launch_args=[--max-running-requests,3]",
         ],
     )
     with generation_endpoint(cfg, smollm2) as url:
