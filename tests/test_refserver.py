@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from aerie.fp8 import dequantize_fp8, quantize_fp8
 from tests.refserver_support import RefServer, launch, wait_ready
 
 PROMPTS = [
@@ -177,6 +178,69 @@ def test_packed_batch_gives_the_same_dumps_as_one_at_a_time(server: RefServer, s
         for name in ("aux_hidden", "last_hidden"):
             torch.testing.assert_close(packed[name], solo[name], rtol=1e-4, atol=1e-3)
     assert not [p for p in dump_dir.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.fixture(scope="module")
+def fp8_server(smollm2, tmp_path_factory: pytest.TempPathFactory):
+    """The same server with `--dump-dtype fp8`: states quantized on the device before the host copy."""
+    dumps = tmp_path_factory.mktemp("fp8-dumps")
+    srv = launch(
+        smollm2.path,
+        tmp_path_factory.mktemp("fp8-logs"),
+        *("--mode", "extract", "--dump-dir", str(dumps), "--device", "cpu", "--dump-dtype", "fp8"),
+    )
+    try:
+        wait_ready(srv)
+        yield srv, dumps
+    finally:
+        srv.stop()
+
+
+def test_fp8_dumps_are_the_model_dtype_dumps_quantized(
+    server: RefServer, dump_dir, fp8_server, smollm2
+) -> None:
+    fp8, fp8_dumps = fp8_server
+    assert httpx.get(fp8.url + "/server_info").json()["dump_dtype"] == "fp8"
+    assert httpx.get(server.url + "/server_info").json()["dump_dtype"] == "model"
+    lengths = [40, 3, 75]
+    body = {
+        "input_ids": [_token_ids(smollm2, n, seed=60 + n) for n in lengths],
+        "rid": [f"q-{n}" for n in lengths],
+        "sampling_params": {"max_new_tokens": 0},
+    }
+    model_reply, fp8_reply = _generate(server, body), _generate(fp8, body)
+    assert model_reply.status_code == fp8_reply.status_code == 200, fp8_reply.text
+    h = smollm2.hidden_size
+    for n, item in zip(lengths, fp8_reply.json(), strict=True):
+        assert item["meta_info"]["dump"] == {
+            "key": f"q-{n}.safetensors",
+            "shapes": {
+                "input_ids": [n],
+                "aux_hidden": [n, 3 * h],
+                "last_hidden": [n, h],
+                "aux_scale": [n, 3],
+                "last_scale": [n, 1],
+            },
+            "dtype": "float8_e4m3fn",
+        }
+        want = load_file(dump_dir / f"q-{n}.safetensors")
+        got = load_file(fp8_dumps / f"q-{n}.safetensors")
+        assert set(got) == {"input_ids", "aux_hidden", "aux_scale", "last_hidden", "last_scale"}
+        assert got["input_ids"].dtype == torch.int32 and torch.equal(got["input_ids"], want["input_ids"])
+        assert got["aux_hidden"].dtype == got["last_hidden"].dtype == torch.float8_e4m3fn
+        assert got["aux_scale"].dtype == got["last_scale"].dtype == torch.float32
+        for name, groups in (("aux", 3), ("last", 1)):
+            q, scale, ref = got[f"{name}_hidden"], got[f"{name}_scale"], want[f"{name}_hidden"]
+            # The client's quantization of the float32 dump gives the same bits (same function, CPU).
+            want_q, want_s = quantize_fp8(ref, groups)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_s)
+            # Dequantized, each element is within e4m3's half step (2^-4 relative) of the model's, or
+            # of a subnormal step of its group's scale near zero.
+            back = dequantize_fp8(q, scale, torch.float32).reshape(n, groups, h)
+            ref = ref.reshape(n, groups, h)
+            bound = ref.abs() / 16 + scale.reshape(n, groups, 1) / 2**9
+            assert bool(((back - ref).abs() <= bound).all())
+            assert float((back - ref).abs().max()) > 0  # fp8 does round: the comparison has teeth
 
 
 def test_chat_answers_paris(server: RefServer, smollm2) -> None:

@@ -184,6 +184,11 @@ def test_args_round_trip_and_checks(smollm2, tmp_path: Path) -> None:
     assert writers.dump_writers == 4 and parse_args(writers.to_argv()).dump_writers == 4
     with pytest.raises(ArgsError, match="--dump-writers must be positive"):
         parse_args(["--model-path", smollm2.path, "--dump-writers", "0"])
+    assert args.dump_dtype == "model" and args.resolved_dict()["dump_dtype"] == "model"
+    fp8 = parse_args([*args.to_argv(), "--dump-dtype", "fp8"])
+    assert fp8.dump_dtype == "fp8" and parse_args(fp8.to_argv()).dump_dtype == "fp8"
+    with pytest.raises(ArgsError, match="--dump-dtype fp8: only --mode extract"):
+        parse_args(["--model-path", smollm2.path, "--dump-dtype", "fp8"])
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:

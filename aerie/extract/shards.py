@@ -40,9 +40,13 @@ import torch
 from safetensors import safe_open
 
 from aerie.errors import DataError, ExtractionError
+from aerie.fp8 import FP8_DTYPE
+
+# Re-exported: the scheme predates aerie.fp8, and callers import it from here.
+from aerie.fp8 import dequantize_fp8 as dequantize_fp8
+from aerie.fp8 import quantize_fp8 as quantize_fp8
 
 SHARD_SCHEMA_VERSION = 1
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 STORAGE_DTYPES = ("bf16", "fp8")
 Storage = Literal["bf16", "fp8"]
 
@@ -70,10 +74,18 @@ class HiddenSample:
     loss_mask: torch.Tensor  # [T] bool
     aux_hidden: torch.Tensor  # [T, 3H]
     last_hidden: torch.Tensor  # [T, H]
+    # Set when the states arrive already quantized (a server dumping fp8): aux_hidden and last_hidden
+    # are then float8_e4m3fn codes and these their per-token scales, as a shard stores them.
+    aux_scale: torch.Tensor | None = None  # [T, 3] float32
+    last_scale: torch.Tensor | None = None  # [T, 1] float32
 
     @property
     def tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def quantized(self) -> bool:
+        return self.aux_scale is not None
 
 
 @dataclass
@@ -105,42 +117,6 @@ def bytes_per_token(storage: Storage, hidden_size: int) -> int:
     if storage == "bf16":
         return 4 * hidden_size * 2 + ids_and_mask
     return 4 * hidden_size + 4 * (3 + 1) + ids_and_mask
-
-
-def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize [N, G*D] to float8_e4m3fn with one absmax scale per row per group: returns
-    (q [N, G*D] float8_e4m3fn, scale [N, G] float32). Dequantized = q * scale.
-
-    Written for throughput (the client quantizes every token it extracts): the absmax is taken in the
-    input dtype (exact), and the one float32 copy is scaled in place. The cast to fp8 (torch's is a
-    scalar loop on CPU) is most of the cost; a clamp, another full pass, runs only where it can
-    change something (see below)."""
-    if x.dim() != 2 or x.shape[1] % groups:
-        raise ValueError(f"quantize_fp8 wants [N, G*D] with G={groups}, got {tuple(x.shape)}")
-    n, width = x.shape
-    xg = x.reshape(n, groups, width // groups)
-    amax = xg.abs().amax(dim=2, keepdim=True).float()
-    # A zero row gets scale 1 (its q is all zeros); non-finite values are refused upstream.
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    inv = scale.reciprocal()
-    xf = xg.float() if xg.dtype != torch.float32 else xg.clone()
-    xf.mul_(inv)
-    # With a finite 1/scale, |x|*(1/s) <= amax*(1/s) = 448*(1 + ~3 float32 ulps), far below 464, from
-    # where the cast would round past 448 (to NaN): a clamp would change no bit, so it is skipped.
-    # Only a group so tiny (amax < ~1e-36) that 1/scale overflows to inf is divided instead (x*inf
-    # would give +-inf, and NaN for zeros), and clamped: its denormal scale is rounded.
-    overflow = ~torch.isfinite(inv)
-    if bool(overflow.any()):
-        xf = torch.where(overflow, xg.float() / scale, xf).clamp_(-FP8_MAX, FP8_MAX)
-    return xf.to(torch.float8_e4m3fn).reshape(n, width), scale.reshape(n, groups)
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Inverse of `quantize_fp8`: [N, G*D] in `dtype` (computed in float32, then cast)."""
-    n, width = q.shape
-    groups = scale.shape[1]
-    x = q.float().reshape(n, groups, width // groups) * scale.float().reshape(n, groups, 1)
-    return x.reshape(n, width).to(dtype)
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -302,10 +278,24 @@ class ShardWriter:
             "aux_hidden": (t, 3 * h),
             "last_hidden": (t, h),
         }
+        if s.quantized or s.last_scale is not None:
+            want.update(aux_scale=(t, 3), last_scale=(t, 1))
+            if self.storage != "fp8":
+                raise ExtractionError(
+                    f"sample {s.id!r} arrives quantized to fp8 but this writer stores {self.storage}: "
+                    "writing it would keep fp8's rounding in a bf16 shard (quantize on the server only "
+                    "with storage_dtype fp8)"
+                )
         for name, shape in want.items():
-            got = tuple(getattr(s, name).shape)
+            value = getattr(s, name)
+            got = tuple(value.shape) if value is not None else None
             if got != shape:
                 raise ExtractionError(f"sample {s.id!r}: {name} has shape {got}, expected {shape}")
+        if s.quantized and (s.aux_hidden.dtype, s.last_hidden.dtype) != (FP8_DTYPE, FP8_DTYPE):
+            raise ExtractionError(
+                f"sample {s.id!r} has fp8 scales but its states are {s.aux_hidden.dtype} / "
+                f"{s.last_hidden.dtype}, not {FP8_DTYPE}"
+            )
         if t == 0:
             raise ExtractionError(f"sample {s.id!r} has no tokens")
         if t and (int(s.input_ids.min()) < 0 or int(s.input_ids.max()) >= 2**31):
@@ -320,6 +310,9 @@ class ShardWriter:
         last = sample.last_hidden[lo:hi]
         if self.storage == "bf16":
             return EncodedRows(aux.to(torch.bfloat16), last.to(torch.bfloat16))
+        if sample.aux_scale is not None and sample.last_scale is not None:
+            # Quantized by the server with the same function: the codes and scales are the shard's.
+            return EncodedRows(aux, last, sample.aux_scale[lo:hi], sample.last_scale[lo:hi])
         # fp8 quantization touches every value; `quantize_device` may move it to a GPU.
         dev = self.quantize_device
         aux_q, aux_s = quantize_fp8(aux.reshape(hi - lo, 3 * h).to(dev), groups=3)

@@ -39,6 +39,7 @@ class RefServerArgs:
     max_batch_tokens: int = 16384
     max_running_requests: int = 64
     dump_writers: int = 2
+    dump_dtype: Literal["model", "fp8"] = "model"
     decode_backend: Literal["auto", "slots", "batched"] = "auto"
     cuda_graphs: bool = False
     cpu_threads: int = 0
@@ -72,6 +73,7 @@ class RefServerArgs:
         argv += ["--max-batch-tokens", str(self.max_batch_tokens)]
         argv += ["--max-running-requests", str(self.max_running_requests)]
         argv += ["--dump-writers", str(self.dump_writers)]
+        argv += ["--dump-dtype", self.dump_dtype]
         argv += ["--decode-backend", self.decode_backend]
         if self.cuda_graphs:
             argv.append("--cuda-graphs")
@@ -129,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="Extraction: threads writing dump files; each writes one pack at a time, and at most this many "
         "+ 1 captured packs wait for them (back-pressure).",
+    )
+    p.add_argument(
+        "--dump-dtype",
+        choices=["model", "fp8"],
+        default="model",
+        help="Extraction: model = dumps hold the model dtype; fp8 = quantized on the device before the "
+        "copy to the host (float8_e4m3fn codes + per-token float32 scales aux_scale/last_scale, the fp8 "
+        "shard scheme): half the bytes copied, written and read.",
     )
     p.add_argument(
         "--decode-backend",
@@ -211,6 +221,7 @@ def parse_args(argv: Sequence[str]) -> RefServerArgs:
         max_batch_tokens=ns.max_batch_tokens,
         max_running_requests=ns.max_running_requests,
         dump_writers=ns.dump_writers,
+        dump_dtype=ns.dump_dtype,
         decode_backend=ns.decode_backend,
         cuda_graphs=ns.cuda_graphs,
         cpu_threads=ns.cpu_threads,
@@ -248,6 +259,8 @@ def check_args(args: RefServerArgs) -> None:
         )
     if args.mode == "extract":
         _check_dump_dir(args.dump_dir)
+    elif args.dump_dtype != "model":
+        raise ArgsError(f"--dump-dtype {args.dump_dtype}: only --mode extract writes dumps")
     if args.aux_layers is not None:
         if len(set(args.aux_layers)) != len(args.aux_layers):
             raise ArgsError(f"--aux-layers {list(args.aux_layers)}: ids must be unique")

@@ -5,6 +5,19 @@ For a `/generate` request with rid R and `max_new_tokens: 0` the server writes
 `last_hidden [T, H]` (model dtype), and replies with `meta_info.dump = {"key", "shapes", "dtype"}`:
 no float lists over HTTP. The file appears atomically (temp file, fsync, rename, fsync of the
 directory), so a reader that sees `R.safetensors` sees all of it, even after a kill -9 mid-write.
+
+The fp8 variant (`--dump-dtype fp8`; the default `model` is the above): the server quantizes on its
+device (`aerie.fp8.quantize_fp8`, the scheme and tensor names of an fp8 shard) and the dump holds
+
+    input_ids    int32          [T]
+    aux_hidden   float8_e4m3fn  [T, kH]  codes; k = number of aux layers
+    aux_scale    float32        [T, k]   one scale per token per aux layer
+    last_hidden  float8_e4m3fn  [T, H]
+    last_scale   float32        [T, 1]
+
+with `dtype: "float8_e4m3fn"` in the reply (its `shapes` name the scales too). Dequantized =
+codes * scale per group (`aerie.fp8.dequantize_fp8`). Only the reference server writes it: the
+SGLang plugin always dumps the model dtype.
 """
 
 from __future__ import annotations
@@ -51,6 +64,8 @@ def write_dump(
         "aux_hidden": capture.aux_hidden.contiguous(),
         "last_hidden": capture.last_hidden.contiguous(),
     }
+    if capture.aux_scale is not None and capture.last_scale is not None:
+        tensors.update(aux_scale=capture.aux_scale.contiguous(), last_scale=capture.last_scale.contiguous())
     final = dump_dir / dump_key(rid)
     tmp = dump_dir / f"{TMP_PREFIX}{rid}.{uuid.uuid4().hex[:8]}"
     try:

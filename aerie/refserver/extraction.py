@@ -13,6 +13,12 @@ copies the two tensors into pinned host memory on a side stream and returns; the
 for that copy (`PackCapture.wait`) while the next pack's forward already runs. Elsewhere, or with
 `AERIE_REFSERVER_SYNC_COPY=1` in the server's environment (to compare, or if the overlap misbehaves
 on some device), `start` computes and copies before it returns, as it always did.
+
+With `dump_dtype="fp8"` (`--dump-dtype fp8`) both tensors are quantized on the model's device right
+after the forward (`aerie.fp8.quantize_fp8`: float8_e4m3fn codes and per-token float32 scales, one
+scale per aux layer per token, one per token for `last_hidden`), and the codes and scales are what
+is copied to the host: half the bytes through the copy, the dump files and the client, and no
+quantization on the client's CPUs.
 """
 
 from __future__ import annotations
@@ -21,16 +27,19 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from aerie.fp8 import quantize_fp8
 from aerie.refserver.packed import Pack, choose_backend, make_pack, packed_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 SYNC_COPY_ENV = "AERIE_REFSERVER_SYNC_COPY"
+DUMP_DTYPES = ("model", "fp8")
+DumpDtype = Literal["model", "fp8"]
 
 
 @dataclass(frozen=True)
@@ -38,8 +47,10 @@ class Capture:
     """One sequence's tensors, on the CPU, ready to be written."""
 
     input_ids: torch.Tensor  # [T] int32
-    aux_hidden: torch.Tensor  # [T, len(aux_layers) * H]
+    aux_hidden: torch.Tensor  # [T, len(aux_layers) * H] model dtype, or float8_e4m3fn codes
     last_hidden: torch.Tensor  # [T, H]
+    aux_scale: torch.Tensor | None = None  # [T, len(aux_layers)] float32, fp8 dumps only
+    last_scale: torch.Tensor | None = None  # [T, 1]
 
 
 @dataclass
@@ -74,12 +85,17 @@ class PackCapture:
 class HiddenStateCapture:
     """Runs packed prefills of the target with capture hooks on the aux layers."""
 
-    def __init__(self, model: PreTrainedModel, aux_layers: Sequence[int], device: str) -> None:
+    def __init__(
+        self, model: PreTrainedModel, aux_layers: Sequence[int], device: str, dump_dtype: DumpDtype = "model"
+    ) -> None:
+        if dump_dtype not in DUMP_DTYPES:
+            raise ValueError(f"dump_dtype must be one of {DUMP_DTYPES}, got {dump_dtype!r}")
         self.model = model
         self.base = model.base_model
         self.layers = _decoder_layers(self.base)
         self.aux_layers = tuple(aux_layers)
         self.device = device
+        self.dump_dtype = dump_dtype
         # Where the device->host copies run, beside the forward passes (CUDA only; None = synchronous).
         overlap = str(device).startswith("cuda") and os.environ.get(SYNC_COPY_ENV, "") in ("", "0")
         self._copy_stream = torch.cuda.Stream(device) if overlap else None
@@ -108,6 +124,15 @@ class HiddenStateCapture:
         aux = torch.cat([captured[i][0] for i in self.aux_layers], dim=-1)
         return aux, out.last_hidden_state[0]
 
+    def host_tensors(self, aux: torch.Tensor, last: torch.Tensor) -> list[torch.Tensor]:
+        """What goes to the host for a pack, still on the model's device: [aux, last], or with fp8
+        dumps [aux codes, last codes, aux scales, last scales]. Queued on the current stream, no sync."""
+        if self.dump_dtype == "model":
+            return [aux, last]
+        aux_q, aux_s = quantize_fp8(aux, groups=len(self.aux_layers))
+        last_q, last_s = quantize_fp8(last, groups=1)
+        return [aux_q, last_q, aux_s, last_s]
+
     def choose_attention(self) -> str:
         """Pick the packed-prefill kernel on a probe of two sequences (`packed.choose_backend`: the
         fused varlen kernel only where it runs and agrees with the per-sequence loop)."""
@@ -130,14 +155,12 @@ class HiddenStateCapture:
     def _capture_now(self, sequences: Sequence[Sequence[int]]) -> PackCapture:
         pack = make_pack(sequences, self.device)
         began = time.perf_counter()
-        aux, last = self.forward_pack(pack)
+        device_tensors = self.host_tensors(*self.forward_pack(pack))
         computed = time.perf_counter()
-        aux, last = aux.cpu(), last.cpu()  # one device->host copy per pack, then views
+        host = [t.cpu() for t in device_tensors]  # one device->host copy per tensor per pack, then views
         copied = time.perf_counter()
         ids = pack.input_ids[0].to(device="cpu", dtype=torch.int32)
-        return PackCapture(
-            _split(ids, aux, last, pack.cu_seqlens.tolist()), computed - began, copied - computed
-        )
+        return PackCapture(_split(ids, host, pack.cu_seqlens.tolist()), computed - began, copied - computed)
 
     def _capture_async(self, sequences: Sequence[Sequence[int]], copy_stream: Any) -> PackCapture:
         """Forward on the current stream, then copy into pinned host memory on `copy_stream`, without
@@ -153,27 +176,30 @@ class HiddenStateCapture:
             for t in (host.input_ids, host.position_ids, host.cu_seqlens)
         )
         pack = Pack(ids, pos, cu, host.max_len)
-        aux, last = self.forward_pack(pack)
+        # With fp8 dumps the quantization is part of the forward's time (it runs on the same stream).
+        device_tensors = self.host_tensors(*self.forward_pack(pack))
         forward_end.record(compute)
         copy_stream.wait_event(forward_end)
         with torch.cuda.stream(copy_stream):
-            aux_host = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
-            last_host = torch.empty(last.shape, dtype=last.dtype, pin_memory=True)
-            aux_host.copy_(aux, non_blocking=True)
-            last_host.copy_(last, non_blocking=True)
+            host_tensors = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device_tensors]
+            for dst, src in zip(host_tensors, device_tensors, strict=True):
+                dst.copy_(src, non_blocking=True)
             copied.record(copy_stream)
         # The device tensors are freed when this returns: keep the allocator off them until copied.
-        aux.record_stream(copy_stream)
-        last.record_stream(copy_stream)
+        for t in device_tensors:
+            t.record_stream(copy_stream)
         host_ids = host.input_ids[0].to(torch.int32)
-        captures = _split(host_ids, aux_host, last_host, host.cu_seqlens.tolist())
+        captures = _split(host_ids, host_tensors, host.cu_seqlens.tolist())
         return PackCapture(captures, _events=(start, forward_end, copied))
 
 
-def _split(ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor, bounds: list[int]) -> list[Capture]:
-    # Row ranges of contiguous [T, ...] tensors are contiguous: the dump writer serializes the
-    # views directly (a per-sample clone copied every byte of the pack once more).
-    return [Capture(ids[s:e], aux[s:e], last[s:e]) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+def _split(ids: torch.Tensor, tensors: list[torch.Tensor], bounds: list[int]) -> list[Capture]:
+    """Per-sequence views of the pack's host tensors ([aux, last] or [aux, last, aux_scale,
+    last_scale]). Row ranges of contiguous [T, ...] tensors are contiguous: the dump writer serializes
+    the views directly (a per-sample clone copied every byte of the pack once more)."""
+    return [
+        Capture(ids[s:e], *(t[s:e] for t in tensors)) for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
 
 
 def _recorder(captured: dict[int, torch.Tensor], index: int) -> Any:

@@ -108,7 +108,11 @@ def _start(args: RefServerArgs) -> Any:
     )
     aux = check_aux_layers(args.aux_layers or default_aux_layers(loaded.num_layers), loaded.num_layers)
     _log_memory_plan(args, loaded)
-    capture = HiddenStateCapture(loaded.model, aux, loaded.device) if args.mode == "extract" else None
+    capture = (
+        HiddenStateCapture(loaded.model, aux, loaded.device, args.dump_dtype)
+        if args.mode == "extract"
+        else None
+    )
     backend = build_backend(args, loaded)
     # Packed prefill serves extraction and the slot decoder's admissions; the other decoders use SDPA.
     if capture is not None or isinstance(backend, slots.SlotDecoder):
