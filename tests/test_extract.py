@@ -12,7 +12,7 @@ import torch
 
 from aerie.errors import CanaryError, IntegrityError, PreflightError
 from aerie.extract import preflight
-from aerie.extract.canary import ExtractionCanary, compare_layers, reference_hidden_states
+from aerie.extract.canary import ExtractionCanary, _dequantized, compare_layers, reference_hidden_states
 from aerie.extract.client import make_batches
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import Row, open_split, slice_bounds
@@ -20,6 +20,7 @@ from aerie.extract.phases import PhaseTotals, RequestTiming
 from aerie.extract.resume import ClosedShard, ProgressFile
 from aerie.extract.shards import HiddenSample, ShardWriter, bytes_per_token
 from aerie.extract.uploads import Uploader
+from aerie.fp8 import quantize_fp8
 from aerie.store import LocalStore
 from tests.extract_support import corpus_rows, write_corpus
 
@@ -251,3 +252,59 @@ def test_dumps_go_to_tmpfs_when_it_has_room(tmp_path):
     assert dump_root(huge, "r", "k", work, hidden_size=7168) == work / "dumps"
     explicit = cfg.model_copy(update={"dump_dir": str(tmp_path / "d")})
     assert dump_root(explicit, "r", "k", work, hidden_size=576) == tmp_path / "d" / "r" / "k"
+
+
+# ---- quantization on the server (extract.quantize_on_server) --------------------------------------
+
+
+def test_server_quantization_is_refused_where_it_cannot_apply():
+    from aerie.config import apply_overrides
+    from aerie.errors import ConfigError
+    from aerie.extract.stage import _server_args, check_server_quantization
+    from aerie.presets import get_preset
+    from aerie.serving import ServerConfig
+
+    base = get_preset("smollm2-local")
+    # At load: bf16 storage would make the shards carry fp8's rounding.
+    with pytest.raises(ConfigError, match="quantize_on_server=true needs storage_dtype 'fp8', not 'bf16'"):
+        apply_overrides(base, ["extract.storage_dtype=bf16", "extract.quantize_on_server=true"])
+    fp8 = ExtractConfig(storage_dtype="fp8", quantize_on_server=True)
+    reference, sglang = ServerConfig(backend="reference"), ServerConfig(backend="sglang")
+    check_server_quantization(fp8, reference)
+    assert _server_args(reference, fp8) == ["--max-batch-tokens", "16384", "--dump-dtype", "fp8"]
+    assert _server_args(reference, fp8.model_copy(update={"quantize_on_server": False})) == [
+        "--max-batch-tokens",
+        "16384",
+    ]
+    # In the stage: the SGLang plugin dumps the model dtype; a model_copy skips the config's validator.
+    with pytest.raises(
+        ConfigError, match="needs server.backend 'reference', not 'sglang'.*SGLang dump plugin"
+    ):
+        check_server_quantization(fp8, sglang)
+    bf16 = fp8.model_copy(update={"storage_dtype": "bf16"})
+    with pytest.raises(ConfigError, match="needs extract.storage_dtype 'fp8', not 'bf16'"):
+        check_server_quantization(bf16, reference)
+    check_server_quantization(ExtractConfig(), sglang)  # off: nothing to refuse
+
+
+def test_canary_accepts_fp8_dumps_of_the_right_layers_and_still_names_a_wrong_one(smollm2, reference):
+    ids, hs = reference
+    row = Row(0, "c", ids, [1] * len(ids))
+    canary = ExtractionCanary(smollm2, row, reference=True, rtol=0.02)
+    canary._hidden = hs  # the module's reference forward, not a second one
+    aux = torch.cat([hs[i] for i in smollm2.aux_layers_input], -1)
+    greedy = int(
+        (hs[-1][-1] @ smollm2.load_model("cpu", "float32").get_output_embeddings().weight.T).argmax()
+    )
+    (aux_q, aux_s), (last_q, last_s) = quantize_fp8(aux, 3), quantize_fp8(hs[-1], 1)
+    deq = _dequantized(aux_q, aux_s, last_q, last_s)
+    # fp8's rounding (~0.02 per token) is over this rtol alone: the fp8 allowance is what lets it pass.
+    with pytest.raises(CanaryError, match="canary_rtol 0.02"):
+        canary.check(*deq, greedy)
+    result = canary.check(*deq, greedy, fp8=True)
+    assert result.dtype == "float8_e4m3fn" and [b["best"] for b in result.numeric["blocks"]] == [2, 15, 27]
+    assert 0.005 < result.numeric["last_rel_err"] < 0.05 and result.numeric["rtol"] == pytest.approx(0.05)
+    shifted = torch.cat([hs[i + 1] for i in smollm2.aux_layers_input], -1)
+    wrong = _dequantized(*quantize_fp8(shifted, 3), last_q, last_s)
+    with pytest.raises(CanaryError, match=r"aux block 0 matches hidden_states\[3\], not \[2\]"):
+        canary.check(*wrong, greedy, fp8=True)

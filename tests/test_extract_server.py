@@ -6,7 +6,9 @@ One scenario, because each server start costs ~10-20 s on a busy 2-core machine:
 2. the re-run (same stage key: max_restarts is not part of it) resumes after those shards; server s0
    is SIGKILLed again and restarted; the run completes with every corpus sample exactly once, in order,
    the token ids and loss masks of the corpus, and hidden states matching a transformers forward;
-3. a third run is a cache hit.
+3. a third run is a cache hit;
+4. the servers quantize to fp8 (`quantize_on_server`): the same stage key and the same shards, byte
+   for byte (one quantization function on the same float32 states, CPU on both sides).
 """
 
 from __future__ import annotations
@@ -168,3 +170,16 @@ def test_fanout_kill9_resume_exact_counts(tmp_path, smollm2):
     # 3. Same inputs: a cache hit, nothing launched.
     again = run(cfg2, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
     assert again.cache_hit and again.manifest_sha256 == result.manifest_sha256
+
+    # 4. The servers quantize (--dump-dtype fp8) instead of the client: the same stage key (so under
+    # another run name, or it would be the cache hit above), and the same shards, byte for byte.
+    cfg3 = cfg.model_copy(update={"quantize_on_server": True, "max_restarts": 0})
+    quantized = run(cfg3, store=store, run_name="q", target=smollm2, corpus=corpus, server=server)
+    assert quantized.prefix.rsplit("/", 1)[1] == prefix.rsplit("/", 1)[1]
+    server_side = load_manifest(store, quantized.prefix)
+    for split in splits:
+        shards = [(e["name"], e["sha256"]) for e in server_side["splits"][split]["shards"]]
+        assert shards == [(e["name"], e["sha256"]) for e in manifest["splits"][split]["shards"]]
+    canary = server_side["canary"]  # the canary saw the fp8 dump, dequantized, and checked its layers
+    assert canary["dtype"] == "float8_e4m3fn" and canary["numeric"]["rtol"] > cfg.canary_rtol
+    assert [b["best"] for b in canary["numeric"]["blocks"]] == [2, 15, 27]

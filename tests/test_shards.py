@@ -187,3 +187,38 @@ def test_bad_samples_and_files_are_refused(tmp_path, samples):
     junk.write_bytes(b"not a shard")
     with pytest.raises(DataError, match="cannot open shard"):
         ShardReader(junk)
+
+
+def test_samples_quantized_upstream_give_the_same_shards_and_need_fp8_storage(tmp_path, samples):
+    """A server dumping fp8 (`--dump-dtype fp8`) quantizes whole packs; the writer stores its codes and
+    scales as they are, and the shards are the ones it writes when it quantizes each sample itself."""
+    pack_aux = torch.cat([s.aux_hidden for s in samples])
+    pack_last = torch.cat([s.last_hidden for s in samples])
+    (aux_q, aux_s), (last_q, last_s) = quantize_fp8(pack_aux, 3), quantize_fp8(pack_last, 1)
+    quantized, at = [], 0
+    for s in samples:
+        rows = slice(at, at + s.tokens)
+        at += s.tokens
+        quantized.append(
+            HiddenSample(s.id, s.input_ids, s.loss_mask, aux_q[rows], last_q[rows], aux_s[rows], last_s[rows])
+        )
+    here = write_all(tmp_path / "client", samples, "fp8", shard_bytes=1 << 14)
+    upstream = write_all(tmp_path / "server", quantized, "fp8", shard_bytes=1 << 14)
+    assert len(here) > 1 and [i.sha256 for i in upstream] == [i.sha256 for i in here]
+    w = ShardWriter(tmp_path / "bf16", storage="bf16", shard_bytes=1 << 20, hidden_size=H)
+    with pytest.raises(ExtractionError, match="arrives quantized to fp8 but this writer stores bf16"):
+        w.add(quantized[0])
+    fp8 = ShardWriter(tmp_path / "bad", storage="fp8", shard_bytes=1 << 20, hidden_size=H)
+    bad = quantized[1]
+    with pytest.raises(ExtractionError, match=r"aux_scale has shape \(33, 1\), expected \(33, 3\)"):
+        fp8.add(
+            HiddenSample(
+                bad.id,
+                bad.input_ids,
+                bad.loss_mask,
+                bad.aux_hidden,
+                bad.last_hidden,
+                bad.last_scale,
+                bad.last_scale,
+            )
+        )

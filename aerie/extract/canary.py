@@ -11,6 +11,11 @@ written, the canary extracts one sample and checks:
 - when the target fits in memory here, each aux block equals the residual stream entering layers
   2, N//2, N-3 of a transformers forward (HF `hidden_states[i]`) within `canary_rtol`, and no *other*
   layer matches it better. That catches the +-1 layer-id error that cost peers acceptance length.
+
+An fp8 dump (reference server, `--dump-dtype fp8`) is dequantized first and checked the same way, with
+fp8's own error on top of `canary_rtol`: per-token e4m3 rounding measured 0.018-0.022 median relative
+error on SmolLM2's states (bf16 rounding: ~0.002 to ~0.015), so `FP8_EXTRA_RTOL` is 0.03, while the
+neighbouring layers the check tells apart differ by > 0.25.
 """
 
 from __future__ import annotations
@@ -29,12 +34,17 @@ from safetensors import safe_open
 from aerie.errors import CanaryError, ExtractionError
 from aerie.extract.client import Batch, ExtractionClient
 from aerie.extract.corpus_rows import Row
+from aerie.fp8 import dequantize_fp8
 from aerie.targets import TargetInfo
 
 if TYPE_CHECKING:
     from aerie.serving import ModelServer
 
 CANARY_MAX_TOKENS = 512
+FP8_EXTRA_RTOL = 0.03  # added to canary_rtol for fp8 dumps (see the module docstring)
+# The lm_head check accepts the server's greedy token within this share of the logit range below the
+# max (a near-tie flipped by rounding); fp8 rounds coarser than bf16.
+TIE_SHARE = {"model": 0.01, "fp8": 0.02}
 
 
 @dataclass
@@ -150,6 +160,19 @@ def reference_hidden_states(target: TargetInfo, input_ids: list[int]) -> list[to
         del model
 
 
+def _dequantized(
+    aux: torch.Tensor, aux_scale: torch.Tensor, last: torch.Tensor, last_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 dump's states in float32, for the numeric checks."""
+    try:
+        return dequantize_fp8(aux, aux_scale, torch.float32), dequantize_fp8(last, last_scale, torch.float32)
+    except RuntimeError as exc:  # scales that do not fit the codes
+        raise CanaryError(
+            f"canary fp8 dump: cannot dequantize aux_hidden {list(aux.shape)} / aux_scale "
+            f"{list(aux_scale.shape)}, last_hidden {list(last.shape)} / last_scale {list(last_scale.shape)}: {exc}"
+        ) from exc
+
+
 def fits_in_memory(target: TargetInfo) -> bool:
     """True when a float32 copy of the target takes under a quarter of the available memory."""
     import psutil
@@ -206,10 +229,18 @@ class ExtractionCanary:
                 raise CanaryError(f"canary extraction of corpus row {row.id} at {url} failed: {exc}") from exc
         finally:
             await client.aclose()
+        if sample.aux_scale is not None and sample.last_scale is not None:
+            aux, last = _dequantized(
+                sample.aux_hidden, sample.aux_scale, sample.last_hidden, sample.last_scale
+            )
+            return self.check(aux, last, greedy, url=url, fp8=True)
         return self.check(sample.aux_hidden, sample.last_hidden, greedy, url=url)
 
-    def check(self, aux: torch.Tensor, last: torch.Tensor, greedy: int, *, url: str = "") -> CanaryResult:
-        """Every check on one extracted sample (the ids were already checked against the corpus)."""
+    def check(
+        self, aux: torch.Tensor, last: torch.Tensor, greedy: int, *, url: str = "", fp8: bool = False
+    ) -> CanaryResult:
+        """Every check on one extracted sample (the ids were already checked against the corpus).
+        `fp8`: the states are an fp8 dump's, dequantized (the tolerances allow fp8's rounding)."""
         t, h = len(self.sample.input_ids), self.target.hidden_size
         checks = []
         if tuple(aux.shape) != (t, 3 * h) or tuple(last.shape) != (t, h):
@@ -233,9 +264,9 @@ class ExtractionCanary:
             if self._lm_head is None:
                 self._lm_head = load_lm_head(self.target)
         top, logits = lm_head_argmax(last[-1], self._lm_head)
-        # bf16 servers may flip a near-tie: accept the server's token when its logit is within 1% of
-        # the logit range below the max; a pre-norm state misses by far more.
-        tol = 0.01 * float(logits.max() - logits.median())
+        # bf16 servers may flip a near-tie: accept the server's token when its logit is within 1% (fp8
+        # dumps: 2%) of the logit range below the max; a pre-norm state misses by far more.
+        tol = TIE_SHARE["fp8" if fp8 else "model"] * float(logits.max() - logits.median())
         if top != greedy and float(logits[greedy]) < float(logits.max()) - tol:
             raise CanaryError(
                 f"last_hidden is not the lm_head's input: lm_head(last_hidden[-1]).argmax() = {top} but the "
@@ -248,12 +279,13 @@ class ExtractionCanary:
             with self._lock:
                 if self._hidden is None:
                     self._hidden = reference_hidden_states(self.target, self.sample.input_ids)
-            numeric = compare_layers(aux, last, self._hidden, self.target.aux_layers_input, self.rtol)
+            rtol = self.rtol + FP8_EXTRA_RTOL if fp8 else self.rtol
+            numeric = compare_layers(aux, last, self._hidden, self.target.aux_layers_input, rtol)
             checks.append("aux layers match the reference forward")
         return CanaryResult(
             sample_id=self.sample.id,
             tokens=t,
-            dtype=str(aux.dtype).removeprefix("torch."),
+            dtype="float8_e4m3fn" if fp8 else str(aux.dtype).removeprefix("torch."),
             aux_shape=list(aux.shape),
             last_shape=list(last.shape),
             greedy_token=greedy,

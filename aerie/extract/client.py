@@ -5,6 +5,8 @@ A request carries a batch of whole samples (`input_ids` as a list of lists, one 
 carries no dump info; the file name is known from the rid anyway); the client waits until every
 `<dump_dir>/<rid>.safetensors` exists (written atomically, so existing means complete), reads it,
 checks its token ids against the corpus, and deletes it, so the dump dir holds only what is in flight.
+A dump may hold the model dtype or, from a reference server run with `--dump-dtype fp8`, fp8 codes
+with their scales (`aerie.refserver.dump`): the sample then carries them to the shard writer as they are.
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ def to_sample(row: Row, tensors: dict[str, torch.Tensor], source: str) -> Hidden
         loss_mask=torch.tensor(row.loss_mask, dtype=torch.bool),
         aux_hidden=tensors["aux_hidden"],
         last_hidden=tensors["last_hidden"],
+        # An fp8 dump (the reference server's --dump-dtype fp8) carries the shard's codes and scales.
+        aux_scale=tensors.get("aux_scale"),
+        last_scale=tensors.get("last_scale"),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
 
@@ -57,6 +57,14 @@ class ExtractConfig(StrictModel):
         "with the cores and leaves the GPU to the server; cuda quantizes each sample on this process's GPU "
         "(transfers and a sync per sample, behind the server's forward passes).",
     )
+    quantize_on_server: bool = Field(
+        False,
+        description="With storage_dtype fp8 and the reference server: the server quantizes each pack on its "
+        "device before the copy to the host (--dump-dtype fp8), so dumps, their reads and the client carry "
+        "half the bytes and the client does no quantization; the shards are the same (one function both "
+        "sides). Refused with bf16 storage (fp8 dumps would make bf16 shards lossy) and with SGLang (its "
+        "dump plugin writes the model dtype).",
+    )
     commit_workers: int | None = Field(
         None,
         ge=1,
@@ -82,6 +90,16 @@ class ExtractConfig(StrictModel):
     canary_rtol: float = Field(
         0.05, gt=0, description="Relative error allowed between server and reference hidden states."
     )
+
+    @model_validator(mode="after")
+    def _server_quantization_needs_fp8_storage(self) -> ExtractConfig:
+        if self.quantize_on_server and self.storage_dtype != "fp8":
+            raise ValueError(
+                f"quantize_on_server=true needs storage_dtype 'fp8', not {self.storage_dtype!r}: fp8 dumps "
+                "written into bf16 shards would carry fp8's rounding (set storage_dtype: fp8, or leave "
+                "quantize_on_server false)"
+            )
+        return self
 
     def resolved_commit_workers(self) -> int:
         """`commit_workers`, or the default for this host (`aerie.extract.commit.default_workers`)."""

@@ -12,8 +12,9 @@ With `num_slices` > 1 the corpus is cut into num_slices x num_servers contiguous
 
 The stage key covers what changes the shards' contents or layout (storage dtype, shard size, server
 count over all slices, splits), the server backend, the target and its revision and the corpus manifest
-digest; operational knobs (batch size, requests in flight, restarts, timeouts, work dir) are left out, so
-changing them does not throw away uploaded shards on a re-run.
+digest; operational knobs (batch size, requests in flight, restarts, timeouts, work dir, commit workers,
+and where fp8 is quantized: `quantize_device`, `quantize_on_server`, one function on identical inputs,
+byte-identical shards) are left out, so changing them does not throw away uploaded shards on a re-run.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aerie.errors import ExtractionError, StoreError
+from aerie.errors import ConfigError, ExtractionError, StoreError
 from aerie.extract import preflight as disk
 from aerie.extract.canary import ExtractionCanary, fits_in_memory, pick_sample
 from aerie.extract.config import ExtractConfig
@@ -124,14 +125,38 @@ def _quantize_device(cfg: ExtractConfig) -> str:
     return "cpu" if cfg.quantize_device == "auto" else cfg.quantize_device
 
 
-def _pack_args(server: ServerConfig, cfg: ExtractConfig) -> list[str]:
-    """One request, one packed forward: the reference server packs waiting sequences up to its
+def check_server_quantization(cfg: ExtractConfig, server: ServerConfig) -> None:
+    """`quantize_on_server` needs fp8 storage (the config refuses it at load; a `model_copy` skips
+    that) and the reference server (the SGLang dump plugin writes the model dtype): `ConfigError`."""
+    if not cfg.quantize_on_server:
+        return
+    if cfg.storage_dtype != "fp8":
+        raise ConfigError(
+            f"extract.quantize_on_server=true needs extract.storage_dtype 'fp8', not {cfg.storage_dtype!r}: "
+            "fp8 dumps written into bf16 shards would carry fp8's rounding"
+        )
+    if server.backend != "reference":
+        raise ConfigError(
+            f"extract.quantize_on_server=true needs server.backend 'reference', not {server.backend!r}: "
+            "only the reference server quantizes its dumps (--dump-dtype fp8); the SGLang dump plugin "
+            "writes the model dtype (leave quantize_on_server false, the client quantizes)"
+        )
+
+
+def _server_args(server: ServerConfig, cfg: ExtractConfig) -> list[str]:
+    """Flags the stage adds to the reference server's command line (none for SGLang).
+
+    One request, one packed forward: the reference server packs waiting sequences up to its
     `--max-batch-tokens` (16,384 by default), which split the preset's 65,536-token requests into four
     smaller forwards (on the H200: 489K tokens/s at 16K-token packs, 613K at 64K). A value the server
-    config already sets is kept."""
-    if server.backend != "reference" or "--max-batch-tokens" in server.extra_args:
+    config already sets is kept. With `quantize_on_server`, `--dump-dtype fp8`: the server quantizes
+    each pack on its device and the dumps hold the shards' fp8 codes and scales."""
+    if server.backend != "reference":
         return []
-    return ["--max-batch-tokens", str(cfg.batch_tokens)]
+    args = [] if "--max-batch-tokens" in server.extra_args else ["--max-batch-tokens", str(cfg.batch_tokens)]
+    if cfg.quantize_on_server and cfg.storage_dtype == "fp8":
+        args += ["--dump-dtype", "fp8"]
+    return args
 
 
 def _server_cfg(server: ServerConfig, index: int, local: int, num_local: int) -> ServerConfig:
@@ -171,6 +196,7 @@ def plan(
 ) -> Plan:
     """Read the corpus counts and the resume state, and run the disk preflight (`PreflightError`).
     `slice_index` plans one slice of a multi-host run (its own progress object and dump root)."""
+    check_server_quantization(cfg, server)
     stage = stage_dir(cfg, store, run_name, target, corpus, server)
     work = work_dir(cfg, run_name, stage.key)
     work.mkdir(parents=True, exist_ok=True)
@@ -223,6 +249,7 @@ def run(
     server: ServerConfig,
     progress: ProgressFn = no_progress,
 ) -> StageResult:
+    check_server_quantization(cfg, server)
     stage = stage_dir(cfg, store, run_name, target, corpus, server)
     cached = stage.cached_result()
     if cached is not None:
@@ -287,7 +314,7 @@ def extract(
             dump_dir=dump_dir,
             clean_dump_dir=True,
             log_path=work / "logs" / f"server-s{k}-{attempt}.log",
-            extra_args=_pack_args(server, cfg),
+            extra_args=_server_args(server, cfg),
             trust_remote_code=target.trust_remote_code,
         )
         dump_dir.mkdir(parents=True, exist_ok=True)
