@@ -413,6 +413,14 @@ def test_heldout_comes_from_train_without_an_eval_split(tiny, tmp_path) -> None:
     assert set(eval_index.begin.tolist()).isdisjoint(train_index.begin.tolist())
 
 
+def test_train_fraction_keeps_the_first_share_of_the_train_samples(tiny, tmp_path) -> None:
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    full, held = _indices(_spec(tmp_path / "a", tiny, small_cfg()))
+    half, held_too = _indices(_spec(tmp_path / "b", tiny, small_cfg(train_fraction=0.5)))
+    assert (len(full), len(half)) == (4, 2) and half.tokens == int(full.length[:2].sum())
+    assert held_too.tokens == held.tokens  # the held-out samples are not cut
+
+
 def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
     target, train, held = tiny
     up = make_upstream(tmp_path, target, train, held, storage="fp8")

@@ -18,7 +18,14 @@ class TrainConfig(StrictModel):
     )
     ttt_length: int = Field(7, ge=1, description="Training-time-test unroll steps.")
     step_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of step k is step_decay**k.")
-    epochs: float = Field(1.0, gt=0, description="Passes over the training shards.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training samples used.")
+    train_fraction: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Share of the training samples used, the first in corpus order (the merge shuffled "
+        "it, so a random subset): a data-size sweep on one extraction. Held-out samples are unaffected.",
+    )
     lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
     warmup_ratio: float = Field(0.015, ge=0, lt=1, description="Share of steps spent warming up.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="The cosine schedule ends at lr x this.")

@@ -294,16 +294,25 @@ def _init_head_from_target(drafter: Eagle3Drafter, lm_head: Tensor, used: Tensor
 
 
 def _indices(spec: TrainSpec) -> tuple[SampleIndex, SampleIndex]:
-    """Train and eval sample indices; without an eval split, a seeded hold-out of the train samples."""
+    """Train and eval sample indices; without an eval split, a seeded hold-out of the train samples.
+    `train_fraction` < 1 keeps the first share of the train samples (after any hold-out)."""
     train_index = SampleIndex([Path(p) for p in spec.train_shards])
     if spec.eval_shards:
-        return train_index, SampleIndex([Path(p) for p in spec.eval_shards])
-    n = len(train_index)
-    if n < 2:
-        raise TrainingError(f"{n} training sample(s) and no eval split: nothing can be held out")
-    held = min(spec.cfg.heldout_samples, max(1, n // 10))
-    order = np.random.default_rng([spec.cfg.seed, 7]).permutation(n)
-    return train_index.subset(np.sort(order[held:])), train_index.subset(np.sort(order[:held]))
+        eval_index = SampleIndex([Path(p) for p in spec.eval_shards])
+    else:
+        n = len(train_index)
+        if n < 2:
+            raise TrainingError(f"{n} training sample(s) and no eval split: nothing can be held out")
+        held = min(spec.cfg.heldout_samples, max(1, n // 10))
+        order = np.random.default_rng([spec.cfg.seed, 7]).permutation(n)
+        train_index, eval_index = (
+            train_index.subset(np.sort(order[held:])),
+            train_index.subset(np.sort(order[:held])),
+        )
+    if spec.cfg.train_fraction < 1:
+        keep = max(1, math.ceil(spec.cfg.train_fraction * len(train_index)))
+        train_index = train_index.subset(np.arange(keep))
+    return train_index, eval_index
 
 
 def run_training(spec: TrainSpec, dist: DistInfo, emit: Emit) -> TrainState:
