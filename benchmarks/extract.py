@@ -16,7 +16,10 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
   shard packing, verified upload into a local store) over the same corpus, per storage dtype, in
   steady state (server start and canary excluded, reported separately), with `phases`: where that
   steady time went (the client's waits on HTTP, dump reads and the commit path; the server's forward,
-  device->host copy, back-pressure, dump writes and idle time), in seconds and shares.
+  device->host copy, back-pressure, dump writes and idle time), in seconds and shares. With
+  `--server-quantize` the fp8 pipeline runs with `extract.quantize_on_server` (the server quantizes
+  each pack on its device, the dumps and the client carry fp8); bf16 is unaffected. Each entry
+  records where its fp8 quantization ran (`quantized_on`).
 
 efficiency = pipeline tokens/s / min(bare forward tokens/s, write bytes/s / shard bytes per token).
 
@@ -314,6 +317,7 @@ def pipeline(
         work_dir=str(work / f"pipe-{storage}"),
         delete_local_after_upload=True,
         commit_workers=args.commit_workers,
+        quantize_on_server=args.server_quantize and storage == "fp8",
     )
     server = ServerConfig(
         backend="reference",
@@ -346,6 +350,7 @@ def pipeline(
         "steady_tokens_per_s": f["steady_tokens_per_s"],
         "commit_share": f.get("commit_share"),
         "commit_workers": cfg.resolved_commit_workers(),
+        "quantized_on": None if storage != "fp8" else "server" if cfg.quantize_on_server else "client",
         "server_copy": "sync" if args.sync_copy or not device.startswith("cuda") else "overlapped",
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
@@ -407,6 +412,11 @@ def main() -> None:
     )
     ap.add_argument("--work-dir", default=None)
     ap.add_argument(
+        "--server-quantize",
+        action="store_true",
+        help="fp8 pipeline: the server quantizes on its device (extract.quantize_on_server, --dump-dtype fp8)",
+    )
+    ap.add_argument(
         "--sync-copy",
         action="store_true",
         help="the server copies each pack to the host before the next forward (the pre-overlap path, CUDA)",
@@ -436,6 +446,7 @@ def main() -> None:
         "device": args.device,
         "corpus_samples": len(sequences),
         "corpus_tokens": tokens,
+        "server_quantize": args.server_quantize,
     }
     figures["bare_forward"] = bare_forward(target, args.device, sequences, pack_tokens)
     print("bare forward:", figures["bare_forward"], flush=True)
