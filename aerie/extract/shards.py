@@ -15,7 +15,8 @@ hundred objects. One shard holds::
 fp8 is float8_e4m3fn with a per-token (per layer) absmax scale: the residual stream's magnitude grows
 with depth and varies a lot between tokens (attention sinks), so one scale per tensor would crush the
 small ones. e4m3 keeps 3 mantissa bits: every element is within 2^-4 of its own magnitude, at half
-the bytes of bf16.
+the bytes of bf16. The scheme lives in `aerie.fp8`: the client quantizes with it, or the reference
+server already did (`extract.quantize_on_server`) and the writer stores its codes and scales as they are.
 
 The safetensors metadata carries the schema version, storage dtype, hidden size and the sample ids
 (JSON). A shard is written once, atomically (temp file + fsync + rename), and never modified.
