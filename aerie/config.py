@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from aerie.configbase import StrictModel
 from aerie.corpus.config import CorpusConfig
 from aerie.errors import ConfigError
 from aerie.evaluate.config import DeployConfig, EvaluateConfig
-from aerie.extract.config import ExtractConfig
+from aerie.extract.config import ExtractConfig, server_quantization_problem
 from aerie.generate.config import GenerateConfig
 from aerie.serving.config import ServerConfig
 from aerie.store import StoreConfig
@@ -44,6 +44,14 @@ class PipelineConfig(StrictModel):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
+
+    @model_validator(mode="after")
+    def _extraction_server_can_quantize(self) -> PipelineConfig:
+        # At load, not when extraction starts after hours of generation.
+        problem = server_quantization_problem(self.extract, self.server.backend)
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 def _format_errors(exc: ValidationError, where: str) -> str:

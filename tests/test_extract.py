@@ -266,8 +266,13 @@ def test_server_quantization_is_refused_where_it_cannot_apply():
 
     base = get_preset("smollm2-local")
     # At load: bf16 storage would make the shards carry fp8's rounding.
-    with pytest.raises(ConfigError, match="quantize_on_server=true needs storage_dtype 'fp8', not 'bf16'"):
+    with pytest.raises(ConfigError, match="needs extract.storage_dtype 'fp8', not 'bf16'"):
         apply_overrides(base, ["extract.storage_dtype=bf16", "extract.quantize_on_server=true"])
+    # At load too, not after hours of generation: the SGLang dump plugin writes the model dtype.
+    on = ["extract.storage_dtype=fp8", "extract.quantize_on_server=true"]
+    with pytest.raises(ConfigError, match="needs server.backend 'reference', not 'sglang'"):
+        apply_overrides(base, [*on, "server.backend=sglang"])
+    assert apply_overrides(base, on).extract.quantize_on_server
     fp8 = ExtractConfig(storage_dtype="fp8", quantize_on_server=True)
     reference, sglang = ServerConfig(backend="reference"), ServerConfig(backend="sglang")
     check_server_quantization(fp8, reference)

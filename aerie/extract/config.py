@@ -93,12 +93,9 @@ class ExtractConfig(StrictModel):
 
     @model_validator(mode="after")
     def _server_quantization_needs_fp8_storage(self) -> ExtractConfig:
-        if self.quantize_on_server and self.storage_dtype != "fp8":
-            raise ValueError(
-                f"quantize_on_server=true needs storage_dtype 'fp8', not {self.storage_dtype!r}: fp8 dumps "
-                "written into bf16 shards would carry fp8's rounding (set storage_dtype: fp8, or leave "
-                "quantize_on_server false)"
-            )
+        problem = server_quantization_problem(self, "reference")
+        if problem:
+            raise ValueError(problem)
         return self
 
     def resolved_commit_workers(self) -> int:
@@ -108,3 +105,24 @@ class ExtractConfig(StrictModel):
         from aerie.extract.commit import default_workers  # torch: only when extracting
 
         return default_workers(self.num_servers)
+
+
+def server_quantization_problem(cfg: ExtractConfig, server_backend: str) -> str | None:
+    """Why `quantize_on_server` cannot run with this storage and server backend, or None. Checked where a
+    config is loaded (ExtractConfig with the reference server assumed, PipelineConfig with its own server)
+    and again when the stage starts (a `model_copy` skips validation)."""
+    if not cfg.quantize_on_server:
+        return None
+    if cfg.storage_dtype != "fp8":
+        return (
+            f"extract.quantize_on_server=true needs extract.storage_dtype 'fp8', not {cfg.storage_dtype!r}: "
+            "fp8 dumps written into bf16 shards would carry fp8's rounding (set storage_dtype: fp8, or leave "
+            "quantize_on_server false)"
+        )
+    if server_backend != "reference":
+        return (
+            f"extract.quantize_on_server=true needs server.backend 'reference', not {server_backend!r}: "
+            "only the reference server quantizes its dumps (--dump-dtype fp8); the SGLang dump plugin "
+            "writes the model dtype (leave quantize_on_server false, the client quantizes)"
+        )
+    return None

@@ -32,7 +32,7 @@ from typing import Any
 from aerie.errors import ConfigError, ExtractionError, StoreError
 from aerie.extract import preflight as disk
 from aerie.extract.canary import ExtractionCanary, fits_in_memory, pick_sample
-from aerie.extract.config import ExtractConfig
+from aerie.extract.config import ExtractConfig, server_quantization_problem
 from aerie.extract.corpus_rows import SplitFiles, open_split, slice_bounds
 from aerie.extract.resume import ClosedShard, ProgressFile, progress_key
 from aerie.extract.shards import SHARD_SCHEMA_VERSION, bytes_per_token
@@ -126,21 +126,11 @@ def _quantize_device(cfg: ExtractConfig) -> str:
 
 
 def check_server_quantization(cfg: ExtractConfig, server: ServerConfig) -> None:
-    """`quantize_on_server` needs fp8 storage (the config refuses it at load; a `model_copy` skips
-    that) and the reference server (the SGLang dump plugin writes the model dtype): `ConfigError`."""
-    if not cfg.quantize_on_server:
-        return
-    if cfg.storage_dtype != "fp8":
-        raise ConfigError(
-            f"extract.quantize_on_server=true needs extract.storage_dtype 'fp8', not {cfg.storage_dtype!r}: "
-            "fp8 dumps written into bf16 shards would carry fp8's rounding"
-        )
-    if server.backend != "reference":
-        raise ConfigError(
-            f"extract.quantize_on_server=true needs server.backend 'reference', not {server.backend!r}: "
-            "only the reference server quantizes its dumps (--dump-dtype fp8); the SGLang dump plugin "
-            "writes the model dtype (leave quantize_on_server false, the client quantizes)"
-        )
+    """`ConfigError` where `quantize_on_server` cannot run (`server_quantization_problem`): the configs
+    refuse it at load, but a `model_copy` skips validation."""
+    problem = server_quantization_problem(cfg, server.backend)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _server_args(server: ServerConfig, cfg: ExtractConfig) -> list[str]:
