@@ -45,18 +45,35 @@ class PipelineReport:
             f"{'stage':22s} {'time':>8s} {'cache':>6s}  figures",
         ]
         for r in self.results:
-            figures = ", ".join(f"{k}={_fmt(v)}" for k, v in r.figures.items())
+            figures = ", ".join(f"{k}={figure_text(v)}" for k, v in r.figures.items())
             lines.append(f"{r.stage:22s} {r.seconds:7.1f}s {'hit' if r.cache_hit else 'run':>6s}  {figures}")
             lines.append(f"{'':22s} {'':>8s} {'':>6s}  {r.manifest_uri}")
         return "\n".join(lines)
 
 
-def _fmt(value: object) -> str:
+def figure_text(value: object) -> str:
+    """A figure as a summary shows it. A nested figure (extraction's `phases`) would fill the line: it
+    shows its three largest `share` leaves; the whole of it stays in the manifest."""
+    if isinstance(value, dict):
+        shares = sorted(_shares(value), key=lambda item: -item[1])[:3]
+        inner = ", ".join(f"{path} {share:.2f}" for path, share in shares)
+        return f"({inner or f'{len(value)} entries'}; see the manifest)"
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, int) and abs(value) >= 10_000:
         return f"{value:,}"
     return str(value)
+
+
+def _shares(tree: dict[str, object], prefix: str = "") -> list[tuple[str, float]]:
+    """(path, share) of every `{"share": x}` leaf of a nested figure."""
+    found: list[tuple[str, float]] = []
+    for key, value in tree.items():
+        if key == "share" and isinstance(value, (int, float)):
+            found.append((prefix.rstrip("."), float(value)))
+        elif isinstance(value, dict):
+            found += _shares(value, f"{prefix}{key}.")
+    return found
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from aerie.config import PipelineConfig, apply_overrides
 from aerie.manifest import StageResult
-from aerie.pipeline import PipelineReport, generation_endpoint, generation_pending
+from aerie.pipeline import PipelineReport, figure_text, generation_endpoint, generation_pending
 from aerie.presets import get_preset
 from aerie.store import open_store
 from aerie.targets import TargetConfig, TargetInfo, resolve_target
@@ -85,7 +85,7 @@ def _summarize(cfg: PipelineConfig, results: list[StageResult]) -> None:
             "stage": r.stage,
             "seconds": round(r.seconds, 1),
             "cache": "hit" if r.cache_hit else "run",
-            "figures": ", ".join(f"{k}={v}" for k, v in r.figures.items()),
+            "figures": ", ".join(f"{k}={figure_text(v)}" for k, v in r.figures.items()),
             "manifest": r.manifest_uri,
         }
         for r in results

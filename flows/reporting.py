@@ -24,6 +24,7 @@ from prefect.artifacts import (
 )
 
 from aerie.manifest import StageResult
+from aerie.pipeline import figure_text
 from aerie.progress import ProgressFn
 from aerie.settings import get_settings
 
@@ -65,7 +66,11 @@ def prefect_progress(key: str, description: str, min_interval_s: float = 1.0) ->
 
 def stage_table(result: StageResult, description: str) -> None:
     """A table artifact of a stage's key figures."""
-    rows = [{"figure": k, "value": v} for k, v in result.figures.items()]
+    # Nested figures (extraction's phases) as a short text; numbers stay numbers.
+    rows = [
+        {"figure": k, "value": figure_text(v) if isinstance(v, dict) else v}
+        for k, v in result.figures.items()
+    ]
     rows.append({"figure": "cache hit", "value": result.cache_hit})
     rows.append({"figure": "manifest", "value": result.manifest_uri})
     create_table_artifact(rows, key=artifact_key(result.stage, "figures"), description=description)
