@@ -114,13 +114,13 @@ def run(
                 store.put_bytes(part_key, json.dumps(found).encode())
             diagnosis[name] = json.loads(store.get_bytes(part_key))
         agreement = _agreement(per_prompt)
-        train_manifest = load_manifest(store, drafter.prefix)
+        trainer = load_manifest(store, drafter.prefix).get("figures", {})
         report_body = {
             "target": {"name": target.name, "revision": target.revision},
             "drafter": {
                 "prefix": f"{drafter.prefix}/drafter",
-                "expected_accept_length": train_manifest.get("figures", {}).get("accept_length"),
-                "trainer_accept_length_rounds": train_manifest.get("figures", {}).get("accept_length_rounds"),
+                "expected_accept_length": trainer.get("accept_length"),
+                "trainer_accept_length_rounds": trainer.get("accept_length_rounds"),
             },
             "config": cfg.model_dump(mode="json"),
             "device": device,

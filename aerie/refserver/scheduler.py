@@ -292,10 +292,7 @@ class Scheduler:
             pack = self.capture.start([i.input_ids for i in batch])
         except Exception as exc:  # e.g. out of memory on one pack: fail its requests only
             self._write_slots.release()
-            logger.exception("packed prefill failed")
-            self.stats.failures += 1
-            for item in batch:
-                item.future.set_exception(exc)
+            self._fail_pack(batch, exc)
             return
         self.phases.add(write_slot_wait=acquired - began, capture=time.perf_counter() - acquired)
         if not pack.in_flight:
@@ -316,10 +313,7 @@ class Scheduler:
                 try:
                     pack.wait()
                 except Exception as exc:  # the forward or the copy failed on the device
-                    logger.exception("packed prefill failed")
-                    self.stats.failures += 1
-                    for item in batch:
-                        item.future.set_exception(exc)
+                    self._fail_pack(batch, exc)
                     return
                 self.phases.add(
                     dump_copy_wait=time.perf_counter() - began, forward=pack.forward_s, copy=pack.copy_s
@@ -333,6 +327,14 @@ class Scheduler:
         self.stats.dumps_written += len(done)
         for item, meta in done:
             item.future.set_result(meta)
+
+    def _fail_pack(self, batch: list[_ExtractItem], exc: Exception) -> None:
+        """A pack's prefill failed (at launch, or on the device while its copy was awaited): its
+        requests get the error, the server goes on."""
+        logger.exception("packed prefill failed")
+        self.stats.failures += 1
+        for item in batch:
+            item.future.set_exception(exc)
 
     def _write_files(self, batch: list[_ExtractItem], pack: PackCapture) -> list[tuple[_ExtractItem, Any]]:
         """The pack's dump files; the items written, with their replies' dump meta. A failed item gets
