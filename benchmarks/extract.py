@@ -21,6 +21,11 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
   each pack on its device, the dumps and the client carry fp8); bf16 is unaffected. Each entry
   records where its fp8 quantization ran (`quantized_on`).
 
+`--pipelines` names the pipeline runs, so one invocation A/Bs variants against one roofline: a storage
+dtype plus `+` modifiers, `server` (quantize on the server, fp8 only), `sync` (the server's pre-overlap
+device->host copy) and `w<N>` (N server dump writers instead of `--dump-writers`), e.g.
+`--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4`.
+
 efficiency = pipeline tokens/s / min(bare forward tokens/s, write bytes/s / shard bytes per token).
 
 Results go to benchmarks/results/extract.json on CPU and extract-<device>.json elsewhere, so a GPU
@@ -305,19 +310,20 @@ def pipeline(
     store: LocalStore,
     corpus: StageResult,
     work: Path,
-    storage: str,
+    variant: str,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
+    storage, server_quantize, sync_copy, dump_writers = parse_variant(variant, args)
     cfg = ExtractConfig(
         storage_dtype=storage,  # type: ignore[arg-type]
         shard_bytes=args.shard_mb << 20,
         batch_tokens=args.batch_tokens,
         requests_in_flight=args.requests_in_flight,
         splits=["train"],
-        work_dir=str(work / f"pipe-{storage}"),
+        work_dir=str(work / f"pipe-{variant}"),
         delete_local_after_upload=True,
         commit_workers=args.commit_workers,
-        quantize_on_server=args.server_quantize and storage == "fp8",
+        quantize_on_server=server_quantize,
     )
     server = ServerConfig(
         backend="reference",
@@ -327,13 +333,13 @@ def pipeline(
             "--max-batch-tokens",
             str(args.server_batch_tokens),
             "--dump-writers",
-            str(args.dump_writers),
+            str(dump_writers),
         ],
-        env={SYNC_COPY_ENV: "1"} if args.sync_copy else {},
+        env={SYNC_COPY_ENV: "1"} if sync_copy else {},
     )  # type: ignore[arg-type]
     began = time.perf_counter()
     result = run_extract(
-        cfg, store=store, run_name=f"bench-{storage}", target=target, corpus=corpus, server=server
+        cfg, store=store, run_name=f"bench-{variant}", target=target, corpus=corpus, server=server
     )
     wall = time.perf_counter() - began
     f = result.figures
@@ -351,13 +357,30 @@ def pipeline(
         "commit_share": f.get("commit_share"),
         "commit_workers": cfg.resolved_commit_workers(),
         "quantized_on": None if storage != "fp8" else "server" if cfg.quantize_on_server else "client",
-        "server_copy": "sync" if args.sync_copy or not device.startswith("cuda") else "overlapped",
+        "server_copy": "sync" if sync_copy or not device.startswith("cuda") else "overlapped",
+        "dump_writers": dump_writers,
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
         # Seconds and shares of the steady wall: the client's critical path and the server's phases
         # (aerie.extract.phases; the server's are aerie.refserver.scheduler.PhaseClock's).
         "phases": f.get("phases"),
     }
+
+
+def parse_variant(variant: str, args: argparse.Namespace) -> tuple[str, bool, bool, int]:
+    """`fp8+server+sync+w4` -> (storage, quantize on server, sync copy, dump writers)."""
+    storage, *mods = variant.split("+")
+    if storage not in ("bf16", "fp8"):
+        sys.exit(f"--pipelines {variant!r}: storage must be bf16 or fp8")
+    writers = args.dump_writers
+    for mod in mods:
+        if mod.startswith("w") and mod[1:].isdigit():
+            writers = int(mod[1:])
+        elif mod not in ("server", "sync"):
+            sys.exit(f"--pipelines {variant!r}: unknown modifier {mod!r} (server, sync, w<N>)")
+    if "server" in mods and storage != "fp8":
+        sys.exit(f"--pipelines {variant!r}: only fp8 is quantized on the server")
+    return storage, "server" in mods, "sync" in mods or args.sync_copy, writers
 
 
 def match_server_threads(device: str) -> int:
@@ -406,7 +429,9 @@ def main() -> None:
     ap.add_argument("--dump-writers", type=int, default=2, help="the server's dump-writing threads")
     ap.add_argument("--shard-mb", type=int, default=None, help="cpu 128, cuda 1024")
     ap.add_argument("--baseline-samples", type=int, default=None, help="cpu 12, cuda 512")
-    ap.add_argument("--storages", default="bf16,fp8")
+    ap.add_argument(
+        "--pipelines", default="bf16,fp8", help="pipeline runs: dtype[+server][+sync][+w<N>], comma-separated"
+    )
     ap.add_argument(
         "--commit-workers", type=int, default=None, help="encode threads per server (default: the config's)"
     )
@@ -414,12 +439,12 @@ def main() -> None:
     ap.add_argument(
         "--server-quantize",
         action="store_true",
-        help="fp8 pipeline: the server quantizes on its device (extract.quantize_on_server, --dump-dtype fp8)",
+        help="shorthand: every fp8 pipeline quantizes on the server (as if named fp8+server)",
     )
     ap.add_argument(
         "--sync-copy",
         action="store_true",
-        help="the server copies each pack to the host before the next forward (the pre-overlap path, CUDA)",
+        help="every pipeline's server copies each pack to the host before the next forward (CUDA)",
     )
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -446,7 +471,6 @@ def main() -> None:
         "device": args.device,
         "corpus_samples": len(sequences),
         "corpus_tokens": tokens,
-        "server_quantize": args.server_quantize,
     }
     figures["bare_forward"] = bare_forward(target, args.device, sequences, pack_tokens)
     print("bare forward:", figures["bare_forward"], flush=True)
@@ -472,9 +496,13 @@ def main() -> None:
     figures["pipeline"] = {}
     best_pack = int(max(figures["bare_forward"]["by_pack"], key=figures["bare_forward"]["by_pack"].get))
     remeasured = []
-    for storage in args.storages.split(","):
-        figures["pipeline"][storage] = pipeline(target, args.device, store, corpus, work, storage, args)
-        print(f"pipeline {storage}:", figures["pipeline"][storage], flush=True)
+    variants = [
+        v + ("+server" if args.server_quantize and v.startswith("fp8") else "")
+        for v in args.pipelines.split(",")
+    ]
+    for variant in variants:
+        figures["pipeline"][variant] = pipeline(target, args.device, store, corpus, work, variant, args)
+        print(f"pipeline {variant}:", figures["pipeline"][variant], flush=True)
         save(figures, args, complete=False)
         # The load of a shared machine changes while the pipelines run: measure the forward again after
         # each and keep the best, so the roofline is not understated.
