@@ -108,6 +108,21 @@ def test_pump_waits_are_split_by_the_step_the_awaited_request_was_in():
     figures = PhaseTotals.from_record(phases.record()).figures(wall=10.0)
     assert figures["server"] == {"forward": {"s": 6.0, "share": 0.6}} and figures["server_window_s"] == 8.0
     assert figures["server_windows_missed"] == 1
+    assert figures["commit_path"] is None  # nothing of the commit path recorded
+    # The commit path's busy seconds add up over committers and windows, keep the pipeline's order,
+    # and their shares are of the same wall; a record without them (older) still loads.
+    phases.commit_busy({"upload": 1.0}, {"uploads": 2})
+    phases.commit_busy({"encode": 3.0, "write": 2.0}, {"shards": 1})
+    phases.commit_busy({"encode": 1.0, "upload": 0.5}, {"uploads": 1})
+    back = PhaseTotals.from_record(phases.record())
+    assert back == phases and list(back.commit_path) == ["upload", "encode", "write"]
+    figures = back.figures(wall=10.0)
+    assert list(figures["commit_path"]) == ["encode", "write", "upload"]
+    assert figures["commit_path"]["encode"] == {"s": 4.0, "share": 0.4}
+    assert figures["commit_path"]["upload"] == {"s": 1.5, "share": 0.15}
+    assert list(figures["commit_counts"].items()) == [("shards", 1), ("uploads", 3)]
+    old = {k: v for k, v in phases.record().items() if not k.startswith("commit_")}
+    assert PhaseTotals.from_record(old).figures(wall=10.0)["commit_path"] is None
 
 
 def test_corpus_split_in_manifest_order_and_from_any_row(tmp_path, smollm2):
@@ -171,9 +186,11 @@ def test_uploads_are_verified_recorded_and_local_copies_dropped(tmp_path):
     w.add(_sample(0, 5))
     info = w.close()
     assert info is not None
+    assert up.busy() == {"upload": 0.0} and up.counts() == {"uploads": 0}
     up.submit(info, _shard(0, 0, 1))
     (done,) = up.wait()
     assert done.index == 0 and not info.path.exists()
+    assert up.busy()["upload"] > 0 and up.counts() == {"uploads": 1}  # its worker's time in it
     assert store.exists("r/extract/k/shards/train/shard-s0-00000.safetensors")
     assert [s.index for s in ProgressFile(store, "r/extract/k/progress.json").shards] == [0]
     # A shard changed on disk after it was written does not pass verification, and is not recorded.

@@ -122,6 +122,45 @@ def test_parallel_commit_writes_the_serial_shards_byte_for_byte(tmp_path, storag
     assert ids == [s.id for s in samples]
 
 
+def test_busy_times_say_where_the_commit_path_spent_its_time(tmp_path):
+    """Every step's seconds are counted, on the thread that spent them: encode in the pool, the
+    write thread's time split into its data, hash-wait and fsync parts, the callback apart."""
+    samples = make_samples(40, seed=6)
+    sink = Collect()
+
+    def slow_on_closed(info: ShardInfo, first: int, end: int) -> None:
+        time.sleep(0.01)  # e.g. waiting for an upload slot: counted as on_closed, not as write
+        sink.on_closed(info, first, end)
+
+    c = ShardCommitter(
+        writer(tmp_path, "fp8"),
+        first_row=0,
+        workers=2,
+        max_pending_tokens=200,
+        on_closed=slow_on_closed,
+        encode_rows=16,
+    )
+    try:
+        for s in samples:
+            c.submit(s)
+        c.finish()
+    finally:
+        c.close()
+    busy, counts = c.busy(), c.counts()
+    assert set(busy) == {
+        "encode", "append_wait_encode", "append", "write_slot_wait", "write",
+        "write_data", "write_hash_wait", "write_fsync", "on_closed",
+    }  # fmt: skip
+    assert all(v >= 0 for v in busy.values())
+    assert busy["encode"] > 0 and busy["append"] > 0 and busy["write"] > 0 and busy["write_fsync"] > 0
+    assert busy["write_data"] + busy["write_hash_wait"] + busy["write_fsync"] <= busy["write"] + 1e-6
+    assert busy["on_closed"] >= 0.01 * len(sink.closed)
+    assert counts == {"shards": len(sink.closed), "shard_bytes": sum(i.bytes for i, _, _ in sink.closed)}
+    # Each shard's info carries its own write's split (not part of its identity or its record).
+    info = sink.closed[0][0]
+    assert info.timing.fsync > 0 and "timing" not in info.record()
+
+
 def test_an_interrupted_commit_resumes_into_exactly_the_serial_shards(tmp_path):
     """Close without finishing (a slice that fails): what was reported is a chain of whole shards
     from row 0; a fresh committer started after its end row, with the next shard index, writes the

@@ -24,6 +24,7 @@ import torch
 from aerie.errors import ExtractionError
 from aerie.extract.canary import reference_hidden_states
 from aerie.extract.config import ExtractConfig
+from aerie.extract.phases import COMMIT_PATH
 from aerie.extract.resume import ProgressFile
 from aerie.extract.shards import ShardReader
 from aerie.extract.stage import run
@@ -62,6 +63,19 @@ class KillServer:
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     self.killed = pid
+
+
+def check_commit_path(phases: dict) -> dict[str, float]:
+    """The commit path's busy seconds of one slice's figures (`aerie.extract.phases`): every step
+    present and >= 0, something encoded and written, the write's parts within it (each rounded to
+    the millisecond). Returns the seconds by step."""
+    busy = {name: p["s"] for name, p in phases["commit_path"].items()}
+    assert list(busy) == list(COMMIT_PATH) and all(v >= 0 for v in busy.values())
+    assert busy["encode"] > 0 and busy["append"] > 0 and busy["write"] > 0
+    assert busy["write_data"] + busy["write_hash_wait"] + busy["write_fsync"] <= busy["write"] + 0.003
+    counts = phases["commit_counts"]
+    assert counts["shards"] >= 1 and counts["shard_bytes"] > 0 and counts["uploads"] >= 0
+    return busy
 
 
 def free_port_pair() -> int:
@@ -132,6 +146,10 @@ def test_fanout_kill9_resume_exact_counts(tmp_path, smollm2):
         assert all(p["s"] >= 0 for name, p in client.items() if name != "other")
         assert client["other"]["s"] >= -0.01 and client["http_wait"]["s"] > 0
         assert phases["server"] is not None and phases["server"]["forward"]["s"] > 0
+    # What the commit path behind each pump was busy with: fp8 quantized on the client, shards
+    # written, and the uploader (taking the files over) busy within the pumps' windows.
+    busy = [check_commit_path(phases) for phases in by_slice.values()]
+    assert sum(b["upload"] for b in busy) > 0
 
     manifest = load_manifest(store, prefix)
     assert manifest["layers"] == {"input_of_layer": [2, 15, 27], "output_of_layer": [1, 14, 26]}

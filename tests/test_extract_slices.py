@@ -24,6 +24,7 @@ from prefect.client.orchestration import get_client
 from aerie.errors import ExtractionError
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import slice_bounds
+from aerie.extract.phases import PhaseTotals
 from aerie.extract.resume import ProgressFile
 from aerie.extract.slices import SliceMissingError, assemble, record_name, run_slice
 from aerie.extract.stage import run
@@ -32,7 +33,7 @@ from aerie.serving import ServerConfig
 from aerie.store import LocalStore, StoreConfig, open_store
 from flows.extract import extract_flow
 from tests.extract_support import corpus_rows, write_corpus
-from tests.test_extract_server import free_port_pair
+from tests.test_extract_server import check_commit_path, free_port_pair
 from tests.test_pipeline import BIN, REPO
 
 pytest_plugins = ("tests.prefect_support",)  # prefect_api: the real Prefect server
@@ -79,6 +80,10 @@ def test_slices_run_apart_and_assemble_into_the_single_host_stage(tmp_path, smol
         records = list(pool.map(lambda k: run_slice(cfg, k, **common), [0, 1]))
     assert [r.servers for r in records] == [[0], [1]]
     assert all(r.canary is not None and r.tokens > 0 for r in records)
+    # Each record keeps its slice's phases, the commit path's busy seconds among them, as they were.
+    for r in records:
+        assert r.phases is not None and r.phases["commit_path"]["write"] > 0
+        assert PhaseTotals.from_record(r.phases).record() == r.phases
     prefix = next(iter({k.rsplit("/slices/", 1)[0] for k in store.list("s/extract") if "/slices/" in k}))
     assert not store.exists(f"{prefix}/progress.json")
     for k, record in enumerate(records):
@@ -108,6 +113,7 @@ def test_slices_run_apart_and_assemble_into_the_single_host_stage(tmp_path, smol
     # The slices' records carry their phases: the assembled figures say where the time went.
     phases = result.figures["phases"]
     assert phases["client"]["http_wait"]["s"] > 0 and phases["server"]["forward"]["s"] > 0
+    check_commit_path(phases)
     manifest = load_manifest(store, result.prefix)
     assert manifest["server"]["num_slices"] == 2 and [s["slice"] for s in manifest["slices"]] == [0, 1]
 

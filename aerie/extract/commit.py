@@ -19,6 +19,11 @@ only shards held. The time `submit` and `finish` spend blocked is `waited_s`.
 Encode threads run torch single-threaded: the pool is the parallelism, and a pool of threads that
 each open a full intra-op OpenMP team oversubscribes the cores (on a loaded 2-core host that made
 quantization ~50x slower).
+
+`busy()` says which stage of the pipeline is the bound: the seconds each one spent working or
+blocked, by name (defined in `aerie.extract.phases`, group `commit_path`). `encode` is summed over
+the pool's threads, so it can exceed the wall (up to `workers` times it); the others are one
+thread's time each.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from aerie.errors import ExtractionError
+from aerie.extract.phases import COMMITTER_STEPS
 from aerie.extract.shards import EncodedRows, HiddenSample, SealedShard, ShardInfo, ShardWriter
 
 log = logging.getLogger(__name__)
@@ -85,6 +91,33 @@ def _single_threaded_pool(workers: int, name: str) -> ThreadPoolExecutor:
     return pool
 
 
+class _BusyClock:
+    """Seconds per named step and counts, added from any of the pipeline's threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds = dict.fromkeys(COMMITTER_STEPS, 0.0)
+        self._counts = {"shards": 0, "shard_bytes": 0}
+
+    def add(self, **seconds: float) -> None:
+        with self._lock:
+            for name, value in seconds.items():
+                self._seconds[name] += value
+
+    def count(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                self._counts[name] += value
+
+    def seconds(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._seconds)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
 class ShardCommitter:
     """Feeds `writer` from a pool of encode threads; see the module docstring. Not thread-safe
     itself: one thread calls `submit`, `finish`, `drain` and `close` (the slice's pump)."""
@@ -107,6 +140,7 @@ class ShardCommitter:
         self.max_pending_tokens = max_pending_tokens
         self.encode_rows = encode_rows
         self.waited_s = 0.0
+        self._busy = _BusyClock()
         self._on_closed = on_closed
         self._on_appended = on_appended
         self._cond = threading.Condition()
@@ -121,6 +155,15 @@ class ShardCommitter:
     @property
     def failed(self) -> bool:
         return self._failure is not None
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each step of the pipeline has spent so far, by name (`COMMITTER_STEPS`; see the module
+        docstring and `aerie.extract.phases`). Safe from any thread; final once `finish` returns."""
+        return self._busy.seconds()
+
+    def counts(self) -> dict[str, int]:
+        """Shards written so far and their bytes."""
+        return self._busy.counts()
 
     # -- the caller's side ---------------------------------------------------------------------------
 
@@ -142,7 +185,7 @@ class ShardCommitter:
         self.waited_s += time.monotonic() - began
         self._raise_failure()
         parts = [
-            self._encode.submit(self.writer.encode, sample, lo, min(lo + self.encode_rows, t))
+            self._encode.submit(self._encode_rows, sample, lo, min(lo + self.encode_rows, t))
             for lo in range(0, t, self.encode_rows)
         ]
         row = self.next_row
@@ -169,7 +212,7 @@ class ShardCommitter:
         try:
             sealed = self._append_pool.submit(self.writer.seal).result()
             if sealed is not None:
-                self._write_behind(sealed, end_row=self.next_row).result()
+                self._write_behind(sealed, end_row=self.next_row)[0].result()
         finally:
             self.waited_s += time.monotonic() - began
         self._raise_failure()
@@ -187,16 +230,30 @@ class ShardCommitter:
 
     # -- the pipeline's threads -----------------------------------------------------------------------
 
+    def _encode_rows(self, sample: HiddenSample, lo: int, hi: int) -> EncodedRows:
+        began = time.perf_counter()
+        try:
+            return self.writer.encode(sample, lo, hi)
+        finally:
+            self._busy.add(encode=time.perf_counter() - began)
+
     def _append(self, row: int, sample: HiddenSample, parts: list[Future[EncodedRows]], tokens: int) -> None:
         try:
             if self._failure is not None or self._cancelled:
                 return
+            began = time.perf_counter()
             rows = [p.result() for p in parts]
-            sealed = self.writer.append(sample, rows)
-            if sealed is not None:  # the shard of the rows before this one is complete
-                self._write_behind(sealed, end_row=row)
-            if self._on_appended is not None:
-                self._on_appended(tokens)
+            encoded = time.perf_counter()
+            slot_wait = 0.0
+            try:
+                sealed = self.writer.append(sample, rows)
+                if sealed is not None:  # the shard of the rows before this one is complete
+                    slot_wait = self._write_behind(sealed, end_row=row)[1]
+                if self._on_appended is not None:
+                    self._on_appended(tokens)
+            finally:
+                own = time.perf_counter() - encoded - slot_wait
+                self._busy.add(append_wait_encode=encoded - began, append=own)
         except BaseException as exc:
             self._fail(exc)
         finally:
@@ -204,21 +261,36 @@ class ShardCommitter:
                 self._pending_tokens -= tokens
                 self._cond.notify_all()
 
-    def _write_behind(self, sealed: SealedShard, end_row: int) -> Future[None]:
+    def _write_behind(self, sealed: SealedShard, end_row: int) -> tuple[Future[None], float]:
         """Write `sealed` (rows up to `end_row`) on the write thread; waits only while the previous
-        shard is still being written (then the disk, not the caller, is the bound)."""
+        shard is still being written (then the disk, not the caller, is the bound). Returns the
+        write's future and the seconds waited."""
+        began = time.perf_counter()
         self._write_slot.acquire()
+        waited = time.perf_counter() - began
+        self._busy.add(write_slot_wait=waited)
         first_row = end_row - len(sealed.sample_ids)
-        return self._write_pool.submit(
+        future = self._write_pool.submit(
             contextvars.copy_context().run, self._write, sealed, first_row, end_row
         )
+        return future, waited
 
     def _write(self, sealed: SealedShard, first_row: int, end_row: int) -> None:
         try:
             if self._failure is not None:
                 return
+            began = time.perf_counter()
             info = sealed.write()
-            self._on_closed(info, first_row, end_row)
+            wrote = time.perf_counter()
+            t = info.timing
+            self._busy.add(
+                write=wrote - began, write_data=t.data, write_hash_wait=t.hash_wait, write_fsync=t.fsync
+            )
+            self._busy.count(shards=1, shard_bytes=info.bytes)
+            try:
+                self._on_closed(info, first_row, end_row)
+            finally:
+                self._busy.add(on_closed=time.perf_counter() - wrote)
         except BaseException as exc:
             self._fail(exc)
         finally:

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import struct
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -89,6 +90,17 @@ class HiddenSample:
         return self.aux_scale is not None
 
 
+@dataclass(frozen=True)
+class WriteTiming:
+    """Where `SealedShard.write` spent its time (seconds), for the commit path's accounting
+    (`aerie.extract.phases`). What `SealedShard.write` took beyond their sum went to preparing the
+    layout (offsets, concatenating ids, masks and scales, the header) and opening the temp file."""
+
+    data: float = 0.0  # the loop of f.write calls (and queueing each buffer for the hash thread)
+    hash_wait: float = 0.0  # waiting for the hash thread once the data was flushed and fsynced
+    fsync: float = 0.0  # flush + fsync + close of the temp file, rename, fsync of the directory
+
+
 @dataclass
 class ShardInfo:
     """A closed shard: what the manifest and the progress file record."""
@@ -100,6 +112,8 @@ class ShardInfo:
     bytes: int
     sha256: str
     sample_ids: list[str] = field(repr=False)
+    # How long writing it took, by step (zeros where the info did not come from a write).
+    timing: WriteTiming = field(default_factory=WriteTiming, repr=False, compare=False)
 
     def record(self) -> dict[str, Any]:
         """The manifest entry (no local path: the shard moves to the store)."""
@@ -197,7 +211,7 @@ class SealedShard:
             "tokens": str(n),
             "sample_ids": json.dumps(self.sample_ids),
         }
-        size, digest = _write_safetensors(self.path, tensors, metadata)
+        size, digest, timing = _write_safetensors(self.path, tensors, metadata)
         return ShardInfo(
             name=self.name,
             path=self.path,
@@ -206,6 +220,7 @@ class SealedShard:
             bytes=size,
             sha256=digest,
             sample_ids=list(self.sample_ids),
+            timing=timing,
         )
 
 
@@ -391,9 +406,10 @@ def _write_safetensors(
     path: Path,
     tensors: list[tuple[str, torch.dtype, list[int], list[torch.Tensor]]],
     metadata: dict[str, str],
-) -> tuple[int, str]:
+) -> tuple[int, str, WriteTiming]:
     """Write the safetensors layout (u64 header length, JSON header, data) streaming each tensor's
-    chunks, hashing them in a second thread; temp file + fsync + rename. Returns (bytes, sha256)."""
+    chunks, hashing them in a second thread; temp file + fsync + rename. Returns (bytes, sha256,
+    the seconds each step took)."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, dtype, shape, chunks in tensors:
@@ -408,14 +424,21 @@ def _write_safetensors(
         with open(tmp, "wb") as f:
             parts = [memoryview(struct.pack("<Q", len(blob)) + blob)]
             parts += [_raw(c) for _, _, _, chunks in tensors for c in chunks]
+            began = time.perf_counter()
             for part in parts:
                 h.update(part)
                 f.write(part)
+            wrote = time.perf_counter()
             f.flush()
             os.fsync(f.fileno())
+        synced = time.perf_counter()
         digest = h.hexdigest()
+        hashed = time.perf_counter()
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+        timing = WriteTiming(
+            data=wrote - began, hash_wait=hashed - synced, fsync=synced - wrote + time.perf_counter() - hashed
+        )
     except BaseException as exc:
         h.cancel()
         with contextlib.suppress(OSError):  # cleanup must not hide why the write failed
@@ -423,7 +446,7 @@ def _write_safetensors(
         if isinstance(exc, OSError):
             raise ExtractionError(f"cannot write shard {path}: {exc}") from exc
         raise
-    return 8 + len(blob) + offset, digest
+    return 8 + len(blob) + offset, digest, timing
 
 
 class ShardReader:

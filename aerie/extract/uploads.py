@@ -6,12 +6,17 @@ received equals the sha256 computed while the shard was written), recorded in `p
 `delete_local` the store takes the file over (`adopt_file`: a rename into a local store, an upload
 then delete for S3), so the shard is not written a second time. `submit` blocks while `max_pending` shards are still waiting, which is
 what bounds the local disk when `delete_local_after_upload` is set (the preflight assumes it).
+
+`busy()` is the seconds the worker threads have spent uploading (summed over them, so up to
+`workers` times the wall), uploads still running counted up to now: the stage's pumps read it at
+either end of their windows (`aerie.extract.phases`, `commit_path.upload`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from aerie.errors import IntegrityError, StoreError
@@ -41,6 +46,21 @@ class Uploader:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aerie-upload")
         self._futures: list[Future[ClosedShard]] = []
         self.uploaded_bytes = 0
+        self._busy_lock = threading.Lock()
+        self._busy_s = 0.0  # finished uploads (and failed attempts)
+        self._uploads = 0
+        self._running: dict[int, float] = {}  # thread id -> when its current upload began
+
+    def busy(self) -> dict[str, float]:
+        """Seconds the worker threads have spent in uploads so far, the running ones up to now."""
+        with self._busy_lock:
+            now = time.perf_counter()
+            return {"upload": self._busy_s + sum(now - began for began in self._running.values())}
+
+    def counts(self) -> dict[str, int]:
+        """Uploads finished so far (a failed attempt counts)."""
+        with self._busy_lock:
+            return {"uploads": self._uploads}
 
     def submit(self, info: ShardInfo, shard: ClosedShard) -> None:
         self._slots.acquire()
@@ -51,6 +71,9 @@ class Uploader:
             raise
 
     def _upload(self, info: ShardInfo, shard: ClosedShard) -> ClosedShard:
+        me = threading.get_ident()
+        with self._busy_lock:
+            self._running[me] = time.perf_counter()
         try:
             key = f"{self.prefix}/{shard.path}"
             if self.delete_local:
@@ -70,6 +93,9 @@ class Uploader:
             log.info("uploaded %s (%d samples, %d tokens)", obj.uri, shard.samples, shard.tokens)
             return shard
         finally:
+            with self._busy_lock:
+                self._busy_s += time.perf_counter() - self._running.pop(me)
+                self._uploads += 1
             self._slots.release()
 
     def wait(self) -> list[ClosedShard]:

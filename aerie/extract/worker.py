@@ -164,8 +164,10 @@ class SliceWorker:
         try:
             self._pump_split(split, hi, committer)
             began = time.monotonic()
+            uploads_before = self._uploads_now()
             committer.finish()
             finished = time.monotonic() - began
+            self._uploads_since(uploads_before)
             self.result.pump_seconds += finished
             self.result.commit_seconds += finished
             self.result.phases.committed(finished)
@@ -175,6 +177,8 @@ class SliceWorker:
             raise
         finally:
             committer.close()
+            # The committer's threads are done: its busy times are final (the whole split's).
+            self.result.phases.commit_busy(committer.busy(), committer.counts())
 
     def _pump_split(self, split: str, hi: int, committer: ShardCommitter) -> None:
         while committer.next_row < hi:
@@ -182,13 +186,27 @@ class SliceWorker:
                 raise ExtractionError(f"slice {self.k}: stopped because another slice failed")
             server = self._ensure_server()
             began = time.monotonic()
+            uploads_before = self._uploads_now()
             try:
                 try:
                     asyncio.run(self._pump(server, split, hi, committer))
                 finally:  # extracting only: stopping a failed server is not part of it
                     self.result.pump_seconds += time.monotonic() - began
+                    self._uploads_since(uploads_before)
             except ServerUnavailable as exc:
                 self._on_server_failure(server, exc, split, committer.next_row)
+
+    def _uploads_now(self) -> tuple[dict[str, float], dict[str, int]]:
+        return self.uploader.busy(), self.uploader.counts()
+
+    def _uploads_since(self, before: tuple[dict[str, float], dict[str, int]]) -> None:
+        """Add the uploader's busy time since `before` (one of this slice's pump windows; the uploader
+        is the stage's, so this includes the uploads of this host's other servers)."""
+        seconds, counts = self._uploads_now()
+        self.result.phases.commit_busy(
+            {k: v - before[0].get(k, 0.0) for k, v in seconds.items()},
+            {k: n - before[1].get(k, 0) for k, n in counts.items()},
+        )
 
     def _drain_quietly(self, committer: ShardCommitter, split: str) -> None:
         """The slice is failing: get what it committed into shards (and uploads), so the re-run
