@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +141,12 @@ def run_pipeline(
     shards = step(
         "extract",
         lambda: _stage("aerie.extract.stage").run(
-            cfg.extract, corpus=_ok(corpus), server=cfg.server, progress=progress("extract"), **common
+            cfg.extract,
+            corpus=_ok(corpus),
+            server=cfg.server,
+            progress=progress("extract"),
+            rebuild_missing=rebuild_shards(cfg, wanted, _ok(corpus), **common),
+            **common,
         ),
     )
     drafter = step(
@@ -170,6 +175,33 @@ def run_pipeline(
         )
     report.seconds = time.monotonic() - started
     return report
+
+
+def rebuild_shards(
+    cfg: PipelineConfig,
+    wanted: Sequence[str],
+    corpus: StageResult,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+) -> bool:
+    """Whether a finished extraction must make its hidden-state shards again before this run goes on
+    (`extract.run(rebuild_missing=True)`): when some are not in the store, and the run needs them,
+    that is it stops at extraction or its training has to run. Evaluation and deployment read the
+    drafter, never the shards, so a GPU host that got a finished drafter back without its shards
+    (they never travel, `aerie.gpuhost`) evaluates and deploys it straight away."""
+    from aerie.extract import stage as extract_stage
+
+    probe = extract_stage.stage_dir(cfg.extract, store, run_name, target, corpus, cfg.server).cached_result()
+    if probe is None:  # not extracted yet: the extraction runs anyway
+        return False
+    if "train" in wanted:
+        from aerie.train import stage as train_stage  # torch: only where training is part of the run
+
+        if train_stage.stage_dir(cfg.train, store, run_name, target, probe, corpus).cached_result():
+            return False
+    return bool(extract_stage.missing_shards(store, probe))
 
 
 def _stage(module: str) -> Any:

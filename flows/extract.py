@@ -77,6 +77,7 @@ def extract_task(
     target: TargetInfo,
     corpus: StageResult,
     server: ServerConfig,
+    rebuild_missing: bool = False,
 ) -> StageResult:
     progress = prefect_progress(artifact_key(run_name, "extract"), "hidden-state extraction")
     return extract_stage.run(
@@ -87,6 +88,7 @@ def extract_task(
         corpus=corpus,
         server=server,
         progress=progress,
+        rebuild_missing=rebuild_missing,
     )
 
 
@@ -98,8 +100,11 @@ def extract_flow(
     target: TargetInfo,
     corpus: StageResult,
     server: ServerConfig,
+    rebuild_missing: bool = False,
 ) -> StageResult:
-    """Extract the corpus's hidden states into shards; returns the stage result (a pointer)."""
+    """Extract the corpus's hidden states into shards; returns the stage result (a pointer). With
+    `rebuild_missing` (`aerie.pipeline.rebuild_shards`) a finished extraction whose shards are gone
+    makes them again, past Prefect's cache of it."""
     store = open_store(store_cfg)
     params: dict[str, Any] = {
         "cfg": cfg,
@@ -117,7 +122,8 @@ def extract_flow(
         get_run_logger().info(
             "extraction preflight: %s tokens, %s needed on disk", f"{report['tokens']:,}", human_bytes(need)
         )
-        result = run_cached(extract_task, store, **params)
+        stage_task = extract_task.with_options(refresh_cache=True) if rebuild_missing else extract_task
+        result = run_cached(stage_task, store, **params, rebuild_missing=rebuild_missing)
     figures = result.figures
     stage_table(
         result,

@@ -18,7 +18,14 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from aerie.config import PipelineConfig, apply_overrides
 from aerie.manifest import StageResult
-from aerie.pipeline import PipelineReport, figure_text, generation_endpoint, generation_pending
+from aerie.pipeline import (
+    STAGES,
+    PipelineReport,
+    figure_text,
+    generation_endpoint,
+    generation_pending,
+    rebuild_shards,
+)
 from aerie.presets import get_preset
 from aerie.store import open_store
 from aerie.targets import TargetConfig, TargetInfo, resolve_target
@@ -67,7 +74,8 @@ def eagle3_pipeline(
     with generation_endpoint(cfg, target) if launch else contextlib.nullcontext(None) as base_url:
         generated = generate_all(cfg.generate, store_cfg, run, base_url)
     corpus = merge_corpus(cfg.corpus, store_cfg, run, target, generated)
-    shards = extract_flow(cfg.extract, store_cfg, run, target, corpus, cfg.server)
+    rebuild = rebuild_shards(cfg, STAGES, corpus, store=store, run_name=run, target=target)
+    shards = extract_flow(cfg.extract, store_cfg, run, target, corpus, cfg.server, rebuild)
     drafter = train_flow(cfg.train, store_cfg, run, target, shards, corpus)
     evaluation = evaluate_flow(cfg.evaluate, store_cfg, run, target, drafter, corpus)
     results = [*generated, corpus, shards, drafter, evaluation]

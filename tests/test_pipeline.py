@@ -10,6 +10,7 @@ first run's store: finished stages are cache hits there, a changed deployment be
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import subprocess
 import sys
@@ -19,7 +20,10 @@ import pytest
 from prefect.client.orchestration import get_client
 
 from aerie.config import PipelineConfig, apply_overrides
+from aerie.manifest import StageResult
+from aerie.pipeline import run_pipeline
 from aerie.presets import get_preset
+from aerie.progress import no_progress
 from aerie.settings import get_settings
 from tests import pipeline_support
 from tests.conftest import free_port
@@ -71,6 +75,38 @@ def test_pipeline_runs_every_stage_caches_and_reruns_only_what_changed(prefect_a
     changed = _by_stage(eagle3_pipeline(config=apply_overrides(cfg, ["train.lr=0.001"])))
     assert [s for s, r in changed.items() if r.cache_hit] == ["generate-sharegpt", "merge", "extract"]
     assert changed["train"].key != first["train"].key
+
+    _shards_lost_then_rebuilt(pipeline_store, cfg, first["extract"])
+
+
+def _shards_lost_then_rebuilt(store: Path, cfg: PipelineConfig, extract: StageResult) -> None:
+    """A store holding an extraction's manifest but not its shards (what a fresh GPU host restores:
+    `aerie.gpuhost` never moves hidden states): a run whose training is done is all cache hits and
+    extracts nothing; one whose training must run extracts the same shards again first. The store is
+    put back as it was after, for the worker's test."""
+    from flows.pipeline import eagle3_pipeline
+
+    stage = Path(store) / extract.prefix
+    kept = {p: p.read_bytes() for p in stage.rglob("*") if p.is_file()}
+    shards = {p: hashlib.sha256(b).hexdigest() for p, b in kept.items() if p.suffix == ".safetensors"}
+    assert shards
+    try:
+        for path in shards:
+            path.unlink()
+        # The gpuhost's path (no Prefect): the trained config needs no shards; nothing is extracted.
+        report = run_pipeline(
+            apply_overrides(cfg, ["train.lr=0.001"]), until="deploy", progress=lambda _name: no_progress
+        )
+        assert [r.stage for r in report.results if not r.cache_hit] == []
+        assert not any(p.exists() for p in shards)
+        # A new training (the Prefect flow): the extraction is made again, byte for byte, then trained on.
+        rebuilt = _by_stage(eagle3_pipeline(config=apply_overrides(cfg, ["train.lr=0.0005"])))
+        assert [s for s, r in rebuilt.items() if r.cache_hit] == ["generate-sharegpt", "merge"]
+        assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in shards} == shards
+        assert rebuilt["extract"].key == extract.key
+    finally:
+        for path, data in kept.items():
+            path.write_bytes(data)
 
 
 def test_failure_posts_to_the_webhook(prefect_api, tmp_path, webhook, monkeypatch):

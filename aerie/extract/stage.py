@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aerie.errors import ConfigError, ExtractionError, StoreError
+from aerie.errors import ConfigError, DataError, ExtractionError, StoreError
 from aerie.extract import preflight as disk
 from aerie.extract.canary import ExtractionCanary, fits_in_memory, pick_sample
 from aerie.extract.config import ExtractConfig, server_quantization_problem
@@ -38,7 +38,7 @@ from aerie.extract.resume import ClosedShard, ProgressFile, progress_key
 from aerie.extract.shards import SHARD_SCHEMA_VERSION, bytes_per_token
 from aerie.extract.uploads import Uploader
 from aerie.extract.worker import SliceResult, SliceWorker, TokenMeter
-from aerie.manifest import StageDir, StageResult, stage_key
+from aerie.manifest import MANIFEST, StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ModelServer, ServerConfig, spec_for
 from aerie.settings import get_settings
@@ -76,6 +76,31 @@ def stage_dir(
 ) -> StageDir:
     """Where this extraction's manifest, shards, progress and slice records live in the store."""
     return StageDir(store, run_name, STAGE, extract_key(cfg, server, target, corpus))
+
+
+def shard_keys(extract: dict[str, Any], prefix: str) -> tuple[list[str], list[str]]:
+    """Store keys of the train and eval shards an extract manifest lists (no splits: all are train)."""
+
+    def keys(records: list[dict[str, Any]]) -> list[str]:
+        return [f"{prefix}/{r.get('path') or r['name']}" for r in records]
+
+    splits = extract.get("splits")
+    if splits:
+        train = keys(splits.get("train", {}).get("shards", []))
+        held = keys(splits.get("eval", {}).get("shards", []))
+    else:
+        train, held = keys(extract.get("shards", [])), []
+    if not train:
+        raise DataError(f"the extract stage at {prefix} lists no training shards")
+    return train, held
+
+
+def missing_shards(store: ArtifactStore, result: StageResult) -> list[str]:
+    """The shards `result`'s manifest lists that the store does not hold: a manifest that travelled
+    without its shards (`python -m aerie.gpuhost` packs out manifests, never hidden states), or shards
+    deleted since."""
+    train, held = shard_keys(load_manifest(store, result.prefix), result.prefix)
+    return [key for key in (*train, *held) if not store.exists(key)]
 
 
 def total_servers(cfg: ExtractConfig) -> int:
@@ -238,13 +263,30 @@ def run(
     corpus: StageResult,
     server: ServerConfig,
     progress: ProgressFn = no_progress,
+    rebuild_missing: bool = False,
 ) -> StageResult:
+    """Extract the corpus's hidden states into shards, or return the cached result. A cached result
+    whose shards are not all in the store is returned as it is unless `rebuild_missing`: then the
+    missing shards are extracted again (the same bytes: shards depend only on the corpus order and
+    the config) and the manifest is written anew. The pipeline asks for that only when a stage that
+    reads the shards has to run (`aerie.pipeline.rebuild_shards`)."""
     check_server_quantization(cfg, server)
     stage = stage_dir(cfg, store, run_name, target, corpus, server)
     cached = stage.cached_result()
     if cached is not None:
-        progress(1.0, "cached")
-        return cached
+        missing = missing_shards(store, cached) if rebuild_missing else []
+        if not missing:
+            progress(1.0, "cached")
+            return cached
+        log.warning(
+            "extract %s: %d of its shards are not in the store (e.g. %s); extracting them again",
+            stage.prefix,
+            len(missing),
+            missing[0],
+        )
+        # Without the manifest the stage is unfinished: progress.json resumes it after the shards
+        # that are still there.
+        store.delete(stage.path(MANIFEST))
     if cfg.num_slices > 1:
         from aerie.extract import slices  # builds on this module
 

@@ -60,7 +60,7 @@ from aerie.gpuhost.hostenv import (
 from aerie.gpuhost.packout import (
     MAX_PARTS,
     PART_BYTES,
-    RESTORABLE_STAGES,
+    WHOLE_STAGES,
     STATE_INDEX,
     STATE_PART,
     Group,
@@ -106,7 +106,7 @@ __all__ = [
     "PART_BYTES",
     "PLATFORMS",
     "REPO",
-    "RESTORABLE_STAGES",
+    "WHOLE_STAGES",
     "SHAREGPT_STANDIN",
     "STANDIN_INIT",
     "STATE_INDEX",

@@ -22,8 +22,8 @@ STATE_PART = "state.tgz.{:03d}"
 # $OUT takes at most 8 files of 16 MiB: 7 archive parts and the index, each part a little under 16 MiB.
 PART_BYTES = 16 * MIB - 64 * 1024
 MAX_PARTS = 7
-# Stage directories whose every file travels, so a fresh host can take them as cache hits.
-RESTORABLE_STAGES = ("generate-", "import-", "merge")
+# Stage directories whose every file travels (the others travel filtered, `_travelling`).
+WHOLE_STAGES = ("generate-", "import-", "merge")
 
 
 @dataclass
@@ -62,42 +62,42 @@ def _files(
     ]
 
 
-def _result_keep(stage: str) -> Callable[[str], bool] | None:
-    """Which files of a stage that is not restored come back: not the hidden-state shards (cheaper to
-    re-extract than to move) nor training checkpoints (of no use without those shards)."""
+def _travelling(stage: str) -> Callable[[str], bool] | None:
+    """Which files of a finished stage travel (None: all). Never the hidden-state shards, cheaper to
+    re-extract than to move: an extraction travels as its manifest alone, which later stages' keys
+    are made of, and the pipeline extracts again only if a stage that reads shards has to run
+    (`aerie.pipeline.rebuild_shards`). Never training checkpoints either: the drafter is the result."""
     if stage == "extract":
-        return lambda rel: not rel.endswith(".safetensors")
+        return lambda rel: rel == "manifest.json"
     if stage == "train":
-        return lambda rel: not rel.startswith("checkpoints/") or rel.endswith(".json")
+        return lambda rel: not rel.startswith("checkpoints/")
     return None
 
 
 def _store_groups(store: Path) -> list[Group]:
-    """Finished generation/import/merge stages whole (a fresh host takes them as cache hits), journals
-    (they resume an unfinished generation), and the rest as results: a later stage's manifest names
-    hidden states that do not travel, so restoring it would be a cache hit over missing files."""
+    """Every finished stage, restorable (a fresh host takes it as a cache hit): generation, import
+    and merge whole, an extraction as its manifest, training without its checkpoints, evaluation and
+    deployment whole; and journals (they resume an unfinished generation)."""
     finished = {
         (sub.parent.parent.name, stage)
         for stage, sub in _key_dirs(store)
         if (sub / "manifest.json").is_file()
     }
     groups: list[Group] = []
-    manifests = Group("results/manifests", 0)
     for stage, sub in _key_dirs(store):
-        rel = sub.relative_to(store).as_posix()
+        name = f"store/{sub.relative_to(store).as_posix()}"
         if sub.name == "journal":
             prio = 6 if (sub.parent.parent.name, stage) in finished else 2
             groups += [Group(f"store/{j.relative_to(store).as_posix()}", prio, _files(j, store, "store"))
                        for j in sorted(p for p in sub.iterdir() if p.is_dir())]  # fmt: skip
         elif not (sub / "manifest.json").is_file():
             continue  # unfinished: its journal or checkpoints resume it, not its partial files
-        elif stage.startswith(RESTORABLE_STAGES):
-            groups.append(Group(f"store/{rel}", 4 if stage == "merge" else 1, _files(sub, store, "store")))
+        elif stage.startswith(WHOLE_STAGES):
+            groups.append(Group(name, 4 if stage == "merge" else 1, _files(sub, store, "store")))
         else:
-            manifests.files.append((sub / "manifest.json", f"results/{rel}/manifest.json"))
-            rest = _files(sub, store, "results", _result_keep(stage))
-            groups.append(Group(f"results/{rel}", 3, [(p, n) for p, n in rest if p.name != "manifest.json"]))
-    return [manifests, *groups]
+            prio = 0 if stage == "extract" else 3
+            groups.append(Group(name, prio, _files(sub, store, "store", _travelling(stage))))
+    return groups
 
 
 def _log_tails(home: Home, work: Path, keep_bytes: int = 2 * MIB) -> list[tuple[Path, str]]:
@@ -115,13 +115,14 @@ def _log_tails(home: Home, work: Path, keep_bytes: int = 2 * MIB) -> list[tuple[
 def collect_groups(home: Home, work: Path, since: float | None = None) -> list[Group]:
     """Everything worth carrying back, most valuable first.
 
-    0 manifests of the stages that are not restored, and the staging index; 1 finished generation and
-    import stages; 2 journals of unfinished generations; 3 drafter, metrics, plots and reports of
-    extract/train/evaluate/deploy; 4 the merged corpus (minutes of CPU to redo); 5 run logs and the
-    benchmark JSONs written since `since`; 6 journals of finished generations (their Parquet holds them)."""
+    0 extraction manifests (later stages' keys are made of them) and the staging index; 1 finished
+    generation and import stages; 2 journals of unfinished generations; 3 training (drafter,
+    metrics, plots), evaluation and deployment; 4 the merged corpus (minutes of CPU to redo); 5 run
+    logs and the benchmark JSONs written since `since`; 6 journals of finished generations (their
+    Parquet holds them)."""
     groups = _store_groups(home.store)
     if home.index_path.is_file():
-        groups[0].files.append((home.index_path, "results/staging-index.json"))
+        groups.append(Group("results/staging-index", 0, [(home.index_path, "results/staging-index.json")]))
     extra = Group("results/logs+benchmarks", 5, _log_tails(home, work))
     bench = REPO / "benchmarks" / "results"
     if since is not None and bench.is_dir():

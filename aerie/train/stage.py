@@ -35,6 +35,7 @@ from aerie.draft.model import Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
 from aerie.draft.vocab import VocabMap, build_vocab_map, load_token_counts
 from aerie.errors import DataError, ObjectNotFoundError, TrainingError
+from aerie.extract.stage import shard_keys
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.settings import get_settings
@@ -67,9 +68,7 @@ def run(
     progress: ProgressFn = no_progress,
 ) -> StageResult:
     """Train (or resume, or return the cached result of) the drafter for `target` on `shards`."""
-    keyed = cfg.model_dump(mode="json", exclude=_NOT_KEYED)
-    key = stage_key(STAGE, keyed, [shards.manifest_sha256, corpus.manifest_sha256, target.revision])
-    sd = StageDir(store, run_name, STAGE, key)
+    sd = stage_dir(cfg, store, run_name, target, shards, corpus)
     if (cached := sd.cached_result()) is not None:
         return cached
 
@@ -79,7 +78,7 @@ def run(
     vocab = build_vocab_map(load_token_counts(store, corpus, target.vocab_size), cfg.draft_vocab_size)
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else get_settings().cache_dir / "train"
-    work = cache / "work" / run_name / key
+    work = cache / "work" / run_name / sd.key
     work.mkdir(parents=True, exist_ok=True)
     progress(0.0, f"{len(train_keys)} train + {len(eval_keys)} eval shards")
     train_paths = localize_shards(store, train_keys, cache / "shards", _scaled(progress, 0.0, 0.03))
@@ -109,21 +108,19 @@ def run(
     return _finish(sd, store, cfg, target, vocab, work, events, progress)
 
 
-def shard_keys(extract: dict[str, Any], prefix: str) -> tuple[list[str], list[str]]:
-    """Store keys of the train and eval shards an extract manifest lists (no splits: all are train)."""
-
-    def keys(records: list[dict[str, Any]]) -> list[str]:
-        return [f"{prefix}/{r.get('path') or r['name']}" for r in records]
-
-    splits = extract.get("splits")
-    if splits:
-        train = keys(splits.get("train", {}).get("shards", []))
-        held = keys(splits.get("eval", {}).get("shards", []))
-    else:
-        train, held = keys(extract.get("shards", [])), []
-    if not train:
-        raise DataError(f"the extract stage at {prefix} lists no training shards")
-    return train, held
+def stage_dir(
+    cfg: TrainConfig,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    shards: StageResult,
+    corpus: StageResult,
+) -> StageDir:
+    """Where this training's manifest, drafter and checkpoints live; `.cached_result()` says whether
+    it is done without touching the shards (the pipeline asks before it needs them)."""
+    keyed = cfg.model_dump(mode="json", exclude=_NOT_KEYED)
+    key = stage_key(STAGE, keyed, [shards.manifest_sha256, corpus.manifest_sha256, target.revision])
+    return StageDir(store, run_name, STAGE, key)
 
 
 def _check_extract(extract: dict[str, Any], target: TargetInfo) -> None:
