@@ -97,6 +97,16 @@ def layout(closed: list[tuple[ShardInfo, int, int]]) -> list[tuple]:
     return [(i.name, i.samples, i.tokens, i.bytes, i.sha256, first, end) for i, first, end in closed]
 
 
+def commit_all(c: ShardCommitter, samples: list) -> None:
+    """Submit every sample, finish, and always stop the committer's threads."""
+    try:
+        for s in samples:
+            c.submit(s)
+        c.finish()
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("storage", ["fp8", "bf16"])
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_parallel_commit_writes_the_serial_shards_byte_for_byte(tmp_path, storage, workers):
@@ -106,12 +116,7 @@ def test_parallel_commit_writes_the_serial_shards_byte_for_byte(tmp_path, storag
     sink = Collect()
     # encode_rows=16: samples longer than that are encoded in row ranges by several threads.
     c = committer(writer(tmp_path / "par", storage), sink, workers=workers, encode_rows=16)
-    try:
-        for s in samples:
-            c.submit(s)
-        c.finish()
-    finally:
-        c.close()
+    commit_all(c, samples)
     assert layout(sink.closed) == layout(want)
     for (got, _, _), (ref, _, _) in zip(sink.closed, want, strict=True):
         assert got.path.read_bytes() == ref.path.read_bytes()
@@ -140,12 +145,7 @@ def test_busy_times_say_where_the_commit_path_spent_its_time(tmp_path):
         on_closed=slow_on_closed,
         encode_rows=16,
     )
-    try:
-        for s in samples:
-            c.submit(s)
-        c.finish()
-    finally:
-        c.close()
+    commit_all(c, samples)
     busy, counts = c.busy(), c.counts()
     assert set(busy) == {
         "encode", "append_wait_encode", "append", "write_slot_wait", "write",
