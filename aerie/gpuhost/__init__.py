@@ -60,9 +60,9 @@ from aerie.gpuhost.hostenv import (
 from aerie.gpuhost.packout import (
     MAX_PARTS,
     PART_BYTES,
-    WHOLE_STAGES,
     STATE_INDEX,
     STATE_PART,
+    WHOLE_STAGES,
     Group,
     collect_groups,
     pack_out,
