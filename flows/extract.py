@@ -115,7 +115,7 @@ def extract_flow(
         "server": server,
     }
     if cfg.slice_deployment:
-        result = _fan_out(cfg, store, params)
+        result = _fan_out(cfg, store, params, rebuild_missing)
     else:
         report = preflight_task(**params)
         need = sum(fs["need"] for fs in report["filesystems"])
@@ -222,11 +222,16 @@ def assemble_task(
     )
 
 
-def _fan_out(cfg: ExtractConfig, store: ArtifactStore, params: dict[str, Any]) -> StageResult:
-    """Run every unfinished slice through `cfg.slice_deployment` at once, wait, then assemble."""
+def _fan_out(
+    cfg: ExtractConfig, store: ArtifactStore, params: dict[str, Any], rebuild_missing: bool
+) -> StageResult:
+    """Run every unfinished slice through `cfg.slice_deployment` at once, wait, then assemble. With
+    `rebuild_missing`, the slices that lost shards count as unfinished (`slices.forget_missing`)."""
     stage = extract_stage.stage_dir(
         cfg, store, params["run_name"], params["target"], params["corpus"], params["server"]
     )
+    if rebuild_missing and (missing := slices.forget_missing(stage, cfg.num_slices)):
+        get_run_logger().warning("extraction: %d shards are gone; their slices run again", len(missing))
     cached = stage.cached_result()
     if cached is not None:
         return cached

@@ -26,7 +26,7 @@ from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import slice_bounds
 from aerie.extract.phases import PhaseTotals
 from aerie.extract.resume import ProgressFile
-from aerie.extract.slices import SliceMissingError, assemble, record_name, run_slice
+from aerie.extract.slices import SliceMissingError, SliceRecord, assemble, record_name, run_slice
 from aerie.extract.stage import run
 from aerie.manifest import load_manifest
 from aerie.serving import ServerConfig
@@ -125,6 +125,20 @@ def test_slices_run_apart_and_assemble_into_the_single_host_stage(tmp_path, smol
     assert len(list(logs.rglob("server-*.log"))) == launched
     assert assemble(cfg, **common).cache_hit
     assert run(cfg, **common).manifest_sha256 == result.manifest_sha256
+
+    # A shard of slice 1 is gone (a GPU host restores manifests, never shards): a plain run is still a
+    # hit, a rebuilding run extracts that slice again, byte for byte, and leaves slice 0 alone.
+    lost = f"{prefix}/{records[1].shards[0]['path']}"
+    lost_bytes = store.get_bytes(lost)
+    store.delete(lost)
+    assert run(cfg, **common).cache_hit and not store.exists(lost)
+    rebuilt = run(cfg, **common, rebuild_missing=True)
+    assert not rebuilt.cache_hit and rebuilt.figures["tokens"] == corpus_tokens
+    assert store.get_bytes(lost) == lost_bytes
+    assert store.get_bytes(f"{prefix}/{record_name(0, 2)}") == record0
+    redone = SliceRecord.model_validate_json(store.get_bytes(f"{prefix}/{record_name(1, 2)}"))
+    assert 0 < redone.tokens < corpus_tokens  # slice 1 ran again, resuming after its shards still there
+    assert run(cfg, **common, rebuild_missing=True).cache_hit  # nothing missing: nothing to do
 
     # One host with two servers: the same stage key and the very same shards.
     single_store = LocalStore(tmp_path / "single")

@@ -29,7 +29,7 @@ from aerie.extract.corpus_rows import SplitFiles, open_split
 from aerie.extract.phases import PhaseTotals
 from aerie.extract.resume import ClosedShard
 from aerie.extract.worker import SliceResult
-from aerie.manifest import StageDir, StageResult
+from aerie.manifest import MANIFEST, StageDir, StageResult
 from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ServerConfig
 from aerie.store import ArtifactStore
@@ -86,6 +86,26 @@ def read_record(stage: StageDir, slice_index: int, num_slices: int) -> SliceReco
         )
     except (StoreError, ValidationError, ValueError):  # ObjectNotFoundError is a StoreError
         return None
+
+
+def forget_missing(stage: StageDir, num_slices: int) -> list[str]:
+    """Make a finished extraction whose shards are not all in the store unfinished again, so that a
+    re-run extracts what is missing and only that: its manifest goes, and with slices the records of
+    the slices that lost shards (a slice with a record is never run again; its progress object
+    resumes it after the shards still there). Returns the missing shard keys; none: nothing done."""
+    cached = stage.cached_result()
+    if cached is None:
+        return []
+    missing = extract_stage.missing_shards(stage.store, cached)
+    if not missing:
+        return []
+    lost = set(missing)
+    for k in range(num_slices if num_slices > 1 else 0):
+        record = read_record(stage, k, num_slices)
+        if record is not None and any(f"{stage.prefix}/{r['path']}" in lost for r in record.shards):
+            stage.store.delete(stage.path(record_name(k, num_slices)))
+    stage.store.delete(stage.path(MANIFEST))
+    return missing
 
 
 def run_slice(

@@ -38,7 +38,7 @@ from aerie.extract.resume import ClosedShard, ProgressFile, progress_key
 from aerie.extract.shards import SHARD_SCHEMA_VERSION, bytes_per_token
 from aerie.extract.uploads import Uploader
 from aerie.extract.worker import SliceResult, SliceWorker, TokenMeter
-from aerie.manifest import MANIFEST, StageDir, StageResult, load_manifest, stage_key
+from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ModelServer, ServerConfig, spec_for
 from aerie.settings import get_settings
@@ -272,24 +272,21 @@ def run(
     reads the shards has to run (`aerie.pipeline.rebuild_shards`)."""
     check_server_quantization(cfg, server)
     stage = stage_dir(cfg, store, run_name, target, corpus, server)
-    cached = stage.cached_result()
-    if cached is not None:
-        missing = missing_shards(store, cached) if rebuild_missing else []
-        if not missing:
-            progress(1.0, "cached")
-            return cached
+    from aerie.extract import slices  # builds on this module
+
+    missing = slices.forget_missing(stage, cfg.num_slices) if rebuild_missing else []
+    if missing:
         log.warning(
             "extract %s: %d of its shards are not in the store (e.g. %s); extracting them again",
             stage.prefix,
             len(missing),
             missing[0],
         )
-        # Without the manifest the stage is unfinished: progress.json resumes it after the shards
-        # that are still there.
-        store.delete(stage.path(MANIFEST))
+    cached = stage.cached_result()
+    if cached is not None:
+        progress(1.0, "cached")
+        return cached
     if cfg.num_slices > 1:
-        from aerie.extract import slices  # builds on this module
-
         return slices.run_all_here(
             cfg,
             store=store,
