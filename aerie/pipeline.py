@@ -145,7 +145,7 @@ def run_pipeline(
             corpus=_ok(corpus),
             server=cfg.server,
             progress=progress("extract"),
-            rebuild_missing=rebuild_shards(cfg, wanted, _ok(corpus), **common),
+            rebuild_missing=shards_needed(cfg, wanted, _ok(corpus), **common),
             **common,
         ),
     )
@@ -177,7 +177,7 @@ def run_pipeline(
     return report
 
 
-def rebuild_shards(
+def shards_needed(
     cfg: PipelineConfig,
     wanted: Sequence[str],
     corpus: StageResult,
@@ -186,22 +186,20 @@ def rebuild_shards(
     run_name: str,
     target: TargetInfo,
 ) -> bool:
-    """Whether a finished extraction must make its hidden-state shards again before this run goes on
-    (`extract.run(rebuild_missing=True)`): when some are not in the store, and the run needs them,
-    that is it stops at extraction or its training has to run. Evaluation and deployment read the
-    drafter, never the shards, so a GPU host that got a finished drafter back without its shards
-    (they never travel, `aerie.gpuhost`) evaluates and deploys it straight away."""
+    """Whether this run needs the hidden-state shards on hand, so that a finished extraction whose
+    shards are gone makes them again (`extract.run(rebuild_missing=True)`): yes when it stops at
+    extraction or its training has to run. Evaluation and deployment read the drafter, never the
+    shards, so a GPU host that got a finished drafter back without its shards (they never travel,
+    `aerie.gpuhost`) evaluates and deploys it straight away."""
+    if "train" not in wanted:
+        return True
     from aerie.extract import stage as extract_stage
+    from aerie.train import stage as train_stage  # torch: only where training is part of the run
 
     probe = extract_stage.stage_dir(cfg.extract, store, run_name, target, corpus, cfg.server).cached_result()
     if probe is None:  # not extracted yet: the extraction runs anyway
-        return False
-    if "train" in wanted:
-        from aerie.train import stage as train_stage  # torch: only where training is part of the run
-
-        if train_stage.stage_dir(cfg.train, store, run_name, target, probe, corpus).cached_result():
-            return False
-    return bool(extract_stage.missing_shards(store, probe))
+        return True
+    return train_stage.stage_dir(cfg.train, store, run_name, target, probe, corpus).cached_result() is None
 
 
 def _stage(module: str) -> Any:

@@ -34,7 +34,7 @@ from aerie.evaluate.diagnose import diagnose
 from aerie.evaluate.eagle import EagleProposer
 from aerie.evaluate.prompts import mtbench_prompts
 from aerie.evaluate.spec_decode import SpecDecoder, SpecStats
-from aerie.extract.shards import dequantize_fp8, quantize_fp8
+from aerie.fp8 import dequantize_fp8, quantize_fp8
 from aerie.targets import resolve_target
 
 RESULTS = Path(__file__).parent / "results"

@@ -103,8 +103,9 @@ def extract_flow(
     rebuild_missing: bool = False,
 ) -> StageResult:
     """Extract the corpus's hidden states into shards; returns the stage result (a pointer). With
-    `rebuild_missing` (`aerie.pipeline.rebuild_shards`) a finished extraction whose shards are gone
-    makes them again, past Prefect's cache of it."""
+    `rebuild_missing` (the run needs the shards, `aerie.pipeline.shards_needed`) a finished extraction
+    whose shards are gone makes them again: the task skips Prefect's cache and the library checks the
+    store."""
     store = open_store(store_cfg)
     params: dict[str, Any] = {
         "cfg": cfg,

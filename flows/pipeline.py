@@ -24,7 +24,7 @@ from aerie.pipeline import (
     figure_text,
     generation_endpoint,
     generation_pending,
-    rebuild_shards,
+    shards_needed,
 )
 from aerie.presets import get_preset
 from aerie.store import open_store
@@ -74,8 +74,8 @@ def eagle3_pipeline(
     with generation_endpoint(cfg, target) if launch else contextlib.nullcontext(None) as base_url:
         generated = generate_all(cfg.generate, store_cfg, run, base_url)
     corpus = merge_corpus(cfg.corpus, store_cfg, run, target, generated)
-    rebuild = rebuild_shards(cfg, STAGES, corpus, store=store, run_name=run, target=target)
-    shards = extract_flow(cfg.extract, store_cfg, run, target, corpus, cfg.server, rebuild)
+    needed = shards_needed(cfg, STAGES, corpus, store=store, run_name=run, target=target)
+    shards = extract_flow(cfg.extract, store_cfg, run, target, corpus, cfg.server, needed)
     drafter = train_flow(cfg.train, store_cfg, run, target, shards, corpus)
     evaluation = evaluate_flow(cfg.evaluate, store_cfg, run, target, drafter, corpus)
     results = [*generated, corpus, shards, drafter, evaluation]

@@ -213,7 +213,7 @@ def test_pack_out_takes_stages_whole_and_leaves_shards_behind(tmp_path: Path) ->
     restored, kept = gpuhost.restore(fresh, [out])
     got = {p.relative_to(fresh.root).as_posix() for p in fresh.root.rglob("*") if p.is_file()}
     # Every finished stage comes back restorable, so a fresh host takes it as a cache hit: the extraction
-    # as its manifest alone (later keys are made of it; `aerie.pipeline.rebuild_shards` extracts again
+    # as its manifest alone (later keys are made of it; `aerie.pipeline.shards_needed` extracts again
     # only for a stage that reads shards), the training without its checkpoints.
     assert got == {
         "store/r/extract/k4/manifest.json",

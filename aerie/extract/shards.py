@@ -42,11 +42,7 @@ import torch
 from safetensors import safe_open
 
 from aerie.errors import DataError, ExtractionError
-from aerie.fp8 import FP8_DTYPE
-
-# Re-exported: the scheme predates aerie.fp8, and callers import it from here.
-from aerie.fp8 import dequantize_fp8 as dequantize_fp8
-from aerie.fp8 import quantize_fp8 as quantize_fp8
+from aerie.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 SHARD_SCHEMA_VERSION = 1
 STORAGE_DTYPES = ("bf16", "fp8")

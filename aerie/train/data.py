@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from aerie.errors import DataError
-from aerie.extract.shards import ShardReader, dequantize_fp8
+from aerie.extract.shards import ShardReader
+from aerie.fp8 import dequantize_fp8
 from aerie.progress import ProgressFn, no_progress
 from aerie.store import ArtifactStore
 
