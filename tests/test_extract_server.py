@@ -67,11 +67,13 @@ class KillServer:
 
 def check_commit_path(phases: dict) -> dict[str, float]:
     """The commit path's busy seconds of one slice's figures (`aerie.extract.phases`): every step
-    present and >= 0, something encoded and written, the write's parts within it (each rounded to
+    present and >= 0, some time spent encoding and writing, the write's parts within it (each rounded to
     the millisecond). Returns the seconds by step."""
     busy = {name: p["s"] for name, p in phases["commit_path"].items()}
     assert list(busy) == list(COMMIT_PATH) and all(v >= 0 for v in busy.values())
-    assert busy["encode"] > 0 and busy["append"] > 0 and busy["write"] > 0
+    # Each step is rounded to the millisecond, so one tiny step may read 0.0 (CI saw append 0.0 for a
+    # slice of a few rows); the path as a whole must have taken time, and the counts say it did work.
+    assert busy["encode"] + busy["append"] + busy["write"] > 0
     assert busy["write_data"] + busy["write_hash_wait"] + busy["write_fsync"] <= busy["write"] + 0.003
     counts = phases["commit_counts"]
     assert counts["shards"] >= 1 and counts["shard_bytes"] > 0 and counts["uploads"] >= 0
