@@ -13,6 +13,7 @@ from aerie.datasets import SourceSpec, iter_conversations
 from aerie.draft.export import draft_config_for, export_drafter
 from aerie.draft.model import Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
+from aerie.draft.vocab import build_vocab_map, load_token_counts
 from aerie.manifest import StageDir, StageResult
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
@@ -39,13 +40,23 @@ def random_drafter(target: TargetInfo, vocab: int = 512, seed: int = 0) -> Eagle
 
 
 def train_result(
-    store: ArtifactStore, run: str, target: TargetInfo, tmp, key: str = "untrained"
+    store: ArtifactStore,
+    run: str,
+    target: TargetInfo,
+    tmp,
+    key: str = "untrained",
+    corpus: StageResult | None = None,
 ) -> StageResult:
-    """A train stage's output as the train stage lays it out: `drafter/` and a manifest."""
-    out = export_drafter(random_drafter(target), tmp / "drafter-export", target, {"note": "untrained"})
+    """A train stage's output as the train stage lays it out: `drafter/` and a manifest. With `corpus`,
+    the draft vocab is chosen from its token counts as training chooses it (else the first 512 ids)."""
+    drafter = random_drafter(target)
+    if corpus is not None:
+        counts = load_token_counts(store, corpus, target.vocab_size)
+        vocab = build_vocab_map(counts, drafter.d2t.numel())
+        drafter.set_vocab(vocab.d2t, vocab.t2d)
+    out = export_drafter(drafter, tmp / "drafter-export", target, {"note": "untrained"})
     sd = StageDir(store, run, "train", key)
     for path in sorted(out.iterdir()):
         store.put_file(sd.path(f"drafter/{path.name}"), path)
-    return sd.finish(
-        {"figures": {"accept_length": 1.5, "accept_length_rounds": 1.25}, "files": {"drafter": ["drafter/"]}}
-    )
+    figures = {"accept_length": 1.5, "accept_length_rounds": 1.25, "draft_vocab_size": drafter.d2t.numel()}
+    return sd.finish({"figures": figures, "files": {"drafter": ["drafter/"]}})

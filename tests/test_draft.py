@@ -12,7 +12,7 @@ from safetensors import safe_open
 from aerie.draft.export import EXPORT_KEYS, draft_config_for, export_drafter, load_drafter
 from aerie.draft.model import DocCausalMask, DraftConfig, DraftKVCache, Eagle3Drafter, ttt_attention
 from aerie.draft.target_weights import load_embedding
-from aerie.draft.vocab import build_vocab_map, counts_from_table
+from aerie.draft.vocab import build_vocab_map, counts_from_table, coverage_by_size
 from aerie.errors import DataError, TargetError
 from tests.train_support import tiny_target
 
@@ -147,6 +147,15 @@ def test_vocab_map_pads_with_unused_ids_and_caps_at_vocab() -> None:
     assert vmap.used.tolist() == [0, 1, 5, 8]  # 2 seen + the 2 smallest unused ids
     assert vmap.coverage == 1.0
     assert build_vocab_map(counts, draft_vocab_size=32000).draft_vocab_size == 10
+
+
+def test_vocab_coverage_by_size_of_answers() -> None:
+    counts = torch.zeros(12, dtype=torch.int64)
+    counts[[7, 2, 9, 4, 11]] = torch.tensor([50, 40, 40, 10, 5])
+    answers = torch.tensor([7, 7, 2, 4, 11, 3])  # 3 never seen in training: only the whole vocab holds it
+    # Vd 3 holds {2, 7, 9}; half of it {7}; twice it {2, 4, 7, 9, 11, 0} (padded with the smallest unused id).
+    assert coverage_by_size(counts, answers, 3) == pytest.approx({1: 2 / 6, 3: 3 / 6, 6: 5 / 6, 12: 1.0})
+    assert coverage_by_size(counts, answers, 12) == pytest.approx({6: 5 / 6, 12: 1.0})  # 2 x Vd > V: left out
 
 
 def test_vocab_counts_table_outside_vocab() -> None:

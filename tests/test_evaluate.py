@@ -38,7 +38,8 @@ def _one_thread():
 def upstream(tmp_path_factory, smollm2):
     tmp = tmp_path_factory.mktemp("eval")
     store = LocalStore(tmp / "store")
-    return store, corpus_result(store, "r", smollm2), train_result(store, "r", smollm2, tmp)
+    corpus = corpus_result(store, "r", smollm2)
+    return store, corpus, train_result(store, "r", smollm2, tmp, corpus=corpus)
 
 
 def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm2, monkeypatch):
@@ -80,7 +81,14 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
             if (r["dataset"], r["proposer"], r["num_steps"]) == (name, "eagle3", 3)
         )
         assert report["diagnosis"][name]["simulated_accept_length"] == pytest.approx(measured, abs=1e-3)
-    assert "## Where acceptance is lost" in md
+        # The answers' coverage by draft vocabs of other sizes: this drafter's size gives the decoder's own
+        # figure, and coverage grows with the size up to the whole vocab, which holds every token.
+        by_size = {int(n): x for n, x in report["diagnosis"][name]["vocab_coverage_by_size"].items()}
+        eagle = [r for r in report["results"] if (r["dataset"], r["proposer"]) == (name, "eagle3")]
+        size = int(load_manifest(store, drafter.prefix)["figures"]["draft_vocab_size"])
+        assert all(by_size[size] == r["draft_vocab_coverage"] for r in eagle)
+        assert list(by_size.values()) == sorted(by_size.values()) and by_size[smollm2.vocab_size] == 1.0
+    assert "## Where acceptance is lost" in md and "a draft vocabulary of each size" in md
     assert store.get_bytes(f"{result.prefix}/acceptance.png")[:4] == b"\x89PNG"
     per_prompt = store.get_bytes(f"{result.prefix}/per_prompt.jsonl").decode().splitlines()
     assert len(per_prompt) == 16

@@ -74,6 +74,20 @@ def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> VocabMap:
     )
 
 
+def coverage_by_size(counts: Tensor, token_ids: Tensor, draft_vocab_size: int) -> dict[int, float]:
+    """The share of `token_ids` (e.g. the target's answers) that a draft vocab built from `counts` would
+    hold, at this drafter's size Vd, half and twice it, and the whole vocab V: what a larger or smaller
+    draft vocab would give back, since a token outside it is a guaranteed rejection."""
+    vocab_size = counts.numel()
+    sizes = sorted({max(1, draft_vocab_size // 2), draft_vocab_size, 2 * draft_vocab_size, vocab_size})
+    ids = token_ids.to(torch.int64)
+    return {
+        size: float(build_vocab_map(counts, size).t2d[ids].float().mean()) if ids.numel() else 0.0
+        for size in sizes
+        if size <= vocab_size
+    }
+
+
 def counts_from_table(token_ids: Tensor, counts: Tensor, vocab_size: int) -> Tensor:
     """A (token_id, count) table -> dense counts [V]. The corpus lists every id of its tokenizer, which may
     exceed the model's vocab (added tokens): those rows are dropped if never seen, a data error if seen."""

@@ -57,7 +57,8 @@ def conditional_table(results: list[dict[str, Any]]) -> list[str]:
 def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[str, Any]]) -> list[str]:
     """Measured vs teacher-forced acceptance and per-token accuracy (aerie.evaluate.diagnose)."""
     rows = []
-    by_position = []
+    by_position: list[str] = []
+    by_vocab: list[str] = []
     for dataset, d in diagnosis.items():
         if not d.get("rounds"):
             continue
@@ -74,8 +75,18 @@ def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[s
         rows.append([dataset, str(k), measured, d["simulated_accept_length"], acc])
         cells = ", ".join(f"{span}: {x:.2f}" for span, x in d["step0_accuracy_by_answer_position"].items())
         by_position.append(f"- {dataset}: {cells}")
+        if d.get("vocab_coverage_by_size"):  # diagnoses written before it was measured have none
+            sizes = ", ".join(f"{int(n):,}: {x:.1%}" for n, x in d["vocab_coverage_by_size"].items())
+            by_vocab.append(f"- {dataset}: {sizes}")
     if not rows:
         return []
+    vocab_lines = [
+        "Share of the target's answers inside a draft vocabulary of each size, chosen as training chose "
+        "this drafter's (the most frequent supervised tokens; a token outside is never drafted):",
+        "",
+        *by_vocab,
+        "",
+    ]
     return [
         "## Where acceptance is lost (EAGLE-3, teacher-forced on the target's own answers)",
         "",
@@ -89,6 +100,7 @@ def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[s
         "",
         *by_position,
         "",
+        *(vocab_lines if by_vocab else []),
     ]
 
 

@@ -111,6 +111,7 @@ def run(
                 found = _diagnose(
                     loaded, datasets[name], answers[name], max(cfg.num_steps), cfg.max_new_tokens
                 )
+                found["vocab_coverage_by_size"] = _vocab_what_if(store, corpus, target, loaded, answers[name])
                 store.put_bytes(part_key, json.dumps(found).encode())
             diagnosis[name] = json.loads(store.get_bytes(part_key))
         agreement = _agreement(per_prompt)
@@ -262,6 +263,24 @@ def _diagnose(
     pairs = [(p.input_ids, answers[p.id]) for p in prompts if p.id in answers]
     found = diagnose(loaded["model"], loaded["drafter"], pairs, steps, max_new)
     return {"num_steps": steps, **found}
+
+
+def _vocab_what_if(
+    store: ArtifactStore,
+    corpus: StageResult,
+    target: TargetInfo,
+    loaded: dict[str, Any],
+    answers: dict[str, list[int]],
+) -> dict[str, float]:
+    """The answers' coverage by draft vocabs of other sizes, chosen as training chose this one."""
+    import torch
+
+    from aerie.draft.vocab import coverage_by_size, load_token_counts
+
+    counts = load_token_counts(store, corpus, target.vocab_size)
+    ids = torch.tensor([t for answer in answers.values() for t in answer], dtype=torch.int64)
+    size = int(loaded["drafter"].d2t.numel())  # Vd
+    return {str(k): round(v, 4) for k, v in coverage_by_size(counts, ids, size).items()}
 
 
 def _digest(ids: list[int]) -> str:
