@@ -89,6 +89,22 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
         assert all(by_size[size] == r["draft_vocab_coverage"] for r in eagle)
         assert list(by_size.values()) == sorted(by_size.values()) and by_size[smollm2.vocab_size] == 1.0
     assert "## Where acceptance is lost" in md and "a draft vocabulary of each size" in md
+    # MT-Bench prompts carry their category; per category the figure adds up as the dataset's does.
+    groups = [g for g in report["by_group"] if (g["proposer"], g["num_steps"]) == ("eagle3", 3)]
+    assert {g["dataset"] for g in groups} == {"mtbench"} and sum(g["prompts"] for g in groups) == 2
+    rows = [r for r in per_prompt_rows(store, result) if (r["proposer"], r["num_steps"]) == ("eagle3", 3)]
+    mtbench_rows = [r for r in rows if r["dataset"] == "mtbench"]
+    assert {r["group"] for r in mtbench_rows} == {g["group"] for g in groups}
+    assert all(r["group"] is None for r in rows if r["dataset"] == "heldout")
+    # The first two MT-Bench questions are both "writing": that category's figure is the dataset's.
+    whole = next(
+        r
+        for r in report["results"]
+        if (r["dataset"], r["proposer"], r["num_steps"]) == ("mtbench", "eagle3", 3)
+    )
+    assert [g["group"] for g in groups] == ["writing"]
+    assert groups[0]["accept_length"] == pytest.approx(whole["accept_length"], abs=1e-4)
+    assert "## Acceptance length by category" in md and "| writing | 2 | " in md
     assert store.get_bytes(f"{result.prefix}/acceptance.png")[:4] == b"\x89PNG"
     per_prompt = store.get_bytes(f"{result.prefix}/per_prompt.jsonl").decode().splitlines()
     assert len(per_prompt) == 16
@@ -108,6 +124,10 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
     resumed = run(CFG, store=store, run_name="r", target=smollm2, drafter=drafter, corpus=corpus)
     assert not resumed.cache_hit
     assert load_manifest(store, resumed.prefix)["results"] == report["results"]
+
+
+def per_prompt_rows(store, result):
+    return [json.loads(line) for line in store.get_bytes(f"{result.prefix}/per_prompt.jsonl").splitlines()]
 
 
 def _must_not_decode(*args, **kwargs):

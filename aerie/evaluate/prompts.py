@@ -28,6 +28,7 @@ class EvalPrompt:
     dataset: str
     input_ids: list[int]
     text: str | None = None  # the user turn, when the prompt came from text
+    group: str | None = None  # MT-Bench's category: where acceptance is lost shows by category
 
 
 def chat_prompt_ids(tokenizer: Any, user_text: str) -> list[int]:
@@ -49,7 +50,9 @@ def mtbench_prompts(tokenizer: Any, limit: int | None, max_tokens: int) -> list[
     if limit is not None:
         questions = questions[:limit]
     return [
-        EvalPrompt(q.id, MTBENCH, _clip(chat_prompt_ids(tokenizer, q.turns[0]), max_tokens), q.turns[0])
+        EvalPrompt(
+            q.id, MTBENCH, _clip(chat_prompt_ids(tokenizer, q.turns[0]), max_tokens), q.turns[0], q.category
+        )
         for q in questions
     ]
 

@@ -44,6 +44,43 @@ def acceptance_table(results: list[dict[str, Any]]) -> list[str]:
     return _table(["dataset", "proposer", "prompts", *[f"{k} steps" for k in steps]], rows)
 
 
+def acceptance_by_group(per_prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Acceptance length per (dataset, group, proposer, steps) from the per-prompt rows that carry a group
+    (MT-Bench's categories), computed as the decoder's figure is: verify tokens (each sequence's prefill
+    token left out) per verify forward."""
+    sums: dict[tuple[str, str, str, int], list[int]] = {}
+    for r in per_prompt:
+        if not r.get("group"):
+            continue
+        acc = sums.setdefault((r["dataset"], r["group"], r["proposer"], r["num_steps"]), [0, 0, 0])
+        acc[0] += 1
+        acc[1] += max(0, r["completion_tokens"] - 1)
+        acc[2] += r["spec_verify_ct"]
+    return [
+        {"dataset": d, "group": g, "proposer": p, "num_steps": k, "prompts": n,
+         "accept_length": round(tokens / verify, 4) if verify else 1.0}
+        for (d, g, p, k), (n, tokens, verify) in sorted(sums.items())
+    ]  # fmt: skip
+
+
+def group_table(by_group: list[dict[str, Any]]) -> list[str]:
+    """Acceptance length per group (rows) and proposer x steps (columns), one table per dataset."""
+    lines: list[str] = []
+    for dataset in sorted({r["dataset"] for r in by_group}):
+        rows = [r for r in by_group if r["dataset"] == dataset]
+        columns = sorted({(r["proposer"], r["num_steps"]) for r in rows})
+        cell = {(r["group"], r["proposer"], r["num_steps"]): r for r in rows}
+        groups = sorted({r["group"] for r in rows})
+        body = [
+            [g, str(next(r["prompts"] for r in rows if r["group"] == g))]
+            + [cell.get((g, p, k), {}).get("accept_length") for p, k in columns]
+            for g in groups
+        ]
+        lines += [f"### {dataset}", ""]
+        lines += _table(["group", "prompts", *[f"{p} k{k}" for p, k in columns]], body) + [""]
+    return lines
+
+
 def conditional_table(results: list[dict[str, Any]]) -> list[str]:
     """P(draft j accepted | drafts before it accepted), per position."""
     width = max((r["num_steps"] for r in results), default=0)
@@ -106,6 +143,7 @@ def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[s
 
 def evaluation_markdown(report: dict[str, Any]) -> str:
     results = report["results"]
+    by_group = report.get("by_group") or []  # reports written before it have none
     lines = [
         f"# Evaluation: {report['target']['name']} with drafter {report['drafter']['prefix']}",
         "",
@@ -122,6 +160,7 @@ def evaluation_markdown(report: dict[str, Any]) -> str:
         "",
         *conditional_table(results),
         "",
+        *(["## Acceptance length by category", "", *group_table(by_group)] if by_group else []),
         *diagnosis_section(report.get("diagnosis") or {}, results),
         "## Setup",
         "",

@@ -24,7 +24,7 @@ from aerie.errors import EvaluationError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.drafter_files import fetch_drafter
 from aerie.evaluate.prompts import HELDOUT, MTBENCH, EvalPrompt, heldout_prompts, mtbench_prompts
-from aerie.evaluate.report import ACCEPTANCE_PNG, evaluation_markdown, plot_acceptance
+from aerie.evaluate.report import ACCEPTANCE_PNG, acceptance_by_group, evaluation_markdown, plot_acceptance
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.store import ArtifactStore
@@ -135,6 +135,7 @@ def run(
             },
             "heldout_skipped": held_skipped,
             "results": results,
+            "by_group": acceptance_by_group(per_prompt),
             "agreement": agreement,
             "diagnosis": diagnosis,
         }
@@ -234,6 +235,7 @@ def _measure(
                 {
                     "dataset": prompt.dataset,
                     "id": prompt.id,
+                    "group": prompt.group,
                     "proposer": proposer_name,
                     "num_steps": k,
                     "prompt_tokens": len(prompt.input_ids),
