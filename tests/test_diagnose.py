@@ -5,6 +5,7 @@ the trainer's held-out `accept_length_rounds`, over the same answers packed into
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,26 @@ def test_simulated_acceptance_equals_the_decoders(target, pairs, drafter, measur
     assert found["simulated_accept_length"] == pytest.approx(stats.accept_length, abs=1e-3)
     assert set(found["step0_accuracy_by_answer_position"]) == {"0-63"}
     assert all(0.0 <= x <= 1.0 for x in found["per_token_accuracy"])
+    # The drafter's vocab holds every token here: forgiving misses outside it changes nothing.
+    assert found["vocab_bound_accept_length"] == found["simulated_accept_length"]
+
+
+def test_the_vocab_bound_forgives_exactly_the_tokens_outside_the_vocab(target, pairs, drafter) -> None:
+    # The same drafts, but every answer token marked outside the vocab (t2d only; d2t maps drafts as
+    # before): the bound becomes the perfect drafter's rounds, the simulated figure stays.
+    found = diagnose(target, drafter, pairs, STEPS, NEW)
+    narrowed = copy.deepcopy(drafter)
+    narrowed.t2d[torch.tensor([t for _, a in pairs for t in a])] = False
+    bound = diagnose(target, narrowed, pairs, STEPS, NEW)
+    assert bound["simulated_accept_length"] == found["simulated_accept_length"]
+    totals = [len(p) + len(a) for p, a in pairs]
+    perfect = sum(
+        len(simulate_rounds(torch.ones(STEPS, t - 1, dtype=torch.bool), len(p), t, NEW))
+        for (p, _), t in zip(pairs, totals, strict=True)
+    )
+    verify_tokens = sum(len(a) - 1 for _, a in pairs)
+    assert bound["vocab_bound_accept_length"] == round(verify_tokens / perfect, 4)
+    assert bound["vocab_bound_accept_length"] > found["simulated_accept_length"]
 
 
 @torch.no_grad()

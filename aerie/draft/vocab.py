@@ -11,6 +11,7 @@ token can be right at all (a token outside it is a guaranteed rejection).
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -74,12 +75,16 @@ def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> VocabMap:
     )
 
 
-def coverage_by_size(counts: Tensor, token_ids: Tensor, draft_vocab_size: int) -> dict[int, float]:
+def coverage_by_size(
+    counts: Tensor, token_ids: Tensor, draft_vocab_size: int, sizes: Iterable[int] = ()
+) -> dict[int, float]:
     """The share of `token_ids` (e.g. the target's answers) that a draft vocab built from `counts` would
-    hold, at this drafter's size Vd, half and twice it, and the whole vocab V: what a larger or smaller
-    draft vocab would give back, since a token outside it is a guaranteed rejection."""
+    hold, at this drafter's size Vd, half and twice it, the whole vocab V and any `sizes` up to V: what a
+    larger or smaller draft vocab would give back, since a token outside it is a guaranteed rejection."""
     vocab_size = counts.numel()
-    sizes = sorted({max(1, draft_vocab_size // 2), draft_vocab_size, 2 * draft_vocab_size, vocab_size})
+    sizes = sorted(
+        {max(1, draft_vocab_size // 2), draft_vocab_size, 2 * draft_vocab_size, vocab_size, *sizes}
+    )
     ids = token_ids.to(torch.int64)
     return {
         size: float(build_vocab_map(counts, size).t2d[ids].float().mean()) if ids.numel() else 0.0

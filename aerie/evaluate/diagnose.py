@@ -11,7 +11,9 @@ target's bonus token, and the next round starts after them. This gives:
   (positions, aux layers, vocab map and draft cache all agree) and a low figure is a weak drafter; a gap
   is a train/serve mismatch (the ±1 layer or position errors that have cost peers acceptance silently);
 - **per-token accuracy per draft step** (every answer position, not only where rounds start);
-- **step-0 accuracy by position in the answer**: answers' openings are usually harder than their tails.
+- **step-0 accuracy by position in the answer**: answers' openings are usually harder than their tails;
+- the **vocabulary bound**: the simulated acceptance length had every answer token outside the draft
+  vocabulary been drafted right, the most a draft vocabulary holding them all could give back.
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ def draft_hits(
     return hits
 
 
+def outside_vocab(drafter: Eagle3Drafter, ids: Sequence[int], steps: int) -> Tensor:
+    """[steps, T-1] bool, aligned with `draft_hits`: the token step k of row t names lies outside the
+    draft vocabulary (no draft can ever be right there)."""
+    outside = ~drafter.t2d.cpu()[torch.tensor(ids, dtype=torch.int64)]  # [T]
+    found = torch.zeros(steps, len(ids) - 1, dtype=torch.bool)
+    for k in range(steps):
+        n = len(ids) - 2 - k
+        if n > 0:
+            found[k, :n] = outside[2 + k :]
+    return found
+
+
 def diagnose(
     model: Any,
     drafter: Eagle3Drafter,
@@ -62,7 +76,7 @@ def diagnose(
     """Teacher-forced figures over (prompt, answer) pairs decoded with `max_new_tokens`; see the module
     docstring. The simulated acceptance length is defined as the decoder's: tokens after the prefill's
     per round."""
-    rounds = 0
+    rounds = bound_rounds = 0
     verify_tokens = 0
     step_hits = torch.zeros(steps)
     step_rows = torch.zeros(steps)
@@ -73,6 +87,8 @@ def diagnose(
         hits = draft_hits(model, drafter, prompt, answer, steps)
         total = len(prompt) + len(answer)
         rounds += len(simulate_rounds(hits, len(prompt), total, max_new_tokens))
+        forgiven = hits | outside_vocab(drafter, [*prompt, *answer], steps)
+        bound_rounds += len(simulate_rounds(forgiven, len(prompt), total, max_new_tokens))
         verify_tokens += len(answer) - 1
         rows = hits[:, len(prompt) - 1 : total - 2]  # rows whose step 0 names an answer token (from the 2nd)
         for k in range(steps):  # step k of the last k rows would name tokens past the answer
@@ -87,6 +103,7 @@ def diagnose(
     return {
         "rounds": rounds,
         "simulated_accept_length": round(verify_tokens / rounds, 4),
+        "vocab_bound_accept_length": round(verify_tokens / bound_rounds, 4),
         "per_token_accuracy": [round(float(x), 4) for x in step_hits / step_rows.clamp(min=1)],
         "step0_accuracy_by_answer_position": {
             f"{b * BUCKET}-{b * BUCKET + BUCKET - 1}": round(hit / count, 4)

@@ -109,7 +109,9 @@ def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[s
             None,
         )
         acc = " / ".join(f"{x:.2f}" for x in d["per_token_accuracy"])
-        rows.append([dataset, str(k), measured, d["simulated_accept_length"], acc])
+        rows.append(
+            [dataset, str(k), measured, d["simulated_accept_length"], d.get("vocab_bound_accept_length"), acc]
+        )
         cells = ", ".join(f"{span}: {x:.2f}" for span, x in d["step0_accuracy_by_answer_position"].items())
         by_position.append(f"- {dataset}: {cells}")
         if d.get("vocab_coverage_by_size"):  # diagnoses written before it was measured have none
@@ -131,7 +133,20 @@ def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[s
         "walks it. Simulated = measured: serving drafts what training taught, so a low figure is the "
         "drafter's accuracy; a gap is a train/serve mismatch (positions, aux layers, vocab map, draft cache).",
         "",
-        *_table(["dataset", "steps", "measured", "simulated", "per-token accuracy by draft step"], rows),
+        "The vocabulary bound is the simulated figure had every answer token outside the draft vocabulary "
+        "been drafted right: the most a larger draft vocabulary could give back.",
+        "",
+        *_table(
+            [
+                "dataset",
+                "steps",
+                "measured",
+                "simulated",
+                "vocabulary bound",
+                "per-token accuracy by draft step",
+            ],
+            rows,
+        ),
         "",
         "Step-0 accuracy by position in the answer (tokens):",
         "",

@@ -1,0 +1,180 @@
+"""Training settings compared on one extraction: each variant trains a drafter and evaluates it.
+
+    # on the GPU host, with a finished run restored into the home (docs/gpu-host.md):
+    eval "$(python3 -m aerie.gpuhost env)"
+    python3 benchmarks/train_sweep.py smollm2-gpu --store "$HOME_DIR/store" \
+        --variant base --variant data50 train.train_fraction=0.5 --variant epochs6 train.epochs=6 \
+        --common 'evaluate.proposers=[eagle3]' 'evaluate.num_steps=[7]' evaluate.heldout_samples=0
+    # here, a smoke run on the embedded default (CPU):
+    .venv/bin/python benchmarks/train_sweep.py smollm2-local --variant base \
+        --variant data50 train.train_fraction=0.5
+
+A variant is a name and its overrides; each runs as the preset with `--common` and then its own
+overrides applied, through the evaluate stage (`aerie.pipeline.run_pipeline`). Generation, merge and
+extraction are cache hits shared by every variant (the extraction is re-made once if its shards are
+gone), so only training and evaluation run; a variant that finished before is a hit as well, so a sweep
+stopped at a time limit (SIGTERM unwinds the stages as `aerie.gpuhost` does) resumes where it stopped.
+
+Nothing is timed here: every figure is read from the manifests the stages wrote. Per variant: the
+training tokens, steps and wall time, the held-out acceptance curve the trainer recorded (acceptance
+length walked in rounds against training tokens), and the evaluate stage's acceptance length and
+conditional acceptance per dataset, proposer and draft depth. Writes
+benchmarks/results/train_sweep-<device>.json after each variant and prints a table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import signal
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from aerie.manifest import StageResult, load_manifest
+from aerie.pipeline import run_pipeline
+from aerie.presets import load_config
+from aerie.store import ArtifactStore, open_store
+from aerie.train.stage import METRICS
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("preset", help="preset name or YAML file")
+    ap.add_argument(
+        "--variant", nargs="+", action="append", required=True, metavar=("NAME", "OVERRIDE"),
+        help="a variant: its name, then its key=value overrides (none: the preset as it is)",
+    )  # fmt: skip
+    ap.add_argument("--common", nargs="*", default=[], help="overrides applied to every variant first")
+    ap.add_argument("--store", help="the store (store.uri): the GPU host's is HOME/store")
+    ap.add_argument("--out", help="default benchmarks/results/train_sweep-<device>.json")
+    args = ap.parse_args(argv)
+    names = [v[0] for v in args.variant]
+    if len(set(names)) != len(names):
+        ap.error(f"variant names repeat: {names}")
+    if bad := [o for v in args.variant for o in v[1:] if "=" not in o]:
+        ap.error(f"overrides are key=value: {bad}")
+    return args
+
+
+def stage_of(results: list[StageResult], stage: str) -> StageResult:
+    found = [r for r in results if r.stage == stage]
+    if not found:
+        raise SystemExit(f"the pipeline returned no {stage} result")
+    return found[-1]
+
+
+def curve(store: ArtifactStore, train: StageResult) -> list[dict[str, Any]]:
+    """The trainer's held-out evaluations: step, training tokens seen by then, acceptance in rounds."""
+    rows = [json.loads(line) for line in store.get_bytes(f"{train.prefix}/{METRICS}").splitlines() if line]
+    tokens_at = {r["step"]: r["tokens"] for r in rows if r.get("kind") == "train"}
+    out = []
+    for r in rows:
+        if r.get("kind") != "eval":
+            continue
+        seen = max((s for s in tokens_at if s <= r["step"]), default=None)
+        out.append(
+            {
+                "step": r["step"],
+                "tokens": tokens_at[seen] if seen is not None else None,
+                "accept_length_rounds": r["accept_length_rounds"],
+            }
+        )
+    return out
+
+
+def variant_record(store: ArtifactStore, name: str, overrides: list[str], report: Any) -> dict[str, Any]:
+    train, evaluation = stage_of(report.results, "train"), stage_of(report.results, "evaluate")
+    tm, em = load_manifest(store, train.prefix), load_manifest(store, evaluation.prefix)
+    keep = (
+        "dataset",
+        "proposer",
+        "num_steps",
+        "accept_length",
+        "conditional_acceptance",
+        "draft_vocab_coverage",
+    )
+    return {
+        "name": name,
+        "overrides": overrides,
+        "train": {
+            "key": train.key,
+            "cache_hit": train.cache_hit,
+            "wall_s": tm.get("seconds"),
+            "figures": tm["figures"],
+            "curve": curve(store, train),
+        },
+        "evaluate": {
+            "key": evaluation.key,
+            "cache_hit": evaluation.cache_hit,
+            "wall_s": em.get("seconds"),
+            "results": [{k: r.get(k) for k in keep} for r in em["results"]],
+        },
+    }
+
+
+def table(variants: list[dict[str, Any]]) -> str:
+    """One line per variant: training figures, then acceptance length per evaluated (dataset, proposer, k)."""
+    columns = sorted(
+        {(r["dataset"], r["proposer"], r["num_steps"]) for v in variants for r in v["evaluate"]["results"]}
+    )
+    head = ["variant", "train tokens", "steps", "train s", "held-out rounds"]
+    head += [f"{d} {p} k{k}" for d, p, k in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for v in variants:
+        f = v["train"]["figures"]
+        got = {
+            (r["dataset"], r["proposer"], r["num_steps"]): r["accept_length"]
+            for r in v["evaluate"]["results"]
+        }
+        cells = [v["name"], f"{f['train_tokens']:,}", str(f["steps"]), f"{v['train']['wall_s']:.0f}"]
+        cells += [f"{f['accept_length_rounds']:.2f}"] + [
+            f"{got[c]:.2f}" if c in got else "–" for c in columns
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import torch
+
+    text = f"{platform.node()} {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
+    return text + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    args = parse_args(argv)
+    # A time limit's SIGTERM unwinds the stages (servers stop, checkpoints stay) like any error.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = Path(args.out or RESULTS / f"train_sweep-{device}.json")
+    record: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": " ".join(["python", "benchmarks/train_sweep.py", *sys.argv[1:]] if argv is None else argv),
+        "complete": False,
+        "preset": args.preset,
+        "common": args.common,
+        "variants": [],
+    }
+    for name, *overrides in args.variant:
+        store_override = [f"store.uri={args.store}"] if args.store else []
+        cfg = load_config(args.preset, [*args.common, *overrides, *store_override])
+        store = open_store(cfg.store)
+        print(f"train_sweep: variant {name} ({' '.join(overrides) or 'the preset'})", flush=True)
+        report = run_pipeline(cfg, until="evaluate", store=store)
+        record["variants"].append(variant_record(store, name, overrides, report))
+        out.write_text(json.dumps(record, indent=1) + "\n")
+    record["complete"] = True
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}\n{table(record['variants'])}")
+
+
+if __name__ == "__main__":
+    main()
