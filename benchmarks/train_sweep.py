@@ -163,17 +163,30 @@ def main(argv: list[str] | None = None) -> None:
         "common": args.common,
         "variants": [],
     }
-    for name, *overrides in args.variant:
-        store_override = [f"store.uri={args.store}"] if args.store else []
-        cfg = load_config(args.preset, [*args.common, *overrides, *store_override])
+    store_override = [f"store.uri={args.store}"] if args.store else []
+    # Every variant's config first: a typo in the last one must not surface after an hour of the others.
+    configs = [
+        load_config(args.preset, [*args.common, *overrides, *store_override])
+        for _, *overrides in args.variant
+    ]
+    for (name, *overrides), cfg in zip(args.variant, configs, strict=True):
         store = open_store(cfg.store)
         print(f"train_sweep: variant {name} ({' '.join(overrides) or 'the preset'})", flush=True)
-        report = run_pipeline(cfg, until="evaluate", store=store)
-        record["variants"].append(variant_record(store, name, overrides, report))
+        try:
+            report = run_pipeline(cfg, until="evaluate", store=store)
+        except Exception as exc:  # e.g. out of GPU memory: recorded, and the other variants still run
+            print(f"train_sweep: variant {name} failed: {exc}", flush=True)
+            record["variants"].append(
+                {"name": name, "overrides": overrides, "error": f"{type(exc).__name__}: {exc}"}
+            )
+        else:
+            record["variants"].append(variant_record(store, name, overrides, report))
         out.write_text(json.dumps(record, indent=1) + "\n")
     record["complete"] = True
     out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}\n{table(record['variants'])}")
+    done = [v for v in record["variants"] if "error" not in v]
+    failed = [f"{v['name']}: {v['error']}" for v in record["variants"] if "error" in v]
+    print("\n".join([f"wrote {out}", table(done), *failed]))
 
 
 if __name__ == "__main__":
