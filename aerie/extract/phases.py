@@ -181,7 +181,9 @@ class PhaseTotals:
 
 def _table(seconds: dict[str, float], wall: float) -> dict[str, dict[str, float]]:
     return {
-        name: {"s": round(v, 3), "share": round(v / wall, 3) if wall > 0 else 0.0}
+        # Seconds to the microsecond: a step of a small slice can take well under a millisecond, and a
+        # figure rounded to 0.0 would read as "never ran".
+        name: {"s": round(v, 6), "share": round(v / wall, 3) if wall > 0 else 0.0}
         for name, v in seconds.items()
     }
 
