@@ -10,6 +10,7 @@ from aerie.config import to_yaml
 from aerie.errors import AerieError
 from aerie.pipeline import STAGES
 from aerie.presets import PRESETS, load_config
+from aerie.progress import close_terminal_bars
 
 
 def _cmd_presets(_: argparse.Namespace) -> int:
@@ -64,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except AerieError as exc:
+        close_terminal_bars()
         print(f"aerie: error: {exc}", file=sys.stderr)
         return 2
 

@@ -33,3 +33,12 @@ def terminal_progress(desc: str) -> ProgressFn:
             bar.close()
 
     return update
+
+
+def close_terminal_bars() -> None:
+    """Close the bars a failed stage left open, so that an error printed next starts its own line
+    instead of trailing the last bar's."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()

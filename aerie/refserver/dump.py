@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
+from aerie.errors import ExtractionError
 from aerie.refserver.extraction import Capture
 
 # A rid becomes a file name: keep it to one safe path component.
@@ -77,14 +79,23 @@ def write_dump(
         finally:
             os.close(fd)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, Exception):  # a full disk, most often: say where, and how much room is left
+            raise ExtractionError(f"cannot write the dump {final} ({_free_text(dump_dir)}): {exc}") from exc
         raise
     return {
         "key": final.name,
         "shapes": {name: list(t.shape) for name, t in tensors.items()},
         "dtype": str(capture.aux_hidden.dtype).removeprefix("torch."),
     }
+
+
+def _free_text(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free there"
+    except OSError as exc:
+        return f"free space unknown: {exc}"
 
 
 def fsync_dir(path: Path) -> None:
