@@ -181,7 +181,10 @@ class Journal:
                     item.set()
         finally:
             for f in files.values():
-                f.close()
+                try:
+                    f.close()
+                except OSError as exc:  # flushing the rest fails as the write did (a full disk): keep
+                    self._error = self._error or exc  # the first error, for the producer to raise
 
     def _open_part(self, files: dict[str, IO[bytes]], name: str) -> IO[bytes]:
         path = self.part if name == "part" else self.errors_part
