@@ -1,7 +1,9 @@
 """aerie's one error tree.
 
 Every error aerie raises on purpose is an ``AerieError``; lower-level errors (httpx, botocore, OSError,
-pydantic) are translated at the module boundary with ``raise ... from exc`` so callers catch one tree::
+pydantic) are translated at the module boundary with ``raise ... from exc`` so callers catch one tree
+(a refused write, a full disk most often, becomes the stage's own error naming the file and the room left
+there: ``aerie.diskspace.writing``)::
 
     AerieError
     ├── ConfigError                 a bad field, value, override or preset name

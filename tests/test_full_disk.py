@@ -5,13 +5,15 @@ to get that would need root, and no code path here tells the two errnos apart.
 
 - extraction: generation and merge write small files and finish; the server's first hidden-state dump
   (the canary's sample, ~100 tokens x 4.6 KB) passes 400 KB and is refused;
-- generation: the journal's part file passes 3,000 bytes after a few conversations.
+- generation: the journal's part file passes 3,000 bytes after a few conversations;
+- training: the drafter's weights pass 2 MB, every file before them is smaller.
 
 Each run must stop with one error line that says what and where, keep what finished, and a re-run
 without the limit must resume from it (cache hits; the journaled conversations not generated again)."""
 
 from __future__ import annotations
 
+import re
 import resource
 import signal
 import subprocess
@@ -58,6 +60,7 @@ def _overrides(tmp_path: Path) -> list[str]:
     return [
         *pipeline_support.tiny_overrides(tmp_path / "store", run="full", port=free_port()),
         f"extract.work_dir={tmp_path / 'work'}",
+        f"train.cache_dir={tmp_path / 'train-cache'}",
     ]
 
 
@@ -70,7 +73,10 @@ def _rerun(overrides: list[str], until: str) -> dict[str, StageResult]:
 def test_a_refused_dump_stops_extraction_clearly_and_the_rerun_resumes(tmp_path, smollm2):
     overrides = _overrides(tmp_path)
     error = _run_limited(overrides, "extract", 400_000)
-    assert "cannot write the dump " in error and ".safetensors" in error and "GiB free there" in error
+    # The server's reply, carried into the canary's error: the dump file it could not write, and the room.
+    assert "canary" in error and re.search(
+        r"cannot write /\S+\.safetensors \(\d+\.\d\d GiB free there\)", error
+    )
 
     # What finished is kept: the re-run takes generation and merge as they are and extracts everything.
     by_stage = _rerun(overrides, "extract")
@@ -96,3 +102,15 @@ def test_a_refused_journal_write_stops_generation_clearly_and_the_rerun_resumes(
     assert not result.cache_hit and result.figures["records"] == 6 and result.figures["failed"] == 0
     later = [r for p in journal.glob("*/part-*.jsonl") if p != parts[0] for r in read_jsonl(p)]
     assert len(kept) + len(later) == 6
+
+
+def test_a_refused_checkpoint_write_stops_training_clearly_and_the_rerun_trains(tmp_path, smollm2):
+    # 2 MB pass every file before training (the largest, a shard, is < 1 MB); the drafter's weights
+    # (a 32,000-row lm_head in fp32) do not.
+    overrides = _overrides(tmp_path)
+    error = _run_limited(overrides, "train", 2_000_000)
+    assert f"cannot write {tmp_path / 'train-cache'}" in error and "GiB free there" in error
+
+    by_stage = _rerun(overrides, "train")
+    assert all(by_stage[s].cache_hit for s in ("generate-sharegpt", "merge", "extract"))
+    assert not by_stage["train"].cache_hit and by_stage["train"].figures["steps"] > 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aerie.diskspace import existing_parent
 from aerie.errors import PreflightError
 from aerie.extract.config import ExtractConfig
 from aerie.extract.shards import bytes_per_token
@@ -62,15 +63,8 @@ class PreflightReport:
         }
 
 
-def _existing_parent(path: Path) -> Path:
-    path = path.resolve()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def _device(path: Path) -> int:
-    return os.stat(_existing_parent(path)).st_dev
+    return os.stat(existing_parent(path)).st_dev
 
 
 def dumps_in_flight_bytes(cfg: ExtractConfig, hidden_size: int) -> int:
@@ -107,7 +101,7 @@ def estimate(
         dev = _device(path)
         need = by_dev.get(dev)
         if need is None:
-            free = shutil.disk_usage(_existing_parent(path)).free
+            free = shutil.disk_usage(existing_parent(path)).free
             need = by_dev[dev] = Need(path=str(path), need=0, free=free)
         need.need += n
         need.parts[part] = need.parts.get(part, 0) + n

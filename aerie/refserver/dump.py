@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
+from aerie.diskspace import writing
 from aerie.errors import ExtractionError
 from aerie.refserver.extraction import Capture
 
@@ -71,31 +71,23 @@ def write_dump(
     final = dump_dir / dump_key(rid)
     tmp = dump_dir / f"{TMP_PREFIX}{rid}.{uuid.uuid4().hex[:8]}"
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.chmod(tmp, 0o644)  # readable by the extraction client even when it runs as another user
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except BaseException as exc:
+        with writing(final, ExtractionError):  # a full disk, most often: say where, and the room left
+            save_file(tensors, str(tmp), metadata=metadata)
+            os.chmod(tmp, 0o644)  # readable by the extraction client even when it runs as another user
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, Exception):  # a full disk, most often: say where, and how much room is left
-            raise ExtractionError(f"cannot write the dump {final} ({_free_text(dump_dir)}): {exc}") from exc
         raise
     return {
         "key": final.name,
         "shapes": {name: list(t.shape) for name, t in tensors.items()},
         "dtype": str(capture.aux_hidden.dtype).removeprefix("torch."),
     }
-
-
-def _free_text(path: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free there"
-    except OSError as exc:
-        return f"free space unknown: {exc}"
 
 
 def fsync_dir(path: Path) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from aerie.diskspace import writing
 from aerie.errors import TrainingError
 
 MODEL = "model.safetensors"
@@ -68,7 +69,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_weights(model: torch.nn.Module, path: Path) -> None:
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(path))
+    with writing(path, TrainingError):
+        save_file(state, str(path))
 
 
 def save_checkpoint(
@@ -83,16 +85,23 @@ def save_checkpoint(
     final = root / checkpoint_name(state.step)
     tmp = root / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_weights(model, tmp / MODEL)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
-    torch.save(
-        {"state": asdict(state), "scheduler": scheduler.state_dict(), "rng": rng_state(), "config": config},
-        tmp / TRAINER,
-    )
-    (tmp / SUMMARY).write_text(json.dumps({"state": asdict(state), "config": config}, indent=2, default=str))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    with writing(final, TrainingError):
+        tmp.mkdir(parents=True)
+        save_weights(model, tmp / MODEL)
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+        torch.save(
+            {
+                "state": asdict(state),
+                "scheduler": scheduler.state_dict(),
+                "rng": rng_state(),
+                "config": config,
+            },
+            tmp / TRAINER,
+        )
+        summary = json.dumps({"state": asdict(state), "config": config}, indent=2, default=str)
+        (tmp / SUMMARY).write_text(summary)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
     return final
 
 

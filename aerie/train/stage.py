@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from aerie.diskspace import writing
 from aerie.draft.export import draft_config_for, export_drafter, hf_config
 from aerie.draft.model import Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
@@ -84,7 +85,8 @@ def run(
     train_paths = localize_shards(store, train_keys, cache / "shards", _scaled(progress, 0.0, 0.03))
     eval_paths = localize_shards(store, eval_keys, cache / "shards", _scaled(progress, 0.03, 0.05))
     vocab_path = work / "vocab.safetensors"
-    save_file({"used": vocab.used, "d2t": vocab.d2t, "t2d": vocab.t2d}, str(vocab_path))
+    with writing(vocab_path, TrainingError):
+        save_file({"used": vocab.used, "d2t": vocab.d2t, "t2d": vocab.t2d}, str(vocab_path))
 
     resume = _restore(store, sd, work)
     device = resolve_device(cfg.device)
@@ -157,7 +159,7 @@ class RecordHandler:
         if kind == "start":
             self.total_steps = record["total_steps"]
         elif kind in ("train", "eval"):
-            with open(self.metrics, "a") as f:
+            with writing(self.metrics, TrainingError), open(self.metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
             step = record["step"]
             if kind == "train":
