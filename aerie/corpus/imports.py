@@ -15,6 +15,8 @@ from pathlib import Path
 from aerie.conversation import Conversation
 from aerie.corpus.schema import conversations_frame
 from aerie.corpus.stage import CONVERSATIONS
+from aerie.diskspace import writing
+from aerie.errors import DataError
 from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.store import ArtifactStore, sha256_file
 
@@ -33,7 +35,8 @@ def import_conversations(
             h.update(c.model_dump_json().encode() + b"\n")
         digest = h.hexdigest()
         frame = conversations_frame(items)
-        frame.write_parquet(path, compression="zstd")
+        with writing(path, DataError):
+            frame.write_parquet(path, compression="zstd")
         stage = StageDir(store, run_name, stage_name, stage_key(stage_name, {"rows": digest}))
         if (cached := stage.cached_result()) is not None:
             return cached

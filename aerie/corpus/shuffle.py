@@ -21,6 +21,9 @@ from pathlib import Path
 
 import polars as pl
 
+from aerie.diskspace import writing
+from aerie.errors import DataError
+
 SPLITS = ("train", "eval")
 TRAIN, EVAL = 0, 1
 
@@ -78,7 +81,8 @@ class Spill:
     def flush(self) -> None:
         for where, parts in self._buffers.items():
             path = self.root / f"{SPLITS[where[0]]}-{where[1]:05d}-{self._flushes:05d}.arrow"
-            pl.concat(parts, rechunk=False).write_ipc(path, compression="uncompressed")
+            with writing(path, DataError):
+                pl.concat(parts, rechunk=False).write_ipc(path, compression="uncompressed")
             self._files[where].append(path)
         self._buffers.clear()
         self._buffered = 0

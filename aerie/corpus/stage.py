@@ -28,6 +28,7 @@ from aerie.corpus.schema import CORPUS, task_frame
 from aerie.corpus.shuffle import SPLITS, Layout, Spill, dedupe_and_order
 from aerie.corpus.stats import SplitStats, TokenCounter, describe, length_histogram
 from aerie.corpus.template import TemplateSpec
+from aerie.diskspace import writing
 from aerie.errors import DataError
 from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.progress import ProgressFn, no_progress
@@ -177,7 +178,8 @@ class _Build:
         self.shards: dict[str, list[dict[str, Any]]] = {name: [] for name in SPLITS}
 
     def quarantine_entry(self, entry: dict[str, str]) -> None:
-        self.quarantine.write(json.dumps(entry) + "\n")
+        with writing(self.work / QUARANTINE, DataError):
+            self.quarantine.write(json.dumps(entry) + "\n")
 
     def tokenize(
         self, conversations: pl.LazyFrame, spec: TemplateSpec, layout: Layout, total_rows: int
@@ -225,7 +227,8 @@ class _Build:
     def _write(self, split: str, out: pl.DataFrame) -> str:
         file = f"{split}-{len(self.shards[split]):05d}.parquet"
         local = self.work / file
-        out.write_parquet(local, compression="zstd", row_group_size=ROW_GROUP)
+        with writing(local, DataError):
+            out.write_parquet(local, compression="zstd", row_group_size=ROW_GROUP)
         self.store.put_file(self.stage.path(file), local)
         local.unlink()
         self.stats[split].add(out)
@@ -257,7 +260,8 @@ class _Build:
                 f"for each is in {self.stage.uri(QUARANTINE)}"
             )
         counts_path = self.work / TOKEN_COUNTS
-        self.token_counts.frame().write_parquet(counts_path, compression="zstd")
+        with writing(counts_path, DataError):
+            self.token_counts.frame().write_parquet(counts_path, compression="zstd")
         self.store.put_file(self.stage.path(TOKEN_COUNTS), counts_path)
         lengths = {name: s.all_lengths() for name, s in self.stats.items()}
         plot = length_histogram(lengths, self.cfg.max_length, self.work / LENGTH_HIST)

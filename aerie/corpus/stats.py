@@ -12,6 +12,9 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from aerie.diskspace import writing
+from aerie.errors import DataError
+
 
 @dataclass
 class SplitStats:
@@ -114,5 +117,6 @@ def length_histogram(splits: dict[str, np.ndarray], max_length: int, path: Path)
     ax.set_title("Corpus sample lengths")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    with writing(path, DataError):
+        fig.savefig(path)
     return path

@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from aerie.diskspace import writing
+from aerie.errors import EvaluationError
+
 ACCEPTANCE_PNG = "acceptance.png"
 
 
@@ -240,7 +243,8 @@ def plot_acceptance(results: list[dict[str, Any]], path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    with writing(path, EvaluationError):
+        fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from aerie.diskspace import writing
+from aerie.errors import TrainingError
+
 LOSS_PNG = "loss.png"
 ACCURACY_PNG = "accuracy.png"
 
@@ -34,7 +37,8 @@ def plot_metrics(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     ax.legend()
     loss_path = out_dir / LOSS_PNG
     fig.tight_layout()
-    fig.savefig(loss_path, dpi=110)
+    with writing(loss_path, TrainingError):
+        fig.savefig(loss_path, dpi=110)
     plt.close(fig)
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -71,6 +75,7 @@ def plot_metrics(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         twin.legend(loc="lower right", fontsize=7)
     acc_path = out_dir / ACCURACY_PNG
     fig.tight_layout()
-    fig.savefig(acc_path, dpi=110)
+    with writing(acc_path, TrainingError):
+        fig.savefig(acc_path, dpi=110)
     plt.close(fig)
     return [loss_path, acc_path]
