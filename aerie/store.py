@@ -30,6 +30,7 @@ from typing import BinaryIO, Protocol, runtime_checkable
 from pydantic import Field
 
 from aerie.configbase import StrictModel
+from aerie.diskspace import free_text
 from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
 from aerie.progress import ProgressFn
 
@@ -190,7 +191,7 @@ class LocalStore:
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
         except OSError as exc:
-            raise StoreError(f"cannot write {dest}: {exc}") from exc
+            raise StoreError(f"cannot write {dest} ({free_text(dest)}): {exc}") from exc
         try:
             with os.fdopen(fd, "wb") as f:
                 yield f, dest
@@ -203,7 +204,7 @@ class LocalStore:
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError):
-                raise StoreError(f"cannot write {dest}: {exc}") from exc
+                raise StoreError(f"cannot write {dest} ({free_text(dest)}): {exc}") from exc
             raise
 
     def _record(self, key: str, dest: Path, digest: str) -> ObjectInfo:
@@ -213,7 +214,7 @@ class LocalStore:
             tmp.write_text(digest)
             os.replace(tmp, side)
         except OSError as exc:
-            raise StoreError(f"cannot write the checksum of {dest}: {exc}") from exc
+            raise StoreError(f"cannot write the checksum of {dest} ({free_text(dest)}): {exc}") from exc
         return ObjectInfo(key=check_key(key), uri=str(dest), size=dest.stat().st_size, sha256=digest)
 
     def put_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> ObjectInfo:
@@ -312,7 +313,7 @@ class LocalStore:
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
         except OSError as exc:
-            raise StoreError(f"cannot write {dest}: {exc}") from exc
+            raise StoreError(f"cannot write {dest} ({free_text(dest)}): {exc}") from exc
         try:
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
                 while block := f.read(CHUNK):

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 from safetensors import safe_open
 
+from aerie.diskspace import free_text
 from aerie.errors import DataError, ExtractionError
 from aerie.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
@@ -440,7 +441,7 @@ def _write_safetensors(
         with contextlib.suppress(OSError):  # cleanup must not hide why the write failed
             tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise ExtractionError(f"cannot write shard {path}: {exc}") from exc
+            raise ExtractionError(f"cannot write shard {path} ({free_text(path)}): {exc}") from exc
         raise
     return 8 + len(blob) + offset, digest, timing
 

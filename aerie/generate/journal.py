@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from aerie.diskspace import free_text
 from aerie.errors import StoreError
 
 PART_GLOB = "part-*.jsonl"
@@ -141,7 +142,7 @@ class Journal:
     def _check(self) -> None:
         if self._error is not None:
             raise StoreError(
-                f"cannot write the generation journal in {self.dir}: {self._error}"
+                f"cannot write the generation journal in {self.dir} ({free_text(self.dir)}): {self._error}"
             ) from self._error
 
     def _write_loop(self) -> None:
