@@ -14,8 +14,8 @@
 With `--answers` (an evaluate stage's `parts/mtbench-eagle3-k<N>.json`, which keeps the decoded
 answers) nothing is decoded: the answers the GPU measured are replayed, with that part's measured
 figures beside the simulated ones. With `--token-counts` (the merge stage's token_counts.parquet) the
-answers' coverage by draft vocabs of other sizes is added. Both also give the acceptance length by
-MT-Bench category and the vocabulary bound (the simulated figure had every answer token outside the
+answers' coverage by draft vocabs of other sizes is added. Every run also reports the acceptance length
+by MT-Bench category and the vocabulary bound (the simulated figure had every answer token outside the
 draft vocabulary been drafted right).
 
 The drafter of the H200 capstone comes back with `python -m aerie.gpuhost restore --home /tmp/h
