@@ -8,8 +8,10 @@ import json
 import pytest
 import torch
 
+from aerie.datasets import load_mtbench
 from aerie.errors import EvaluationError
 from aerie.evaluate.config import EvaluateConfig
+from aerie.evaluate.prompts import spread_over_categories
 from aerie.evaluate.spec_decode import SpecDecoder
 from aerie.evaluate.stage import run
 from aerie.manifest import StageDir, load_manifest
@@ -89,22 +91,25 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
         assert all(by_size[size] == r["draft_vocab_coverage"] for r in eagle)
         assert list(by_size.values()) == sorted(by_size.values()) and by_size[smollm2.vocab_size] == 1.0
     assert "## Where acceptance is lost" in md and "a draft vocabulary of each size" in md
-    # MT-Bench prompts carry their category; per category the figure adds up as the dataset's does.
+    # MT-Bench prompts carry their category: two questions are the first of the first two categories,
+    # and the categories' figures add up to the dataset's (verify tokens over verify forwards).
     groups = [g for g in report["by_group"] if (g["proposer"], g["num_steps"]) == ("eagle3", 3)]
-    assert {g["dataset"] for g in groups} == {"mtbench"} and sum(g["prompts"] for g in groups) == 2
+    assert [(g["dataset"], g["group"], g["prompts"]) for g in groups] == [
+        ("mtbench", "roleplay", 1), ("mtbench", "writing", 1),
+    ]  # fmt: skip
     rows = [r for r in per_prompt_rows(store, result) if (r["proposer"], r["num_steps"]) == ("eagle3", 3)]
-    mtbench_rows = [r for r in rows if r["dataset"] == "mtbench"]
-    assert {r["group"] for r in mtbench_rows} == {g["group"] for g in groups}
+    assert {r["id"]: r["group"] for r in rows if r["dataset"] == "mtbench"} == {
+        "mtbench-81": "writing", "mtbench-91": "roleplay",
+    }  # fmt: skip
     assert all(r["group"] is None for r in rows if r["dataset"] == "heldout")
-    # The first two MT-Bench questions are both "writing": that category's figure is the dataset's.
     whole = next(
         r
         for r in report["results"]
         if (r["dataset"], r["proposer"], r["num_steps"]) == ("mtbench", "eagle3", 3)
     )
-    assert [g["group"] for g in groups] == ["writing"]
-    assert groups[0]["accept_length"] == pytest.approx(whole["accept_length"], abs=1e-4)
-    assert "## Acceptance length by category" in md and "| writing | 2 | " in md
+    tokens, verify = sum(g["verify_tokens"] for g in groups), sum(g["spec_verify_ct"] for g in groups)
+    assert tokens / verify == pytest.approx(whole["accept_length"], abs=1e-4)
+    assert "## Acceptance length by category" in md and "| writing | 1 | " in md
     assert store.get_bytes(f"{result.prefix}/acceptance.png")[:4] == b"\x89PNG"
     per_prompt = store.get_bytes(f"{result.prefix}/per_prompt.jsonl").decode().splitlines()
     assert len(per_prompt) == 16
@@ -148,3 +153,15 @@ def test_a_train_result_without_a_drafter_is_a_clear_error(upstream, smollm2):
             drafter=empty,
             corpus=corpus,
         )
+
+
+def test_an_mtbench_subset_spreads_over_the_categories():
+    questions = load_mtbench()
+    eight = spread_over_categories(questions, 8)
+    assert [q.id for q in eight] == [f"mtbench-{81 + 10 * i}" for i in range(8)]  # the first of each
+    assert len({q.category for q in eight}) == 8
+    ten = spread_over_categories(questions, 10)  # then each category's second, in category order
+    assert [q.id for q in ten] == ["mtbench-81", "mtbench-82", "mtbench-91", "mtbench-92"] + [
+        f"mtbench-{101 + 10 * i}" for i in range(6)
+    ]
+    assert spread_over_categories(questions, 80) == questions

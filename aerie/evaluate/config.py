@@ -30,7 +30,9 @@ class EvaluateConfig(StrictModel):
         description="Proposers measured by the same evaluator (prompt lookup is the training-free baseline).",
     )
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
-    mtbench_questions: int | None = Field(None, ge=1, description="MT-Bench questions used; None = all 80.")
+    mtbench_questions: int | None = Field(
+        None, ge=1, description="MT-Bench questions used, spread over its 8 categories; None = all 80."
+    )
     heldout_samples: int = Field(32, ge=0, description="Held-out corpus prompts evaluated.")
     max_prompt_tokens: int = Field(
         1024, ge=8, description="Prompts longer than this (tokens) are cut to their last this-many tokens."

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aerie.datasets import load_mtbench
+from aerie.datasets import MTBenchQuestion, load_mtbench
 from aerie.errors import DataError
 
 if TYPE_CHECKING:
@@ -45,16 +45,31 @@ def _clip(ids: list[int], max_tokens: int) -> list[int]:
 
 
 def mtbench_prompts(tokenizer: Any, limit: int | None, max_tokens: int) -> list[EvalPrompt]:
-    """First turns of the MT-Bench questions (all 80 when `limit` is None), in file order."""
+    """First turns of the MT-Bench questions, in file order: all 80 when `limit` is None, else `limit` of
+    them spread over the categories (`spread_over_categories`)."""
     questions = load_mtbench()
     if limit is not None:
-        questions = questions[:limit]
+        questions = spread_over_categories(questions, limit)
     return [
         EvalPrompt(
             q.id, MTBENCH, _clip(chat_prompt_ids(tokenizer, q.turns[0]), max_tokens), q.turns[0], q.category
         )
         for q in questions
     ]
+
+
+def spread_over_categories(questions: list[MTBenchQuestion], limit: int) -> list[MTBenchQuestion]:
+    """`limit` questions taken round-robin over the categories (each category's in file order), returned
+    in file order. The file lists its 80 questions by category, ten each, so its first 8 are all
+    "writing"; here 8 questions are one of each category and a small evaluation measures the whole
+    benchmark, not its first category."""
+    by_category: dict[str, list[int]] = {}
+    for index, q in enumerate(questions):
+        by_category.setdefault(q.category, []).append(index)
+    picked: list[int] = []
+    for rank in range(max((len(v) for v in by_category.values()), default=0)):
+        picked += [indices[rank] for indices in by_category.values() if rank < len(indices)]
+    return [questions[i] for i in sorted(picked[:limit])]
 
 
 def heldout_prompts(

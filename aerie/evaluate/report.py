@@ -60,8 +60,8 @@ def acceptance_by_group(per_prompt: list[dict[str, Any]]) -> list[dict[str, Any]
         acc[1] += max(0, r["completion_tokens"] - 1)
         acc[2] += r["spec_verify_ct"]
     return [
-        {"dataset": d, "group": g, "proposer": p, "num_steps": k, "prompts": n,
-         "accept_length": round(tokens / verify, 4) if verify else 1.0}
+        {"dataset": d, "group": g, "proposer": p, "num_steps": k, "prompts": n, "verify_tokens": tokens,
+         "spec_verify_ct": verify, "accept_length": round(tokens / verify, 4) if verify else 1.0}
         for (d, g, p, k), (n, tokens, verify) in sorted(sums.items())
     ]  # fmt: skip
 

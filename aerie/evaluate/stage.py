@@ -37,7 +37,11 @@ STAGE = "evaluate"
 
 
 def key_of(cfg: EvaluateConfig, target: TargetInfo, drafter: StageResult, corpus: StageResult) -> str:
-    return stage_key(STAGE, cfg, [drafter.manifest_sha256, corpus.manifest_sha256, target.revision])
+    upstream = [drafter.manifest_sha256, corpus.manifest_sha256, target.revision]
+    # A subset of MT-Bench was its first questions before it was spread over the categories: a result
+    # cached from then measured other prompts. All 80 are the same prompts either way (same key).
+    spread = ["mtbench-spread-over-categories"] if cfg.mtbench_questions is not None else []
+    return stage_key(STAGE, cfg, upstream + spread)
 
 
 def run(
