@@ -474,6 +474,9 @@ def test_stage_on_s3_downloads_shards_and_uploads_everything(tiny, tmp_path, s3_
     result = stage.run(cfg, store=store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
     cached = sorted(p.name for p in (tmp_path / "cache" / "shards").rglob("*.safetensors"))
     assert cached == ["shard-00000.safetensors", "shard-00000.safetensors"]  # one train, one eval
+    # The downloaded shards stay for the next training; the local work (checkpoints, optimizer state)
+    # is gone once everything is in the store.
+    assert not (tmp_path / "cache" / "work" / "t" / result.key).exists()
     for name in ("drafter/model.safetensors", "checkpoints/latest.json", "metrics.jsonl", "manifest.json"):
         assert store.exists(f"{result.prefix}/{name}"), name
     local = tmp_path / "drafter"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -107,7 +108,11 @@ def run(
         run_training(spec, DistInfo(), events)
 
     progress(0.95, "exporting the best drafter")
-    return _finish(sd, store, cfg, target, vocab, work, events, progress)
+    result = _finish(sd, store, cfg, target, vocab, work, events, progress)
+    # All a later run can need is in the store now (drafter, metrics, checkpoints); the local copy, with
+    # the optimizer states, would otherwise stay behind for every training ever run on this machine.
+    shutil.rmtree(work, ignore_errors=True)
+    return result
 
 
 def stage_dir(
