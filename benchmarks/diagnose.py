@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from aerie.draft.export import load_drafter
-from aerie.draft.vocab import counts_from_table, coverage_by_size
+from aerie.draft.vocab import counts_from_frame, coverage_by_size
 from aerie.evaluate.diagnose import diagnose
 from aerie.evaluate.eagle import EagleProposer
 from aerie.evaluate.prompts import EvalPrompt, mtbench_prompts
@@ -178,12 +178,7 @@ def stored_answers(
 def vocab_what_if(path: str, target: Any, drafter: Any, answers: dict[str, list[int]]) -> dict[str, float]:
     import polars as pl
 
-    frame = pl.read_parquet(path)
-    counts = counts_from_table(
-        torch.from_numpy(frame["token_id"].to_numpy().astype("int64")),
-        torch.from_numpy(frame["count"].to_numpy().astype("int64")),
-        target.vocab_size,
-    )
+    counts = counts_from_frame(pl.read_parquet(path), target.vocab_size, path)
     ids = torch.tensor([t for answer in answers.values() for t in answer], dtype=torch.int64)
     found = coverage_by_size(counts, ids, int(drafter.d2t.numel()), sizes=(8192, 24576, 32768))
     return {str(k): round(v, 4) for k, v in found.items()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,6 +21,9 @@ from torch import Tensor
 from aerie.errors import DataError, ObjectNotFoundError
 from aerie.manifest import StageResult, load_manifest
 from aerie.store import ArtifactStore
+
+if TYPE_CHECKING:
+    import polars as pl
 
 TOKEN_COUNTS = "token_counts.parquet"
 
@@ -120,8 +124,13 @@ def load_token_counts(store: ArtifactStore, corpus: StageResult, vocab_size: int
         frame = pl.read_parquet(io.BytesIO(store.get_bytes(key)))
     except ObjectNotFoundError as exc:
         raise DataError(f"the corpus stage wrote no {TOKEN_COUNTS} at {store.uri(key)}") from exc
+    return counts_from_frame(frame, vocab_size, store.uri(key))
+
+
+def counts_from_frame(frame: pl.DataFrame, vocab_size: int, where: str) -> Tensor:
+    """A read `token_counts.parquet` (token_id, count) -> dense counts [V]; `where` names it in errors."""
     if not {"token_id", "count"} <= set(frame.columns):
-        raise DataError(f"{store.uri(key)} needs columns token_id and count, has {frame.columns}")
+        raise DataError(f"{where} needs columns token_id and count, has {frame.columns}")
     ids = torch.from_numpy(frame["token_id"].to_numpy().astype("int64"))
     counts = torch.from_numpy(frame["count"].to_numpy().astype("int64"))
     return counts_from_table(ids, counts, vocab_size)

@@ -106,6 +106,7 @@ def run(
                 answers[name] = part["answers"]
             progress(done / total, f"{name} {proposer_name} k={k}: τ={part['result']['accept_length']:.2f}")
 
+        counts = None  # the corpus's token counts: read once, and only if a diagnosis has to run
         for name in answers:  # parts written before answers were kept have none: no diagnosis then
             part_key = sd.path(f"parts/{name}-diagnosis.json")
             if not store.exists(part_key):
@@ -115,7 +116,9 @@ def run(
                 found = _diagnose(
                     loaded, datasets[name], answers[name], max(cfg.num_steps), cfg.max_new_tokens
                 )
-                found["vocab_coverage_by_size"] = _vocab_what_if(store, corpus, target, loaded, answers[name])
+                if counts is None:
+                    counts = _token_counts(store, corpus, target)
+                found["vocab_coverage_by_size"] = _vocab_what_if(counts, loaded, answers[name])
                 store.put_bytes(part_key, json.dumps(found).encode())
             diagnosis[name] = json.loads(store.get_bytes(part_key))
         agreement = _agreement(per_prompt)
@@ -271,19 +274,18 @@ def _diagnose(
     return {"num_steps": steps, **found}
 
 
-def _vocab_what_if(
-    store: ArtifactStore,
-    corpus: StageResult,
-    target: TargetInfo,
-    loaded: dict[str, Any],
-    answers: dict[str, list[int]],
-) -> dict[str, float]:
+def _token_counts(store: ArtifactStore, corpus: StageResult, target: TargetInfo) -> Any:
+    from aerie.draft.vocab import load_token_counts
+
+    return load_token_counts(store, corpus, target.vocab_size)
+
+
+def _vocab_what_if(counts: Any, loaded: dict[str, Any], answers: dict[str, list[int]]) -> dict[str, float]:
     """The answers' coverage by draft vocabs of other sizes, chosen as training chose this one."""
     import torch
 
-    from aerie.draft.vocab import coverage_by_size, load_token_counts
+    from aerie.draft.vocab import coverage_by_size
 
-    counts = load_token_counts(store, corpus, target.vocab_size)
     ids = torch.tensor([t for answer in answers.values() for t in answer], dtype=torch.int64)
     size = int(loaded["drafter"].d2t.numel())  # Vd
     return {str(k): round(v, 4) for k, v in coverage_by_size(counts, ids, size).items()}
