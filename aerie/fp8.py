@@ -32,7 +32,11 @@ def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tens
     xg = x.reshape(n, groups, width // groups)
     amax = xg.abs().amax(dim=2, keepdim=True).float()
     # A zero row gets scale 1 (its q is all zeros); non-finite values are refused upstream.
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Divided by a tensor on amax's own device, never by the Python float: CUDA turns division by a
+    # CPU scalar into multiplication by its reciprocal, which rounds differently for some amax (an
+    # H200 gave other scales, hence other codes, than the CPU did), and the server's device
+    # quantization must give the client's bits.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     inv = scale.reciprocal()
     xf = xg.float() if xg.dtype != torch.float32 else xg.clone()
     xf.mul_(inv)

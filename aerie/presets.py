@@ -100,14 +100,18 @@ def smollm2_gpu() -> PipelineConfig:
     # H200 host's 64 GB disk, and the preflight refuses it (the store takes each shard over by rename).
     cfg.extract.delete_local_after_upload = True
     cfg.train.device = "cuda"
-    cfg.train.draft_vocab_size = 16384
+    # 32K: holds 99.3% of the target's MT-Bench output tokens against 96.7% for 16K; session 6's replay of
+    # session 5's answers bounded what 16K lost at 0.19 (benchmarks/results/diagnose-h200-session5.json).
+    cfg.train.draft_vocab_size = 32768
     # Measured on one H200 (benchmarks/results/h200-capstone.json): lr 1e-3 with the lm_head started from
     # the target's rows beat 5e-4 from scratch (MT-Bench 1.34 vs 1.15 on the small corpus); with 4 epochs
     # the draft MLP at 8x the hidden size beat the target's 1536 (MT-Bench 2.12 vs 2.02 at 7 steps, same
     # first-turn data), and that drafter beat session 3's 2-epoch one on the same 8 prompts at 128 tokens: 1.61 vs 1.43.
-    # 3 epochs of the three-turn corpus (44.8M tokens, 266 s): the held-out acceptance still rose at the
-    # schedule's end (3.43 -> 3.51 over the last 300 steps), so more data or epochs would still pay.
-    cfg.train.epochs = 3
+    # 3 epochs of the three-turn corpus (44.8M tokens, 266 s) left the held-out acceptance still rising at
+    # the schedule's end (3.43 -> 3.51 over its last 300 steps) and MT-Bench at 2.54 (7 steps). 6 epochs
+    # with the 32K vocabulary (89.7M tokens, ~670 s): MT-Bench 3.10, held-out 4.11 (session 7,
+    # benchmarks/results/h200-capstone.json), the pipeline still ~27.5 GPU minutes.
+    cfg.train.epochs = 6
     cfg.train.draft_intermediate_size = 4608
     cfg.train.lr = 1e-3
     cfg.train.init_head_from_target = True

@@ -45,6 +45,10 @@ def newest_manifests(home: Path, run: str) -> dict[str, Path]:
 def stage_record(stage: str, m: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"key": m["key"], "wall_s": m.get("seconds"), "figures": m.get("figures", {})}
     if stage == "train":
+        # A training that spanned several budgeted calls: its wall time over all of them (manifests
+        # since session 7 carry it; the manifest's `seconds` is the last call's share).
+        out["wall_s"] = m["training"].get("wall_s") or out["wall_s"]
+        out["last_run_s"] = m.get("seconds")
         out["best"] = m.get("best")
         out["training"] = {k: v for k, v in m["training"].items() if k != "config"}
         out["config"] = m["training"].get("config")

@@ -128,3 +128,19 @@ def test_a_failing_backend_fails_its_requests_not_the_worker() -> None:
     finally:
         scheduler.stop()
     assert scheduler.stats.failures == 1
+
+
+def test_a_float32_model_never_reaches_the_half_only_varlen_kernel(monkeypatch) -> None:
+    """The packed backend is chosen per process on the first model's probe (a bf16 server on CUDA picks
+    varlen); a float32 model in the same process takes the segment loop instead of failing in the kernel
+    (seen on an H200: "FlashAttention only support fp16 and bf16 data type")."""
+    from aerie.refserver import packed
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 12, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 5, 12])
+    monkeypatch.setitem(packed._backend, "name", "loop")
+    want, _ = packed.packed_attention_forward(None, q, k, v, None, cu_seq_lens_q=cu, max_length_q=7)
+    monkeypatch.setitem(packed._backend, "name", "varlen")
+    got, _ = packed.packed_attention_forward(None, q, k, v, None, cu_seq_lens_q=cu, max_length_q=7)
+    assert torch.equal(got, want)

@@ -146,6 +146,18 @@ def test_quantize_handles_zero_rows_and_groups():
         quantize_fp8(x, groups=4)
 
 
+def test_scales_are_the_correctly_rounded_quotient_amax_over_448():
+    """The contract a device quantization must meet too (tests/test_extraction_cuda.py checks the CUDA
+    path on a GPU): scale = amax / 448 rounded once. amax * (1/448), which CUDA computes for a division
+    by a Python float, differs for about half of all amax values and so gives other codes."""
+    amax = torch.rand(4096, generator=torch.Generator().manual_seed(3)) * 50 + 1e-3
+    x = torch.zeros(4096, 8)
+    x[:, 0] = amax
+    _, scale = quantize_fp8(x, groups=1)
+    assert torch.equal(scale[:, 0], (amax.double() / 448.0).float())
+    assert not torch.equal(scale[:, 0], amax * (torch.tensor(1.0) / 448.0))
+
+
 def test_quantize_a_group_so_small_its_inverse_scale_overflows():
     """amax/448 of a ~1e-38 group is a float32 denormal whose reciprocal is inf: multiplying by it
     would give +-inf codes (NaN for zeros); such a group is divided by its scale instead."""

@@ -511,6 +511,9 @@ def test_resume_continues_exactly(tiny, tmp_path) -> None:
                   corpus=interrupted.corpus, progress=crash_after_step_5)  # fmt: skip
     latest = json.loads(interrupted.store.get_bytes(f"t/train/{done.key}/checkpoints/latest.json"))
     assert latest["step"] == 4
+    checkpoint = json.loads(
+        interrupted.store.get_bytes(f"t/train/{done.key}/checkpoints/step-00000004/trainer.json")
+    )
     resumed = stage.run(
         cfg,
         store=interrupted.store,
@@ -529,6 +532,15 @@ def test_resume_continues_exactly(tiny, tmp_path) -> None:
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 9))
     np.testing.assert_allclose([x for _, x in b], [x for _, x in a], rtol=1e-5, atol=1e-6)
     assert resumed.figures["accept_length"] == pytest.approx(done.figures["accept_length"], rel=1e-5)
+
+    # The wall time covers both runs: the resumed run starts from the checkpoint's elapsed seconds.
+    def training(up, result) -> dict:
+        return json.loads(up.store.get_bytes(f"{result.prefix}/manifest.json"))["training"]
+
+    assert checkpoint["state"]["runs"] == 1 and checkpoint["state"]["elapsed_s"] > 0
+    assert training(straight, done)["runs"] == 1 and training(interrupted, resumed)["runs"] == 2
+    assert training(interrupted, resumed)["wall_s"] > checkpoint["state"]["elapsed_s"]
+    assert resumed.figures["train_wall_s"] == training(interrupted, resumed)["wall_s"]
 
 
 @pytest.mark.slow

@@ -48,7 +48,9 @@ def packed_attention_forward(
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
         raise RuntimeError("aerie_packed attention needs one packed row and cu_seq_lens_q")
-    if _backend["name"] == "varlen":
+    # The backend is chosen per process on the first model's probe; a float32 model loaded later in
+    # the same process (tests, a CPU-dtype generation server) must not reach the half-only kernel.
+    if _backend["name"] == "varlen" and query.dtype in (torch.float16, torch.bfloat16):
         return _varlen(query, key, value, cu, int(kwargs["max_length_q"]), scaling), None
     return _segment_loop(query, key, value, cu, scaling), None
 

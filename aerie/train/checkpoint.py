@@ -42,6 +42,11 @@ class TrainState:
     tokens: int = 0
     best_accept_length_rounds: float = -1.0  # the held-out figure the best drafter is kept by
     best_step: int = -1
+    # Wall seconds spent reaching `step`, summed over every run that contributed (each run's start-up
+    # included; steps redone after a resume count in the run that redid them): a training that spans
+    # several budgeted calls reports its whole time, not the last call's.
+    elapsed_s: float = 0.0
+    runs: int = 1
 
 
 def checkpoint_name(step: int) -> str:

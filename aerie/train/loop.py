@@ -71,9 +71,11 @@ class Trainer:
     emit: Emit
 
 
-def train(tr: Trainer, state: TrainState) -> TrainState:
-    """Run from `state.step` to `tr.total_steps`; returns the final state."""
+def train(tr: Trainer, state: TrainState, started: float | None = None) -> TrainState:
+    """Run from `state.step` to `tr.total_steps`; returns the final state. `started`: when this run
+    began (perf_counter; default now), so `state.elapsed_s` includes its start-up."""
     cfg, dist = tr.cfg, tr.dist
+    started, elapsed_before = started or time.perf_counter(), state.elapsed_s
     stream = Prefetcher(
         batch_stream(tr.train_plans, state.step * dist.world + dist.rank, dist.world),
         cfg.prefetch_batches,
@@ -93,6 +95,7 @@ def train(tr: Trainer, state: TrainState) -> TrainState:
             tr.optimizer.zero_grad(set_to_none=True)
             state.step += 1
             state.tokens += batch.tokens * dist.world
+            state.elapsed_s = elapsed_before + time.perf_counter() - started
             window += stats
             window_tokens += batch.tokens * dist.world
             last = state.step == tr.total_steps
@@ -196,6 +199,8 @@ def train_record(
         "lr": lr,
         "tokens": state.tokens,
         "tokens_per_s": round(tokens_per_s, 1),
+        "elapsed_s": round(state.elapsed_s, 3),
+        "runs": state.runs,
     }
 
 
@@ -267,6 +272,7 @@ def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer,
     state = TrainState()
     if spec.resume_from:
         state = load_checkpoint(Path(spec.resume_from), drafter, optimizer, scheduler)
+        state.runs += 1
     return tr, state
 
 
@@ -317,6 +323,7 @@ def _indices(spec: TrainSpec) -> tuple[SampleIndex, SampleIndex]:
 
 def run_training(spec: TrainSpec, dist: DistInfo, emit: Emit) -> TrainState:
     """Build, restore if resuming, train. The entry point of both the in-process path and each worker."""
+    started = time.perf_counter()
     tr, state = build_trainer(spec, dist, emit)
     tr.emit({"kind": "start", "step": state.step, "total_steps": tr.total_steps, "world": dist.world})
-    return train(tr, state)
+    return train(tr, state, started)

@@ -326,6 +326,9 @@ def _finish(
                 "config": cfg.model_dump(mode="json"),
                 "total_steps": last_train.get("total_steps"),
                 "tokens": last_train.get("tokens"),
+                # Over every run that trained this drafter (the manifest's `seconds` is the last run's).
+                "wall_s": last_train.get("elapsed_s"),
+                "runs": last_train.get("runs"),
             },
             "best": {"step": best["step"], **best_figures},
             "final": {
@@ -351,6 +354,7 @@ def _finish(
                 "draft_vocab_size": vocab.draft_vocab_size,
                 "train_tokens": last_train.get("tokens"),
                 "steps": last_train.get("step"),
+                "train_wall_s": last_train.get("elapsed_s"),
             },
         }
     )
