@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,6 +25,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 both free, below the kernel's ephemeral range: a fan-out's second
+    server binds p + 1 long after this check, and a port inside that range can meanwhile become the
+    source port of any outgoing connection (seen in CI: "port ... is bound but does not answer HTTP")."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1025, low - 12000), low - 2)
+        if all(_bindable(p) for p in (port, port + 1)):
+            return port
+    raise RuntimeError(f"no two consecutive free ports below {low}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

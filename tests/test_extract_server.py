@@ -31,8 +31,8 @@ from aerie.extract.stage import run
 from aerie.manifest import load_manifest
 from aerie.serving import ServerConfig
 from aerie.store import LocalStore
-from tests.conftest import free_port
 from tests.extract_support import corpus_rows, write_corpus
+from tests.processes import free_port_pair
 
 
 def listener_pid(port: int) -> int | None:
@@ -78,14 +78,6 @@ def check_commit_path(phases: dict) -> dict[str, float]:
     counts = phases["commit_counts"]
     assert counts["shards"] >= 1 and counts["shard_bytes"] > 0 and counts["uploads"] >= 0
     return busy
-
-
-def free_port_pair() -> int:
-    for _ in range(50):
-        port = free_port()
-        if port < 65535 and listener_pid(port + 1) is None:
-            return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 @pytest.mark.slow

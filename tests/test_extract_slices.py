@@ -33,7 +33,8 @@ from aerie.serving import ServerConfig
 from aerie.store import LocalStore, StoreConfig, open_store
 from flows.extract import extract_flow
 from tests.extract_support import corpus_rows, write_corpus
-from tests.test_extract_server import check_commit_path, free_port_pair
+from tests.processes import free_port_pair
+from tests.test_extract_server import check_commit_path
 from tests.test_pipeline import BIN, REPO
 
 pytest_plugins = ("tests.prefect_support",)  # prefect_api: the real Prefect server
