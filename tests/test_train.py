@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -541,6 +543,59 @@ def test_resume_continues_exactly(tiny, tmp_path) -> None:
     assert training(straight, done)["runs"] == 1 and training(interrupted, resumed)["runs"] == 2
     assert training(interrupted, resumed)["wall_s"] > checkpoint["state"]["elapsed_s"]
     assert resumed.figures["train_wall_s"] == training(interrupted, resumed)["wall_s"]
+
+
+def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_continues_exactly(
+    tiny, tmp_path
+) -> None:
+    """A real SIGTERM to this process mid-training (the GPU host's budget, a spot notice), with the GPU
+    host's handler installed (SIGTERM -> SystemExit): the loop finishes step 5, checkpoints it although
+    checkpoints fall every 4 steps, then exits as the handler says; the re-run loses no step."""
+    target, train, held = tiny
+    cfg = small_cfg(epochs=4, eval_every=2)
+    straight = make_upstream(tmp_path / "a", target, train, held)
+    done = stage.run(
+        cfg, store=straight.store, run_name="t", target=target, shards=straight.shards, corpus=straight.corpus
+    )
+    stopped = make_upstream(tmp_path / "b", target, train, held)
+    messages: list[str] = []
+
+    def term_at_step_5(fraction: float, message: str) -> None:
+        messages.append(message)
+        if message.startswith("step 5/"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def host_handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, host_handler)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            stage.run(cfg, store=stopped.store, run_name="t", target=target, shards=stopped.shards,
+                      corpus=stopped.corpus, progress=term_at_step_5)  # fmt: skip
+        assert signal.getsignal(signal.SIGTERM) is host_handler  # the loop gave the handler back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == 128 + signal.SIGTERM
+    assert any("stopped by signal" in m and "at step 5" in m for m in messages)
+    latest = json.loads(stopped.store.get_bytes(f"t/train/{done.key}/checkpoints/latest.json"))
+    assert latest["step"] == 5  # not 4: nothing after the last regular checkpoint is lost
+
+    resumed = stage.run(
+        cfg, store=stopped.store, run_name="t", target=target, shards=stopped.shards, corpus=stopped.corpus
+    )
+    lines = [
+        json.loads(x)
+        for x in stopped.store.get_bytes(f"{resumed.prefix}/metrics.jsonl").decode().splitlines()
+    ]
+    want = [
+        json.loads(x) for x in straight.store.get_bytes(f"{done.prefix}/metrics.jsonl").decode().splitlines()
+    ]
+    b = [(r["step"], r["loss"]) for r in lines if r["kind"] == "train"]
+    a = [(r["step"], r["loss"]) for r in want if r["kind"] == "train"]
+    assert [s for s, _ in b] == [s for s, _ in a] == list(range(1, 9))  # each step once: none redone
+    np.testing.assert_allclose([x for _, x in b], [x for _, x in a], rtol=1e-5, atol=1e-6)
+    assert [r["runs"] for r in lines if r["kind"] == "train"] == [1] * 5 + [2] * 3
 
 
 @pytest.mark.slow

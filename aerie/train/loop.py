@@ -3,7 +3,9 @@
 `train` reads top to bottom: next packed row, TTT forward + loss, backward, clip, step; then on their
 cadences a log record, a held-out evaluation (keeping the best drafter by its acceptance length with the
 answers walked in rounds as the decoder walks them, `accept_length_rounds`, not by loss: drafters overfit
-while the loss still falls), and a checkpoint. Everything the outside world sees leaves through
+while the loss still falls), and a checkpoint. A SIGTERM or SIGINT (a time budget, a spot instance's
+notice, Ctrl-C) stops the loop at the next step boundary with a checkpoint of that step, so the re-run
+loses no steps (a second signal stops at once). Everything the outside world sees leaves through
 `emit(record)`: the stage turns records into metrics.jsonl lines, progress and store uploads, whether the
 loop runs in-process or in torchrun workers.
 """
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +87,8 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
     )
     window = torch.zeros(5, cfg.ttt_length, device=tr.device)
     window_start, window_tokens = time.perf_counter(), 0
+    stop = contextlib.ExitStack()
+    asked: list[int] = stop.enter_context(_stop_requests()) if dist.world == 1 else []
     try:
         while state.step < tr.total_steps:
             batch = next(stream).to(tr.device, tr.dtype)
@@ -111,11 +117,48 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
                     state.best_step = state.step
                     save_best(tr, state, result)
                 tr.emit({"kind": "eval", "step": state.step, **result, "best_step": state.best_step})
-            if state.step % cfg.checkpoint_every == 0 or last:
+            stopping = bool(asked) and not last
+            if state.step % cfg.checkpoint_every == 0 or last or stopping:
                 save(tr, state)
+            if stopping:
+                tr.emit({"kind": "stopped", "step": state.step, "signal": asked[0]})
+                stop.close()  # the previous handlers again, then the signal as if it came now
+                signal.raise_signal(asked[0])
     finally:
+        stop.close()
         stream.close()
     return state
+
+
+@contextlib.contextmanager
+def _stop_requests() -> Iterator[list[int]]:
+    """While training, SIGTERM and SIGINT only record themselves (in the yielded list) for the loop to
+    stop at a step boundary, where a checkpoint is consistent; a second one gets the handler that was
+    there before (e.g. the GPU host's SystemExit), at once. Off the main thread (where Python cannot
+    install handlers) nothing changes. Multi-process training keeps the plain behaviour: its ranks
+    would have to agree on the step."""
+    asked: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield asked
+        return
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in sigs}
+
+    def record(signum: int, frame: Any) -> None:
+        if asked:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            signal.raise_signal(signum)
+            return
+        asked.append(signum)
+
+    for sig in sigs:
+        signal.signal(sig, record)
+    try:
+        yield asked
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def forward_loss(

@@ -185,6 +185,11 @@ class RecordHandler:
             self.store.put_bytes(self.sd.path(f"{BEST_KEY}/best.json"), json.dumps(record).encode())
         elif kind == "checkpoint":
             self._upload_checkpoint(record["name"], record["step"])
+        elif kind == "stopped":
+            self.progress(
+                record["step"] / self.total_steps,
+                f"stopped by signal {record['signal']} at step {record['step']}: checkpoint saved, a re-run resumes",
+            )
 
     def _upload_checkpoint(self, name: str, step: int) -> None:
         local = self.work / "checkpoints" / name
