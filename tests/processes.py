@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from aerie.serving.probe import port_is_free
+
 BIN = Path(sys.executable).parent
 
 
@@ -37,18 +39,9 @@ def free_port_pair() -> int:
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(max(1025, low - 12000), low - 2)
-        if all(_bindable(p) for p in (port, port + 1)):
+        if all(port_is_free("127.0.0.1", p) for p in (port, port + 1)):
             return port
     raise RuntimeError(f"no two consecutive free ports below {low}")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

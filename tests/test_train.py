@@ -493,14 +493,29 @@ class Crash(Exception):
     pass
 
 
+def _run(up, cfg, target, **kw):
+    return stage.run(
+        cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus, **kw
+    )
+
+
+def _train_records(up, result) -> list[dict]:
+    lines = up.store.get_bytes(f"{result.prefix}/metrics.jsonl").decode().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def _same_losses(a: list[dict], b: list[dict]) -> None:
+    """Each of steps 1..8 trained once in both, with the same losses."""
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 9))
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5, atol=1e-6)
+
+
 def test_resume_continues_exactly(tiny, tmp_path) -> None:
     """8 steps straight vs 4 steps, a crash, and a re-run that resumes from the store: same losses."""
     target, train, held = tiny
     cfg = small_cfg(epochs=4, eval_every=2)
     straight = make_upstream(tmp_path / "a", target, train, held)
-    done = stage.run(
-        cfg, store=straight.store, run_name="t", target=target, shards=straight.shards, corpus=straight.corpus
-    )
+    done = _run(straight, cfg, target)
 
     interrupted = make_upstream(tmp_path / "b", target, train, held)
 
@@ -509,30 +524,15 @@ def test_resume_continues_exactly(tiny, tmp_path) -> None:
             raise Crash(message)
 
     with pytest.raises(Crash):
-        stage.run(cfg, store=interrupted.store, run_name="t", target=target, shards=interrupted.shards,
-                  corpus=interrupted.corpus, progress=crash_after_step_5)  # fmt: skip
+        _run(interrupted, cfg, target, progress=crash_after_step_5)
     latest = json.loads(interrupted.store.get_bytes(f"t/train/{done.key}/checkpoints/latest.json"))
     assert latest["step"] == 4
     checkpoint = json.loads(
         interrupted.store.get_bytes(f"t/train/{done.key}/checkpoints/step-00000004/trainer.json")
     )
-    resumed = stage.run(
-        cfg,
-        store=interrupted.store,
-        run_name="t",
-        target=target,
-        shards=interrupted.shards,
-        corpus=interrupted.corpus,
-    )
+    resumed = _run(interrupted, cfg, target)
     assert resumed.key == done.key
-
-    def train_losses(up, result) -> list[tuple[int, float]]:
-        lines = up.store.get_bytes(f"{result.prefix}/metrics.jsonl").decode().splitlines()
-        return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["kind"] == "train"]
-
-    a, b = train_losses(straight, done), train_losses(interrupted, resumed)
-    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 9))
-    np.testing.assert_allclose([x for _, x in b], [x for _, x in a], rtol=1e-5, atol=1e-6)
+    _same_losses(_train_records(straight, done), _train_records(interrupted, resumed))
     assert resumed.figures["accept_length"] == pytest.approx(done.figures["accept_length"], rel=1e-5)
 
     # The wall time covers both runs: the resumed run starts from the checkpoint's elapsed seconds.
@@ -554,9 +554,7 @@ def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_co
     target, train, held = tiny
     cfg = small_cfg(epochs=4, eval_every=2)
     straight = make_upstream(tmp_path / "a", target, train, held)
-    done = stage.run(
-        cfg, store=straight.store, run_name="t", target=target, shards=straight.shards, corpus=straight.corpus
-    )
+    done = _run(straight, cfg, target)
     stopped = make_upstream(tmp_path / "b", target, train, held)
     messages: list[str] = []
 
@@ -571,8 +569,7 @@ def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_co
     previous = signal.signal(signal.SIGTERM, host_handler)
     try:
         with pytest.raises(SystemExit) as exited:
-            stage.run(cfg, store=stopped.store, run_name="t", target=target, shards=stopped.shards,
-                      corpus=stopped.corpus, progress=term_at_step_5)  # fmt: skip
+            _run(stopped, cfg, target, progress=term_at_step_5)
         assert signal.getsignal(signal.SIGTERM) is host_handler  # the loop gave the handler back
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -581,21 +578,9 @@ def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_co
     latest = json.loads(stopped.store.get_bytes(f"t/train/{done.key}/checkpoints/latest.json"))
     assert latest["step"] == 5  # not 4: nothing after the last regular checkpoint is lost
 
-    resumed = stage.run(
-        cfg, store=stopped.store, run_name="t", target=target, shards=stopped.shards, corpus=stopped.corpus
-    )
-    lines = [
-        json.loads(x)
-        for x in stopped.store.get_bytes(f"{resumed.prefix}/metrics.jsonl").decode().splitlines()
-    ]
-    want = [
-        json.loads(x) for x in straight.store.get_bytes(f"{done.prefix}/metrics.jsonl").decode().splitlines()
-    ]
-    b = [(r["step"], r["loss"]) for r in lines if r["kind"] == "train"]
-    a = [(r["step"], r["loss"]) for r in want if r["kind"] == "train"]
-    assert [s for s, _ in b] == [s for s, _ in a] == list(range(1, 9))  # each step once: none redone
-    np.testing.assert_allclose([x for _, x in b], [x for _, x in a], rtol=1e-5, atol=1e-6)
-    assert [r["runs"] for r in lines if r["kind"] == "train"] == [1] * 5 + [2] * 3
+    records = _train_records(stopped, _run(stopped, cfg, target))
+    _same_losses(_train_records(straight, done), records)  # each step once: none redone
+    assert [r["runs"] for r in records] == [1] * 5 + [2] * 3
 
 
 @pytest.mark.slow
