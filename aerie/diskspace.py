@@ -28,6 +28,11 @@ def free_text(path: Path) -> str:
         return f"free space unknown: {exc}"
 
 
+def cannot_write(path: Path, exc: BaseException) -> str:
+    """The message of a refused write: the file, the room left on its filesystem, the cause."""
+    return f"cannot write {path} ({free_text(path)}): {exc}"
+
+
 @contextlib.contextmanager
 def writing(path: Path, error: type[AerieError]) -> Iterator[None]:
     """Around code that writes `path`: any failure but aerie's own becomes `error`, naming the path and
@@ -37,4 +42,4 @@ def writing(path: Path, error: type[AerieError]) -> Iterator[None]:
     except AerieError:
         raise
     except Exception as exc:
-        raise error(f"cannot write {path} ({free_text(path)}): {exc}") from exc
+        raise error(cannot_write(path, exc)) from exc

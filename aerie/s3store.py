@@ -48,7 +48,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError, S3UploadFailedError
 from s3transfer.subscribers import BaseSubscriber
 
-from aerie.diskspace import free_text
+from aerie.diskspace import cannot_write
 from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
 from aerie.progress import ProgressFn
 from aerie.store import (
@@ -432,7 +432,7 @@ class S3Store:
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
             os.close(fd)
         except OSError as exc:
-            raise StoreError(f"cannot write {dest} ({free_text(dest)}): {exc}") from exc
+            raise StoreError(cannot_write(dest, exc)) from exc
         try:
             with self._errors("download", key), self._manager() as manager:
                 subscribers = [_KnownObject(size, head["ETag"]), watch]
@@ -443,7 +443,7 @@ class S3Store:
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError):
-                raise StoreError(f"cannot write {dest} ({free_text(dest)}): {exc}") from exc
+                raise StoreError(cannot_write(dest, exc)) from exc
             raise
         return dest
 

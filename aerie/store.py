@@ -30,7 +30,7 @@ from typing import BinaryIO, Protocol, runtime_checkable
 from pydantic import Field
 
 from aerie.configbase import StrictModel
-from aerie.diskspace import free_text
+from aerie.diskspace import cannot_write, free_text
 from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
 from aerie.progress import ProgressFn
 
@@ -191,7 +191,7 @@ class LocalStore:
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
         except OSError as exc:
-            raise StoreError(f"cannot write {dest} ({free_text(dest)}): {exc}") from exc
+            raise StoreError(cannot_write(dest, exc)) from exc
         try:
             with os.fdopen(fd, "wb") as f:
                 yield f, dest
@@ -204,7 +204,7 @@ class LocalStore:
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError):
-                raise StoreError(f"cannot write {dest} ({free_text(dest)}): {exc}") from exc
+                raise StoreError(cannot_write(dest, exc)) from exc
             raise
 
     def _record(self, key: str, dest: Path, digest: str) -> ObjectInfo:
@@ -313,7 +313,7 @@ class LocalStore:
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
         except OSError as exc:
-            raise StoreError(f"cannot write {dest} ({free_text(dest)}): {exc}") from exc
+            raise StoreError(cannot_write(dest, exc)) from exc
         try:
             with os.fdopen(fd, "wb") as out, open(src, "rb") as f:
                 while block := f.read(CHUNK):

@@ -87,78 +87,78 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
     )
     window = torch.zeros(5, cfg.ttt_length, device=tr.device)
     window_start, window_tokens = time.perf_counter(), 0
-    stop = contextlib.ExitStack()
-    asked: list[int] = stop.enter_context(_stop_requests()) if dist.world == 1 else []
     try:
-        while state.step < tr.total_steps:
-            batch = next(stream).to(tr.device, tr.dtype)
-            loss, stats = forward_loss(tr, tr.model, batch, reduce=dist.reduce)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(tr.drafter.parameters(), cfg.grad_clip)
-            lr = float(tr.scheduler.get_last_lr()[0])
-            tr.optimizer.step()
-            tr.scheduler.step()
-            tr.optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            state.tokens += batch.tokens * dist.world
-            state.elapsed_s = elapsed_before + time.perf_counter() - started
-            window += stats
-            window_tokens += batch.tokens * dist.world
-            last = state.step == tr.total_steps
-            if state.step % cfg.log_every == 0 or last:
-                elapsed = time.perf_counter() - window_start
-                tr.emit(train_record(state, tr, window, loss, grad_norm, lr, window_tokens / elapsed))
-                window.zero_()
-                window_start, window_tokens = time.perf_counter(), 0
-            if state.step % cfg.eval_every == 0 or last:
-                result = evaluate(tr)
-                if result["accept_length_rounds"] > state.best_accept_length_rounds:
-                    state.best_accept_length_rounds = result["accept_length_rounds"]
-                    state.best_step = state.step
-                    save_best(tr, state, result)
-                tr.emit({"kind": "eval", "step": state.step, **result, "best_step": state.best_step})
-            stopping = bool(asked) and not last
-            if state.step % cfg.checkpoint_every == 0 or last or stopping:
-                save(tr, state)
-            if stopping:
-                tr.emit({"kind": "stopped", "step": state.step, "signal": asked[0]})
-                stop.close()  # the previous handlers again, then the signal as if it came now
-                signal.raise_signal(asked[0])
+        with _stop_requests(enabled=dist.world == 1) as asked:
+            while state.step < tr.total_steps:
+                batch = next(stream).to(tr.device, tr.dtype)
+                loss, stats = forward_loss(tr, tr.model, batch, reduce=dist.reduce)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(tr.drafter.parameters(), cfg.grad_clip)
+                lr = float(tr.scheduler.get_last_lr()[0])
+                tr.optimizer.step()
+                tr.scheduler.step()
+                tr.optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                state.tokens += batch.tokens * dist.world
+                state.elapsed_s = elapsed_before + time.perf_counter() - started
+                window += stats
+                window_tokens += batch.tokens * dist.world
+                last = state.step == tr.total_steps
+                if state.step % cfg.log_every == 0 or last:
+                    elapsed = time.perf_counter() - window_start
+                    tr.emit(train_record(state, tr, window, loss, grad_norm, lr, window_tokens / elapsed))
+                    window.zero_()
+                    window_start, window_tokens = time.perf_counter(), 0
+                if state.step % cfg.eval_every == 0 or last:
+                    result = evaluate(tr)
+                    if result["accept_length_rounds"] > state.best_accept_length_rounds:
+                        state.best_accept_length_rounds = result["accept_length_rounds"]
+                        state.best_step = state.step
+                        save_best(tr, state, result)
+                    tr.emit({"kind": "eval", "step": state.step, **result, "best_step": state.best_step})
+                stopping = bool(asked) and not last
+                if state.step % cfg.checkpoint_every == 0 or last or stopping:
+                    save(tr, state)
+                if stopping:
+                    tr.emit({"kind": "stopped", "step": state.step, "signal": asked[0]})
+                    break
     finally:
-        stop.close()
         stream.close()
+    if state.step < tr.total_steps:  # stopped: the previous handlers are back; the signal as if it came now
+        signal.raise_signal(asked[0])
     return state
 
 
 @contextlib.contextmanager
-def _stop_requests() -> Iterator[list[int]]:
+def _stop_requests(enabled: bool) -> Iterator[list[int]]:
     """While training, SIGTERM and SIGINT only record themselves (in the yielded list) for the loop to
     stop at a step boundary, where a checkpoint is consistent; a second one gets the handler that was
     there before (e.g. the GPU host's SystemExit), at once. Off the main thread (where Python cannot
-    install handlers) nothing changes. Multi-process training keeps the plain behaviour: its ranks
-    would have to agree on the step."""
+    install handlers), or not `enabled` (multi-process training, whose ranks would have to agree on the
+    step), nothing changes."""
     asked: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
+    if not enabled or threading.current_thread() is not threading.main_thread():
         yield asked
         return
-    sigs = (signal.SIGTERM, signal.SIGINT)
-    previous = {sig: signal.getsignal(sig) for sig in sigs}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
     def record(signum: int, frame: Any) -> None:
         if asked:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            restore()
             signal.raise_signal(signum)
-            return
-        asked.append(signum)
+        else:
+            asked.append(signum)
 
-    for sig in sigs:
+    for sig in previous:
         signal.signal(sig, record)
     try:
         yield asked
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore()
 
 
 def forward_loss(
