@@ -23,8 +23,8 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
 
 `--pipelines` names the pipeline runs, so one invocation A/Bs variants against one roofline: a storage
 dtype plus `+` modifiers, `server` (quantize on the server, fp8 only), `sync` (the server's pre-overlap
-device->host copy) and `w<N>` (N server dump writers instead of `--dump-writers`), e.g.
-`--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4`.
+device->host copy), `w<N>` (N server dump writers instead of `--dump-writers`) and `r<N>` (N requests in
+flight instead of `--requests-in-flight`), e.g. `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8`.
 
 efficiency = pipeline tokens/s / min(bare forward tokens/s, write bytes/s / shard bytes per token),
 with the best of three single-shard writes as "write bytes/s" (the disk at its burst rate).
@@ -50,7 +50,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import polars as pl
 import torch
@@ -344,12 +344,12 @@ def pipeline(
     variant: str,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    storage, server_quantize, sync_copy, dump_writers = parse_variant(variant, args)
+    storage, server_quantize, sync_copy, dump_writers, in_flight = parse_variant(variant, args)
     cfg = ExtractConfig(
         storage_dtype=storage,  # type: ignore[arg-type]
         shard_bytes=args.shard_mb << 20,
         batch_tokens=args.batch_tokens,
-        requests_in_flight=args.requests_in_flight,
+        requests_in_flight=in_flight,
         splits=["train"],
         work_dir=str(work / f"pipe-{variant}"),
         delete_local_after_upload=True,
@@ -392,6 +392,7 @@ def pipeline(
         "quantized_on": None if storage != "fp8" else "server" if cfg.quantize_on_server else "client",
         "server_copy": "sync" if sync_copy or not device.startswith("cuda") else "overlapped",
         "dump_writers": dump_writers,
+        "requests_in_flight": in_flight,
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
         # Seconds and shares of the steady wall: the client's critical path and the server's phases
@@ -400,20 +401,28 @@ def pipeline(
     }
 
 
-def parse_variant(variant: str, args: argparse.Namespace) -> tuple[str, bool, bool, int]:
-    """`fp8+server+sync+w4` -> (storage, quantize on server, sync copy, dump writers)."""
+class Variant(NamedTuple):
+    storage: str
+    server_quantize: bool
+    sync_copy: bool
+    dump_writers: int
+    requests_in_flight: int
+
+
+def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
+    """`fp8+server+sync+w4+r8` -> storage, quantize on server, sync copy, dump writers, requests in flight."""
     storage, *mods = variant.split("+")
     if storage not in ("bf16", "fp8"):
         sys.exit(f"--pipelines {variant!r}: storage must be bf16 or fp8")
-    writers = args.dump_writers
+    counts = {"w": args.dump_writers, "r": args.requests_in_flight}
     for mod in mods:
-        if mod.startswith("w") and mod[1:].isdigit():
-            writers = int(mod[1:])
+        if mod[:1] in counts and mod[1:].isdigit() and int(mod[1:]) > 0:
+            counts[mod[:1]] = int(mod[1:])
         elif mod not in ("server", "sync"):
-            sys.exit(f"--pipelines {variant!r}: unknown modifier {mod!r} (server, sync, w<N>)")
+            sys.exit(f"--pipelines {variant!r}: unknown modifier {mod!r} (server, sync, w<N>, r<N>)")
     if "server" in mods and storage != "fp8":
         sys.exit(f"--pipelines {variant!r}: only fp8 is quantized on the server")
-    return storage, "server" in mods, "sync" in mods or args.sync_copy, writers
+    return Variant(storage, "server" in mods, "sync" in mods or args.sync_copy, counts["w"], counts["r"])
 
 
 def match_server_threads(device: str) -> int:
@@ -466,7 +475,9 @@ def main() -> None:
     )
     ap.add_argument("--baseline-samples", type=int, default=None, help="cpu 12, cuda 512")
     ap.add_argument(
-        "--pipelines", default="bf16,fp8", help="pipeline runs: dtype[+server][+sync][+w<N>], comma-separated"
+        "--pipelines",
+        default="bf16,fp8",
+        help="pipeline runs: dtype[+server][+sync][+w<N>][+r<N>], comma-separated",
     )
     ap.add_argument(
         "--commit-workers", type=int, default=None, help="encode threads per server (default: the config's)"

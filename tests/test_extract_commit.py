@@ -121,7 +121,7 @@ def test_parallel_commit_writes_the_serial_shards_byte_for_byte(tmp_path, storag
     for (got, _, _), (ref, _, _) in zip(sink.closed, want, strict=True):
         assert got.path.read_bytes() == ref.path.read_bytes()
     assert sink.tokens == sum(s.tokens for s in samples) and c.next_row == len(samples)
-    assert sink.threads == {"aerie-commit-write_0"}  # shards are reported in order, from one thread
+    assert sink.threads == {"aerie-commit-sync_0"}  # shards are reported in order, from one thread
     # and they read back as the samples, in row order
     ids = [sid for info, _, _ in sink.closed for sid in ShardReader(info.path).sample_ids]
     assert ids == [s.id for s in samples]
@@ -149,11 +149,12 @@ def test_busy_times_say_where_the_commit_path_spent_its_time(tmp_path):
     busy, counts = c.busy(), c.counts()
     assert set(busy) == {
         "encode", "append_wait_encode", "append", "write_slot_wait", "write",
-        "write_data", "write_hash_wait", "write_fsync", "on_closed",
+        "write_data", "sync_slot_wait", "sync", "write_hash_wait", "write_fsync", "on_closed",
     }  # fmt: skip
     assert all(v >= 0 for v in busy.values())
     assert busy["encode"] > 0 and busy["append"] > 0 and busy["write"] > 0 and busy["write_fsync"] > 0
-    assert busy["write_data"] + busy["write_hash_wait"] + busy["write_fsync"] <= busy["write"] + 1e-6
+    assert busy["write_data"] <= busy["write"] and busy["sync"] > 0
+    assert busy["write_hash_wait"] + busy["write_fsync"] <= busy["sync"] + 1e-6
     assert busy["on_closed"] >= 0.01 * len(sink.closed)
     assert counts == {"shards": len(sink.closed), "shard_bytes": sum(i.bytes for i, _, _ in sink.closed)}
     # Each shard's info carries its own write's split (not part of its identity or its record).
@@ -257,6 +258,32 @@ def test_a_shard_that_cannot_be_written_fails_the_next_call_naming_it(tmp_path):
         assert c.failed and not sink.closed
     finally:
         c.close()
+
+
+def test_a_failure_while_a_shard_syncs_drops_the_next_written_shard(tmp_path):
+    """The next shard's bytes are written while one is fsynced and reported. When reporting fails
+    (e.g. the store refused it), that written shard is dropped with the rest: no temp file stays,
+    no later shard is reported, and the failure names its cause."""
+    out = tmp_path / "run"
+    synced: list[str] = []
+
+    def refuse(info: ShardInfo, first: int, end: int) -> None:
+        synced.append(info.name)
+        time.sleep(0.3)  # the write thread meanwhile writes the next shard and waits to sync it
+        raise RuntimeError("the store refused it")
+
+    c = ShardCommitter(writer(out, "bf16"), first_row=0, workers=2, max_pending_tokens=200, on_closed=refuse)
+    try:
+        with pytest.raises(ExtractionError, match="RuntimeError: the store refused it"):
+            for s in make_samples(40):
+                c.submit(s)
+            c.finish()
+    finally:
+        c.close()
+    # Proof the next shard had been written: its wait for the sync slot covers the callback's sleep.
+    assert c.busy()["sync_slot_wait"] >= 0.2
+    assert synced == ["shard-s0-00000.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["shard-s0-00000.safetensors"]
 
 
 def test_a_bad_sample_is_refused_at_submit(tmp_path):

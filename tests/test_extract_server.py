@@ -74,7 +74,8 @@ def check_commit_path(phases: dict) -> dict[str, float]:
     # Each step is rounded to the millisecond, so one tiny step may read 0.0 (CI saw append 0.0 for a
     # slice of a few rows); the path as a whole must have taken time, and the counts say it did work.
     assert busy["encode"] + busy["append"] + busy["write"] > 0
-    assert busy["write_data"] + busy["write_hash_wait"] + busy["write_fsync"] <= busy["write"] + 0.003
+    assert busy["write_data"] <= busy["write"] + 0.001
+    assert busy["write_hash_wait"] + busy["write_fsync"] <= busy["sync"] + 0.002
     counts = phases["commit_counts"]
     assert counts["shards"] >= 1 and counts["shard_bytes"] > 0 and counts["uploads"] >= 0
     return busy

@@ -35,11 +35,14 @@ threads, not parts of the pump's wall: their shares of it only say how loaded ea
   `on_appended` progress callback), without the two waits;
 - `write_slot_wait`: the append thread (and, once, the final drain) blocked because the previous
   shard is still being written (a high share: the write thread is the bound);
-- `write`: the write thread inside `SealedShard.write`, of which
-  `write_data` (the loop of f.write calls), `write_hash_wait` (waiting for the sha256 thread once
-  the data is flushed and fsynced: hashing that outlasted writing), `write_fsync` (flush, fsync and
-  close of the temp file, rename, fsync of the directory); the rest of `write` prepares the layout;
-- `on_closed`: the write thread in the closed-shard callback after each write: in the stage,
+- `write`: the write thread inside `SealedShard.write_data` (preparing the layout, then
+  `write_data`: the loop of f.write calls);
+- `sync_slot_wait`: the write thread, its shard's data written, blocked because the previous shard is
+  still being fsynced (a high share: the disk, not the writer, is the bound);
+- `sync`: the sync thread inside `WrittenShard.sync`, of which `write_hash_wait` (waiting for the
+  sha256 thread once the data is flushed and fsynced: hashing that outlasted writing) and
+  `write_fsync` (flush, fsync and close of the temp file, rename, fsync of the directory);
+- `on_closed`: the sync thread in the closed-shard callback after each shard: in the stage,
   handing the shard to the `Uploader`, which blocks while `max_pending` uploads wait (a high share:
   the uploads are the bound);
 - `upload`: the `Uploader`'s threads (shared by this host's servers) in uploads during the pump's
@@ -66,6 +69,8 @@ COMMITTER_STEPS = (
     "write_slot_wait",
     "write",
     "write_data",
+    "sync_slot_wait",
+    "sync",
     "write_hash_wait",
     "write_fsync",
     "on_closed",

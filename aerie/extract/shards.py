@@ -27,6 +27,7 @@ The writer streams the safetensors layout itself (header, then each tensor's chu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,7 +37,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import torch
 from safetensors import safe_open
@@ -89,9 +90,9 @@ class HiddenSample:
 
 @dataclass(frozen=True)
 class WriteTiming:
-    """Where `SealedShard.write` spent its time (seconds), for the commit path's accounting
-    (`aerie.extract.phases`). What `SealedShard.write` took beyond their sum went to preparing the
-    layout (offsets, concatenating ids, masks and scales, the header) and opening the temp file."""
+    """Where writing a shard spent its time (seconds), for the commit path's accounting
+    (`aerie.extract.phases`): `data` in `SealedShard.write_data` (which also prepares the layout:
+    offsets, concatenating ids, masks and scales, the header), the rest in `WrittenShard.sync`."""
 
     data: float = 0.0  # the loop of f.write calls (and queueing each buffer for the hash thread)
     hash_wait: float = 0.0  # waiting for the hash thread once the data was flushed and fsynced
@@ -181,6 +182,10 @@ class SealedShard:
 
     def write(self) -> ShardInfo:
         """Write the file (temp + fsync + rename) and return what the manifest records of it."""
+        return self.write_data().sync()
+
+    def write_data(self) -> WrittenShard:
+        """Write the bytes to the shard's temp file; `sync` on the result makes it the shard."""
         offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(self.lengths, dtype=torch.int64).cumsum(0)
         chunks = dict(self.chunks, offsets=[offsets])
@@ -208,17 +213,16 @@ class SealedShard:
             "tokens": str(n),
             "sample_ids": json.dumps(self.sample_ids),
         }
-        size, digest, timing = _write_safetensors(self.path, tensors, metadata)
-        return ShardInfo(
+        info = ShardInfo(
             name=self.name,
             path=self.path,
             samples=len(self.sample_ids),
             tokens=n,
-            bytes=size,
-            sha256=digest,
+            bytes=0,
+            sha256="",
             sample_ids=list(self.sample_ids),
-            timing=timing,
         )
+        return _write_data(info, tensors, metadata)
 
 
 class ShardWriter:
@@ -399,14 +403,69 @@ class _HashBehind:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _write_safetensors(
-    path: Path,
+class WrittenShard:
+    """A shard's bytes in its temp file, not yet durable. `sync` makes it the shard (flush, fsync,
+    rename, fsync of the directory) and returns its info; `discard` removes the temp file. Writing and
+    syncing are apart so a commit pipeline can fsync one shard while it writes the next: the disk then
+    never waits for the writer between shards."""
+
+    def __init__(self, info: ShardInfo, tmp: Path, f: BinaryIO, hasher: _HashBehind, data_s: float) -> None:
+        self._info = info
+        self._tmp = tmp
+        self._f = f
+        self._hasher = hasher
+        self._data_s = data_s
+
+    @property
+    def path(self) -> Path:
+        return self._info.path
+
+    @property
+    def data_s(self) -> float:
+        """Seconds the data took to write (the f.write calls)."""
+        return self._data_s
+
+    def sync(self) -> ShardInfo:
+        began = time.perf_counter()
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            synced = time.perf_counter()
+            digest = self._hasher.hexdigest()
+            hashed = time.perf_counter()
+            os.replace(self._tmp, self._info.path)
+            _fsync_dir(self._info.path.parent)
+        except BaseException as exc:
+            self._abandon()
+            if isinstance(exc, OSError):
+                raise ExtractionError(
+                    f"cannot write shard {self._info.path} ({free_text(self._info.path)}): {exc}"
+                ) from exc
+            raise
+        timing = WriteTiming(
+            data=self._data_s, hash_wait=hashed - synced, fsync=synced - began + time.perf_counter() - hashed
+        )
+        return dataclasses.replace(self._info, sha256=digest, timing=timing)
+
+    def discard(self) -> None:
+        """Drop the temp file: this shard will not be written (its pipeline failed or stopped)."""
+        self._abandon()
+
+    def _abandon(self) -> None:
+        self._hasher.cancel()
+        with contextlib.suppress(OSError):  # cleanup must not hide why the write failed
+            self._f.close()
+            self._tmp.unlink(missing_ok=True)
+
+
+def _write_data(
+    info: ShardInfo,
     tensors: list[tuple[str, torch.dtype, list[int], list[torch.Tensor]]],
     metadata: dict[str, str],
-) -> tuple[int, str, WriteTiming]:
-    """Write the safetensors layout (u64 header length, JSON header, data) streaming each tensor's
-    chunks, hashing them in a second thread; temp file + fsync + rename. Returns (bytes, sha256,
-    the seconds each step took)."""
+) -> WrittenShard:
+    """Write the safetensors layout (u64 header length, JSON header, data) to a temp file beside
+    `info.path`, streaming each tensor's chunks and hashing them in a second thread."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, dtype, shape, chunks in tensors:
@@ -415,35 +474,29 @@ def _write_safetensors(
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = info.path.with_name(f".{info.path.name}.tmp")
     h = _HashBehind()
+    f: BinaryIO | None = None
     try:
-        with open(tmp, "wb") as f:
-            parts = [memoryview(struct.pack("<Q", len(blob)) + blob)]
-            parts += [_raw(c) for _, _, _, chunks in tensors for c in chunks]
-            began = time.perf_counter()
-            for part in parts:
-                h.update(part)
-                f.write(part)
-            wrote = time.perf_counter()
-            f.flush()
-            os.fsync(f.fileno())
-        synced = time.perf_counter()
-        digest = h.hexdigest()
-        hashed = time.perf_counter()
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-        timing = WriteTiming(
-            data=wrote - began, hash_wait=hashed - synced, fsync=synced - wrote + time.perf_counter() - hashed
-        )
+        f = open(tmp, "wb")  # noqa: SIM115 - closed by WrittenShard.sync or discard
+        parts = [memoryview(struct.pack("<Q", len(blob)) + blob)]
+        parts += [_raw(c) for _, _, _, chunks in tensors for c in chunks]
+        began = time.perf_counter()
+        for part in parts:
+            h.update(part)
+            f.write(part)
+        data_s = time.perf_counter() - began
     except BaseException as exc:
         h.cancel()
         with contextlib.suppress(OSError):  # cleanup must not hide why the write failed
+            if f is not None:
+                f.close()
             tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise ExtractionError(f"cannot write shard {path} ({free_text(path)}): {exc}") from exc
+            raise ExtractionError(f"cannot write shard {info.path} ({free_text(info.path)}): {exc}") from exc
         raise
-    return 8 + len(blob) + offset, digest, timing
+    info = dataclasses.replace(info, bytes=8 + len(blob) + offset)
+    return WrittenShard(info, tmp, f, h, data_s)
 
 
 class ShardReader:
