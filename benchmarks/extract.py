@@ -24,7 +24,8 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
 `--pipelines` names the pipeline runs, so one invocation A/Bs variants against one roofline: a storage
 dtype plus `+` modifiers, `server` (quantize on the server, fp8 only), `sync` (the server's pre-overlap
 device->host copy), `w<N>` (N server dump writers instead of `--dump-writers`) and `r<N>` (N requests in
-flight instead of `--requests-in-flight`), e.g. `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8`.
+flight instead of `--requests-in-flight`) and `p<N>` (a commit buffer of N batches instead of the config's
+default), e.g. `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8,fp8+server+p1`.
 
 efficiency = pipeline tokens/s / min(bare forward tokens/s, write bytes/s / shard bytes per token),
 with the best of three single-shard writes as "write bytes/s" (the disk at its burst rate).
@@ -344,12 +345,15 @@ def pipeline(
     variant: str,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    storage, server_quantize, sync_copy, dump_writers, in_flight = parse_variant(variant, args)
+    storage, server_quantize, sync_copy, dump_writers, in_flight, buffer_batches = parse_variant(
+        variant, args
+    )
     cfg = ExtractConfig(
         storage_dtype=storage,  # type: ignore[arg-type]
         shard_bytes=args.shard_mb << 20,
         batch_tokens=args.batch_tokens,
         requests_in_flight=in_flight,
+        commit_buffer_tokens=buffer_batches and buffer_batches * args.batch_tokens,
         splits=["train"],
         work_dir=str(work / f"pipe-{variant}"),
         delete_local_after_upload=True,
@@ -393,6 +397,7 @@ def pipeline(
         "server_copy": "sync" if sync_copy or not device.startswith("cuda") else "overlapped",
         "dump_writers": dump_writers,
         "requests_in_flight": in_flight,
+        "commit_buffer_tokens": cfg.resolved_commit_buffer_tokens(),
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
         # Seconds and shares of the steady wall: the client's critical path and the server's phases
@@ -407,22 +412,28 @@ class Variant(NamedTuple):
     sync_copy: bool
     dump_writers: int
     requests_in_flight: int
+    commit_buffer_batches: int | None  # None: the config's default
 
 
 def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
-    """`fp8+server+sync+w4+r8` -> storage, quantize on server, sync copy, dump writers, requests in flight."""
+    """`fp8+server+sync+w4+r8+p2` -> storage, quantize on server, sync copy, dump writers, requests in
+    flight, commit buffer (in batches)."""
     storage, *mods = variant.split("+")
     if storage not in ("bf16", "fp8"):
         sys.exit(f"--pipelines {variant!r}: storage must be bf16 or fp8")
-    counts = {"w": args.dump_writers, "r": args.requests_in_flight}
+    counts: dict[str, int | None] = {"w": args.dump_writers, "r": args.requests_in_flight, "p": None}
     for mod in mods:
         if mod[:1] in counts and mod[1:].isdigit() and int(mod[1:]) > 0:
             counts[mod[:1]] = int(mod[1:])
         elif mod not in ("server", "sync"):
-            sys.exit(f"--pipelines {variant!r}: unknown modifier {mod!r} (server, sync, w<N>, r<N>)")
+            sys.exit(f"--pipelines {variant!r}: unknown modifier {mod!r} (server, sync, w<N>, r<N>, p<N>)")
     if "server" in mods and storage != "fp8":
         sys.exit(f"--pipelines {variant!r}: only fp8 is quantized on the server")
-    return Variant(storage, "server" in mods, "sync" in mods or args.sync_copy, counts["w"], counts["r"])
+    writers, in_flight = counts["w"], counts["r"]
+    assert writers is not None and in_flight is not None
+    return Variant(
+        storage, "server" in mods, "sync" in mods or args.sync_copy, writers, in_flight, counts["p"]
+    )
 
 
 def match_server_threads(device: str) -> int:
@@ -477,7 +488,7 @@ def main() -> None:
     ap.add_argument(
         "--pipelines",
         default="bf16,fp8",
-        help="pipeline runs: dtype[+server][+sync][+w<N>][+r<N>], comma-separated",
+        help="pipeline runs: dtype[+server][+sync][+w<N>][+r<N>][+p<N>], comma-separated",
     )
     ap.add_argument(
         "--commit-workers", type=int, default=None, help="encode threads per server (default: the config's)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -187,6 +188,36 @@ def test_shards_split_by_size_without_splitting_samples(tmp_path):
     assert [sid for i in infos for sid in ShardReader(i.path).sample_ids] == [s.id for s in samples]
     # No temp files are left behind.
     assert sorted(p.name for p in tmp_path.iterdir()) == [i.name for i in infos]
+
+
+@pytest.mark.parametrize("how", ["short writes", "no writev"])
+def test_a_shard_is_the_same_bytes_however_the_os_takes_the_writes(tmp_path, samples, monkeypatch, how):
+    """Shards are written with writev, many buffers a call. A call that writes only part of what it
+    was given (the kernel may stop anywhere: a signal, its 2 GB cap) must carry on from the first byte
+    not written, and an OS without writev writes part by part: the same file either way."""
+    (want,) = write_all(tmp_path / "plain", samples, "fp8")
+    calls = []
+    if how == "short writes":
+        real = os.writev
+
+        def short(fd: int, buffers: list) -> int:
+            # At most 1,000 bytes a call, cut anywhere: inside a buffer, or mid-way through the list.
+            out, budget = [], 1000
+            for b in buffers:
+                if budget <= 0:
+                    break
+                out.append(memoryview(b)[:budget])
+                budget -= out[-1].nbytes
+            calls.append(len(buffers))
+            return real(fd, out)
+
+        monkeypatch.setattr(os, "writev", short)
+    else:
+        monkeypatch.delattr(os, "writev")
+    (got,) = write_all(tmp_path / how.replace(" ", "-"), samples, "fp8")
+    assert got.path.read_bytes() == want.path.read_bytes() and got.sha256 == want.sha256
+    if how == "short writes":
+        assert len(calls) >= want.bytes // 1000  # it really went through the short-write path
 
 
 def test_bad_samples_and_files_are_refused(tmp_path, samples):

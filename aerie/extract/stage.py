@@ -12,7 +12,7 @@ With `num_slices` > 1 the corpus is cut into num_slices x num_servers contiguous
 
 The stage key covers what changes the shards' contents or layout (storage dtype, shard size, server
 count over all slices, splits), the server backend, the target and its revision and the corpus manifest
-digest; operational knobs (batch size, requests in flight, restarts, timeouts, work dir, commit workers,
+digest; operational knobs (batch size, requests in flight, restarts, timeouts, work dir, commit workers and buffer,
 and where fp8 is quantized: `quantize_device`, `quantize_on_server`, one function on identical inputs,
 byte-identical shards) are left out, so changing them does not throw away uploaded shards on a re-run.
 """

@@ -155,9 +155,9 @@ class SliceWorker:
             writer,
             first_row=row,
             workers=self.cfg.resolved_commit_workers(),
-            # One batch being encoded while the pump admits the next: enough to keep every encode
-            # thread busy, and the dumps held stay within what the preflight counts.
-            max_pending_tokens=self.cfg.batch_tokens,
+            # Samples are read from their dumps (deleted then) before they are handed over, so this
+            # buffer is memory, not dump space: the preflight's count of dumps in flight holds.
+            max_pending_tokens=self.cfg.resolved_commit_buffer_tokens(),
             on_closed=lambda info, first, end: self._closed(info, split, first, end),
             on_appended=self._appended,
         )
