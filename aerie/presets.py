@@ -96,6 +96,10 @@ def smollm2_gpu() -> PipelineConfig:
     cfg.extract.storage_dtype = "fp8"
     cfg.extract.batch_tokens = 65536
     cfg.extract.requests_in_flight = 4
+    # The server quantizes each pack on the GPU (the same codes as the CPU's, tests/test_extraction_cuda.py,
+    # passed on an H200 in session 8): the extract stage ran at 252.9K tokens/s steady against 167.8K with
+    # the client quantizing (session 7; benchmarks/results/h200/logs-session8).
+    cfg.extract.quantize_on_server = True
     # 15M tokens of fp8 shards are 35 GB: a local copy beside the (local) store's would not fit the
     # H200 host's 64 GB disk, and the preflight refuses it (the store takes each shard over by rename).
     cfg.extract.delete_local_after_upload = True
