@@ -179,9 +179,8 @@ class ExtractionClient:
                 )
         paths = [await wait_for_dump(self.dump_dir, rid, self.dump_timeout_s) for rid in batch.rids]
         timing.dumps_found = time.monotonic()
-        tensors = await asyncio.to_thread(_read_and_delete, paths)
-        timing.read = time.monotonic()
-        samples = [to_sample(row, t, str(p)) for row, t, p in zip(batch.rows, tensors, paths, strict=True)]
+        # Reading and checking in one thread: the event loop stays free for the other requests' replies.
+        samples = await asyncio.to_thread(_read_and_check, batch.rows, paths, timing)
         timing.done = time.monotonic()
         return samples
 
@@ -210,6 +209,12 @@ class ExtractionClient:
                 f"/generate with max_new_tokens=1 returned no output_ids: {str(item)[:300]}"
             )
         return int(ids[0])
+
+
+def _read_and_check(rows: list[Row], paths: list[Path], timing: RequestTiming) -> list[HiddenSample]:
+    tensors = _read_and_delete(paths)
+    timing.read = time.monotonic()
+    return [to_sample(row, t, str(p)) for row, t, p in zip(rows, tensors, paths, strict=True)]
 
 
 def _read_and_delete(paths: list[Path]) -> list[dict[str, torch.Tensor]]:

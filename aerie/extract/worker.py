@@ -262,6 +262,7 @@ class SliceWorker:
         rows = self.splits[split].iter_rows(committer.next_row, hi)
         batches = make_batches(rows, self.cfg.batch_tokens, rid_prefix=f"{split}")
         in_flight: deque[tuple[asyncio.Task[list[HiddenSample]], RequestTiming]] = deque()
+        handing: list[asyncio.Future[None]] = []  # the batch being handed to the commit path (0 or 1)
         server_before = server_after = None
         try:
             server_before = await client.server_phases()
@@ -271,30 +272,46 @@ class SliceWorker:
                 timing = RequestTiming()
                 in_flight.append((asyncio.create_task(client.extract(batch, timing)), timing))
                 if len(in_flight) >= self.cfg.requests_in_flight:
-                    await self._commit_next(in_flight, committer)
+                    await self._commit_next(in_flight, committer, handing)
             while in_flight:
-                await self._commit_next(in_flight, committer)
+                await self._commit_next(in_flight, committer, handing)
+            began = time.monotonic()
+            await self._handed_over(handing)
+            self.result.phases.committed(time.monotonic() - began)
             server_after = await client.server_phases()
         finally:
             self.result.phases.server_window(server_before, server_after)
             for task, _ in in_flight:
                 task.cancel()
-            await asyncio.gather(*(task for task, _ in in_flight), return_exceptions=True)
+            # A hand-over still running finishes (it cannot be interrupted mid-sample): a restart
+            # resumes from `committer.next_row`, which must be final by then.
+            await asyncio.gather(*(task for task, _ in in_flight), *handing, return_exceptions=True)
             await client.aclose()
 
     async def _commit_next(
         self,
         in_flight: deque[tuple[asyncio.Task[list[HiddenSample]], RequestTiming]],
         committer: ShardCommitter,
+        handing: list[asyncio.Future[None]],
     ) -> None:
-        """Wait for the oldest request, then commit its samples; the waits go to the phases."""
+        """Wait for the oldest request, then start handing its samples to the commit path once the
+        previous batch is handed over (row order); the waits go to the phases. The pump does not wait
+        for the hand-over itself: it starts its next request meanwhile (on an H200 the hand-over, a
+        thread blocked on the commit path or the GIL, was a third of the pump's wall)."""
         task, timing = in_flight.popleft()
         began = time.monotonic()
         samples = await task
         replied = time.monotonic()
         self.result.phases.waited_on(timing, began, replied)
-        await asyncio.to_thread(self._commit, samples, committer)
+        await self._handed_over(handing)
         self.result.phases.committed(time.monotonic() - replied)
+        handing.append(asyncio.ensure_future(asyncio.to_thread(self._commit, samples, committer)))
+
+    @staticmethod
+    async def _handed_over(handing: list[asyncio.Future[None]]) -> None:
+        """Wait for the batch being handed over, if any; raises what its hand-over raised."""
+        if handing:
+            await handing.pop()
 
     def _commit(self, samples: list[HiddenSample], committer: ShardCommitter) -> None:
         """Hand a batch to the commit path (in a thread: `submit` blocks while the path is full, and
