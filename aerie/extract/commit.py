@@ -16,7 +16,8 @@ they left the disk idle half the time, its writer the bound of the whole extract
 
 Memory is bounded: `submit` blocks while `max_pending_tokens` tokens are submitted but not yet
 appended (back-pressure on the pump), and the shard being written plus the one filling are the
-only shards held; the one being fsynced is in the page cache, no longer in memory here. The time `submit` and `finish` spend blocked is `waited_s`.
+only shards held (the one being fsynced is in the page cache, no longer here). The time `submit` and
+`finish` spend blocked is `waited_s`.
 
 Encode threads run torch single-threaded: the pool is the parallelism, and a pool of threads that
 each open a full intra-op OpenMP team oversubscribes the cores (on a loaded 2-core host that made

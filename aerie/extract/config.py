@@ -107,7 +107,8 @@ class ExtractConfig(StrictModel):
 
     def resolved_commit_buffer_tokens(self) -> int:
         """`commit_buffer_tokens`, or 4 batches: with one, on an H200 the pump spent half its time
-        waiting to hand its next batch over while the append thread sat idle 70% of the time."""
+        waiting to hand its next batch over while the append thread sat idle 70% of the time; 4 took
+        the fp8 pipeline from 281K to 299K tokens/s (benchmarks/results/extract-cuda.json)."""
         return self.commit_buffer_tokens or 4 * self.batch_tokens
 
     def resolved_commit_workers(self) -> int:

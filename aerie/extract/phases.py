@@ -36,7 +36,7 @@ threads, not parts of the pump's wall: their shares of it only say how loaded ea
 - `write_slot_wait`: the append thread (and, once, the final drain) blocked because the previous
   shard is still being written (a high share: the write thread is the bound);
 - `write`: the write thread inside `SealedShard.write_data` (preparing the layout, then
-  `write_data`: the loop of f.write calls);
+  `write_data`: the writev calls);
 - `sync_slot_wait`: the write thread, its shard's data written, blocked because the previous shard is
   still being fsynced (a high share: the disk, not the writer, is the bound);
 - `sync`: the sync thread inside `WrittenShard.sync`, of which `write_hash_wait` (waiting for the

@@ -94,7 +94,7 @@ class WriteTiming:
     (`aerie.extract.phases`): `data` in `SealedShard.write_data` (which also prepares the layout:
     offsets, concatenating ids, masks and scales, the header), the rest in `WrittenShard.sync`."""
 
-    data: float = 0.0  # the loop of f.write calls (and queueing each buffer for the hash thread)
+    data: float = 0.0  # the writev calls (and queueing the buffers for the hash thread)
     hash_wait: float = 0.0  # waiting for the hash thread once the data was flushed and fsynced
     fsync: float = 0.0  # flush + fsync + close of the temp file, rename, fsync of the directory
 
@@ -427,7 +427,7 @@ class WrittenShard:
 
     @property
     def data_s(self) -> float:
-        """Seconds the data took to write (the f.write calls)."""
+        """Seconds the data took to write (the writev calls)."""
         return self._data_s
 
     def sync(self) -> ShardInfo:
@@ -459,8 +459,10 @@ class WrittenShard:
 
     def _abandon(self) -> None:
         self._hasher.cancel()
-        with contextlib.suppress(OSError):  # cleanup must not hide why the write failed
+        # Cleanup must not hide why the write failed.
+        with contextlib.suppress(OSError):
             self._f.close()
+        with contextlib.suppress(OSError):
             self._tmp.unlink(missing_ok=True)
 
 
@@ -471,14 +473,10 @@ def _write_all(f: BinaryIO, parts: list[memoryview]) -> None:
     """Write `parts` in order, up to `_IOV_MAX` per system call (writev) where the OS has it.
 
     A shard is ~1,000 parts (two per sample). Written one by one, each call releases the GIL and must
-    take it back from the extraction's other threads (the pump, the append and encode threads), and on
-    a GPU host that wait made the shard writer several times slower than the disk. A short write (a
-    signal, the 2 GB per-call cap) carries on from the first byte not written."""
-    writev = getattr(os, "writev", None)
-    if writev is None:
-        for part in parts:
-            f.write(part)
-        return
+    win it back from the extraction's other threads (the pump, the append, encode and upload threads):
+    a thousand such waits a shard instead of one. A short write (a signal, the 2 GB per-call cap)
+    carries on from the first byte not written; without writev, one part a call."""
+    writev = getattr(os, "writev", None) or (lambda fd, buffers: os.write(fd, buffers[0]))
     fd = f.fileno()
     pending, i = list(parts), 0
     while i < len(pending):
