@@ -421,7 +421,7 @@ def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
     storage, *mods = variant.split("+")
     if storage not in ("bf16", "fp8"):
         sys.exit(f"--pipelines {variant!r}: storage must be bf16 or fp8")
-    counts: dict[str, int | None] = {"w": args.dump_writers, "r": args.requests_in_flight, "p": None}
+    counts = {"w": args.dump_writers, "r": args.requests_in_flight, "p": 0}  # p 0: the config's default
     for mod in mods:
         if mod[:1] in counts and mod[1:].isdigit() and int(mod[1:]) > 0:
             counts[mod[:1]] = int(mod[1:])
@@ -429,10 +429,13 @@ def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
             sys.exit(f"--pipelines {variant!r}: unknown modifier {mod!r} (server, sync, w<N>, r<N>, p<N>)")
     if "server" in mods and storage != "fp8":
         sys.exit(f"--pipelines {variant!r}: only fp8 is quantized on the server")
-    writers, in_flight = counts["w"], counts["r"]
-    assert writers is not None and in_flight is not None
     return Variant(
-        storage, "server" in mods, "sync" in mods or args.sync_copy, writers, in_flight, counts["p"]
+        storage,
+        "server" in mods,
+        "sync" in mods or args.sync_copy,
+        counts["w"],
+        counts["r"],
+        counts["p"] or None,
     )
 
 

@@ -422,10 +422,6 @@ class WrittenShard:
         self._data_s = data_s
 
     @property
-    def path(self) -> Path:
-        return self._info.path
-
-    @property
     def data_s(self) -> float:
         """Seconds the data took to write (the writev calls)."""
         return self._data_s
@@ -442,11 +438,9 @@ class WrittenShard:
             os.replace(self._tmp, self._info.path)
             _fsync_dir(self._info.path.parent)
         except BaseException as exc:
-            self._abandon()
+            _drop_temp(self._hasher, self._f, self._tmp)
             if isinstance(exc, OSError):
-                raise ExtractionError(
-                    f"cannot write shard {self._info.path} ({free_text(self._info.path)}): {exc}"
-                ) from exc
+                raise _cannot_write_shard(self._info.path, exc) from exc
             raise
         timing = WriteTiming(
             data=self._data_s, hash_wait=hashed - synced, fsync=synced - began + time.perf_counter() - hashed
@@ -455,15 +449,21 @@ class WrittenShard:
 
     def discard(self) -> None:
         """Drop the temp file: this shard will not be written (its pipeline failed or stopped)."""
-        self._abandon()
+        _drop_temp(self._hasher, self._f, self._tmp)
 
-    def _abandon(self) -> None:
-        self._hasher.cancel()
-        # Cleanup must not hide why the write failed.
+
+def _drop_temp(hasher: _HashBehind, f: BinaryIO | None, tmp: Path) -> None:
+    """Stop hashing, close and remove a shard's temp file; cleanup must not hide why the write failed."""
+    hasher.cancel()
+    if f is not None:
         with contextlib.suppress(OSError):
-            self._f.close()
-        with contextlib.suppress(OSError):
-            self._tmp.unlink(missing_ok=True)
+            f.close()
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
+
+
+def _cannot_write_shard(path: Path, exc: OSError) -> ExtractionError:
+    return ExtractionError(f"cannot write shard {path} ({free_text(path)}): {exc}")
 
 
 _IOV_MAX = 1024  # the Linux and macOS limit on buffers per writev
@@ -517,13 +517,9 @@ def _write_data(
         _write_all(f, parts)
         data_s = time.perf_counter() - began
     except BaseException as exc:
-        h.cancel()
-        with contextlib.suppress(OSError):  # cleanup must not hide why the write failed
-            if f is not None:
-                f.close()
-            tmp.unlink(missing_ok=True)
+        _drop_temp(h, f, tmp)
         if isinstance(exc, OSError):
-            raise ExtractionError(f"cannot write shard {info.path} ({free_text(info.path)}): {exc}") from exc
+            raise _cannot_write_shard(info.path, exc) from exc
         raise
     info = dataclasses.replace(info, bytes=8 + len(blob) + offset)
     return WrittenShard(info, tmp, f, h, data_s)
