@@ -296,12 +296,13 @@ def storage_write(
 def dump_roundtrip(
     work: Path, hidden: int, samples: int = 64, tokens_per_sample: int = 700
 ) -> dict[str, Any]:
-    """The per-sample dump path alone, single-threaded: the server's `write_dump` (serialize, fsync,
-    rename) then the client's `read_dump` + unlink, in tmpfs and in the work dir. Each pipeline token
+    """The per-sample dump path alone, single-threaded: the server's `write_dump` (serialize,
+    rename) then the client's `read_dumps` (memory-mapped: the bytes are copied later, into the shard)
+    and unlink, in tmpfs and in the work dir. Each pipeline token
     crosses it once, so its rate bounds the pipeline from above."""
+    from aerie.extract.client import read_dumps
     from aerie.refserver.dump import write_dump
     from aerie.refserver.extraction import Capture
-    from aerie.sglang_plugin.dumps import read_dump
 
     caps = [
         Capture(
@@ -323,10 +324,7 @@ def dump_roundtrip(
                 write_dump(folder, f"r{i}", caps[i % len(caps)])
             written = time.perf_counter() - began
             began = time.perf_counter()
-            for i in range(samples):
-                path = folder / f"r{i}.safetensors"
-                read_dump(path)
-                path.unlink()
+            read_dumps([folder / f"r{i}.safetensors" for i in range(samples)])  # and deletes them
             read = time.perf_counter() - began
         finally:
             shutil.rmtree(folder, ignore_errors=True)

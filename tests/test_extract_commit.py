@@ -7,6 +7,7 @@ rest exactly; back-pressure holds the submitter; failures surface with where the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import time
@@ -19,6 +20,7 @@ from aerie.errors import ExtractionError
 from aerie.extract.commit import ShardCommitter, default_workers
 from aerie.extract.config import ExtractConfig
 from aerie.extract.shards import HiddenSample, ShardInfo, ShardReader, ShardWriter, bytes_per_token
+from aerie.fp8 import quantize_fp8
 
 H = 32
 
@@ -105,6 +107,42 @@ def commit_all(c: ShardCommitter, samples: list) -> None:
         c.finish()
     finally:
         c.close()
+
+
+def quantized(samples: list[HiddenSample]) -> list[HiddenSample]:
+    """The samples as a server quantizing its dumps hands them over: fp8 codes and their scales."""
+    out = []
+    for s in samples:
+        aux, aux_s = quantize_fp8(s.aux_hidden, groups=3)
+        last, last_s = quantize_fp8(s.last_hidden, groups=1)
+        out.append(
+            dataclasses.replace(s, aux_hidden=aux, last_hidden=last, aux_scale=aux_s, last_scale=last_s)
+        )
+    return out
+
+
+@pytest.mark.parametrize("arrive", ["bf16 into fp8", "fp8 from the server", "bf16 into bf16"])
+def test_batches_handed_over_at_once_write_the_serial_shards(tmp_path, arrive):
+    """`submit_many` takes a request's samples in one hand-off, and samples that need no encoding
+    bypass the encode pool: the shards are still the serial writer's, wherever batches and shards
+    cut the rows."""
+    storage = "bf16" if arrive == "bf16 into bf16" else "fp8"
+    samples = make_samples(40)
+    if arrive == "fp8 from the server":
+        samples = quantized(samples)
+    want = serial(tmp_path / "serial", storage, samples)
+    sink = Collect()
+    c = committer(writer(tmp_path / "par", storage), sink, workers=2, max_pending_tokens=500)
+    try:
+        for lo, hi in [(0, 1), (1, 9), (9, 10), (10, 27), (27, 40)]:
+            c.submit_many(samples[lo:hi])
+        c.finish()
+    finally:
+        c.close()
+    assert layout(sink.closed) == layout(want)
+    assert sink.tokens == sum(s.tokens for s in samples)
+    # Only quantizing on the client keeps the pool busy.
+    assert (c.busy()["encode"] > 0) == (arrive == "bf16 into fp8")
 
 
 @pytest.mark.parametrize("storage", ["fp8", "bf16"])

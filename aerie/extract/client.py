@@ -27,10 +27,11 @@ from aerie.extract.phases import SERVER_PHASES_KEY, RequestTiming
 from aerie.extract.shards import HiddenSample
 from aerie.sglang_plugin.dumps import (
     PLUGIN_ERROR_FILE,
+    check_dump,
     dump_path,
     error_path,
-    read_dump,
 )
+from aerie.tensorfile import load_mapped
 
 DUMP_POLL_S = 0.01
 
@@ -212,16 +213,18 @@ class ExtractionClient:
 
 
 def _read_and_check(rows: list[Row], paths: list[Path], timing: RequestTiming) -> list[HiddenSample]:
-    tensors = _read_and_delete(paths)
+    tensors = read_dumps(paths)
     timing.read = time.monotonic()
     return [to_sample(row, t, str(p)) for row, t, p in zip(rows, tensors, paths, strict=True)]
 
 
-def _read_and_delete(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
+def read_dumps(paths: list[Path]) -> list[dict[str, torch.Tensor]]:
+    """The dumps' tensors, memory-mapped (`load_mapped`: their bytes are copied once, into the shard,
+    and the tmpfs pages are freed when the shard is written and the tensors dropped)."""
     out = []
     for p in paths:
         try:
-            out.append(read_dump(p))
+            out.append(check_dump(load_mapped(p)[0], p))
         except (ValueError, OSError) as exc:
             raise ExtractionError(f"unreadable dump {p}: {exc}") from exc
         p.unlink(missing_ok=True)

@@ -4,7 +4,9 @@
 value), append, and every ~1 GB write and hash of a closed shard. On a GPU host that one thread set
 the pace of the whole extraction (it was busy 84% of the time). `ShardCommitter` splits the work:
 
-    submit (the pump's thread) --> encode pool (`workers` threads, rows of a sample in parallel)
+    submit_many (the pump's hand-over, a request's samples at once)
+        --> encode pool (`workers` threads, rows of a sample in parallel; skipped where encoding is
+            only slicing: fp8 from the server, bf16 into bf16)
         --> append (one thread, strict row order) --> write (one thread: a shard's bytes)
         --> sync (one thread: fsync and rename) --> on_closed(info, first_row, end_row), in shard order
 
@@ -14,7 +16,7 @@ A shard is written while the next one fills, and fsynced while the next one is w
 host a shard's write and its fsync took about as long as each other, and done in turn on one thread
 they left the disk idle half the time, its writer the bound of the whole extraction.
 
-Memory is bounded: `submit` blocks while `max_pending_tokens` tokens are submitted but not yet
+Memory is bounded: `submit_many` blocks while `max_pending_tokens` tokens are submitted but not yet
 appended (back-pressure on the pump), and the shard being written plus the one filling are the
 only shards held (the one being fsynced is in the page cache, no longer here). The time `submit` and
 `finish` spend blocked is `waited_s`.
@@ -180,31 +182,52 @@ class ShardCommitter:
     # -- the caller's side ---------------------------------------------------------------------------
 
     def submit(self, sample: HiddenSample) -> None:
-        """Queue the next row's sample; blocks while the pipeline holds `max_pending_tokens`.
-        Raises the pipeline's first failure (a bad sample, a shard that could not be written)."""
+        """`submit_many` of one sample."""
+        self.submit_many([sample])
+
+    def submit_many(self, samples: list[HiddenSample]) -> None:
+        """Queue the next rows' samples (one request's, in row order) as one task; blocks while the
+        pipeline holds `max_pending_tokens`. Raises the pipeline's first failure (a bad sample, a shard
+        that could not be written).
+
+        A batch is one hand-off to the append thread, not one per sample: on an H200 host the pump
+        handed ~460 samples a second over, and each hop between threads waits for the GIL. Samples that
+        need no encoding (already the shard's dtype, or fp8 from the server) skip the encode pool."""
         self._raise_failure()
-        t = self.writer.check(sample)
+        if not samples:
+            return
+        tokens = [self.writer.check(s) for s in samples]
+        total = sum(tokens)
         began = time.monotonic()
         with self._cond:
-            # A sample larger than the budget still goes in, alone.
+            # A batch larger than the budget still goes in, alone.
             while (
                 not (self._failure or self._cancelled)
                 and self._pending_tokens
-                and self._pending_tokens + t > self.max_pending_tokens
+                and self._pending_tokens + total > self.max_pending_tokens
             ):
                 self._cond.wait()
-            self._pending_tokens += t
+            self._pending_tokens += total
         self.waited_s += time.monotonic() - began
         self._raise_failure()
-        parts = [
-            self._encode.submit(self._encode_rows, sample, lo, min(lo + self.encode_rows, t))
-            for lo in range(0, t, self.encode_rows)
-        ]
-        row = self.next_row
-        self.next_row += 1
+        encoded = [self._encode_parts(s, t) for s, t in zip(samples, tokens, strict=True)]
+        first = self.next_row
+        self.next_row += len(samples)
         # The callbacks run on the pipeline's threads with the caller's context variables (Prefect's
         # run context among them: progress artifacts are updated from there), as asyncio.to_thread does.
-        self._append_pool.submit(contextvars.copy_context().run, self._append, row, sample, parts, t)
+        self._append_pool.submit(
+            contextvars.copy_context().run, self._append, first, samples, encoded, tokens
+        )
+
+    def _encode_parts(self, sample: HiddenSample, tokens: int) -> list[Future[EncodedRows]] | None:
+        """The sample's encode tasks on the pool, in row ranges; None when encoding is only slicing
+        (the append thread does it then)."""
+        if not self.writer.needs_encoding(sample):
+            return None
+        return [
+            self._encode.submit(self._encode_rows, sample, lo, min(lo + self.encode_rows, tokens))
+            for lo in range(0, tokens, self.encode_rows)
+        ]
 
     def drain(self) -> None:
         """Wait until every submitted sample is in the open shard and every closed shard is written
@@ -252,29 +275,44 @@ class ShardCommitter:
         finally:
             self._busy.add(encode=time.perf_counter() - began)
 
-    def _append(self, row: int, sample: HiddenSample, parts: list[Future[EncodedRows]], tokens: int) -> None:
+    def _append(
+        self,
+        first_row: int,
+        samples: list[HiddenSample],
+        encoded: list[list[Future[EncodedRows]] | None],
+        tokens: list[int],
+    ) -> None:
         try:
-            if self._failure is not None or self._cancelled:
-                return
-            began = time.perf_counter()
-            rows = [p.result() for p in parts]
-            encoded = time.perf_counter()
-            slot_wait = 0.0
-            try:
-                sealed = self.writer.append(sample, rows)
-                if sealed is not None:  # the shard of the rows before this one is complete
-                    slot_wait = self._write_behind(sealed, end_row=row)[1]
-                if self._on_appended is not None:
-                    self._on_appended(tokens)
-            finally:
-                own = time.perf_counter() - encoded - slot_wait
-                self._busy.add(append_wait_encode=encoded - began, append=own)
+            for i, (sample, parts, t) in enumerate(zip(samples, encoded, tokens, strict=True)):
+                if self._failure is not None or self._cancelled:
+                    return
+                self._append_one(first_row + i, sample, parts, t)
         except BaseException as exc:
             self._fail(exc)
         finally:
             with self._cond:
-                self._pending_tokens -= tokens
+                self._pending_tokens -= sum(tokens)
                 self._cond.notify_all()
+
+    def _append_one(
+        self, row: int, sample: HiddenSample, parts: list[Future[EncodedRows]] | None, tokens: int
+    ) -> None:
+        began = time.perf_counter()
+        rows = [p.result() for p in parts] if parts is not None else [self.writer.encode(sample, 0, tokens)]
+        encoded = time.perf_counter()
+        slot_wait = 0.0
+        try:
+            sealed = self.writer.append(sample, rows)
+            if sealed is not None:  # the shard of the rows before this one is complete
+                slot_wait = self._write_behind(sealed, end_row=row)[1]
+            if self._on_appended is not None:
+                self._on_appended(tokens)
+        finally:
+            own = time.perf_counter() - encoded - slot_wait
+            if parts is None:  # encoded here: the append thread's own work
+                self._busy.add(append=own + encoded - began)
+            else:
+                self._busy.add(append_wait_encode=encoded - began, append=own)
 
     def _write_behind(self, sealed: SealedShard, end_row: int) -> tuple[Future[None], float]:
         """Write `sealed` (rows up to `end_row`) on the write thread; waits only while the previous

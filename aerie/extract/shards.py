@@ -31,7 +31,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,20 +44,12 @@ from safetensors import safe_open
 from aerie.diskspace import free_text
 from aerie.errors import DataError, ExtractionError
 from aerie.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from aerie.tensorfile import TensorParts, layout, write_all
 
 SHARD_SCHEMA_VERSION = 1
 STORAGE_DTYPES = ("bf16", "fp8")
 Storage = Literal["bf16", "fp8"]
 
-# safetensors dtype names of the torch dtypes a shard uses.
-_ST_DTYPE = {
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float32: "F32",
-}
 # Order of tensors in the data section: widest alignment first, so every tensor starts aligned to its
 # element size (the header is padded to 8 bytes, sizes of later tensors keep the alignment).
 _ORDER = ("offsets", "aux_scale", "last_scale", "input_ids", "aux_hidden", "last_hidden", "loss_mask")
@@ -132,12 +123,6 @@ def bytes_per_token(storage: Storage, hidden_size: int) -> int:
     return 4 * hidden_size + 4 * (3 + 1) + ids_and_mask
 
 
-def _raw(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes (little-endian, C order) without a copy when it is already contiguous."""
-    flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -192,7 +177,7 @@ class SealedShard:
         h = self.hidden_size
         n = self.tokens
         widths = {"aux_hidden": 3 * h, "last_hidden": h, "aux_scale": 3, "last_scale": 1}
-        tensors: list[tuple[str, torch.dtype, list[int], list[torch.Tensor]]] = []
+        tensors: list[TensorParts] = []
         for key in _ORDER:
             parts = chunks[key]
             if not parts:
@@ -204,7 +189,7 @@ class SealedShard:
             shape = [len(self.lengths) + 1] if key == "offsets" else [n]
             if key in widths:
                 shape.append(widths[key])
-            tensors.append((key, parts[0].dtype, shape, parts))
+            tensors.append(TensorParts(key, parts[0].dtype, shape, parts))
         metadata = {
             "schema_version": str(SHARD_SCHEMA_VERSION),
             "storage": self.storage,
@@ -318,6 +303,12 @@ class ShardWriter:
         if t and (int(s.input_ids.min()) < 0 or int(s.input_ids.max()) >= 2**31):
             raise ExtractionError(f"sample {s.id!r}: token ids outside int32")
         return t
+
+    def needs_encoding(self, sample: HiddenSample) -> bool:
+        """Whether `encode` does more than slice: a cast or fp8 quantization (work for a pool)."""
+        if self.storage == "bf16":
+            return (sample.aux_hidden.dtype, sample.last_hidden.dtype) != (torch.bfloat16, torch.bfloat16)
+        return not sample.quantized
 
     def encode(self, sample: HiddenSample, lo: int, hi: int) -> EncodedRows:
         """Rows [lo, hi) of a checked sample in storage form. Reads no writer state: safe in any
@@ -466,63 +457,25 @@ def _cannot_write_shard(path: Path, exc: OSError) -> ExtractionError:
     return ExtractionError(f"cannot write shard {path} ({free_text(path)}): {exc}")
 
 
-_IOV_MAX = 1024  # the Linux and macOS limit on buffers per writev
-
-
-def _write_all(f: BinaryIO, parts: list[memoryview]) -> None:
-    """Write `parts` in order, up to `_IOV_MAX` per system call (writev) where the OS has it.
-
-    A shard is ~1,000 parts (two per sample). Written one by one, each call releases the GIL and must
-    win it back from the extraction's other threads (the pump, the append, encode and upload threads):
-    a thousand such waits a shard instead of one. A short write (a signal, the 2 GB per-call cap)
-    carries on from the first byte not written; without writev, one part a call."""
-    writev = getattr(os, "writev", None) or (lambda fd, buffers: os.write(fd, buffers[0]))
-    fd = f.fileno()
-    pending, i = list(parts), 0
-    while i < len(pending):
-        n = writev(fd, pending[i : i + _IOV_MAX])
-        if n <= 0:
-            raise OSError(f"writev wrote nothing of {sum(p.nbytes for p in pending[i:])} bytes")
-        while i < len(pending) and n >= pending[i].nbytes:
-            n -= pending[i].nbytes
-            i += 1
-        if n:
-            pending[i] = pending[i][n:]
-
-
-def _write_data(
-    info: ShardInfo,
-    tensors: list[tuple[str, torch.dtype, list[int], list[torch.Tensor]]],
-    metadata: dict[str, str],
-) -> WrittenShard:
-    """Write the safetensors layout (u64 header length, JSON header, data) to a temp file beside
-    `info.path`, streaming each tensor's chunks and hashing them in a second thread."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, dtype, shape, chunks in tensors:
-        nbytes = sum(c.numel() * c.element_size() for c in chunks)
-        header[name] = {"dtype": _ST_DTYPE[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+def _write_data(info: ShardInfo, tensors: list[TensorParts], metadata: dict[str, str]) -> WrittenShard:
+    """Write the safetensors layout to a temp file beside `info.path`, streaming each tensor's
+    chunks (`aerie.tensorfile`) and hashing them in a second thread."""
+    parts, size = layout(tensors, metadata)
     tmp = info.path.with_name(f".{info.path.name}.tmp")
     h = _HashBehind()
     f: BinaryIO | None = None
     try:
         f = open(tmp, "wb", buffering=0)  # noqa: SIM115 - closed by WrittenShard.sync or discard
-        parts = [memoryview(struct.pack("<Q", len(blob)) + blob)]
-        parts += [_raw(c) for _, _, _, chunks in tensors for c in chunks]
         began = time.perf_counter()
         h.update(parts)
-        _write_all(f, parts)
+        write_all(f.fileno(), parts)
         data_s = time.perf_counter() - began
     except BaseException as exc:
         _drop_temp(h, f, tmp)
         if isinstance(exc, OSError):
             raise _cannot_write_shard(info.path, exc) from exc
         raise
-    info = dataclasses.replace(info, bytes=8 + len(blob) + offset)
-    return WrittenShard(info, tmp, f, h, data_s)
+    return WrittenShard(dataclasses.replace(info, bytes=size), tmp, f, h, data_s)
 
 
 class ShardReader:

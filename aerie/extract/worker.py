@@ -317,8 +317,7 @@ class SliceWorker:
         """Hand a batch to the commit path (in a thread: `submit` blocks while the path is full, and
         the event loop keeps the requests in flight going meanwhile)."""
         began = time.monotonic()
-        for sample in samples:
-            committer.submit(sample)
+        committer.submit_many(samples)
         self.result.commit_seconds += time.monotonic() - began
 
     def _appended(self, tokens: int) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from aerie.refserver.dump import fsync_dir, write_dump
+from aerie.refserver.dump import write_dump
 from aerie.refserver.extraction import HiddenStateCapture, PackCapture
 from aerie.refserver.generation import GenerationBackend, GenRequest, GenResult
 
@@ -72,7 +72,7 @@ class PhaseClock:
     `generate` (prefills and decoding steps) and what is left (bookkeeping). `forward` and `copy` are
     the pack forwards and device->host copies: host clock on the CPU (so within `capture`), GPU time
     from CUDA events on CUDA (overlapping the model thread). The dump writers add `dump_copy_wait`
-    (waiting for a pack's copy to land), `dump_write` (serialize, fsync, rename), both summed over the
+    (waiting for a pack's copy to land), `dump_write` (serialize and rename), both summed over the
     writer threads (up to `writer_threads` x wall), and `writers_busy`, the wall time at least one of
     them was working. `request_parse` / `reply_build` are the `/generate` handler's own time on the
     event loop (JSON, validation; building and serializing the reply), outside the model thread."""
@@ -303,8 +303,7 @@ class Scheduler:
         self._writers.submit(self._write_pack, batch, pack)
 
     def _write_pack(self, batch: list[_ExtractItem], pack: PackCapture) -> None:
-        """Wait for the pack's host copy, write its files, make the renames durable with one
-        directory fsync, then reply."""
+        """Wait for the pack's host copy, write its files, then reply."""
         assert self.dump_dir is not None
         self.phases.writer_started()
         try:
@@ -338,25 +337,18 @@ class Scheduler:
 
     def _write_files(self, batch: list[_ExtractItem], pack: PackCapture) -> list[tuple[_ExtractItem, Any]]:
         """The pack's dump files; the items written, with their replies' dump meta. A failed item gets
-        its exception here; a failed directory fsync fails them all (and returns none)."""
+        its exception here."""
         assert self.dump_dir is not None
         done: list[tuple[_ExtractItem, dict[str, Any]]] = []
-        try:
-            for item, cap in zip(batch, pack.captures, strict=True):
-                try:
-                    meta = write_dump(self.dump_dir, item.rid, cap, {**self.dump_metadata, "rid": item.rid})
-                except Exception as exc:  # a full disk fails this sample with the OSError text, loudly
-                    logger.error(f"writing the dump of rid {item.rid} failed: {exc}")
-                    self.stats.failures += 1
-                    item.future.set_exception(exc)
-                    continue
-                done.append((item, meta))
-            if done:
-                fsync_dir(self.dump_dir)
-        except Exception as exc:
-            for item, _ in done:
+        for item, cap in zip(batch, pack.captures, strict=True):
+            try:
+                meta = write_dump(self.dump_dir, item.rid, cap, {**self.dump_metadata, "rid": item.rid})
+            except Exception as exc:  # a full disk fails this sample with the OSError text, loudly
+                logger.error(f"writing the dump of rid {item.rid} failed: {exc}")
+                self.stats.failures += 1
                 item.future.set_exception(exc)
-            return []
+                continue
+            done.append((item, meta))
         return done
 
     def _fail_everything(self, exc: Exception) -> None:

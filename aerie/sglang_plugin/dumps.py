@@ -105,7 +105,12 @@ def write_error(dump_dir: str | os.PathLike[str], rid: str, message: str) -> Non
 
 def read_dump(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Load a dump and check it holds the contract's tensors with agreeing shapes."""
-    tensors = load_file(str(path))
+    return check_dump(load_file(str(path)), path)
+
+
+def check_dump(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """`tensors` (a dump's, however it was read), after checking they hold the contract's tensors
+    with agreeing shapes; `ValueError` naming `path` otherwise."""
     missing = [k for k in DUMP_KEYS if k not in tensors]
     if missing:
         raise ValueError(f"{path}: dump lacks {missing}")

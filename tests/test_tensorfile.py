@@ -1,0 +1,104 @@
+"""Streamed safetensors writes and memory-mapped reads (`aerie.tensorfile`), checked against the
+safetensors library itself: what one writes the other reads, byte for byte."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from aerie.errors import ExtractionError
+from aerie.extract.client import read_dumps
+from aerie.tensorfile import TensorParts, layout, load_mapped, whole, write_all
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    return {
+        "offsets": torch.tensor([0, 3, 5], dtype=torch.int64),
+        "aux_hidden": torch.randn(5, 6).to(torch.float8_e4m3fn),
+        "aux_scale": torch.rand(5, 3),
+        "input_ids": torch.arange(5, dtype=torch.int32),
+        "last_hidden": torch.randn(5, 2).to(torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+def _write(path: Path, tensors: list[TensorParts], metadata: dict[str, str]) -> None:
+    parts, size = layout(tensors, metadata)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        write_all(fd, parts)
+    finally:
+        os.close(fd)
+    assert path.stat().st_size == size
+
+
+def test_a_streamed_file_is_what_safetensors_reads(tmp_path: Path) -> None:
+    want = _tensors()
+    # aux_hidden in two chunks along tokens, as a shard streams its samples.
+    parts = [
+        TensorParts(n, t.dtype, list(t.shape), [t[:2], t[2:]] if n == "aux_hidden" else [t])
+        for n, t in want.items()
+    ]
+    _write(tmp_path / "a.safetensors", parts, {"k": "v"})
+    got = load_file(tmp_path / "a.safetensors")
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8))
+
+
+def test_a_mapped_read_equals_safetensors_and_outlives_the_file(tmp_path: Path) -> None:
+    want = _tensors()
+    path = tmp_path / "b.safetensors"
+    save_file(want, str(path), metadata={"rid": "r1"})
+    got, metadata = load_mapped(path)
+    path.unlink()  # the mapping keeps the bytes, as a client that deletes each dump once read needs
+    assert metadata == {"rid": "r1"}
+    for name, t in want.items():
+        assert got[name].shape == t.shape and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8))
+    got["aux_scale"][0, 0] = 7.0  # private mapping: writable, and nothing else sees it
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["empty file", "header longer than the file", "not json", "data cut short", "unknown dtype"],
+)
+def test_a_malformed_file_is_a_value_error(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "c.safetensors"
+    save_file({"x": torch.arange(16, dtype=torch.int32)}, str(path))
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    bad = {
+        "empty file": b"",
+        "header longer than the file": (10**6).to_bytes(8, "little") + data[8:],
+        "not json": data[:8] + b"{" * n + data[8 + n :],
+        "data cut short": data[:-4],
+        "unknown dtype": data.replace(b'"I32"', b'"Q32"'),
+    }[damage]
+    path.write_bytes(bad)
+    with pytest.raises(ValueError):
+        load_mapped(path)
+
+
+def test_the_client_names_a_dump_it_cannot_read_and_keeps_it(tmp_path: Path) -> None:
+    """A torn or foreign file in the dump dir fails the batch with the file's name; the file stays
+    for a look (a good dump is deleted once read)."""
+    good, bad = tmp_path / "r1.safetensors", tmp_path / "r2.safetensors"
+    _write(
+        good,
+        whole(
+            {
+                "input_ids": torch.arange(3, dtype=torch.int32),
+                "aux_hidden": torch.zeros(3, 6),
+                "last_hidden": torch.zeros(3, 2),
+            }
+        ),
+        {},
+    )
+    bad.write_bytes(b"\x08" + b"\x00" * 7 + b"garbage!")
+    with pytest.raises(ExtractionError, match="unreadable dump .*r2.safetensors"):
+        read_dumps([good, bad])
+    assert not good.exists() and bad.exists()
