@@ -24,8 +24,9 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
 `--pipelines` names the pipeline runs, so one invocation A/Bs variants against one roofline: a storage
 dtype plus `+` modifiers, `server` (quantize on the server, fp8 only), `sync` (the server's pre-overlap
 device->host copy), `w<N>` (N server dump writers instead of `--dump-writers`) and `r<N>` (N requests in
-flight instead of `--requests-in-flight`) and `p<N>` (a commit buffer of N batches instead of the config's
-default), e.g. `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8,fp8+server+p1`.
+flight instead of `--requests-in-flight`), `p<N>` (a commit buffer of N batches instead of the config's
+default) and `b<N>` (N x 1,024 tokens per request and per server pack instead of `--batch-tokens` and
+`--server-batch-tokens`), e.g. `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8,fp8+server+p1`.
 
 efficiency = pipeline tokens/s / min(bare forward tokens/s, write bytes/s / shard bytes per token),
 with the best of three single-shard writes as "write bytes/s" (the disk at its burst rate).
@@ -343,15 +344,15 @@ def pipeline(
     variant: str,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    storage, server_quantize, sync_copy, dump_writers, in_flight, buffer_batches = parse_variant(
+    storage, server_quantize, sync_copy, dump_writers, in_flight, buffer_batches, batch = parse_variant(
         variant, args
     )
     cfg = ExtractConfig(
         storage_dtype=storage,  # type: ignore[arg-type]
         shard_bytes=args.shard_mb << 20,
-        batch_tokens=args.batch_tokens,
+        batch_tokens=batch or args.batch_tokens,
         requests_in_flight=in_flight,
-        commit_buffer_tokens=buffer_batches and buffer_batches * args.batch_tokens,
+        commit_buffer_tokens=buffer_batches and buffer_batches * (batch or args.batch_tokens),
         splits=["train"],
         work_dir=str(work / f"pipe-{variant}"),
         delete_local_after_upload=True,
@@ -364,7 +365,7 @@ def pipeline(
         port=_free_port(),
         extra_args=[
             "--max-batch-tokens",
-            str(args.server_batch_tokens),
+            str(batch or args.server_batch_tokens),
             "--dump-writers",
             str(dump_writers),
         ],
@@ -395,6 +396,7 @@ def pipeline(
         "server_copy": "sync" if sync_copy or not device.startswith("cuda") else "overlapped",
         "dump_writers": dump_writers,
         "requests_in_flight": in_flight,
+        "batch_tokens": cfg.batch_tokens,
         "commit_buffer_tokens": cfg.resolved_commit_buffer_tokens(),
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
@@ -411,20 +413,24 @@ class Variant(NamedTuple):
     dump_writers: int
     requests_in_flight: int
     commit_buffer_batches: int | None  # None: the config's default
+    batch_tokens: int | None  # tokens per request and per server pack; None: --batch-tokens etc.
 
 
 def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
-    """`fp8+server+sync+w4+r8+p2` -> storage, quantize on server, sync copy, dump writers, requests in
-    flight, commit buffer (in batches)."""
+    """`fp8+server+sync+w4+r8+p2+b128` -> storage, quantize on server, sync copy, dump writers, requests
+    in flight, commit buffer (in batches), tokens per request and server pack (in units of 1,024)."""
     storage, *mods = variant.split("+")
     if storage not in ("bf16", "fp8"):
         sys.exit(f"--pipelines {variant!r}: storage must be bf16 or fp8")
-    counts = {"w": args.dump_writers, "r": args.requests_in_flight, "p": 0}  # p 0: the config's default
+    # p 0, b 0: the config's default commit buffer, --batch-tokens and --server-batch-tokens
+    counts = {"w": args.dump_writers, "r": args.requests_in_flight, "p": 0, "b": 0}
     for mod in mods:
         if mod[:1] in counts and mod[1:].isdigit() and int(mod[1:]) > 0:
             counts[mod[:1]] = int(mod[1:])
         elif mod not in ("server", "sync"):
-            sys.exit(f"--pipelines {variant!r}: unknown modifier {mod!r} (server, sync, w<N>, r<N>, p<N>)")
+            sys.exit(
+                f"--pipelines {variant!r}: unknown modifier {mod!r} (server, sync, w<N>, r<N>, p<N>, b<N>)"
+            )
     if "server" in mods and storage != "fp8":
         sys.exit(f"--pipelines {variant!r}: only fp8 is quantized on the server")
     return Variant(
@@ -434,6 +440,7 @@ def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
         counts["w"],
         counts["r"],
         counts["p"] or None,
+        counts["b"] * 1024 or None,
     )
 
 

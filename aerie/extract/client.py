@@ -3,8 +3,10 @@
 A request carries a batch of whole samples (`input_ids` as a list of lists, one rid each,
 `max_new_tokens: 0`). The server replies with each dump's key/shapes/dtype only (SGLang's reply
 carries no dump info; the file name is known from the rid anyway); the client waits until every
-`<dump_dir>/<rid>.safetensors` exists (written atomically, so existing means complete), reads it,
-checks its token ids against the corpus, and deletes it, so the dump dir holds only what is in flight.
+`<dump_dir>/<rid>.safetensors` exists (written atomically, so existing means complete), maps it
+(`aerie.tensorfile.load_mapped`: no copy; its bytes are copied once, into the shard), checks its token
+ids against the corpus, and deletes it, so the dump dir lists only what is in flight (the pages of a
+mapped dump live on until its shard is written: `aerie.extract.preflight.dumps_in_flight_bytes`).
 A dump may hold the model dtype or, from a reference server run with `--dump-dtype fp8`, fp8 codes
 with their scales (`aerie.refserver.dump`): the sample then carries them to the shard writer as they are.
 """

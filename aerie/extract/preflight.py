@@ -68,11 +68,19 @@ def _device(path: Path) -> int:
 
 
 def dumps_in_flight_bytes(cfg: ExtractConfig, hidden_size: int) -> int:
-    """Dump bytes the servers may hold at once: every request in flight, plus the batch the commit
-    path is encoding (its samples are read from their dumps), with the margin."""
+    """Dump bytes the servers may hold at once, with the margin: every request in flight, the batch
+    being handed over, the commit buffer, and the samples of the shards being filled, written and
+    hashed (three). The client memory-maps the dumps (`aerie.tensorfile.load_mapped`) and a shard
+    streams its samples from those mappings, so a dump's pages are freed only once its shard is written
+    and hashed, not when the file is deleted."""
     per_token = 4 + 4 * hidden_size * DUMP_ELEMENT_BYTES
-    batches = cfg.requests_in_flight + 1
-    return int(cfg.num_servers * batches * cfg.batch_tokens * per_token * cfg.disk_margin)
+    shard_tokens = cfg.shard_bytes // bytes_per_token(cfg.storage_dtype, hidden_size)
+    tokens = (
+        (cfg.requests_in_flight + 1) * cfg.batch_tokens
+        + cfg.resolved_commit_buffer_tokens()
+        + 3 * shard_tokens
+    )
+    return int(cfg.num_servers * tokens * per_token * cfg.disk_margin)
 
 
 def estimate(

@@ -155,8 +155,8 @@ class SliceWorker:
             writer,
             first_row=row,
             workers=self.cfg.resolved_commit_workers(),
-            # Samples are read from their dumps (deleted then) before they are handed over, so this
-            # buffer is memory, not dump space: the preflight's count of dumps in flight holds.
+            # Samples map their dumps (deleted once mapped): until their shard is written, the buffer
+            # holds dump pages, which the preflight's count of dumps in flight includes.
             max_pending_tokens=self.cfg.resolved_commit_buffer_tokens(),
             on_closed=lambda info, first, end: self._closed(info, split, first, end),
             on_appended=self._appended,
