@@ -1,13 +1,12 @@
-"""Writing safetensors files by streaming tensor bytes, without building the file in memory.
+"""safetensors files written by streaming tensor bytes, and read by mapping them: no copy in memory.
 
 `safetensors.torch.save_file` copies every tensor into a Python `bytes` object (holding the GIL for the
 copy), then serializes those copies into the file. On an extraction server that copy is made on the
-dump writer threads while the model thread needs the GIL to launch the next forward's kernels, and per
-sample it cost ~0.9 ms (4x the client's read of the same file). Here the file is the safetensors layout
-(u64 header length, JSON header padded to 8 bytes, then each tensor's bytes in order) written straight
-from the tensors' memory with writev, which releases the GIL while the kernel copies.
-
-Readers are safetensors' own (`safe_open`, `load_file`): the files are ordinary safetensors files.
+dump writer threads while the model thread needs the GIL to launch the next forward's kernels. Here the
+file is the safetensors layout (u64 header length, JSON header padded to 8 bytes, then each tensor's
+bytes in order) written straight from the tensors' memory with writev, which releases the GIL while
+the kernel copies. The files are ordinary safetensors files (`safe_open` and `load_file` read them);
+`load_mapped` reads one without copying its data.
 """
 
 from __future__ import annotations
@@ -124,6 +123,8 @@ def load_mapped(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], 
         header = json.loads(bytes(mapped[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"unreadable safetensors header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ValueError(f"the safetensors header is a {type(header).__name__}, not an object")
     metadata = header.pop("__metadata__", None) or {}
     base = 8 + n
     tensors = {}

@@ -102,3 +102,26 @@ def test_the_client_names_a_dump_it_cannot_read_and_keeps_it(tmp_path: Path) -> 
     with pytest.raises(ExtractionError, match="unreadable dump .*r2.safetensors"):
         read_dumps([good, bad])
     assert not good.exists() and bad.exists()
+
+
+def test_a_server_dump_maps_with_every_tensor_aligned(tmp_path: Path) -> None:
+    """The reference server's fp8 dump (int32 ids, fp8 codes, float32 scales) as the client maps it:
+    the same values, each tensor starting at a multiple of its element size."""
+    from aerie.refserver.dump import write_dump
+    from aerie.refserver.extraction import Capture
+
+    t, h = 5, 6
+    cap = Capture(
+        input_ids=torch.arange(t, dtype=torch.int32),
+        aux_hidden=torch.randn(t, 3 * h).to(torch.float8_e4m3fn),
+        last_hidden=torch.randn(t, h).to(torch.float8_e4m3fn),
+        aux_scale=torch.rand(t, 3),
+        last_scale=torch.rand(t, 1),
+    )
+    write_dump(tmp_path, "r1", cap, {"rid": "r1"})
+    got, metadata = load_mapped(tmp_path / "r1.safetensors")
+    assert metadata == {"rid": "r1"}
+    for name in ("input_ids", "aux_hidden", "last_hidden", "aux_scale", "last_scale"):
+        want = getattr(cap, name)
+        assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), name
+        assert got[name].data_ptr() % got[name].element_size() == 0, name

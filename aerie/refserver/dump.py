@@ -72,11 +72,14 @@ def write_dump(
     }
     if capture.aux_scale is not None and capture.last_scale is not None:
         tensors.update(aux_scale=capture.aux_scale, last_scale=capture.last_scale)
+    # Widest elements first, as safetensors lays files out: every tensor then starts aligned to its
+    # element size, which a reader mapping the file (the client) relies on.
+    in_file = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
     final = dump_dir / dump_key(rid)
     tmp = dump_dir / f"{TMP_PREFIX}{rid}.{uuid.uuid4().hex[:8]}"
     try:
         with writing(final, ExtractionError):  # a full disk, most often: say where, and the room left
-            parts, _ = layout(whole(tensors), _checked(metadata or {}))
+            parts, _ = layout(whole(in_file), _checked(metadata or {}))
             # 0o644: readable by the extraction client even when it runs as another user.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
