@@ -103,19 +103,36 @@ _TORCH_DTYPE = {name: dtype for dtype, name in ST_DTYPE.items()} | {"BOOL": torc
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def load_mapped(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+MIN_MAPPED_BYTES = 1 << 20
+
+
+def load_mapped(
+    path: str | os.PathLike[str], *, min_mapped_bytes: int = MIN_MAPPED_BYTES
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A safetensors file's tensors and metadata, memory-mapped instead of read: no copy of the data.
 
     The mapping is private (copy-on-write), so the tensors are writable without touching the file, and
     it lives as long as any of the tensors does, also after the file is unlinked. An extraction client
     reads every dump once and hands its bytes on to a shard write, so `load_file`'s copy of each dump
-    (tmpfs to process memory, ~2 GB/s a thread) was a third pass over every byte. `ValueError` when the
-    file is not a well-formed safetensors file."""
+    (tmpfs to process memory, ~2 GB/s a thread) was a third pass over every byte.
+
+    A file smaller than `min_mapped_bytes` is read instead (one copy, cheap at that size): each mapping
+    is one of the process's memory areas, of which Linux allows 65,530 by default, and a client holds
+    every sample of the shards it is filling and writing. At 1 MiB a server's ~3.5 GB of such samples
+    (three 1 GiB shards and the buffers) is at most ~3,500 mappings.
+
+    `ValueError` when the file is not a well-formed safetensors file."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
             raise ValueError(f"{size} bytes: too short for a safetensors header")
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        mapped: mmap.mmap | bytearray
+        if size >= min_mapped_bytes:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        else:
+            mapped = bytearray(size)
+            if f.readinto(mapped) != size:
+                raise ValueError(f"{path} changed size while it was read")
     (n,) = struct.unpack("<Q", mapped[:8])
     if n > min(_MAX_HEADER, size - 8):
         raise ValueError(f"header length {n} does not fit the file's {size} bytes")

@@ -50,11 +50,12 @@ def test_a_streamed_file_is_what_safetensors_reads(tmp_path: Path) -> None:
         assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8))
 
 
-def test_a_mapped_read_equals_safetensors_and_outlives_the_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["mapped", "read (a small file)"])
+def test_a_mapped_read_equals_safetensors_and_outlives_the_file(tmp_path: Path, how: str) -> None:
     want = _tensors()
     path = tmp_path / "b.safetensors"
     save_file(want, str(path), metadata={"rid": "r1"})
-    got, metadata = load_mapped(path)
+    got, metadata = load_mapped(path, min_mapped_bytes=0 if how == "mapped" else 1 << 20)
     path.unlink()  # the mapping keeps the bytes, as a client that deletes each dump once read needs
     assert metadata == {"rid": "r1"}
     for name, t in want.items():
