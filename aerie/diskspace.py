@@ -28,9 +28,10 @@ def free_text(path: Path) -> str:
         return f"free space unknown: {exc}"
 
 
-def cannot_write(path: Path, exc: BaseException) -> str:
-    """The message of a refused write: the file, the room left on its filesystem, the cause."""
-    return f"cannot write {path} ({free_text(path)}): {exc}"
+def cannot_write(path: Path, exc: BaseException, what: str = "") -> str:
+    """The message of a refused write: the file (`what` it is, if given), the room left on its
+    filesystem, the cause."""
+    return f"cannot write {what + ' ' if what else ''}{path} ({free_text(path)}): {exc}"
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ the kernel copies. The files are ordinary safetensors files (`safe_open` and `lo
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -153,18 +154,10 @@ def load_mapped(
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"tensor {name!r}: bad header entry {info!r}") from exc
         count = end - start
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if not base <= start <= end <= size or count != itemsize * _numel(shape):
+        if not base <= start <= end <= size or count != dtype.itemsize * math.prod(shape):
             raise ValueError(f"tensor {name!r}: offsets {info['data_offsets']} do not hold shape {shape}")
         flat = torch.frombuffer(mapped, dtype=torch.uint8, count=count, offset=start) if count else None
         tensors[name] = (
             flat.view(dtype).reshape(shape) if flat is not None else torch.empty(shape, dtype=dtype)
         )
     return tensors, metadata
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

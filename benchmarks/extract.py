@@ -347,12 +347,13 @@ def pipeline(
     storage, server_quantize, sync_copy, dump_writers, in_flight, buffer_batches, batch = parse_variant(
         variant, args
     )
+    batch_tokens = batch or args.batch_tokens
     cfg = ExtractConfig(
         storage_dtype=storage,  # type: ignore[arg-type]
         shard_bytes=args.shard_mb << 20,
-        batch_tokens=batch or args.batch_tokens,
+        batch_tokens=batch_tokens,
         requests_in_flight=in_flight,
-        commit_buffer_tokens=buffer_batches and buffer_batches * (batch or args.batch_tokens),
+        commit_buffer_tokens=buffer_batches and buffer_batches * batch_tokens,
         splits=["train"],
         work_dir=str(work / f"pipe-{variant}"),
         delete_local_after_upload=True,

@@ -76,7 +76,7 @@ class ExtractConfig(StrictModel):
         None,
         ge=1,
         description="Tokens of samples a server's pump may hand to the commit path before it waits (samples "
-        "in memory, read from their dumps, not yet in the open shard). It lets the pump keep requests going "
+        "mapped from their dumps, not yet in the open shard). It lets the pump keep requests going "
         "while a shard is sealed and written. None = 4 x batch_tokens.",
     )
     disk_margin: float = Field(1.2, ge=1.0, description="Preflight asks for estimated bytes x this margin.")
@@ -108,7 +108,7 @@ class ExtractConfig(StrictModel):
     def resolved_commit_buffer_tokens(self) -> int:
         """`commit_buffer_tokens`, or 4 batches: with one, on an H200 the pump spent half its time
         waiting to hand its next batch over while the append thread sat idle 70% of the time; 4 took
-        the fp8 pipeline from 281K to 299K tokens/s (benchmarks/results/extract-cuda.json)."""
+        the fp8 pipeline from 281K to 299K tokens/s (benchmarks/results/extract-cuda-session8.json)."""
         return self.commit_buffer_tokens or 4 * self.batch_tokens
 
     def resolved_commit_workers(self) -> int:

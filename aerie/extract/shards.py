@@ -41,7 +41,7 @@ from typing import Any, BinaryIO, Literal
 import torch
 from safetensors import safe_open
 
-from aerie.diskspace import free_text
+from aerie.diskspace import cannot_write
 from aerie.errors import DataError, ExtractionError
 from aerie.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 from aerie.tensorfile import TensorParts, layout, write_all
@@ -454,7 +454,7 @@ def _drop_temp(hasher: _HashBehind, f: BinaryIO | None, tmp: Path) -> None:
 
 
 def _cannot_write_shard(path: Path, exc: OSError) -> ExtractionError:
-    return ExtractionError(f"cannot write shard {path} ({free_text(path)}): {exc}")
+    return ExtractionError(cannot_write(path, exc, "shard"))
 
 
 def _write_data(info: ShardInfo, tensors: list[TensorParts], metadata: dict[str, str]) -> WrittenShard:
