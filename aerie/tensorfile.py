@@ -115,7 +115,7 @@ def load_mapped(
     The mapping is private (copy-on-write), so the tensors are writable without touching the file, and
     it lives as long as any of the tensors does, also after the file is unlinked. An extraction client
     reads every dump once and hands its bytes on to a shard write, so `load_file`'s copy of each dump
-    (tmpfs to process memory, ~2 GB/s a thread) was a third pass over every byte.
+    (tmpfs to process memory) was a third pass over every byte.
 
     A file smaller than `min_mapped_bytes` is read instead (one copy, cheap at that size): each mapping
     is one of the process's memory areas, of which Linux allows 65,530 by default, and a client holds
