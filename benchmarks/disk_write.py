@@ -158,9 +158,8 @@ def main() -> None:
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "python benchmarks/disk_write.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, "")
-        ),
+        "command": "python benchmarks/disk_write.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, "")),
         "figures": figures,
     }
     name = f"disk_write-{args.tag}.json" if args.tag else "disk_write.json"

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from aerie import tensorfile
 from aerie.errors import DataError, ExtractionError
 from aerie.extract.shards import (
     HiddenSample,
@@ -39,8 +40,8 @@ def make_sample(i: int, t: int, gen: torch.Generator) -> HiddenSample:
     )
 
 
-def write_all(tmp_path, samples, storage, shard_bytes=1 << 30):
-    w = ShardWriter(tmp_path, storage=storage, shard_bytes=shard_bytes, hidden_size=H)
+def write_all(tmp_path, samples, storage, shard_bytes=1 << 30, direct_io=False):
+    w = ShardWriter(tmp_path, storage=storage, shard_bytes=shard_bytes, hidden_size=H, direct_io=direct_io)
     infos = [info for s in samples if (info := w.add(s))]
     if (last := w.close()) is not None:
         infos.append(last)
@@ -218,6 +219,20 @@ def test_a_shard_is_the_same_bytes_however_the_os_takes_the_writes(tmp_path, sam
     assert got.path.read_bytes() == want.path.read_bytes() and got.sha256 == want.sha256
     if how == "short writes":
         assert len(calls) >= want.bytes // 1000  # it really went through the short-write path
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_shards_written_with_o_direct_are_the_same_files(tmp_path, samples, monkeypatch, storage):
+    """`direct_io` (the extraction default) writes through 8 KiB bounce buffers here, so every shard
+    crosses several: the same files, digests and sizes as through the page cache."""
+    monkeypatch.setattr(tensorfile, "DIRECT_CHUNK", 8192)
+    want = write_all(tmp_path / "buffered", samples, storage, shard_bytes=1 << 14)
+    got = write_all(tmp_path / "direct", samples, storage, shard_bytes=1 << 14, direct_io=True)
+    assert len(got) == len(want) > 1
+    for g, w in zip(got, want, strict=True):
+        assert (g.name, g.bytes, g.sha256) == (w.name, w.bytes, w.sha256)
+        assert g.path.read_bytes() == w.path.read_bytes()
+    assert sorted(p.name for p in (tmp_path / "direct").iterdir()) == [g.name for g in got]
 
 
 def test_bad_samples_and_files_are_refused(tmp_path, samples):

@@ -3,6 +3,7 @@ safetensors library itself: what one writes the other reads, byte for byte."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -10,9 +11,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from aerie import tensorfile
 from aerie.errors import ExtractionError
 from aerie.extract.client import read_dumps
-from aerie.tensorfile import TensorParts, layout, load_mapped, whole, write_all
+from aerie.tensorfile import (
+    TensorParts,
+    layout,
+    load_mapped,
+    open_direct,
+    whole,
+    write_all,
+    write_direct,
+)
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -126,3 +136,53 @@ def test_a_server_dump_maps_with_every_tensor_aligned(tmp_path: Path) -> None:
         want = getattr(cap, name)
         assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), name
         assert got[name].data_ptr() % got[name].element_size() == 0, name
+
+
+def _direct_file(path: Path, parts: list[memoryview]) -> bool:
+    fd, direct = open_direct(path)
+    try:
+        (write_direct if direct else write_all)(fd, parts)
+    finally:
+        os.close(fd)
+    return direct
+
+
+@pytest.mark.parametrize("rows", [0, 1, 255, 256, 257, 1000])
+def test_a_direct_write_is_the_buffered_file_byte_for_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int
+) -> None:
+    """O_DIRECT writes go through aligned bounce buffers of DIRECT_CHUNK bytes (8 KiB here, so a few
+    KB of tensors cross many of them): files ending inside a buffer, on its end and just after it are
+    the same bytes as `write_all`'s, truncated to the same size."""
+    monkeypatch.setattr(tensorfile, "DIRECT_CHUNK", 8192)
+    aux = torch.randn(rows, 6).to(torch.bfloat16)  # 12 bytes a row: chunks split rows anywhere
+    tensors = [
+        TensorParts("aux_hidden", aux.dtype, list(aux.shape), [aux[: rows // 3], aux[rows // 3 :]]),
+        *whole({"input_ids": torch.arange(rows, dtype=torch.int32)}),
+    ]
+    parts, size = layout(tensors, {"rows": str(rows)})
+    _write(tmp_path / "buffered.safetensors", tensors, {"rows": str(rows)})
+    if not _direct_file(tmp_path / "direct.safetensors", parts):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    got = (tmp_path / "direct.safetensors").read_bytes()
+    assert len(got) == size and got == (tmp_path / "buffered.safetensors").read_bytes()
+
+
+def test_a_filesystem_refusing_direct_writes_gets_a_buffered_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some filesystems take O_DIRECT at open and refuse the writes (EINVAL). No such filesystem can
+    be mounted here without root, so os.pwrite is made to refuse: the file must still be whole, written
+    through the page cache once the flag is cleared."""
+    tensors = whole({"aux_hidden": torch.randn(3000, 6).to(torch.bfloat16)})
+    parts, size = layout(tensors, {})
+    _write(tmp_path / "want.safetensors", tensors, {})
+
+    def refuse(fd: int, data: memoryview, offset: int) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "pwrite", refuse)
+    if not _direct_file(tmp_path / "got.safetensors", parts):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT at open")
+    got = (tmp_path / "got.safetensors").read_bytes()
+    assert len(got) == size and got == (tmp_path / "want.safetensors").read_bytes()

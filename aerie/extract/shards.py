@@ -44,7 +44,7 @@ from safetensors import safe_open
 from aerie.diskspace import cannot_write
 from aerie.errors import DataError, ExtractionError
 from aerie.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
-from aerie.tensorfile import TensorParts, layout, write_all
+from aerie.tensorfile import TensorParts, layout, open_direct, write_all, write_direct
 
 SHARD_SCHEMA_VERSION = 1
 STORAGE_DTYPES = ("bf16", "fp8")
@@ -160,6 +160,7 @@ class SealedShard:
     lengths: list[int] = field(repr=False)
     storage: Storage
     hidden_size: int
+    direct_io: bool = False  # write with O_DIRECT where the filesystem takes it
 
     @property
     def tokens(self) -> int:
@@ -207,7 +208,7 @@ class SealedShard:
             sha256="",
             sample_ids=list(self.sample_ids),
         )
-        return _write_data(info, tensors, metadata)
+        return _write_data(info, tensors, metadata, self.direct_io)
 
 
 class ShardWriter:
@@ -232,6 +233,7 @@ class ShardWriter:
         prefix: str = "shard",
         first_index: int = 0,
         quantize_device: str = "cpu",
+        direct_io: bool = False,
     ) -> None:
         if storage not in STORAGE_DTYPES:
             raise ValueError(f"storage must be one of {STORAGE_DTYPES}, got {storage!r}")
@@ -243,6 +245,7 @@ class ShardWriter:
         self.prefix = prefix
         self.index = first_index
         self.quantize_device = quantize_device
+        self.direct_io = direct_io
         self._bpt = bytes_per_token(storage, hidden_size)
         self._reset()
 
@@ -367,6 +370,7 @@ class ShardWriter:
             lengths=self._lengths,
             storage=self.storage,
             hidden_size=self.hidden_size,
+            direct_io=self.direct_io,
         )
         self.index += 1
         self._reset()
@@ -457,18 +461,25 @@ def _cannot_write_shard(path: Path, exc: OSError) -> ExtractionError:
     return ExtractionError(cannot_write(path, exc, "shard"))
 
 
-def _write_data(info: ShardInfo, tensors: list[TensorParts], metadata: dict[str, str]) -> WrittenShard:
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+
+def _write_data(
+    info: ShardInfo, tensors: list[TensorParts], metadata: dict[str, str], direct_io: bool
+) -> WrittenShard:
     """Write the safetensors layout to a temp file beside `info.path`, streaming each tensor's
-    chunks (`aerie.tensorfile`) and hashing them in a second thread."""
+    chunks (`aerie.tensorfile`) and hashing them in a second thread. With `direct_io` the file is
+    written with O_DIRECT where its filesystem takes it (`aerie.tensorfile.write_direct`)."""
     parts, size = layout(tensors, metadata)
     tmp = info.path.with_name(f".{info.path.name}.tmp")
     h = _HashBehind()
     f: BinaryIO | None = None
     try:
-        f = open(tmp, "wb", buffering=0)  # noqa: SIM115 - closed by WrittenShard.sync or discard
+        fd, direct = open_direct(tmp) if direct_io else (os.open(tmp, _NEW_FILE, 0o644), False)
+        f = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed by WrittenShard.sync or discard
         began = time.perf_counter()
         h.update(parts)
-        write_all(f.fileno(), parts)
+        (write_direct if direct else write_all)(fd, parts)
         data_s = time.perf_counter() - began
     except BaseException as exc:
         _drop_temp(h, f, tmp)

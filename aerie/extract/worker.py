@@ -150,6 +150,7 @@ class SliceWorker:
             prefix=f"shard-s{self.k}",
             first_index=index,
             quantize_device=self.quantize_device,
+            direct_io=self.cfg.direct_io,
         )
         committer = ShardCommitter(
             writer,
