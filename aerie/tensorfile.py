@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import math
 import mmap
@@ -28,7 +29,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 # safetensors dtype names of the torch dtypes aerie writes.
@@ -129,63 +129,94 @@ def open_direct(path: str | os.PathLike[str], mode: int = 0o644) -> tuple[int, b
     return os.open(path, flags, mode), False
 
 
-def write_direct(fd: int, parts: list[memoryview]) -> None:
-    """Write `parts` in order from offset 0 of `fd`, a new file opened by `open_direct` with O_DIRECT.
+def write_direct(fd: int, parts: list[memoryview], *, sha256: bool = False) -> str | None:
+    """Write `parts` in order from offset 0 of `fd`, a new file opened by `open_direct` with O_DIRECT;
+    with `sha256`, return the file's digest (else None).
 
     O_DIRECT moves the bytes from aligned memory straight to the device, so the parts (tensors at any
-    address) go through two aligned bounce buffers: the next is filled (numpy copies, which release the
-    GIL) while the last is written (pwrite, likewise), on a second thread. The last write is padded to
-    the alignment and the file truncated to its size. The bytes still need an fsync to be durable (the
-    device's write cache). A filesystem that took the flag at open but refuses the first write (EINVAL)
-    gets the file through `write_all` instead."""
-    bounce, arrays = _bounce_buffers()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-direct-write")
-    pending: list[Future[None] | None] = [None, None]
-    size = sum(p.nbytes for p in parts)
+    address) go through two aligned bounce buffers of DIRECT_CHUNK bytes: one is filled while the other
+    is written (pwrite) and hashed, on two more threads. Each buffer is filled by one `torch.cat`, which
+    releases the GIL for the whole copy: a copy per part (a shard has ~1,400) would win the GIL back
+    once per part, and in an extraction client whose other threads hold it, those waits made the
+    writer slower than the page cache. The last write is padded to the alignment and the file truncated
+    to its size. The bytes still need an fsync to be durable (the device's write cache). A filesystem
+    that took the flag at open but refuses the writes (EINVAL) gets the file through `write_all`."""
+    bounce, buffers = _bounce_buffers()
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-direct-write")
+    hasher = hashlib.sha256() if sha256 else None
+    hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-direct-hash")
+    pending: list[list[Future[None]]] = [[], []]
     try:
         offset = filled = which = 0
-        for part in parts:
-            src = np.frombuffer(part, dtype=np.uint8)
+        batch: list[torch.Tensor] = []
+
+        def send() -> None:
+            nonlocal offset, filled, which
+            torch.cat(batch, out=buffers[which][:filled])
+            padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
+            buffers[which][filled:padded] = 0
+            pending[which] = [writer.submit(_pwrite_all, fd, bounce[which], padded, offset)]
+            if hasher is not None:
+                pending[which].append(hashing.submit(_update, hasher, bounce[which], filled))
+            offset, filled, which = offset + padded, 0, 1 - which
+            batch.clear()
+
+        for src in (_as_bytes(p) for p in parts if p.nbytes):
             pos = 0
-            while pos < src.size:
-                if filled == 0 and pending[which] is not None:
-                    pending[which].result()  # type: ignore[union-attr]  # the buffer is free again
-                n = min(src.size - pos, DIRECT_CHUNK - filled)
-                np.copyto(arrays[which][filled : filled + n], src[pos : pos + n])
+            while pos < src.numel():
+                if not batch:
+                    for fut in pending[which]:  # the buffer is written and hashed: free again
+                        fut.result()
+                n = min(src.numel() - pos, DIRECT_CHUNK - filled)
+                batch.append(src[pos : pos + n])
                 filled, pos = filled + n, pos + n
                 if filled == DIRECT_CHUNK:
-                    pending[which] = pool.submit(_pwrite_all, fd, bounce[which], DIRECT_CHUNK, offset)
-                    offset, filled, which = offset + DIRECT_CHUNK, 0, 1 - which
-        if filled:
-            padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
-            arrays[which][filled:padded] = 0
-            pending[which] = pool.submit(_pwrite_all, fd, bounce[which], padded, offset)
-        for fut in pending:
-            if fut is not None:
-                fut.result()
-        os.ftruncate(fd, size)
+                    send()
+        if batch:
+            send()
+        for fut in pending[0] + pending[1]:
+            fut.result()
+        os.ftruncate(fd, sum(p.nbytes for p in parts))
     except OSError as exc:
         if exc.errno != errno.EINVAL or not _refused_direct(fd):
             raise
-        pool.shutdown(wait=True)
+        writer.shutdown(wait=True)
+        hashing.shutdown(wait=True)
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         write_all(fd, parts)
+        if hasher is not None:
+            hasher = hashlib.sha256()
+            for part in parts:
+                hasher.update(part)
     finally:
-        pool.shutdown(wait=True)
+        writer.shutdown(wait=True)
+        hashing.shutdown(wait=True)
+    return hasher.hexdigest() if hasher is not None else None
+
+
+def _as_bytes(part: memoryview) -> torch.Tensor:
+    """The part's bytes as a uint8 tensor, without a copy unless the buffer is read-only (the small
+    header): torch would warn that a tensor over it could write to it."""
+    return torch.frombuffer(part if not part.readonly else bytearray(part), dtype=torch.uint8)
+
+
+def _update(hasher: Any, buf: mmap.mmap, length: int) -> None:
+    with memoryview(buf)[:length] as view:
+        hasher.update(view)  # one call per buffer: hashlib releases the GIL for all of it
 
 
 _THREAD = threading.local()
 
 
-def _bounce_buffers() -> tuple[list[mmap.mmap], list[np.ndarray[Any, np.dtype[np.uint8]]]]:
+def _bounce_buffers() -> tuple[list[mmap.mmap], list[torch.Tensor]]:
     """This thread's two bounce buffers (anonymous mappings, so page-aligned), kept for its next file:
     mapping and faulting in 64 MiB afresh cost more than writing a small file."""
     if getattr(_THREAD, "size", 0) != DIRECT_CHUNK:
         _THREAD.size = DIRECT_CHUNK
         _THREAD.bounce = [mmap.mmap(-1, DIRECT_CHUNK) for _ in range(2)]
-        _THREAD.arrays = [np.frombuffer(b, dtype=np.uint8) for b in _THREAD.bounce]
-    return _THREAD.bounce, _THREAD.arrays
+        _THREAD.buffers = [torch.frombuffer(b, dtype=torch.uint8) for b in _THREAD.bounce]
+    return _THREAD.bounce, _THREAD.buffers
 
 
 def _pwrite_all(fd: int, buf: mmap.mmap, length: int, offset: int) -> None:

@@ -4,6 +4,7 @@ safetensors library itself: what one writes the other reads, byte for byte."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from pathlib import Path
 
@@ -139,12 +140,17 @@ def test_a_server_dump_maps_with_every_tensor_aligned(tmp_path: Path) -> None:
 
 
 def _direct_file(path: Path, parts: list[memoryview]) -> bool:
+    """Write `parts` as the shard writer does; False where the filesystem refuses O_DIRECT at open.
+    The digest `write_direct` returns must be the file's."""
     fd, direct = open_direct(path)
     try:
-        (write_direct if direct else write_all)(fd, parts)
+        if not direct:
+            return False
+        digest = write_direct(fd, parts, sha256=True)
     finally:
         os.close(fd)
-    return direct
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    return True
 
 
 @pytest.mark.parametrize("rows", [0, 1, 255, 256, 257, 1000])

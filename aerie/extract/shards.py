@@ -403,13 +403,28 @@ class _HashBehind:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+@dataclass(frozen=True)
+class _Digest:
+    """A digest computed while the file was written (`write_direct`), in `_HashBehind`'s shape."""
+
+    value: str
+
+    def hexdigest(self) -> str:
+        return self.value
+
+    def cancel(self) -> None:
+        pass
+
+
 class WrittenShard:
     """A shard's bytes in its temp file, not yet durable. `sync` makes it the shard (flush, fsync,
     rename, fsync of the directory) and returns its info; `discard` removes the temp file. Writing and
     syncing are apart so a commit pipeline can fsync one shard while it writes the next: the disk then
     never waits for the writer between shards."""
 
-    def __init__(self, info: ShardInfo, tmp: Path, f: BinaryIO, hasher: _HashBehind, data_s: float) -> None:
+    def __init__(
+        self, info: ShardInfo, tmp: Path, f: BinaryIO, hasher: _HashBehind | _Digest, data_s: float
+    ) -> None:
         self._info = info
         self._tmp = tmp
         self._f = f
@@ -447,9 +462,10 @@ class WrittenShard:
         _drop_temp(self._hasher, self._f, self._tmp)
 
 
-def _drop_temp(hasher: _HashBehind, f: BinaryIO | None, tmp: Path) -> None:
+def _drop_temp(hasher: _HashBehind | _Digest | None, f: BinaryIO | None, tmp: Path) -> None:
     """Stop hashing, close and remove a shard's temp file; cleanup must not hide why the write failed."""
-    hasher.cancel()
+    if hasher is not None:
+        hasher.cancel()
     if f is not None:
         with contextlib.suppress(OSError):
             f.close()
@@ -469,17 +485,22 @@ def _write_data(
 ) -> WrittenShard:
     """Write the safetensors layout to a temp file beside `info.path`, streaming each tensor's
     chunks (`aerie.tensorfile`) and hashing them in a second thread. With `direct_io` the file is
-    written with O_DIRECT where its filesystem takes it (`aerie.tensorfile.write_direct`)."""
+    written with O_DIRECT where its filesystem takes it (`aerie.tensorfile.write_direct`, which hashes
+    its bounce buffers instead)."""
     parts, size = layout(tensors, metadata)
     tmp = info.path.with_name(f".{info.path.name}.tmp")
-    h = _HashBehind()
+    h: _HashBehind | _Digest | None = None
     f: BinaryIO | None = None
     try:
         fd, direct = open_direct(tmp) if direct_io else (os.open(tmp, _NEW_FILE, 0o644), False)
         f = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed by WrittenShard.sync or discard
         began = time.perf_counter()
-        h.update(parts)
-        (write_direct if direct else write_all)(fd, parts)
+        if direct:
+            h = _Digest(write_direct(fd, parts, sha256=True) or "")
+        else:
+            h = _HashBehind()
+            h.update(parts)
+            write_all(fd, parts)
         data_s = time.perf_counter() - began
     except BaseException as exc:
         _drop_temp(h, f, tmp)
