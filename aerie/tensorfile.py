@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import math
 import mmap
@@ -129,13 +128,12 @@ def open_direct(path: str | os.PathLike[str], mode: int = 0o644) -> tuple[int, b
     return os.open(path, flags, mode), False
 
 
-def write_direct(fd: int, parts: list[memoryview], *, sha256: bool = False) -> str | None:
-    """Write `parts` in order from offset 0 of `fd`, a new file opened by `open_direct` with O_DIRECT;
-    with `sha256`, return the file's digest (else None).
+def write_direct(fd: int, parts: list[memoryview]) -> None:
+    """Write `parts` in order from offset 0 of `fd`, a new file opened by `open_direct` with O_DIRECT.
 
     O_DIRECT moves the bytes from aligned memory straight to the device, so the parts (tensors at any
     address) go through two aligned bounce buffers of DIRECT_CHUNK bytes: one is filled while the other
-    is written (pwrite) and hashed, on two more threads. Each buffer is filled by one `torch.cat`, which
+    is written (pwrite) on a second thread. Each buffer is filled by one `torch.cat`, which
     releases the GIL for the whole copy: a copy per part (a shard has ~1,400) would win the GIL back
     once per part, and in an extraction client whose other threads hold it, those waits made the
     writer slower than the page cache. The last write is padded to the alignment and the file truncated
@@ -143,9 +141,7 @@ def write_direct(fd: int, parts: list[memoryview], *, sha256: bool = False) -> s
     that took the flag at open but refuses the writes (EINVAL) gets the file through `write_all`."""
     bounce, buffers = _bounce_buffers()
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-direct-write")
-    hasher = hashlib.sha256() if sha256 else None
-    hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-direct-hash")
-    pending: list[list[Future[None]]] = [[], []]
+    pending: list[Future[None] | None] = [None, None]
     try:
         offset = filled = which = 0
         batch: list[torch.Tensor] = []
@@ -155,18 +151,15 @@ def write_direct(fd: int, parts: list[memoryview], *, sha256: bool = False) -> s
             torch.cat(batch, out=buffers[which][:filled])
             padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
             buffers[which][filled:padded] = 0
-            pending[which] = [writer.submit(_pwrite_all, fd, bounce[which], padded, offset)]
-            if hasher is not None:
-                pending[which].append(hashing.submit(_update, hasher, bounce[which], filled))
+            pending[which] = writer.submit(_pwrite_all, fd, bounce[which], padded, offset)
             offset, filled, which = offset + padded, 0, 1 - which
             batch.clear()
 
         for src in (_as_bytes(p) for p in parts if p.nbytes):
             pos = 0
             while pos < src.numel():
-                if not batch:
-                    for fut in pending[which]:  # the buffer is written and hashed: free again
-                        fut.result()
+                if not batch and (fut := pending[which]) is not None:
+                    fut.result()  # the buffer is written: free again
                 n = min(src.numel() - pos, DIRECT_CHUNK - filled)
                 batch.append(src[pos : pos + n])
                 filled, pos = filled + n, pos + n
@@ -174,36 +167,25 @@ def write_direct(fd: int, parts: list[memoryview], *, sha256: bool = False) -> s
                     send()
         if batch:
             send()
-        for fut in pending[0] + pending[1]:
-            fut.result()
+        for fut in pending:
+            if fut is not None:
+                fut.result()
         os.ftruncate(fd, sum(p.nbytes for p in parts))
     except OSError as exc:
         if exc.errno != errno.EINVAL or not _refused_direct(fd):
             raise
         writer.shutdown(wait=True)
-        hashing.shutdown(wait=True)
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         write_all(fd, parts)
-        if hasher is not None:
-            hasher = hashlib.sha256()
-            for part in parts:
-                hasher.update(part)
     finally:
         writer.shutdown(wait=True)
-        hashing.shutdown(wait=True)
-    return hasher.hexdigest() if hasher is not None else None
 
 
 def _as_bytes(part: memoryview) -> torch.Tensor:
     """The part's bytes as a uint8 tensor, without a copy unless the buffer is read-only (the small
     header): torch would warn that a tensor over it could write to it."""
     return torch.frombuffer(part if not part.readonly else bytearray(part), dtype=torch.uint8)
-
-
-def _update(hasher: Any, buf: mmap.mmap, length: int) -> None:
-    with memoryview(buf)[:length] as view:
-        hasher.update(view)  # one call per buffer: hashlib releases the GIL for all of it
 
 
 _THREAD = threading.local()
@@ -248,6 +230,19 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
 MIN_MAPPED_BYTES = 1 << 20
+
+
+def _tensor_at(buffer: Any, dtype: torch.dtype, shape: list[int], start: int, count: int) -> torch.Tensor:
+    """The tensor over `count` bytes of `buffer` from `start`, in as few torch calls as it takes: a
+    client calls this for every tensor of every dump, and each call that releases the GIL must win it
+    back from the client's other threads."""
+    if not count:
+        return torch.empty(shape, dtype=dtype)
+    if start % dtype.itemsize:  # not aligned for its type: view the bytes, then reinterpret
+        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=count, offset=start).view(dtype)
+    else:
+        flat = torch.frombuffer(buffer, dtype=dtype, count=count // dtype.itemsize, offset=start)
+    return flat if len(shape) == 1 else flat.view(shape)
 
 
 def load_mapped(
@@ -299,8 +294,5 @@ def load_mapped(
         count = end - start
         if not base <= start <= end <= size or count != dtype.itemsize * math.prod(shape):
             raise ValueError(f"tensor {name!r}: offsets {info['data_offsets']} do not hold shape {shape}")
-        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=count, offset=start) if count else None
-        tensors[name] = (
-            flat.view(dtype).reshape(shape) if flat is not None else torch.empty(shape, dtype=dtype)
-        )
+        tensors[name] = _tensor_at(mapped, dtype, shape, start, count)
     return tensors, metadata

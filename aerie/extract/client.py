@@ -115,19 +115,24 @@ async def wait_for_dump(dump_dir: Path, rid: str, timeout_s: float) -> Path:
 
 
 def to_sample(row: Row, tensors: dict[str, torch.Tensor], source: str) -> HiddenSample:
-    """Check a dump against its corpus row and build the sample the shard writer takes."""
-    got = tensors["input_ids"].long()
-    want = torch.tensor(row.input_ids, dtype=torch.long)
-    if got.shape != want.shape or not torch.equal(got, want):
-        first = int((got != want).nonzero()[0, 0]) if got.shape == want.shape else min(len(got), len(want))
+    """Check a dump against its corpus row and build the sample the shard writer takes. The ids are
+    compared as Python lists (one torch call, not four per sample: each must win the GIL back from
+    the client's other threads), and the dump's own ids, equal to the corpus's, go on to the shard."""
+    ids = tensors["input_ids"]
+    got = ids.tolist()
+    if got != row.input_ids:
+        want = row.input_ids
+        first = next(
+            (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+        )
         raise ExtractionError(
             f"{source}: the dump of corpus row {row.index} ({row.id}) holds {len(got)} token ids that differ "
             f"from the corpus's {len(want)} at position {first}: the server did not prefill the sample as sent"
         )
     return HiddenSample(
         id=row.id,
-        input_ids=want,
-        loss_mask=torch.tensor(row.loss_mask, dtype=torch.bool),
+        input_ids=ids,
+        loss_mask=torch.tensor(row.loss_mask, dtype=torch.uint8),
         aux_hidden=tensors["aux_hidden"],
         last_hidden=tensors["last_hidden"],
         # An fp8 dump (the reference server's --dump-dtype fp8) carries the shard's codes and scales.
