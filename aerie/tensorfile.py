@@ -10,7 +10,8 @@ the kernel copies. The files are ordinary safetensors files (`safe_open` and `lo
 
 `write_direct` writes such a file with O_DIRECT instead, where the filesystem takes it: on an H200
 host's disk, 1 GiB files went out at 1.83 GB/s that way against 1.15 GB/s through the page cache and
-fsync (`benchmarks/results/disk_write-h200.json`, the methods interleaved).
+fsync (`benchmarks/results/disk_write-h200.json`, the methods interleaved). The extraction benchmark
+measures the disk with it; shards use it only with `extract.direct_io` (see there why not by default).
 """
 
 from __future__ import annotations
@@ -133,12 +134,12 @@ def write_direct(fd: int, parts: list[memoryview]) -> None:
 
     O_DIRECT moves the bytes from aligned memory straight to the device, so the parts (tensors at any
     address) go through two aligned bounce buffers of DIRECT_CHUNK bytes: one is filled while the other
-    is written (pwrite) on a second thread. Each buffer is filled by one `torch.cat`, which
-    releases the GIL for the whole copy: a copy per part (a shard has ~1,400) would win the GIL back
-    once per part, and in an extraction client whose other threads hold it, those waits made the
-    writer slower than the page cache. The last write is padded to the alignment and the file truncated
-    to its size. The bytes still need an fsync to be durable (the device's write cache). A filesystem
-    that took the flag at open but refuses the writes (EINVAL) gets the file through `write_all`."""
+    is written (pwrite) on a second thread. Each buffer is filled by one `torch.cat`, which releases
+    the GIL for the whole copy: a copy per part (a shard has ~1,400) would have to win the GIL back
+    once per part from an extraction client's other threads. The last write is padded to the
+    alignment and the file truncated to its size. The bytes still need an fsync to be durable (the
+    device's write cache). A filesystem that took the flag at open but refuses the writes (EINVAL)
+    gets the file through `write_all`."""
     bounce, buffers = _bounce_buffers()
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-direct-write")
     pending: list[Future[None] | None] = [None, None]

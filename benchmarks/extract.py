@@ -24,8 +24,9 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
 
 `--pipelines` names the pipeline runs, so one invocation A/Bs variants against one roofline: a storage
 dtype plus `+` modifiers, `server` (quantize on the server, fp8 only), `sync` (the server's pre-overlap
-device->host copy), `buffered` (shards written through the page cache, not with O_DIRECT), `w<N>` (N server dump writers instead of `--dump-writers`) and `r<N>` (N requests in
-flight instead of `--requests-in-flight`), `p<N>` (a commit buffer of N batches instead of the config's
+device->host copy), `direct` (shards written with O_DIRECT, `extract.direct_io`), `w<N>` (N server
+dump writers instead of `--dump-writers`) and `r<N>` (N requests in flight instead of
+`--requests-in-flight`), `p<N>` (a commit buffer of N batches instead of the config's
 default) and `b<N>` (N x 1,024 tokens per request and per server pack instead of `--batch-tokens` and
 `--server-batch-tokens`), e.g. `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8,fp8+server+p1`.
 
@@ -207,8 +208,8 @@ def write_shard_file(path: Path, aux: torch.Tensor, last: torch.Tensor) -> float
 
 
 def write_shard_direct(path: Path, aux: torch.Tensor, last: torch.Tensor) -> float:
-    """Seconds to write the same file with O_DIRECT, as aerie's shard writer does where the filesystem
-    takes it (`aerie.tensorfile.write_direct`; buffered where it does not), and fsync it."""
+    """Seconds to write the same file with O_DIRECT (`aerie.tensorfile.write_direct`, as aerie's shard
+    writer does with `extract.direct_io`; buffered where the filesystem refuses it), and fsync it."""
     began = time.perf_counter()
     parts, _ = layout(whole({"aux_hidden": aux, "last_hidden": last}), {})
     fd, direct = open_direct(path)
@@ -382,7 +383,7 @@ def pipeline(
     variant: str,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    storage, server_quantize, sync_copy, dump_writers, in_flight, buffer_batches, batch, buffered = (
+    storage, server_quantize, sync_copy, dump_writers, in_flight, buffer_batches, batch, direct = (
         parse_variant(variant, args)
     )
     batch_tokens = batch or args.batch_tokens
@@ -397,7 +398,7 @@ def pipeline(
         delete_local_after_upload=True,
         commit_workers=args.commit_workers,
         quantize_on_server=server_quantize,
-        direct_io=not buffered,
+        direct_io=direct,
     )
     server = ServerConfig(
         backend="reference",
@@ -455,7 +456,7 @@ class Variant(NamedTuple):
     requests_in_flight: int
     commit_buffer_batches: int | None  # None: the config's default
     batch_tokens: int | None  # tokens per request and per server pack; None: --batch-tokens etc.
-    buffered: bool  # shards written through the page cache instead of with O_DIRECT
+    direct: bool  # shards written with O_DIRECT (extract.direct_io), not through the page cache
 
 
 def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
@@ -469,10 +470,10 @@ def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
     for mod in mods:
         if mod[:1] in counts and mod[1:].isdigit() and int(mod[1:]) > 0:
             counts[mod[:1]] = int(mod[1:])
-        elif mod not in ("server", "sync", "buffered"):
+        elif mod not in ("server", "sync", "direct"):
             sys.exit(
                 f"--pipelines {variant!r}: unknown modifier {mod!r} "
-                "(server, sync, buffered, w<N>, r<N>, p<N>, b<N>)"
+                "(server, sync, direct, w<N>, r<N>, p<N>, b<N>)"
             )
     if "server" in mods and storage != "fp8":
         sys.exit(f"--pipelines {variant!r}: only fp8 is quantized on the server")
@@ -484,7 +485,7 @@ def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
         counts["r"],
         counts["p"] or None,
         counts["b"] * 1024 or None,
-        "buffered" in mods,
+        "direct" in mods,
     )
 
 
@@ -540,7 +541,7 @@ def main() -> None:
     ap.add_argument(
         "--pipelines",
         default="bf16,fp8",
-        help="pipeline runs: dtype[+server][+sync][+buffered][+w<N>][+r<N>][+p<N>][+b<N>], comma-separated",
+        help="pipeline runs: dtype[+server][+sync][+direct][+w<N>][+r<N>][+p<N>][+b<N>], comma-separated",
     )
     ap.add_argument(
         "--commit-workers", type=int, default=None, help="encode threads per server (default: the config's)"

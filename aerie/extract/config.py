@@ -80,10 +80,13 @@ class ExtractConfig(StrictModel):
         "while a shard is sealed and written. None = 4 x batch_tokens.",
     )
     direct_io: bool = Field(
-        True,
-        description="Write shards with O_DIRECT (aligned bounce buffers, no page cache) where the filesystem "
-        "takes it, else through the page cache: on an H200 host's disk 1.83 GB/s against 1.15 GB/s "
-        "(benchmarks/results/disk_write-h200.json). Either way each shard is fsynced before it counts.",
+        False,
+        description="Write shards with O_DIRECT (through aligned bounce buffers, no page cache) where the "
+        "filesystem takes it. The disk takes O_DIRECT writes faster (H200 hosts: 1.83 GB/s against 1.15 GB/s "
+        "through the page cache, benchmarks/results/disk_write-h200.json), but in the extraction the copy "
+        "into the bounce buffers cost more than it saved: fp8 extraction ran at 291-352K tokens/s with it "
+        "against 375-443K without, on three hosts (benchmarks/results/extract-cuda-session10-*.json). "
+        "Either way each shard is fsynced before it counts.",
     )
     disk_margin: float = Field(1.2, ge=1.0, description="Preflight asks for estimated bytes x this margin.")
     splits: list[Literal["train", "eval"]] = Field(
