@@ -61,7 +61,11 @@ class TensorParts:
 
 def raw(t: torch.Tensor) -> memoryview:
     """The tensor's bytes (little-endian, C order) without a copy when it is already contiguous."""
-    flat = t.detach().contiguous().reshape(-1)
+    # Only the calls it needs: each torch call releases the GIL and must win it back (dump writers and
+    # shard writers call this per tensor, beside threads that launch kernels or read dumps).
+    if t.requires_grad:
+        t = t.detach()
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 

@@ -27,8 +27,9 @@ dtype plus `+` modifiers, `server` (quantize on the server, fp8 only), `sync` (t
 device->host copy), `direct` (shards written with O_DIRECT, `extract.direct_io`), `w<N>` (N server
 dump writers instead of `--dump-writers`) and `r<N>` (N requests in flight instead of
 `--requests-in-flight`), `p<N>` (a commit buffer of N batches instead of the config's
-default) and `b<N>` (N x 1,024 tokens per request and per server pack instead of `--batch-tokens` and
-`--server-batch-tokens`), e.g. `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8,fp8+server+p1`.
+default), `b<N>` (N x 1,024 tokens per request and per server pack instead of `--batch-tokens` and
+`--server-batch-tokens`) and `g<N>` (a thread switch interval of N microseconds in the server and the
+client, `sys.setswitchinterval`, instead of Python's 5,000), e.g. `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8,fp8+server+p1`.
 
 efficiency = pipeline tokens/s / min(bare forward tokens/s, write bytes/s / shard bytes per token),
 with "write bytes/s" the best of three single-shard writes by the faster method (the disk at its burst
@@ -383,7 +384,7 @@ def pipeline(
     variant: str,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    storage, server_quantize, sync_copy, dump_writers, in_flight, buffer_batches, batch, direct = (
+    storage, server_quantize, sync_copy, dump_writers, in_flight, buffer_batches, batch, direct, gil_us = (
         parse_variant(variant, args)
     )
     batch_tokens = batch or args.batch_tokens
@@ -409,13 +410,21 @@ def pipeline(
             str(batch or args.server_batch_tokens),
             "--dump-writers",
             str(dump_writers),
+            "--gil-switch-us",
+            str(gil_us),
         ],
         env={SYNC_COPY_ENV: "1"} if sync_copy else {},
     )  # type: ignore[arg-type]
     began = time.perf_counter()
-    result = run_extract(
-        cfg, store=store, run_name=f"bench-{variant}", target=target, corpus=corpus, server=server
-    )
+    switch = sys.getswitchinterval()
+    if gil_us:  # the client's process too (this one)
+        sys.setswitchinterval(gil_us / 1e6)
+    try:
+        result = run_extract(
+            cfg, store=store, run_name=f"bench-{variant}", target=target, corpus=corpus, server=server
+        )
+    finally:
+        sys.setswitchinterval(switch)
     wall = time.perf_counter() - began
     # Each run's shards are only counted: free the disk for the next run (a GPU host's is 64 GB).
     shutil.rmtree(Path(store.root) / f"bench-{variant}", ignore_errors=True)
@@ -440,6 +449,7 @@ def pipeline(
         "batch_tokens": cfg.batch_tokens,
         "commit_buffer_tokens": cfg.resolved_commit_buffer_tokens(),
         "shard_writes": "direct" if cfg.direct_io else "buffered",
+        "gil_switch_us": gil_us or round(switch * 1e6),
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
         # Seconds and shares of the steady wall: the client's critical path and the server's phases
@@ -457,23 +467,25 @@ class Variant(NamedTuple):
     commit_buffer_batches: int | None  # None: the config's default
     batch_tokens: int | None  # tokens per request and per server pack; None: --batch-tokens etc.
     direct: bool  # shards written with O_DIRECT (extract.direct_io), not through the page cache
+    gil_switch_us: int  # the thread switch interval of the server and the client; 0: Python's
 
 
 def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
-    """`fp8+server+sync+w4+r8+p2+b128` -> storage, quantize on server, sync copy, dump writers, requests
-    in flight, commit buffer (in batches), tokens per request and server pack (in units of 1,024)."""
+    """`fp8+server+sync+w4+r8+p2+b128+direct+g500` -> storage, quantize on server, sync copy, dump
+    writers, requests in flight, commit buffer (in batches), tokens per request and server pack (in units
+    of 1,024), O_DIRECT shards, thread switch interval (microseconds)."""
     storage, *mods = variant.split("+")
     if storage not in ("bf16", "fp8"):
         sys.exit(f"--pipelines {variant!r}: storage must be bf16 or fp8")
     # p 0, b 0: the config's default commit buffer, --batch-tokens and --server-batch-tokens
-    counts = {"w": args.dump_writers, "r": args.requests_in_flight, "p": 0, "b": 0}
+    counts = {"w": args.dump_writers, "r": args.requests_in_flight, "p": 0, "b": 0, "g": 0}
     for mod in mods:
         if mod[:1] in counts and mod[1:].isdigit() and int(mod[1:]) > 0:
             counts[mod[:1]] = int(mod[1:])
         elif mod not in ("server", "sync", "direct"):
             sys.exit(
                 f"--pipelines {variant!r}: unknown modifier {mod!r} "
-                "(server, sync, direct, w<N>, r<N>, p<N>, b<N>)"
+                "(server, sync, direct, w<N>, r<N>, p<N>, b<N>, g<N>)"
             )
     if "server" in mods and storage != "fp8":
         sys.exit(f"--pipelines {variant!r}: only fp8 is quantized on the server")
@@ -486,6 +498,7 @@ def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
         counts["p"] or None,
         counts["b"] * 1024 or None,
         "direct" in mods,
+        counts["g"],
     )
 
 
@@ -541,7 +554,7 @@ def main() -> None:
     ap.add_argument(
         "--pipelines",
         default="bf16,fp8",
-        help="pipeline runs: dtype[+server][+sync][+direct][+w<N>][+r<N>][+p<N>][+b<N>], comma-separated",
+        help="pipeline runs: dtype[+server][+sync][+direct][+w<N>][+r<N>][+p<N>][+b<N>][+g<N>], comma-separated",
     )
     ap.add_argument(
         "--commit-workers", type=int, default=None, help="encode threads per server (default: the config's)"

@@ -39,6 +39,7 @@ class RefServerArgs:
     max_batch_tokens: int = 16384
     max_running_requests: int = 64
     dump_writers: int = 2
+    gil_switch_us: int = 0
     dump_dtype: Literal["model", "fp8"] = "model"
     decode_backend: Literal["auto", "slots", "batched"] = "auto"
     cuda_graphs: bool = False
@@ -73,6 +74,7 @@ class RefServerArgs:
         argv += ["--max-batch-tokens", str(self.max_batch_tokens)]
         argv += ["--max-running-requests", str(self.max_running_requests)]
         argv += ["--dump-writers", str(self.dump_writers)]
+        argv += ["--gil-switch-us", str(self.gil_switch_us)]
         argv += ["--dump-dtype", self.dump_dtype]
         argv += ["--decode-backend", self.decode_backend]
         if self.cuda_graphs:
@@ -131,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         help="Extraction: threads writing dump files; each writes one pack at a time, and at most this many "
         "+ 1 captured packs wait for them (back-pressure).",
+    )
+    p.add_argument(
+        "--gil-switch-us",
+        type=int,
+        default=0,
+        help="The interpreter's thread switch interval (sys.setswitchinterval) in microseconds; 0 keeps "
+        "Python's 5,000. Every torch call releases the GIL and must win it back: a shorter interval makes "
+        "the model thread wait less for the HTTP and dump-writer threads between kernel launches.",
     )
     p.add_argument(
         "--dump-dtype",
@@ -221,6 +231,7 @@ def parse_args(argv: Sequence[str]) -> RefServerArgs:
         max_batch_tokens=ns.max_batch_tokens,
         max_running_requests=ns.max_running_requests,
         dump_writers=ns.dump_writers,
+        gil_switch_us=ns.gil_switch_us,
         dump_dtype=ns.dump_dtype,
         decode_backend=ns.decode_backend,
         cuda_graphs=ns.cuda_graphs,
@@ -249,9 +260,13 @@ def check_args(args: RefServerArgs) -> None:
         raise ArgsError(f"--model-path {args.model_path}: no config.json there (an HF-format directory)")
     if not 1 <= args.port <= 65535:
         raise ArgsError(f"--port {args.port}: not a TCP port")
-    if min(args.max_batch_tokens, args.max_running_requests, args.dump_writers) < 1 or args.cpu_threads < 0:
+    if (
+        min(args.max_batch_tokens, args.max_running_requests, args.dump_writers) < 1
+        or min(args.cpu_threads, args.gil_switch_us) < 0
+    ):
         raise ArgsError(
-            "--max-batch-tokens, --max-running-requests and --dump-writers must be positive, --cpu-threads >= 0"
+            "--max-batch-tokens, --max-running-requests and --dump-writers must be positive, --cpu-threads "
+            "and --gil-switch-us >= 0"
         )
     if args.chunked_prefill_size != -1:
         raise ArgsError(

@@ -49,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         setup_logging(args.log_level)
+        if args.gil_switch_us:
+            sys.setswitchinterval(args.gil_switch_us / 1e6)
         if args.speculative_algorithm:
             _spec_decode_module()
     except ArgsError as exc:
