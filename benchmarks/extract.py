@@ -102,6 +102,17 @@ def synthetic_corpus(n: int, min_len: int, max_len: int, vocab: int, seed: int =
     return [[rng.randrange(vocab) for _ in range(t)] for t in synthetic_lengths(n, min_len, max_len, seed)]
 
 
+def read_corpus(folder: Path, limit: int | None) -> list[list[int]]:
+    """The token ids of a merge stage's train split (`<folder>/train-*.parquet`, in order), the first
+    `limit` rows: the pipeline measured on a real corpus's lengths instead of synthetic ones."""
+    files = sorted(folder.glob("train-*.parquet"))
+    if not files:
+        sys.exit(f"--corpus {folder}: no train-*.parquet there (a merge stage's directory)")
+    frame = pl.concat([pl.read_parquet(f, columns=["input_ids"]) for f in files])
+    ids = frame["input_ids"] if limit is None else frame["input_ids"].head(limit)
+    return [list(row) for row in ids.to_list()]
+
+
 def write_corpus(store: ArtifactStore, sequences: list[list[int]], work: Path) -> StageResult:
     """A corpus stage result in the merge stage's layout (one train shard)."""
     stage = StageDir(store, "bench", "merge", stage_key("merge", {"bench": len(sequences)}))
@@ -535,6 +546,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--samples", type=int, default=None, help="corpus samples (cpu 48, cuda 8192)")
+    ap.add_argument(
+        "--corpus",
+        default=None,
+        help="a merge stage's directory: its train rows (the first --samples, default all) instead of the "
+        "synthetic corpus",
+    )
     ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=None, help="cpu 384, cuda 2048")
     ap.add_argument("--pack-tokens", default=None, help="comma list (cpu 1024,2048; cuda 16384,65536,131072)")
@@ -574,7 +591,8 @@ def main() -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here")
     gpu = args.device.startswith("cuda")
-    args.samples = args.samples or (8192 if gpu else 48)
+    if not args.corpus:
+        args.samples = args.samples or (8192 if gpu else 48)
     args.max_len = args.max_len or (2048 if gpu else 384)
     pack_tokens = [
         int(x) for x in (args.pack_tokens or ("16384,65536,131072" if gpu else "1024,2048")).split(",")
@@ -589,12 +607,17 @@ def main() -> None:
     target = resolve_target("smollm2-135m-instruct")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="aerie-bench-extract-"))
     work.mkdir(parents=True, exist_ok=True)
-    sequences = synthetic_corpus(args.samples, args.min_len, args.max_len, target.vocab_size)
+    sequences = (
+        read_corpus(Path(args.corpus), args.samples)
+        if args.corpus
+        else synthetic_corpus(args.samples, args.min_len, args.max_len, target.vocab_size)
+    )
     tokens = sum(len(s) for s in sequences)
     print(f"corpus: {len(sequences)} samples, {tokens:,} tokens; work dir {work}", flush=True)
 
     figures: dict[str, Any] = {
         "device": args.device,
+        "corpus": args.corpus or "synthetic",
         "corpus_samples": len(sequences),
         "corpus_tokens": tokens,
     }
