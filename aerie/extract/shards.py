@@ -303,6 +303,7 @@ class ShardWriter:
             )
         if t == 0:
             raise ExtractionError(f"sample {s.id!r} has no tokens")
+        # int32 ids (a dump's, compared with the corpus's by the client) fit by their type: no min/max.
         if s.input_ids.dtype != torch.int32 and (
             int(s.input_ids.min()) < 0 or int(s.input_ids.max()) >= 2**31
         ):
