@@ -8,8 +8,9 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
   many samples concatenated into one row, segment-causal attention, no padding) on full packs of
   `--pack-tokens` tokens, no HTTP, no disk. The best pack size counts;
 - storage write: files of shard size (`--shard-mb`) written to the work dir and fsynced, by safetensors'
-  `save_file` (through the page cache) and with O_DIRECT (as aerie's shard writer does), then aerie's
-  serial ShardWriter and its ShardCommitter (`--commit-workers` encode threads) per dtype;
+  `save_file` (through the page cache) and with O_DIRECT (as aerie's shard writer does with
+  `extract.direct_io`), then aerie's serial ShardWriter and its ShardCommitter (`--commit-workers`
+  encode threads) per dtype;
 - dump roundtrip: the per-sample dump files alone (write as the server does, read as the client does),
   in tmpfs and in the work dir, one thread;
 - baseline: the peers' offline style, one sample per forward and one file per sample;
@@ -29,7 +30,9 @@ dump writers instead of `--dump-writers`) and `r<N>` (N requests in flight inste
 `--requests-in-flight`), `p<N>` (a commit buffer of N batches instead of the config's
 default), `b<N>` (N x 1,024 tokens per request and per server pack instead of `--batch-tokens` and
 `--server-batch-tokens`) and `g<N>` (a thread switch interval of N microseconds in the server and the
-client, `sys.setswitchinterval`, instead of Python's 5,000), e.g. `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8,fp8+server+p1`.
+client, `sys.setswitchinterval`, instead of Python's 5,000), e.g.
+`--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8,fp8+server+p1`. `--corpus` runs it all
+on a merge stage's train rows instead of the synthetic corpus.
 
 efficiency = pipeline tokens/s / min(bare forward tokens/s, write bytes/s / shard bytes per token),
 with "write bytes/s" the best of three single-shard writes by the faster method (the disk at its burst

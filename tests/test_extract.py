@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from aerie.errors import CanaryError, IntegrityError, PreflightError
+from aerie.errors import CanaryError, ExtractionError, IntegrityError, PreflightError
 from aerie.extract import preflight
 from aerie.extract.canary import ExtractionCanary, _dequantized, compare_layers, reference_hidden_states
-from aerie.extract.client import make_batches
+from aerie.extract.client import make_batches, to_sample
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import Row, open_split, slice_bounds
 from aerie.extract.phases import PhaseTotals, RequestTiming
@@ -80,6 +80,28 @@ def test_batches_fill_up_to_the_token_budget_in_order():
     assert batches[0].rids == ["train-0", "train-1"]
     assert slice_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert slice_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+@pytest.mark.parametrize(("dump_ids", "position"), [([5, 6, 9, 8], 2), ([5, 6, 7], 3), ([5, 6, 7, 8, 4], 4)])
+def test_a_dump_whose_ids_are_not_the_corpus_rows_is_refused_where_they_part(dump_ids, position):
+    """The client checks every dump's token ids against the corpus row it sent: a server that
+    prefilled something else is named with the row, the counts and the first differing position."""
+    row = Row(index=7, id="s7", input_ids=[5, 6, 7, 8], loss_mask=[0, 1, 1, 0])
+
+    def dump(ids: list[int]) -> dict[str, torch.Tensor]:
+        t = len(ids)
+        return {
+            "input_ids": torch.tensor(ids, dtype=torch.int32),
+            "aux_hidden": torch.zeros(t, 6),
+            "last_hidden": torch.zeros(t, 2),
+        }
+
+    with pytest.raises(
+        ExtractionError, match=rf"r7: .* row 7 \(s7\) holds {len(dump_ids)} .* at position {position}"
+    ):
+        to_sample(row, dump(dump_ids), "r7")
+    sample = to_sample(row, dump([5, 6, 7, 8]), "r7")
+    assert sample.input_ids.tolist() == [5, 6, 7, 8] and sample.loss_mask.tolist() == [0, 1, 1, 0]
 
 
 def test_pump_waits_are_split_by_the_step_the_awaited_request_was_in():

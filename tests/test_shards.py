@@ -223,7 +223,7 @@ def test_a_shard_is_the_same_bytes_however_the_os_takes_the_writes(tmp_path, sam
 
 @pytest.mark.parametrize("storage", ["bf16", "fp8"])
 def test_shards_written_with_o_direct_are_the_same_files(tmp_path, samples, monkeypatch, storage):
-    """`direct_io` (the extraction default) writes through 8 KiB bounce buffers here, so every shard
+    """`direct_io` (`extract.direct_io`) writes through 8 KiB bounce buffers here, so every shard
     crosses several: the same files, digests and sizes as through the page cache."""
     monkeypatch.setattr(tensorfile, "DIRECT_CHUNK", 8192)
     want = write_all(tmp_path / "buffered", samples, storage, shard_bytes=1 << 14)

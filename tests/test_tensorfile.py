@@ -139,7 +139,8 @@ def test_a_server_dump_maps_with_every_tensor_aligned(tmp_path: Path) -> None:
 
 
 def _direct_file(path: Path, parts: list[memoryview]) -> bool:
-    """Write `parts` as the shard writer does; False where the filesystem refuses O_DIRECT at open."""
+    """Write `parts` as the shard writer does with `direct_io`; False where the filesystem refuses
+    O_DIRECT at open."""
     fd, direct = open_direct(path)
     try:
         if direct:
