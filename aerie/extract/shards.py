@@ -481,8 +481,9 @@ def _write_data(
     written with O_DIRECT where its filesystem takes it (`aerie.tensorfile.write_direct`)."""
     parts, size = layout(tensors, metadata)
     tmp = info.path.with_name(f".{info.path.name}.tmp")
-    # Hashed on the shard's own thread: a shard's hash (sha256 ran at 1.25 GB/s on an H200 host) then
-    # overlaps the writing of the next shard instead of holding up this one's writes.
+    # Hashed on the shard's own thread: a shard's hash (slower than its write on the H200 hosts, whose
+    # sync threads waited on it 10-25% of the wall, `write_hash_wait`) then overlaps the writing of the
+    # next shard instead of holding up this one's writes.
     h = _HashBehind()
     f: BinaryIO | None = None
     try:
