@@ -299,6 +299,7 @@ def storage_write(
     # A few shards per run, so the committer's write-behind (a shard written while the next fills) shows.
     shard_bytes = max(1 << 20, (shard_mb << 20) // 4)
     storages: tuple[Storage, ...] = ("bf16", "fp8")
+    direct_io = ExtractConfig().direct_io  # the shard writer as the pipeline configures it
     closed: list[ShardInfo] = []
     for storage in storages:
         # ShardWriter.add: everything in this thread (the serial commit path).
@@ -307,7 +308,7 @@ def storage_write(
             storage=storage,
             shard_bytes=shard_bytes,
             hidden_size=hidden,
-            direct_io=ExtractConfig().direct_io,
+            direct_io=direct_io,
         )
         began = time.perf_counter()
         infos = [info for sample in samples if (info := writer.add(sample)) is not None]
@@ -325,7 +326,7 @@ def storage_write(
             storage=storage,
             shard_bytes=shard_bytes,
             hidden_size=hidden,
-            direct_io=ExtractConfig().direct_io,
+            direct_io=direct_io,
         )
         committer = ShardCommitter(
             writer,

@@ -85,7 +85,7 @@ class ExtractConfig(StrictModel):
         "filesystem takes it. The disk takes O_DIRECT writes faster (H200 hosts: 1.83 GB/s against 1.15 GB/s "
         "through the page cache, benchmarks/results/disk_write-h200.json), but in the extraction the copy "
         "into the bounce buffers cost more than it saved: fp8 extraction ran at 291-352K tokens/s with it "
-        "against 375-443K without, on three hosts (benchmarks/results/extract-cuda-session10-*.json). "
+        "against 375-443K without, on three hosts (benchmarks/results/extract-cuda-session10-direct-{a,b,c}.json). "
         "Either way each shard is fsynced before it counts.",
     )
     disk_margin: float = Field(1.2, ge=1.0, description="Preflight asks for estimated bytes x this margin.")

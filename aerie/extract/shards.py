@@ -123,6 +123,11 @@ def bytes_per_token(storage: Storage, hidden_size: int) -> int:
     return 4 * hidden_size + 4 * (3 + 1) + ids_and_mask
 
 
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`; no torch call when it already is (each one gives the GIL back, per sample)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -320,18 +325,17 @@ class ShardWriter:
         """Rows [lo, hi) of a checked sample in storage form. Reads no writer state: safe in any
         thread, in any order."""
         h = self.hidden_size
-        whole = lo == 0 and hi == sample.tokens  # no slicing: fewer torch calls per sample
-        aux = sample.aux_hidden if whole else sample.aux_hidden[lo:hi]
-        last = sample.last_hidden if whole else sample.last_hidden[lo:hi]
-        if self.storage == "bf16" and (aux.dtype, last.dtype) == (torch.bfloat16, torch.bfloat16):
-            return EncodedRows(aux, last)
+        whole = lo == 0 and hi == sample.tokens
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t if whole else t[lo:hi]  # a whole sample unsliced: fewer torch calls per sample
+
+        aux, last = rows(sample.aux_hidden), rows(sample.last_hidden)
         if self.storage == "bf16":
-            return EncodedRows(aux.to(torch.bfloat16), last.to(torch.bfloat16))
+            return EncodedRows(_as_dtype(aux, torch.bfloat16), _as_dtype(last, torch.bfloat16))
         if sample.aux_scale is not None and sample.last_scale is not None:
             # Quantized by the server with the same function: the codes and scales are the shard's.
-            if whole:
-                return EncodedRows(aux, last, sample.aux_scale, sample.last_scale)
-            return EncodedRows(aux, last, sample.aux_scale[lo:hi], sample.last_scale[lo:hi])
+            return EncodedRows(aux, last, rows(sample.aux_scale), rows(sample.last_scale))
         # fp8 quantization touches every value; `quantize_device` may move it to a GPU.
         dev = self.quantize_device
         aux_q, aux_s = quantize_fp8(aux.reshape(hi - lo, 3 * h).to(dev), groups=3)
@@ -351,9 +355,8 @@ class ShardWriter:
         sealed = None
         if self._ids and self._pending_bytes() + t * self._bpt + 8 > self.shard_bytes:
             sealed = self.seal()
-        ids, mask = sample.input_ids, sample.loss_mask
-        self._chunks["input_ids"].append(ids if ids.dtype == torch.int32 else ids.to(torch.int32))
-        self._chunks["loss_mask"].append(mask if mask.dtype == torch.uint8 else mask.to(torch.uint8))
+        self._chunks["input_ids"].append(_as_dtype(sample.input_ids, torch.int32))
+        self._chunks["loss_mask"].append(_as_dtype(sample.loss_mask, torch.uint8))
         for r in rows:
             self._chunks["aux_hidden"].append(r.aux)
             self._chunks["last_hidden"].append(r.last)
