@@ -366,7 +366,10 @@ class S3Store:
             )
         return ObjectInfo(key=key, uri=self.uri(key), size=before.st_size, sha256=digest)
 
-    def adopt_file(self, key: str, path: str | Path, *, sha256: str | None = None) -> ObjectInfo:
+    def adopt_file(
+        self, key: str, path: str | Path, *, sha256: str | None = None, reread: bool = True
+    ) -> ObjectInfo:
+        del reread  # an upload reads the file whatever the caller says, and checks it against `sha256`
         info = self._put_file(key, path, None, want=sha256)
         # The local file may be the only other copy: delete it only once S3 holds what we hashed.
         head = self._head(info.key, "verify")

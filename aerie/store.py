@@ -71,11 +71,18 @@ class ArtifactStore(Protocol):
         caller's thread; an exception it raises mid-transfer cancels the upload and leaves nothing."""
         ...
 
-    def adopt_file(self, key: str, path: str | Path, *, sha256: str | None = None) -> ObjectInfo:
+    def adopt_file(
+        self, key: str, path: str | Path, *, sha256: str | None = None, reread: bool = True
+    ) -> ObjectInfo:
         """Upload a finished file and take it over: on success `path` is gone (moved in, or deleted
         once the stored copy is verified). `sha256` is the digest the caller computed while writing
         it: a file that no longer matches raises `IntegrityError`, and then nothing is stored and
-        `path` stays. The caller must not write to `path` any more."""
+        `path` stays. The caller must not write to `path` any more.
+
+        `reread=False` (with `sha256`): where the store can take the file without reading it (a
+        LocalStore on the same filesystem renames it), it records `sha256` instead of reading the file
+        back, for a writer that hashed the very bytes it wrote and fsynced: a read-back costs a
+        disk-bound writer the bandwidth it needs. An upload reads the file anyway, and verifies it."""
         ...
 
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo: ...
@@ -245,18 +252,24 @@ class LocalStore:
             meter.finish()
         return info
 
-    def adopt_file(self, key: str, path: str | Path, *, sha256: str | None = None) -> ObjectInfo:
+    def adopt_file(
+        self, key: str, path: str | Path, *, sha256: str | None = None, reread: bool = True
+    ) -> ObjectInfo:
         """Rename the file into place after one hash-and-fsync pass over it, so it is as durable and
-        as checked as a put_file copy without being written twice. Across filesystems (EXDEV) it is
-        copied like put_file, then deleted."""
+        as checked as a put_file copy without being written twice (with `reread=False` and a
+        `sha256`, without that pass: its writer fsynced it). Across filesystems (EXDEV) it is copied
+        like put_file, verified, then deleted."""
         src, dest = Path(path), self._path(key)
-        try:
-            with open(src, "rb") as f:
-                digest = _sha256_of(f)
-                os.fsync(f.fileno())  # put_file's temp file is fsync'd before its rename: the same here
-        except OSError as exc:
-            raise StoreError(f"cannot read {src}: {exc}") from exc
-        check_adopted(src, sha256, digest)
+        if reread or sha256 is None:
+            try:
+                with open(src, "rb") as f:
+                    digest = _sha256_of(f)
+                    os.fsync(f.fileno())  # put_file's temp file is fsync'd before its rename: the same here
+            except OSError as exc:
+                raise StoreError(f"cannot read {src}: {exc}") from exc
+            check_adopted(src, sha256, digest)
+        else:
+            digest = sha256
         if src.resolve() == dest.resolve():  # already in place (written straight into the store)
             return self._record(key, dest, digest)
         try:

@@ -35,6 +35,7 @@ import torch
 ST_DTYPE = {
     torch.int64: "I64",
     torch.int32: "I32",
+    torch.uint16: "U16",
     torch.uint8: "U8",
     torch.bfloat16: "BF16",
     torch.float16: "F16",

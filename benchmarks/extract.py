@@ -25,7 +25,9 @@ Measured in one run, with the same model (SmolLM2-135M, the embedded target) on 
 
 `--pipelines` names the pipeline runs, so one invocation A/Bs variants against one roofline: a storage
 dtype plus `+` modifiers, `server` (quantize on the server, fp8 only), `sync` (the server's pre-overlap
-device->host copy), `direct` (shards written with O_DIRECT, `extract.direct_io`), `w<N>` (N server
+device->host copy), `direct` / `buffered` (shards written with O_DIRECT, `extract.direct_io`, or
+through the page cache), `reread` / `noreread` (each shard read back and re-hashed before the store
+takes it over, `extract.reread_shards`, or not), `w<N>` (N server
 dump writers instead of `--dump-writers`) and `r<N>` (N requests in flight instead of
 `--requests-in-flight`), `p<N>` (a commit buffer of N batches instead of the config's
 default), `b<N>` (N x 1,024 tokens per request and per server pack instead of `--batch-tokens` and
@@ -199,8 +201,9 @@ def baseline_one_by_one(
         tokens = 0
         for i, seq in enumerate(sequences):
             hs = model(input_ids=torch.tensor([seq], device=device), output_hidden_states=True).hidden_states
-            tensors = {
+            tensors = {  # what SpecForge stores per sample: int64 ids and loss mask, bf16 states
                 "input_ids": torch.tensor(seq),
+                "loss_mask": torch.ones(len(seq), dtype=torch.int64),
                 "aux_hidden_state": torch.cat([hs[j][0] for j in layers], -1).to("cpu", torch.bfloat16),
                 "hidden_state": hs[-1][0].to("cpu", torch.bfloat16),
             }
@@ -209,7 +212,13 @@ def baseline_one_by_one(
         elapsed = time.perf_counter() - began
     del model
     gc.collect()
-    return {"samples": len(sequences), "tokens": tokens, "tokens_per_s": round(tokens / elapsed, 1)}
+    stored = sum(f.stat().st_size for f in out_dir.iterdir())
+    return {
+        "samples": len(sequences),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "bytes_per_token": round(stored / tokens, 2),
+    }
 
 
 def write_shard_file(path: Path, aux: torch.Tensor, last: torch.Tensor) -> float:
@@ -260,12 +269,18 @@ def sustained_write(
 
 
 def storage_write(
-    work: Path, shard_mb: int, hidden: int, commit_workers: int, sustained_gib: float, repeat: int = 3
+    work: Path,
+    shard_mb: int,
+    target: TargetInfo,
+    commit_workers: int,
+    sustained_gib: float,
+    repeat: int = 3,
 ) -> dict[str, Any]:
     """Shard-sized files written (+fsync) by `save_file` through the page cache and with O_DIRECT, the
     best of `repeat` each (interleaved); the faster method's rate is the roofline's `write_bytes_per_s`,
     and that method writes `sustained_gib` GiB back to back. Then aerie's ShardWriter (one thread) and
     ShardCommitter (`commit_workers` encode threads) per dtype."""
+    hidden = target.hidden_size
     tokens = max(1, (shard_mb << 20) // (8 * hidden))
     aux = torch.randn(tokens, 3 * hidden).to(torch.bfloat16)
     last = torch.randn(tokens, hidden).to(torch.bfloat16)
@@ -309,6 +324,7 @@ def storage_write(
             shard_bytes=shard_bytes,
             hidden_size=hidden,
             direct_io=direct_io,
+            vocab_size=target.vocab_size,
         )
         began = time.perf_counter()
         infos = [info for sample in samples if (info := writer.add(sample)) is not None]
@@ -327,6 +343,7 @@ def storage_write(
             shard_bytes=shard_bytes,
             hidden_size=hidden,
             direct_io=direct_io,
+            vocab_size=target.vocab_size,
         )
         committer = ShardCommitter(
             writer,
@@ -399,9 +416,18 @@ def pipeline(
     variant: str,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    storage, server_quantize, sync_copy, dump_writers, in_flight, buffer_batches, batch, direct, gil_us = (
-        parse_variant(variant, args)
-    )
+    (
+        storage,
+        server_quantize,
+        sync_copy,
+        dump_writers,
+        in_flight,
+        buffer_batches,
+        batch,
+        direct,
+        gil_us,
+        reread,
+    ) = parse_variant(variant, args)
     batch_tokens = batch or args.batch_tokens
     cfg = ExtractConfig(
         storage_dtype=storage,  # type: ignore[arg-type]
@@ -415,6 +441,7 @@ def pipeline(
         commit_workers=args.commit_workers,
         quantize_on_server=server_quantize,
         direct_io=direct,
+        reread_shards=reread,
     )
     server = ServerConfig(
         backend="reference",
@@ -464,6 +491,7 @@ def pipeline(
         "batch_tokens": cfg.batch_tokens,
         "commit_buffer_tokens": cfg.resolved_commit_buffer_tokens(),
         "shard_writes": "direct" if cfg.direct_io else "buffered",
+        "shard_reread": cfg.reread_shards,
         "gil_switch_us": gil_us or round(switch * 1e6),
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
@@ -483,13 +511,16 @@ class Variant(NamedTuple):
     batch_tokens: int | None  # tokens per request and per server pack; None: --batch-tokens etc.
     direct: bool  # shards written with O_DIRECT (extract.direct_io), not through the page cache
     gil_switch_us: int  # the thread switch interval of the server and the client; 0: Python's
+    reread: bool  # shards read back and re-hashed before the store takes them (extract.reread_shards)
 
 
 def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
-    """`fp8+server+sync+w4+r8+p2+b128+direct+g500` -> storage, quantize on server, sync copy, dump
-    writers, requests in flight, commit buffer (in batches), tokens per request and server pack (in units
-    of 1,024), O_DIRECT shards, thread switch interval (microseconds)."""
+    """`fp8+server+sync+w4+r8+p2+b128+direct+g500+noreread` -> storage, quantize on server, sync copy,
+    dump writers, requests in flight, commit buffer (in batches), tokens per request and server pack (in
+    units of 1,024), O_DIRECT shards (`direct`/`buffered`; neither: the config's default), thread switch
+    interval (microseconds), the read-back of each shard (`reread`/`noreread`; neither: the default)."""
     storage, *mods = variant.split("+")
+    defaults = ExtractConfig()
     if storage not in ("bf16", "fp8"):
         sys.exit(f"--pipelines {variant!r}: storage must be bf16 or fp8")
     # p 0, b 0: the config's default commit buffer, --batch-tokens and --server-batch-tokens
@@ -497,10 +528,10 @@ def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
     for mod in mods:
         if mod[:1] in counts and mod[1:].isdigit() and int(mod[1:]) > 0:
             counts[mod[:1]] = int(mod[1:])
-        elif mod not in ("server", "sync", "direct"):
+        elif mod not in ("server", "sync", "direct", "buffered", "reread", "noreread"):
             sys.exit(
                 f"--pipelines {variant!r}: unknown modifier {mod!r} "
-                "(server, sync, direct, w<N>, r<N>, p<N>, b<N>, g<N>)"
+                "(server, sync, direct, buffered, reread, noreread, w<N>, r<N>, p<N>, b<N>, g<N>)"
             )
     if "server" in mods and storage != "fp8":
         sys.exit(f"--pipelines {variant!r}: only fp8 is quantized on the server")
@@ -512,8 +543,9 @@ def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
         counts["r"],
         counts["p"] or None,
         counts["b"] * 1024 or None,
-        "direct" in mods,
+        "direct" in mods or (defaults.direct_io and "buffered" not in mods),
         counts["g"],
+        "reread" in mods or (defaults.reread_shards and "noreread" not in mods),
     )
 
 
@@ -629,9 +661,7 @@ def main() -> None:
     print("bare forward:", figures["bare_forward"], flush=True)
     save(figures, args, complete=False)
     commit_workers = ExtractConfig(commit_workers=args.commit_workers).resolved_commit_workers()
-    figures["storage_write"] = storage_write(
-        work, args.shard_mb, target.hidden_size, commit_workers, args.sustained_gib
-    )
+    figures["storage_write"] = storage_write(work, args.shard_mb, target, commit_workers, args.sustained_gib)
     print("storage write:", figures["storage_write"], flush=True)
     save(figures, args, complete=False)
     figures["dump_roundtrip"] = dump_roundtrip(work, target.hidden_size)
@@ -682,10 +712,15 @@ def main() -> None:
                 p["steady_tokens_per_s"] / min(bare, sustained_bps / p["bytes_per_token"]), 3
             )
         p["speedup_vs_baseline"] = round(p["steady_tokens_per_s"] / base, 2)
-    if {"bf16", "fp8"} <= set(figures["pipeline"]):
-        figures["fp8_bytes_vs_bf16"] = round(
-            figures["pipeline"]["fp8"]["bytes"] / figures["pipeline"]["bf16"]["bytes"], 4
-        )
+    # Shard bytes per token, from the ShardWriter runs (the pipelines' own are in their entries): fp8
+    # against aerie's bf16 shards, and against the peers' bf16 files the baseline wrote.
+    sw = figures["storage_write"]
+    figures["fp8_bytes_vs_bf16"] = round(
+        sw["shardwriter_fp8_bytes_per_token"] / sw["shardwriter_bf16_bytes_per_token"], 5
+    )
+    figures["fp8_bytes_vs_peers_bf16"] = round(
+        sw["shardwriter_fp8_bytes_per_token"] / figures["baseline_one_sample_one_file"]["bytes_per_token"], 5
+    )
 
     save(figures, args, complete=True)
 

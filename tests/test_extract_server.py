@@ -134,8 +134,10 @@ def test_fanout_kill9_resume_exact_counts(tmp_path, smollm2):
     assert 0 < figures["commit_share"] < 1  # packing shards took part of the extraction time
     # Where each server's steady time went: the client's phases are its wall (other >= 0), and the
     # restarted s0's server reported its phases over the pump that completed on it.
+    # s1 may have finished its slice in run 1 (the failure stops it only at its next batch; CI saw it
+    # finish on a loaded machine): then it had nothing left to pump here.
     by_slice = figures["phases_by_slice"]
-    assert set(by_slice) == {"s0", "s1"} and figures["phases"] in by_slice.values()
+    assert set(by_slice) in ({"s0"}, {"s0", "s1"}) and figures["phases"] in by_slice.values()
     for phases in by_slice.values():
         client = phases["client"]
         assert all(p["s"] >= 0 for name, p in client.items() if name != "other")

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from aerie import tensorfile
 from aerie.errors import DataError, ExtractionError
@@ -20,6 +21,7 @@ from aerie.extract.shards import (
     dequantize_fp8,
     quantize_fp8,
 )
+from aerie.fp8 import pow2, scale_values
 
 H = 64
 
@@ -40,8 +42,15 @@ def make_sample(i: int, t: int, gen: torch.Generator) -> HiddenSample:
     )
 
 
-def write_all(tmp_path, samples, storage, shard_bytes=1 << 30, direct_io=False):
-    w = ShardWriter(tmp_path, storage=storage, shard_bytes=shard_bytes, hidden_size=H, direct_io=direct_io)
+def write_all(tmp_path, samples, storage, shard_bytes=1 << 30, direct_io=False, vocab_size=None):
+    w = ShardWriter(
+        tmp_path,
+        storage=storage,
+        shard_bytes=shard_bytes,
+        hidden_size=H,
+        direct_io=direct_io,
+        vocab_size=vocab_size,
+    )
     infos = [info for s in samples if (info := w.add(s))]
     if (last := w.close()) is not None:
         infos.append(last)
@@ -74,8 +83,9 @@ def test_bf16_round_trip_is_exact(tmp_path, samples):
     assert torch.equal(part["input_ids"], torch.cat([s.input_ids for s in samples])[3:50])
 
 
-def test_file_is_plain_safetensors_with_metadata(tmp_path, samples):
-    (info,) = write_all(tmp_path, samples, "fp8")
+@pytest.mark.parametrize(("vocab_size", "ids_dtype"), [(49152, torch.uint16), (None, torch.int32)])
+def test_file_is_plain_safetensors_with_metadata(tmp_path, samples, vocab_size, ids_dtype):
+    (info,) = write_all(tmp_path, samples, "fp8", vocab_size=vocab_size)
     with safe_open(str(info.path), framework="pt") as f:
         meta = f.metadata()
         assert set(f.keys()) == {
@@ -88,15 +98,19 @@ def test_file_is_plain_safetensors_with_metadata(tmp_path, samples):
             "last_scale",
         }
         n = info.tokens
-        assert f.get_tensor("input_ids").dtype == torch.int32
+        assert f.get_tensor("input_ids").dtype == ids_dtype
         assert f.get_tensor("loss_mask").dtype == torch.uint8
         assert f.get_tensor("aux_hidden").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("aux_scale").dtype == f.get_tensor("last_scale").dtype == torch.uint8
         assert tuple(f.get_tensor("aux_hidden").shape) == (n, 3 * H)
         assert tuple(f.get_tensor("aux_scale").shape) == (n, 3)
         assert tuple(f.get_tensor("last_scale").shape) == (n, 1)
         assert f.get_tensor("offsets").tolist() == [0, 7, 40, 41, 161, 225, 230]
-    assert meta["storage"] == "fp8" and meta["hidden_size"] == str(H) and meta["schema_version"] == "1"
+    assert meta["storage"] == "fp8" and meta["hidden_size"] == str(H) and meta["schema_version"] == "2"
     assert json.loads(meta["sample_ids"]) == [s.id for s in samples]
+    # The data section is exactly what bytes_per_token counts, plus the offsets.
+    header = 8 + int.from_bytes(info.path.read_bytes()[:8], "little")
+    assert info.bytes - header == n * bytes_per_token("fp8", H, vocab_size) + 8 * (len(samples) + 1)
 
 
 def fp8_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -115,62 +129,128 @@ def test_fp8_round_trip_within_rounding_bound(tmp_path, samples):
         assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.loss_mask, want.loss_mask)
         t = want.tokens
         x = want.aux_hidden.float().reshape(t, 3, H)
-        scale = raw["aux_scale"][start : start + t].reshape(t, 3, 1)
+        scale = scale_values(raw["aux_scale"][start : start + t]).reshape(t, 3, 1)
         err = (got.aux_hidden.reshape(t, 3, H) - x).abs()
         assert bool((err <= fp8_bound(x, scale)).all())
         # Per token and layer, the worst error is at most 2^-4 of that token's (layer's) max.
         assert bool((err.amax(-1) <= 2.0**-4 * x.abs().amax(-1) + 1e-6).all())
         y = want.last_hidden.float()
         err_last = (got.last_hidden - y).abs()
-        assert bool((err_last <= fp8_bound(y, raw["last_scale"][start : start + t])).all())
+        assert bool((err_last <= fp8_bound(y, scale_values(raw["last_scale"][start : start + t]))).all())
     # Per-layer scales matter: the small first layer keeps its precision next to the large third one.
-    assert bool((raw["aux_scale"][:, 2] > 10 * raw["aux_scale"][:, 0]).all())
+    aux_scale = scale_values(raw["aux_scale"])
+    assert bool((aux_scale[:, 2] > 10 * aux_scale[:, 0]).all())
 
 
 def test_fp8_is_half_the_bytes_of_bf16(tmp_path, samples):
     (bf16,) = write_all(tmp_path / "bf16", samples, "bf16")
     (fp8,) = write_all(tmp_path / "fp8", samples, "fp8")
     tokens = bf16.tokens
-    # Per token: fp8 stores 4H bytes + 16 bytes of scales + 5 of ids/mask, bf16 8H + 5.
-    overhead = 16 * tokens + 5 * tokens + 2048  # scales, ids/mask, header
+    # Per token: fp8 stores 4H bytes + 4 bytes of scales + 5 of ids/mask, bf16 8H + 5.
+    overhead = 4 * tokens + 5 * tokens + 2048  # scales, ids/mask, header
     assert fp8.bytes <= 0.5 * bf16.bytes + overhead
-    assert bytes_per_token("fp8", 7168) / bytes_per_token("bf16", 7168) < 0.502
+
+
+@pytest.mark.parametrize(
+    ("hidden", "vocab", "vs_own", "vs_peers"),
+    [(576, 49152, 0.50119, 0.49978), (7168, 163840, 0.50011, 0.50002)],  # SmolLM2-135M, Kimi-K2.5
+)
+def test_fp8_bytes_per_token_against_bf16_layouts(hidden, vocab, vs_own, vs_peers):
+    """fp8 against aerie's own bf16 shards and against the bf16 that SpecForge stores (int64 ids and
+    int64 loss mask beside the states: 16 bytes a token, ../shared/research/eagle3-anchors.md)."""
+    fp8 = bytes_per_token("fp8", hidden, vocab)
+    assert fp8 == 4 * hidden + 4 + (2 if vocab <= 65536 else 4) + 1
+    assert round(fp8 / bytes_per_token("bf16", hidden, vocab), 5) == vs_own
+    assert round(fp8 / (8 * hidden + 16), 5) == vs_peers
 
 
 def test_quantize_handles_zero_rows_and_groups():
     x = torch.zeros(2, 6)
     x[1, 3:] = torch.tensor([1.0, -896.0, 2.0])
     q, s = quantize_fp8(x, groups=2)
-    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2)
-    assert s[0].tolist() == [1.0, 1.0]  # an all-zero group gets scale 1, not a division by zero
-    assert torch.equal(dequantize_fp8(q, s, torch.float32), x)  # scale 2: 0.5, -448 and 1 are exact in e4m3
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.uint8 and s.shape == (2, 2)
+    assert q[0].float().abs().sum() == 0  # an all-zero group: zero codes, whatever its scale
+    assert scale_values(s)[1, 1] == 2.0  # 896 = 448 * 2: 0.5, -448 and 1 are exact in e4m3
+    assert torch.equal(dequantize_fp8(q, s, torch.float32), x)
     with pytest.raises(ValueError):
         quantize_fp8(x, groups=4)
 
 
-def test_scales_are_the_correctly_rounded_quotient_amax_over_448():
+def _smallest_pow2_scale(amax: float) -> int:
+    """The reference: the smallest e with amax <= 448 * 2**e, in exact float64 arithmetic."""
+    e = -126
+    while amax > 448.0 * 2.0**e:
+        e += 1
+    return e
+
+
+def test_scales_are_the_smallest_power_of_two_that_fits():
     """The contract a device quantization must meet too (tests/test_extraction_cuda.py checks the CUDA
-    path on a GPU): scale = amax / 448 rounded once. amax * (1/448), which CUDA computes for a division
-    by a Python float, differs for many amax values and so gives other codes."""
-    amax = torch.rand(4096, generator=torch.Generator().manual_seed(3)) * 50 + 1e-3
-    x = torch.zeros(4096, 8)
+    path on a GPU): scale = 2**e, the smallest with amax / 2**e <= 448, so the codes use e4m3's whole
+    range and never round past 448; boundaries (amax exactly 448 * 2**j, and the next float up)
+    included."""
+    gen = torch.Generator().manual_seed(3)
+    amax = torch.cat(
+        [
+            torch.rand(4096, generator=gen) * 50 + 1e-3,
+            torch.tensor([448.0, 224.0, 896.0, 448.0 * 2.0**-20, 1e-30, 3e38]),
+            torch.nextafter(torch.tensor([448.0, 224.0, 896.0]), torch.tensor(1e9)),
+        ]
+    )
+    x = torch.zeros(len(amax), 8)
     x[:, 0] = amax
-    _, scale = quantize_fp8(x, groups=1)
-    assert torch.equal(scale[:, 0], (amax.double() / 448.0).float())
-    assert not torch.equal(scale[:, 0], amax * (torch.tensor(1.0) / 448.0))
+    x[:, 1] = -amax / 3
+    q, scale = quantize_fp8(x, groups=1)
+    want = torch.tensor([_smallest_pow2_scale(a) for a in amax.tolist()])
+    assert torch.equal(scale[:, 0].long() - 127, want)
+    assert float(q.float().abs().amax()) <= 448.0 and bool(q.float().isfinite().all())
+    codes = q.float()[:, 0]
+    assert bool(((codes >= 224) & (codes <= 448)).all())  # (224, 448] before rounding: the top binade
+    assert torch.equal(
+        pow2(torch.tensor([-126, -1, 0, 7, 126])), torch.tensor([2.0**-126, 0.5, 1.0, 128.0, 2.0**126])
+    )
 
 
-def test_quantize_a_group_so_small_its_inverse_scale_overflows():
-    """amax/448 of a ~1e-38 group is a float32 denormal whose reciprocal is inf: multiplying by it
-    would give +-inf codes (NaN for zeros); such a group is divided by its scale instead."""
+def test_quantize_a_group_far_below_any_activation():
+    """A ~1e-38 group (a bf16 denormal's neighbourhood) is scaled by the largest power of two there is
+    (2**126) rather than its ideal one, and still quantizes within the rounding bound; the ordinary
+    group beside it gets the codes it gets alone."""
     x = torch.tensor([[1e-38, -5e-39, 0.0, 2e-39, 1.0, -2.0, 0.5, 3.0]]).bfloat16()
     q, s = quantize_fp8(x, groups=2)
-    assert bool(torch.isinf(s.reciprocal()[0, 0])) and bool(torch.isfinite(s.reciprocal()[0, 1]))
+    assert s[0, 0] == 127 - 126
     back = dequantize_fp8(q, s, torch.float32)
     want = x.float()
-    assert bool((back - want).abs().le(fp8_bound(want, s.repeat_interleave(4, dim=1))).all())
+    assert bool((back - want).abs().le(fp8_bound(want, scale_values(s).repeat_interleave(4, dim=1))).all())
     alone, _ = quantize_fp8(x[:, 4:], groups=1)  # the ordinary group's codes are what they are alone
     assert torch.equal(q[:, 4:].view(torch.uint8), alone.view(torch.uint8))
+
+
+def test_schema_1_shards_with_float32_scales_are_still_read(tmp_path, samples):
+    """A shard written before the E8M0 scales (schema version 1: float32 scales, int32 ids) reads back
+    as it did: the same file with its scales widened to float32 and its version set to 1."""
+    (info,) = write_all(tmp_path / "v2", samples, "fp8")
+    with safe_open(str(info.path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+        meta = dict(f.metadata(), schema_version="1")
+    for k in ("aux_scale", "last_scale"):
+        tensors[k] = scale_values(tensors[k])
+    old = tmp_path / "v1.safetensors"
+    save_file(tensors, str(old), metadata=meta)
+    new_r, old_r = ShardReader(info.path, dtype=torch.float32), ShardReader(old, dtype=torch.float32)
+    for a, b in zip(new_r, old_r, strict=True):
+        assert torch.equal(a.aux_hidden, b.aux_hidden) and torch.equal(a.last_hidden, b.last_hidden)
+        assert torch.equal(a.input_ids, b.input_ids)
+
+
+def test_ids_outside_the_vocabulary_are_refused_not_wrapped(tmp_path):
+    gen = torch.Generator().manual_seed(2)
+    sample = make_sample(0, 9, gen)
+    sample.input_ids[4] = 70000
+    w = ShardWriter(tmp_path, storage="bf16", shard_bytes=1 << 20, hidden_size=H, vocab_size=49152)
+    w.add(sample)
+    with pytest.raises(ExtractionError, match=r"token ids outside \[0, 65536\).*70000"):
+        w.close()
+    assert not list(tmp_path.iterdir())  # nothing half-written is left
 
 
 def test_shards_split_by_size_without_splitting_samples(tmp_path):

@@ -320,6 +320,28 @@ def test_adopt_file_takes_the_file_over(store: ArtifactStore, big_file: Path, tm
     assert store.list("run") == ["run/keep.bin", "run/shard.bin", "run/unchecked.bin"]
 
 
+def test_adopt_file_without_reread(store: ArtifactStore, tmp_path: Path) -> None:
+    """`reread=False`: a LocalStore renames the file in with the writer's digest, not reading it (so a
+    change after the writer hashed it goes unnoticed there, the trade `extract.reread_shards` states);
+    an S3 upload reads the file anyway and still refuses one that does not match."""
+    src = tmp_path / "shard.bin"
+    src.write_bytes(b"changed after it was hashed")
+    want = hashlib.sha256(b"the bytes the writer hashed").hexdigest()
+    if isinstance(store, LocalStore):
+        info = store.adopt_file("run/shard.bin", src, sha256=want, reread=False)
+        assert info.sha256 == want and not src.exists()  # taken on trust, not read
+        with pytest.raises(IntegrityError):  # reads of the object still verify against that digest
+            store.get_bytes("run/shard.bin")
+    else:
+        with pytest.raises(IntegrityError):
+            store.adopt_file("run/shard.bin", src, sha256=want, reread=False)
+        assert src.exists() and not store.exists("run/shard.bin")
+    good = tmp_path / "good.bin"
+    good.write_bytes(b"the bytes the writer hashed")
+    assert store.adopt_file("run/good.bin", good, sha256=want, reread=False).sha256 == want
+    assert store.get_bytes("run/good.bin") == b"the bytes the writer hashed"
+
+
 SHM = Path("/dev/shm")
 
 

@@ -116,7 +116,7 @@ def test_the_client_names_a_dump_it_cannot_read_and_keeps_it(tmp_path: Path) -> 
 
 
 def test_a_server_dump_maps_with_every_tensor_aligned(tmp_path: Path) -> None:
-    """The reference server's fp8 dump (int32 ids, fp8 codes, float32 scales) as the client maps it:
+    """The reference server's fp8 dump (int32 ids, fp8 codes, E8M0 scale bytes) as the client maps it:
     the same values, each tensor starting at a multiple of its element size."""
     from aerie.refserver.dump import write_dump
     from aerie.refserver.extraction import Capture
@@ -126,8 +126,8 @@ def test_a_server_dump_maps_with_every_tensor_aligned(tmp_path: Path) -> None:
         input_ids=torch.arange(t, dtype=torch.int32),
         aux_hidden=torch.randn(t, 3 * h).to(torch.float8_e4m3fn),
         last_hidden=torch.randn(t, h).to(torch.float8_e4m3fn),
-        aux_scale=torch.rand(t, 3),
-        last_scale=torch.rand(t, 1),
+        aux_scale=torch.randint(100, 140, (t, 3), dtype=torch.uint8),
+        last_scale=torch.randint(100, 140, (t, 1), dtype=torch.uint8),
     )
     write_dump(tmp_path, "r1", cap, {"rid": "r1"})
     got, metadata = load_mapped(tmp_path / "r1.safetensors")

@@ -88,6 +88,14 @@ class ExtractConfig(StrictModel):
         "against 375-443K without, on three hosts (benchmarks/results/extract-cuda-session10-direct-{a,b,c}.json). "
         "Either way each shard is fsynced before it counts.",
     )
+    reread_shards: bool = Field(
+        True,
+        description="Before a local store takes a shard over (delete_local_after_upload), read it back "
+        "and check it has the sha256 computed while it was written. Off: the digest is recorded as "
+        "computed (the writer fsynced those very bytes), and the disk is left to the writes: a shard "
+        "written with direct_io is not in the page cache, so its read-back takes disk bandwidth. An "
+        "upload to S3 reads and checks the shard either way.",
+    )
     disk_margin: float = Field(1.2, ge=1.0, description="Preflight asks for estimated bytes x this margin.")
     splits: list[Literal["train", "eval"]] = Field(
         default_factory=lambda: list(SPLITS), description="Corpus splits to extract."

@@ -4,19 +4,22 @@ Peers write one file per sample (millions of small files, a `torch.load` per ste
 into append-only shards instead, so training reads contiguous token ranges and the store holds a few
 hundred objects. One shard holds::
 
-    offsets     int64    [S+1]   sample i is tokens offsets[i]:offsets[i+1]
-    input_ids   int32    [N]
-    loss_mask   uint8    [N]
-    aux_hidden  bf16|fp8 [N, 3H] residual stream entering the three captured layers, concatenated
-    last_hidden bf16|fp8 [N, H]  after the final norm (the target lm_head's input)
-    aux_scale   float32  [N, 3]  fp8 only: one scale per token per captured layer
-    last_scale  float32  [N, 1]  fp8 only
+    offsets     int64        [S+1]   sample i is tokens offsets[i]:offsets[i+1]
+    input_ids   uint16|int32 [N]     uint16 when the target's vocabulary fits in it
+    loss_mask   uint8        [N]
+    aux_hidden  bf16|fp8     [N, 3H] residual stream entering the three captured layers, concatenated
+    last_hidden bf16|fp8     [N, H]  after the final norm (the target lm_head's input)
+    aux_scale   uint8        [N, 3]  fp8 only: one power-of-two scale per token per captured layer
+    last_scale  uint8        [N, 1]  fp8 only
 
 fp8 is float8_e4m3fn with a per-token (per layer) absmax scale: the residual stream's magnitude grows
 with depth and varies a lot between tokens (attention sinks), so one scale per tensor would crush the
-small ones. e4m3 keeps 3 mantissa bits: every element is within 2^-4 of its own magnitude, at half
-the bytes of bf16. The scheme lives in `aerie.fp8`: the client quantizes with it, or the reference
-server already did (`extract.quantize_on_server`) and the writer stores its codes and scales as they are.
+small ones. e4m3 keeps 3 mantissa bits: every element is within 2^-4 of its own magnitude. A scale is
+a power of two in one byte (E8M0), so a token costs 4H + 4 bytes of states against bf16's 8H. The
+scheme lives in `aerie.fp8`: the client quantizes with it, or the reference server already did
+(`extract.quantize_on_server`) and the writer stores its codes and scales as they are.
+
+Schema version 1 (float32 scales, int32 ids) is still read.
 
 The safetensors metadata carries the schema version, storage dtype, hidden size and the sample ids
 (JSON). A shard is written once, atomically (temp file + fsync + rename), and never modified.
@@ -43,10 +46,11 @@ from safetensors import safe_open
 
 from aerie.diskspace import cannot_write
 from aerie.errors import DataError, ExtractionError
-from aerie.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from aerie.fp8 import FP8_DTYPE, SCALE_DTYPE, dequantize_fp8, quantize_fp8
 from aerie.tensorfile import TensorParts, layout, open_direct, write_all, write_direct
 
-SHARD_SCHEMA_VERSION = 1
+SHARD_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 STORAGE_DTYPES = ("bf16", "fp8")
 Storage = Literal["bf16", "fp8"]
 
@@ -67,8 +71,8 @@ class HiddenSample:
     last_hidden: torch.Tensor  # [T, H]
     # Set when the states arrive already quantized (a server dumping fp8): aux_hidden and last_hidden
     # are then float8_e4m3fn codes and these their per-token scales, as a shard stores them.
-    aux_scale: torch.Tensor | None = None  # [T, 3] float32
-    last_scale: torch.Tensor | None = None  # [T, 1] float32
+    aux_scale: torch.Tensor | None = None  # [T, 3] uint8 (E8M0)
+    last_scale: torch.Tensor | None = None  # [T, 1] uint8
 
     @property
     def tokens(self) -> int:
@@ -115,12 +119,18 @@ class ShardInfo:
         }
 
 
-def bytes_per_token(storage: Storage, hidden_size: int) -> int:
+def ids_dtype(vocab_size: int | None) -> torch.dtype:
+    """How a shard stores token ids: uint16 when every id of the vocabulary fits, else int32 (also
+    when the vocabulary size is not known)."""
+    return torch.uint16 if vocab_size is not None and vocab_size <= 1 << 16 else torch.int32
+
+
+def bytes_per_token(storage: Storage, hidden_size: int, vocab_size: int | None = None) -> int:
     """Bytes one token costs in a shard (offsets, 8 bytes per sample, are left out)."""
-    ids_and_mask = 4 + 1
+    ids_and_mask = ids_dtype(vocab_size).itemsize + 1
     if storage == "bf16":
         return 4 * hidden_size * 2 + ids_and_mask
-    return 4 * hidden_size + 4 * (3 + 1) + ids_and_mask
+    return 4 * hidden_size + (3 + 1) * SCALE_DTYPE.itemsize + ids_and_mask
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -149,7 +159,7 @@ class EncodedRows:
 
     aux: torch.Tensor  # [n, 3H]
     last: torch.Tensor  # [n, H]
-    aux_scale: torch.Tensor | None = None  # [n, 3] float32, fp8 only
+    aux_scale: torch.Tensor | None = None  # [n, 3] uint8 (E8M0), fp8 only
     last_scale: torch.Tensor | None = None  # [n, 1]
 
 
@@ -166,6 +176,7 @@ class SealedShard:
     storage: Storage
     hidden_size: int
     direct_io: bool = False  # write with O_DIRECT where the filesystem takes it
+    ids_dtype: torch.dtype = torch.int32
 
     @property
     def tokens(self) -> int:
@@ -192,6 +203,8 @@ class SealedShard:
                 # Ids, mask and scales are a few bytes a token: one write (and one hash call) for the
                 # shard instead of one per sample. The hidden states stream as they are.
                 parts = [torch.cat(parts)]
+            if key == "input_ids":
+                parts = [self._narrow_ids(parts[0])]
             shape = [len(self.lengths) + 1] if key == "offsets" else [n]
             if key in widths:
                 shape.append(widths[key])
@@ -215,6 +228,17 @@ class SealedShard:
         )
         return _write_data(info, tensors, metadata, self.direct_io)
 
+    def _narrow_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The shard's ids in `ids_dtype`, checked once per shard (a cast would wrap silently)."""
+        if ids.dtype == self.ids_dtype:
+            return ids
+        if self.ids_dtype == torch.uint16 and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 16):
+            raise ExtractionError(
+                f"shard {self.name}: token ids outside [0, 65536) ({int(ids.min())}..{int(ids.max())}), "
+                "which the target's vocabulary size promised"
+            )
+        return ids.to(self.ids_dtype)
+
 
 class ShardWriter:
     """Packs samples, in the order given, into shards of about `shard_bytes` each.
@@ -226,6 +250,7 @@ class ShardWriter:
     `add` does everything in the caller's thread. Its steps are also public for a pipeline
     (`aerie.extract.commit`): `check` and `encode` (thread-safe: the costly part, quantization) in any
     thread, `append` and `seal` in sample order from one thread, `SealedShard.write` anywhere.
+    `vocab_size` (the target's) lets the shards store token ids as uint16 where they fit.
     """
 
     def __init__(
@@ -239,6 +264,7 @@ class ShardWriter:
         first_index: int = 0,
         quantize_device: str = "cpu",
         direct_io: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         if storage not in STORAGE_DTYPES:
             raise ValueError(f"storage must be one of {STORAGE_DTYPES}, got {storage!r}")
@@ -251,7 +277,8 @@ class ShardWriter:
         self.index = first_index
         self.quantize_device = quantize_device
         self.direct_io = direct_io
-        self._bpt = bytes_per_token(storage, hidden_size)
+        self.ids_dtype = ids_dtype(vocab_size)
+        self._bpt = bytes_per_token(storage, hidden_size, vocab_size)
         self._reset()
 
     def _reset(self) -> None:
@@ -383,6 +410,7 @@ class ShardWriter:
             storage=self.storage,
             hidden_size=self.hidden_size,
             direct_io=self.direct_io,
+            ids_dtype=self.ids_dtype,
         )
         self.index += 1
         self._reset()
@@ -528,9 +556,9 @@ class ShardReader:
             self.sample_ids: list[str] = json.loads(meta["sample_ids"])
         except (KeyError, ValueError) as exc:
             raise DataError(f"{self.path} is not an aerie hidden-state shard (metadata: {exc})") from exc
-        if version != SHARD_SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise DataError(
-                f"{self.path}: shard schema version {version}, this aerie reads {SHARD_SCHEMA_VERSION}"
+                f"{self.path}: shard schema version {version}, this aerie reads {READABLE_SCHEMA_VERSIONS}"
             )
         self.offsets: torch.Tensor = self._f.get_tensor("offsets").cpu()
         self.tokens = int(self.offsets[-1])

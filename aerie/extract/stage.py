@@ -328,6 +328,7 @@ def extract(
         progress_file,
         delete_local=cfg.delete_local_after_upload,
         max_pending=2 * len(p.servers),
+        reread=cfg.reread_shards,
     )
     done_tokens = sum(s.tokens for s in progress_file.shards)
     meter = TokenMeter(p.tokens, done_tokens, progress)
@@ -364,6 +365,7 @@ def extract(
             prefix=stage.prefix,
             local_dir=work / "shards",
             hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
             progress_file=progress_file,
             uploader=uploader,
             start_server=start_server,
@@ -505,7 +507,7 @@ def manifest_body(
             "tokens": tokens,
             "shards": len(shards),
             "bytes": nbytes,
-            "bytes_per_token": bytes_per_token(cfg.storage_dtype, target.hidden_size),
+            "bytes_per_token": bytes_per_token(cfg.storage_dtype, target.hidden_size, target.vocab_size),
             "storage_dtype": cfg.storage_dtype,
             **{f"{split}_tokens": v["tokens"] for split, v in per_split.items()},
             "extracted_tokens_this_run": fresh_tokens,

@@ -37,11 +37,13 @@ class Uploader:
         delete_local: bool,
         max_pending: int = 2,
         workers: int = 2,
+        reread: bool = True,
     ) -> None:
         self.store = store
         self.prefix = prefix
         self.progress = progress
         self.delete_local = delete_local
+        self.reread = reread  # adopt_file's: False trusts the digest the shard writer computed
         self._slots = threading.BoundedSemaphore(max_pending)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aerie-upload")
         self._futures: list[Future[ClosedShard]] = []
@@ -79,8 +81,9 @@ class Uploader:
             if self.delete_local:
                 # The store takes the file over: a LocalStore on the same filesystem renames it (no
                 # second write of every shard), an S3Store deletes it once the object is verified.
-                # A file that no longer has the digest it was written with is refused, and kept.
-                obj = self.store.adopt_file(key, info.path, sha256=info.sha256)
+                # A file that no longer has the digest it was written with is refused, and kept
+                # (unless `reread` is off and the store need not read it: `extract.reread_shards`).
+                obj = self.store.adopt_file(key, info.path, sha256=info.sha256, reread=self.reread)
             else:
                 obj = self.store.put_file(key, info.path)
             if obj.sha256 != info.sha256 or obj.size != info.bytes:

@@ -99,6 +99,7 @@ class SliceWorker:
         prefix: str,
         local_dir: Path,
         hidden_size: int,
+        vocab_size: int,
         progress_file: ProgressFile,
         uploader: Uploader,
         start_server: ServerFactory,
@@ -113,6 +114,7 @@ class SliceWorker:
         self.prefix = prefix
         self.local_dir = local_dir
         self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
         self.progress_file = progress_file
         self.uploader = uploader
         self.start_server = start_server
@@ -147,6 +149,7 @@ class SliceWorker:
             storage=self.cfg.storage_dtype,
             shard_bytes=self.cfg.shard_bytes,
             hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
             prefix=f"shard-s{self.k}",
             first_index=index,
             quantize_device=self.quantize_device,

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["model", "fp8"],
         default="model",
         help="Extraction: model = dumps hold the model dtype; fp8 = quantized on the device before the "
-        "copy to the host (float8_e4m3fn codes + per-token float32 scales aux_scale/last_scale, the fp8 "
+        "copy to the host (float8_e4m3fn codes + per-token power-of-two scales aux_scale/last_scale, the fp8 "
         "shard scheme): half the bytes copied, written and read.",
     )
     p.add_argument(

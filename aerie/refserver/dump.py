@@ -11,12 +11,12 @@ device (`aerie.fp8.quantize_fp8`, the scheme and tensor names of an fp8 shard) a
 
     input_ids    int32          [T]
     aux_hidden   float8_e4m3fn  [T, kH]  codes; k = number of aux layers
-    aux_scale    float32        [T, k]   one scale per token per aux layer
+    aux_scale    uint8          [T, k]   one power-of-two scale (E8M0) per token per aux layer
     last_hidden  float8_e4m3fn  [T, H]
-    last_scale   float32        [T, 1]
+    last_scale   uint8          [T, 1]
 
 with `dtype: "float8_e4m3fn"` in the reply (its `shapes` name the scales too). Dequantized =
-codes * scale per group (`aerie.fp8.dequantize_fp8`). Only the reference server writes it: the
+codes * 2**(scale - 127) per group (`aerie.fp8.dequantize_fp8`). Only the reference server writes it: the
 SGLang plugin always dumps the model dtype.
 """
 

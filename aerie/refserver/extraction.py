@@ -15,8 +15,8 @@ for that copy (`PackCapture.wait`) while the next pack's forward already runs. E
 on some device), `start` computes and copies before it returns, as it always did.
 
 With `dump_dtype="fp8"` (`--dump-dtype fp8`) both tensors are quantized on the model's device right
-after the forward (`aerie.fp8.quantize_fp8`: float8_e4m3fn codes and per-token float32 scales, one
-scale per aux layer per token, one per token for `last_hidden`), and the codes and scales are what
+after the forward (`aerie.fp8.quantize_fp8`: float8_e4m3fn codes and per-token power-of-two scales
+in a byte, one per aux layer per token, one per token for `last_hidden`), and the codes and scales are what
 is copied to the host: half the bytes through the copy, the dump files and the client, and no
 quantization on the client's CPUs.
 """
@@ -49,7 +49,7 @@ class Capture:
     input_ids: torch.Tensor  # [T] int32
     aux_hidden: torch.Tensor  # [T, len(aux_layers) * H] model dtype, or float8_e4m3fn codes
     last_hidden: torch.Tensor  # [T, H]
-    aux_scale: torch.Tensor | None = None  # [T, len(aux_layers)] float32, fp8 dumps only
+    aux_scale: torch.Tensor | None = None  # [T, len(aux_layers)] uint8 (E8M0), fp8 dumps only
     last_scale: torch.Tensor | None = None  # [T, 1]
 
 
