@@ -688,8 +688,12 @@ def main() -> None:
         for v in args.pipelines.split(",")
     ]
     for variant in variants:
-        figures["pipeline"][variant] = pipeline(target, args.device, store, corpus, work, variant, args)
-        print(f"pipeline {variant}:", figures["pipeline"][variant], flush=True)
+        name, n = variant, 1
+        while name in figures["pipeline"]:  # named twice (an A/B/A order): the repeat is `name#2`
+            n += 1
+            name = f"{variant}#{n}"
+        figures["pipeline"][name] = pipeline(target, args.device, store, corpus, work, variant, args)
+        print(f"pipeline {name}:", figures["pipeline"][name], flush=True)
         save(figures, args, complete=False)
         # The load of a shared machine changes while the pipelines run: measure the forward again after
         # each and keep the best, so the roofline is not understated.
