@@ -24,15 +24,12 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from hashlib import _Hash as Hash
 
 # safetensors dtype names of the torch dtypes aerie writes.
 ST_DTYPE = {
@@ -137,7 +134,7 @@ def open_direct(path: str | os.PathLike[str], mode: int = 0o644) -> tuple[int, b
     return os.open(path, flags, mode), False
 
 
-def write_direct(fd: int, parts: list[memoryview], digest: Callable[[], Hash] | None = None) -> Hash | None:
+def write_direct(fd: int, parts: list[memoryview]) -> None:
     """Write `parts` in order from offset 0 of `fd`, a new file opened by `open_direct` with O_DIRECT.
 
     O_DIRECT moves the bytes from aligned memory straight to the device, so the parts (tensors at any
@@ -147,18 +144,10 @@ def write_direct(fd: int, parts: list[memoryview], digest: Callable[[], Hash] | 
     once per part from an extraction client's other threads. The last write is padded to the
     alignment and the file truncated to its size. The bytes still need an fsync to be durable (the
     device's write cache). A filesystem that took the flag at open but refuses the writes (EINVAL)
-    gets the file through `write_all`.
-
-    With `digest` (a hashlib constructor, e.g. `hashlib.sha256`) the file's bytes are also hashed, from
-    the bounce buffers on a third thread while they are written, and the hash object is returned. One
-    update per 32 MiB buffer, for the same reason as the single copy: hashed part by part, the hash
-    thread had to win the GIL back ~1,400 times a shard, and an extraction's sha256 ran at half its
-    speed alone, slower than the disk took the writes."""
+    gets the file through `write_all`."""
     bounce, buffers = _bounce_buffers()
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-direct-write")
-    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-direct-hash")
-    h = digest() if digest is not None else None
-    pending: list[list[Future[None]]] = [[], []]
+    pending: list[Future[None] | None] = [None, None]
     try:
         offset = filled = which = 0
         batch: list[torch.Tensor] = []
@@ -168,18 +157,15 @@ def write_direct(fd: int, parts: list[memoryview], digest: Callable[[], Hash] | 
             torch.cat(batch, out=buffers[which][:filled])
             padded = -(-filled // DIRECT_ALIGN) * DIRECT_ALIGN
             buffers[which][filled:padded] = 0
-            pending[which] = [writer.submit(_pwrite_all, fd, bounce[which], padded, offset)]
-            if h is not None:  # in order: one hash thread
-                pending[which].append(hasher.submit(_update, h, bounce[which], filled))
+            pending[which] = writer.submit(_pwrite_all, fd, bounce[which], padded, offset)
             offset, filled, which = offset + padded, 0, 1 - which
             batch.clear()
 
         for src in (_as_bytes(p) for p in parts if p.nbytes):
             pos = 0
             while pos < src.numel():
-                if not batch:
-                    for fut in pending[which]:
-                        fut.result()  # the buffer is written and hashed: free again
+                if not batch and (fut := pending[which]) is not None:
+                    fut.result()  # the buffer is written: free again
                 n = min(src.numel() - pos, DIRECT_CHUNK - filled)
                 batch.append(src[pos : pos + n])
                 filled, pos = filled + n, pos + n
@@ -187,35 +173,19 @@ def write_direct(fd: int, parts: list[memoryview], digest: Callable[[], Hash] | 
                     send()
         if batch:
             send()
-        for fut in (*pending[0], *pending[1]):
-            fut.result()
+        for fut in pending:
+            if fut is not None:
+                fut.result()
         os.ftruncate(fd, sum(p.nbytes for p in parts))
-        return h
     except OSError as exc:
         if exc.errno != errno.EINVAL or not _refused_direct(fd):
             raise
         writer.shutdown(wait=True)
-        hasher.shutdown(wait=True)
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         write_all(fd, parts)
-        if digest is None:
-            return None
-        h = digest()  # the chunks hashed before the refusal are not the file's: start over
-        for part in parts:
-            h.update(part)
-        return h
     finally:
         writer.shutdown(wait=True)
-        hasher.shutdown(wait=True)
-
-
-def _update(h: Hash, buf: mmap.mmap, length: int) -> None:
-    view = memoryview(buf)[:length]
-    try:
-        h.update(view)
-    finally:
-        view.release()
 
 
 def _as_bytes(part: memoryview) -> torch.Tensor:

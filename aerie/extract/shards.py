@@ -420,11 +420,10 @@ class ShardWriter:
 class _HashBehind:
     """sha256 fed from a second thread, in order, so hashing a shard overlaps writing it: both
     release the GIL on large buffers, and a shard then costs max(write, hash) instead of their sum
-    (sha256 runs at about the speed of a page-cache write). `done` is a hash already complete (an
-    O_DIRECT write hashes its own bounce buffers)."""
+    (sha256 runs at about the speed of a page-cache write)."""
 
-    def __init__(self, done: Any = None) -> None:
-        self._h = done if done is not None else hashlib.sha256()
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-shard-hash")
 
     def update(self, parts: list[memoryview]) -> None:
@@ -488,10 +487,9 @@ class WrittenShard:
         _drop_temp(self._hasher, self._f, self._tmp)
 
 
-def _drop_temp(hasher: _HashBehind | None, f: BinaryIO | None, tmp: Path) -> None:
+def _drop_temp(hasher: _HashBehind, f: BinaryIO | None, tmp: Path) -> None:
     """Stop hashing, close and remove a shard's temp file; cleanup must not hide why the write failed."""
-    if hasher is not None:
-        hasher.cancel()
+    hasher.cancel()
     if f is not None:
         with contextlib.suppress(OSError):
             f.close()
@@ -514,21 +512,17 @@ def _write_data(
     written with O_DIRECT where its filesystem takes it (`aerie.tensorfile.write_direct`)."""
     parts, size = layout(tensors, metadata)
     tmp = info.path.with_name(f".{info.path.name}.tmp")
-    h: _HashBehind | None = None
+    # Hashed on the shard's own thread: a shard's hash (slower than its write on the H200 hosts, whose
+    # sync threads waited on it 10-25% of the wall, `write_hash_wait`) then overlaps the writing of the
+    # next shard instead of holding up this one's writes.
+    h = _HashBehind()
     f: BinaryIO | None = None
     try:
         fd, direct = open_direct(tmp) if direct_io else (os.open(tmp, _NEW_FILE, 0o644), False)
         f = open(fd, "wb", buffering=0)  # noqa: SIM115 - closed by WrittenShard.sync or discard
         began = time.perf_counter()
-        if direct:  # hashed from its bounce buffers while they are written (see write_direct)
-            h = _HashBehind(write_direct(fd, parts, hashlib.sha256))
-        else:
-            # Hashed on the shard's own thread: the hash (slower than the write on the H200 hosts,
-            # whose sync threads waited on it 10-25% of the wall, `write_hash_wait`) then overlaps the
-            # writing of the next shard instead of holding up this one's writes.
-            h = _HashBehind()
-            h.update(parts)
-            write_all(fd, parts)
+        h.update(parts)
+        (write_direct if direct else write_all)(fd, parts)
         data_s = time.perf_counter() - began
     except BaseException as exc:
         _drop_temp(h, f, tmp)
