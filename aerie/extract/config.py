@@ -89,12 +89,14 @@ class ExtractConfig(StrictModel):
         "Either way each shard is fsynced before it counts.",
     )
     reread_shards: bool = Field(
-        True,
+        False,
         description="Before a local store takes a shard over (delete_local_after_upload), read it back "
-        "and check it has the sha256 computed while it was written. Off: the digest is recorded as "
-        "computed (the writer fsynced those very bytes), and the disk is left to the writes: a shard "
-        "written with direct_io is not in the page cache, so its read-back takes disk bandwidth. An "
-        "upload to S3 reads and checks the shard either way.",
+        "and check it has the sha256 computed while it was written. Off by default: the digest is "
+        "recorded as computed from the bytes the writer wrote and fsynced. A read-back of a shard "
+        "written through the page cache reads the cache, not the disk, so it checks only aerie's own "
+        "writer (which the tests do), at the cost of a second sha256 pass over every shard; after "
+        "direct_io writes it does read the disk, and takes the bandwidth the writes need. An upload "
+        "to S3 reads and checks every shard either way.",
     )
     disk_margin: float = Field(1.2, ge=1.0, description="Preflight asks for estimated bytes x this margin.")
     splits: list[Literal["train", "eval"]] = Field(
