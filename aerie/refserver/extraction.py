@@ -196,10 +196,11 @@ class HiddenStateCapture:
 def _split(ids: torch.Tensor, tensors: list[torch.Tensor], bounds: list[int]) -> list[Capture]:
     """Per-sequence views of the pack's host tensors ([aux, last] or [aux, last, aux_scale,
     last_scale]). Row ranges of contiguous [T, ...] tensors are contiguous: the dump writer serializes
-    the views directly (a per-sample clone copied every byte of the pack once more)."""
-    return [
-        Capture(ids[s:e], *(t[s:e] for t in tensors)) for s, e in zip(bounds[:-1], bounds[1:], strict=True)
-    ]
+    the views directly (a per-sample clone copied every byte of the pack once more). One `split` per
+    tensor, not a slice per sample and tensor: this runs on the model thread between forwards."""
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    columns = [ids.split(lengths), *(t.split(lengths) for t in tensors)]
+    return [Capture(*row) for row in zip(*columns, strict=True)]
 
 
 def _recorder(captured: dict[int, torch.Tensor], index: int) -> Any:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -144,13 +146,20 @@ class Pack:
 
 
 def make_pack(sequences: Sequence[Sequence[int]], device: str) -> Pack:
+    """The packed row of `sequences`. Built on the extraction server's model thread between forwards,
+    holding the GIL, so without a Python step per token or per sequence: numpy reads the ids from the
+    lists in one pass (a nested comprehension into `torch.tensor` took 2-3x as long on 64K tokens), and
+    positions are one subtraction (each token's index minus its sequence's start)."""
     lengths = [len(s) for s in sequences]
     if not lengths or min(lengths) == 0:
         raise ValueError("every packed sequence needs at least one token")
-    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-    pos = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+    total = sum(lengths)
+    ids = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=total))
+    n = torch.tensor(lengths, dtype=torch.long)
+    ends = n.cumsum(0)
+    pos = torch.arange(total, dtype=torch.long) - torch.repeat_interleave(ends - n, n)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths).cumsum(0)
+    cu[1:] = ends
     return Pack(ids[None].to(device), pos[None].to(device), cu.to(device), max(lengths))
 
 
