@@ -83,10 +83,12 @@ class ExtractConfig(StrictModel):
         False,
         description="Write shards with O_DIRECT (through aligned bounce buffers, no page cache) where the "
         "filesystem takes it. The disk takes O_DIRECT writes faster (H200 hosts: 1.83 GB/s against 1.15 GB/s "
-        "through the page cache, benchmarks/results/disk_write-h200.json), but in the extraction the copy "
-        "into the bounce buffers cost more than it saved: fp8 extraction ran at 291-352K tokens/s with it "
-        "against 375-443K without, on three hosts (benchmarks/results/extract-cuda-session10-direct-{a,b,c}.json). "
-        "Either way each shard is fsynced before it counts.",
+        "through the page cache, benchmarks/results/disk_write-h200.json). With reread_shards on, as it "
+        "was then, fp8 extraction lost with it (291-352K tokens/s against 375-443K on three hosts, "
+        "benchmarks/results/extract-cuda-session10-direct-{a,b,c}.json): each shard was read back from the "
+        "disk, not the page cache. Without the read-back it ran a little ahead (469K against 451K and 457K "
+        "on one host, benchmarks/results/extract-cuda-session11-reread-off.json), within what runs of one "
+        "configuration vary, so it stays off by default. Either way each shard is fsynced before it counts.",
     )
     reread_shards: bool = Field(
         False,
