@@ -235,7 +235,7 @@ class SealedShard:
         if self.ids_dtype == torch.uint16 and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 16):
             raise ExtractionError(
                 f"shard {self.name}: token ids outside [0, 65536) ({int(ids.min())}..{int(ids.max())}), "
-                "which the target's vocabulary size promised"
+                "but the target's vocabulary fits in uint16: the corpus was not tokenized for this target"
             )
         return ids.to(self.ids_dtype)
 
