@@ -86,9 +86,9 @@ class ExtractConfig(StrictModel):
         "through the page cache, benchmarks/results/disk_write-h200.json). With reread_shards on, as it "
         "was then, fp8 extraction lost with it (291-352K tokens/s against 375-443K on three hosts, "
         "benchmarks/results/extract-cuda-session10-direct-{a,b,c}.json): each shard was read back from the "
-        "disk, not the page cache. Without the read-back it ran a little ahead (469K against 451K and 457K "
-        "on one host, benchmarks/results/extract-cuda-session11-reread-off.json), within what runs of one "
-        "configuration vary, so it stays off by default. Either way each shard is fsynced before it counts.",
+        "disk, not the page cache. Without the read-back it ran a little ahead on one host (469K against 451K "
+        "and 457K, benchmarks/results/extract-cuda-session11-reread-off.json) and level on another in an "
+        "ABAB run (467K, 487K against 445K, 494K, extract-cuda.json), so it stays off by default. Either way each shard is fsynced before it counts.",
     )
     reread_shards: bool = Field(
         False,

@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides for that preset")
     p.add_argument("--python-version", default="3.12", help="the host's Python (major.minor)")
     p.add_argument(
-        "--max-bundle-mb", type=float, default=60.0, help="MiB per bundle (the carry limit is 64 in all)"
+        "--max-bundle-mb",
+        type=float,
+        default=56.0,
+        help="MiB per bundle (the carry limit is 64 in all, the working tree included: ~4 MiB)",
     )
     p.add_argument("--extras", nargs="*", default=[], choices=sorted(EXTRAS), help="also ship these")
     p.add_argument("--no-wheels", dest="wheels", action="store_false", help="skip the wheel download")
