@@ -59,6 +59,8 @@ def extract_key(cfg: ExtractConfig, server: ServerConfig, target: TargetInfo, co
     extract["num_servers"] = total_servers(cfg)
     config = {
         "extract": extract,
+        # A new shard layout is a new extraction: a resume never mixes shards of two schemas.
+        "shard_schema_version": SHARD_SCHEMA_VERSION,
         "server_backend": server.backend,
         "target": target.name,
         "target_revision": target.revision,

@@ -121,8 +121,8 @@ class Batch:
     doc_ids: Tensor  # [T] int32: rows of one document share an id; padding is PAD_DOC
     aux_hidden: Tensor  # [T, 3H] bf16 or fp8
     last_hidden: Tensor  # [T, H] bf16 or fp8: the target's final hidden state after its final norm
-    aux_scale: Tensor | None = None  # [T, 3] f32 for fp8
-    last_scale: Tensor | None = None  # [T, 1] f32 for fp8
+    aux_scale: Tensor | None = None  # [T, 3] for fp8: E8M0 bytes (float32 in schema-1 shards)
+    last_scale: Tensor | None = None  # [T, 1]
     tokens: int = 0  # real (non-padding) tokens
 
     def pin_memory(self) -> Batch:
