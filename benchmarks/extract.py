@@ -34,7 +34,10 @@ default), `b<N>` (N x 1,024 tokens per request and per server pack instead of `-
 `--server-batch-tokens`) and `g<N>` (a thread switch interval of N microseconds in the server and the
 client, `sys.setswitchinterval`, instead of Python's 5,000), e.g.
 `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8,fp8+server+p1`. `--corpus` runs it all
-on a merge stage's train rows instead of the synthetic corpus.
+on a merge stage's train rows instead of the synthetic corpus. `--trace-dir D` has every pipeline's
+server profile a few packs (`--trace-packs`, after the warm-up and the first ones) into `D/<variant>/`:
+where its device waits between kernels (`aerie.refserver.trace`); the profiler slows those packs, so
+the traced run's rate is not a figure.
 
 efficiency = pipeline tokens/s / min(bare forward tokens/s, write bytes/s / shard bytes per token),
 with "write bytes/s" the best of three single-shard writes by the faster method (the disk at its burst
@@ -454,6 +457,11 @@ def pipeline(
             str(dump_writers),
             "--gil-switch-us",
             str(gil_us),
+            *(
+                ["--trace-packs", args.trace_packs, "--trace-dir", str(Path(args.trace_dir) / variant)]
+                if args.trace_dir
+                else []
+            ),
         ],
         env={SYNC_COPY_ENV: "1"} if sync_copy else {},
     )  # type: ignore[arg-type]
@@ -613,6 +621,12 @@ def main() -> None:
         "--commit-workers", type=int, default=None, help="encode threads per server (default: the config's)"
     )
     ap.add_argument("--work-dir", default=None)
+    ap.add_argument(
+        "--trace-dir",
+        default=None,
+        help="profile packs of every pipeline's server (aerie.refserver.trace) into DIR/<variant>/",
+    )
+    ap.add_argument("--trace-packs", default="10:4", help="SKIP:COUNT packs to profile (with --trace-dir)")
     ap.add_argument(
         "--server-quantize",
         action="store_true",

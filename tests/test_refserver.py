@@ -5,7 +5,9 @@ correctness, chat answers, batched == unbatched greedy generation, and SGLang's 
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -182,24 +184,44 @@ def test_packed_batch_gives_the_same_dumps_as_one_at_a_time(server: RefServer, s
 
 @pytest.fixture(scope="module")
 def fp8_server(smollm2, tmp_path_factory: pytest.TempPathFactory):
-    """The same server with `--dump-dtype fp8`: states quantized on the device before the host copy."""
+    """The same server with `--dump-dtype fp8`: states quantized on the device before the host copy;
+    and it profiles its packs 1 and 2 (pack 0 is the warm-up) into the returned trace dir."""
     dumps = tmp_path_factory.mktemp("fp8-dumps")
+    trace = tmp_path_factory.mktemp("fp8-trace") / "packs"
     srv = launch(
         smollm2.path,
         tmp_path_factory.mktemp("fp8-logs"),
         *("--mode", "extract", "--dump-dir", str(dumps), "--device", "cpu", "--dump-dtype", "fp8"),
+        *("--trace-packs", "1:2", "--trace-dir", str(trace)),
     )
     try:
         wait_ready(srv)
-        yield srv, dumps
+        yield srv, dumps, trace
     finally:
         srv.stop()
+
+
+def test_a_pack_trace_profiles_the_packs_asked_for(fp8_server, smollm2) -> None:
+    fp8, _, trace = fp8_server
+    for i in range(3):  # packs 1 and 2, whichever tests sent packs before
+        body = {"input_ids": [_token_ids(smollm2, 30, seed=90 + i)], "rid": [f"t-{i}"]}
+        assert _generate(fp8, {**body, "sampling_params": {"max_new_tokens": 0}}).status_code == 200
+    deadline = time.monotonic() + 60  # the model thread writes it after the pack, the reply may come first
+    while not (trace / "summary.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    summary = json.loads((trace / "summary.json").read_text())
+    assert summary["packs"] == [1, 3] and summary["wall_us"] > 0
+    assert summary["streams"] == {}  # a CPU server: no device stream to measure
+    with gzip.open(trace / "trace.json.gz") as f:
+        names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+    assert "aten::linear" in names  # the forward's ops are in it
+    assert "aten::linear" in (trace / "ops.txt").read_text()
 
 
 def test_fp8_dumps_are_the_model_dtype_dumps_quantized(
     server: RefServer, dump_dir, fp8_server, smollm2
 ) -> None:
-    fp8, fp8_dumps = fp8_server
+    fp8, fp8_dumps, _ = fp8_server
     assert httpx.get(fp8.url + "/server_info").json()["dump_dtype"] == "fp8"
     assert httpx.get(server.url + "/server_info").json()["dump_dtype"] == "model"
     lengths = [40, 3, 75]

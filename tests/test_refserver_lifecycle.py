@@ -189,6 +189,14 @@ def test_args_round_trip_and_checks(smollm2, tmp_path: Path) -> None:
     assert fp8.dump_dtype == "fp8" and parse_args(fp8.to_argv()).dump_dtype == "fp8"
     with pytest.raises(ArgsError, match="--dump-dtype fp8: only --mode extract"):
         parse_args(["--model-path", smollm2.path, "--dump-dtype", "fp8"])
+    traced = parse_args([*args.to_argv(), "--trace-packs", "8:4", "--trace-dir", str(tmp_path / "t")])
+    assert parse_args(traced.to_argv()).resolved_dict() == traced.resolved_dict()
+    with pytest.raises(ArgsError, match="needs --trace-dir"):
+        parse_args([*args.to_argv(), "--trace-packs", "8:4"])
+    with pytest.raises(ArgsError, match="SKIP:COUNT"):
+        parse_args([*args.to_argv(), "--trace-packs", "8", "--trace-dir", str(tmp_path / "t")])
+    with pytest.raises(ArgsError, match="only --mode extract runs packs"):
+        parse_args(["--model-path", smollm2.path, "--trace-packs", "1:1", "--trace-dir", str(tmp_path)])
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:

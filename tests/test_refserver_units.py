@@ -144,3 +144,41 @@ def test_a_float32_model_never_reaches_the_half_only_varlen_kernel(monkeypatch) 
     monkeypatch.setitem(packed._backend, "name", "varlen")
     got, _ = packed.packed_attention_forward(None, q, k, v, None, cu_seq_lens_q=cu, max_length_q=7)
     assert torch.equal(got, want)
+
+
+def test_trace_summary_counts_busy_time_and_gaps_per_stream() -> None:
+    """Two streams: kernels overlapping on one (counted once), a 30 us and a 5 us gap (only gaps of
+    20 us and more are waiting), a copy alone on the other."""
+    from aerie.refserver.trace import summarize
+
+    def span(ts: float, dur: float, name: str, tid: int, cat: str = "kernel") -> dict:
+        return {"ph": "X", "ts": ts, "dur": dur, "name": name, "tid": tid, "cat": cat}
+
+    trace = {
+        "traceEvents": [
+            span(0, 200, "aten::linear", 1, "cpu_op"),
+            span(10, 40, "gemm", 7),
+            span(30, 30, "norm", 7),  # overlaps gemm: busy 10..60
+            span(90, 10, "add", 7),  # a 30 us gap after norm
+            span(105, 20, "gemm", 7),  # a 5 us gap: launch latency, not counted
+            span(50, 100, "Memcpy DtoH", 9, "gpu_memcpy"),
+            {"ph": "i", "ts": 5, "name": "marker"},
+        ]
+    }
+    out = summarize(trace)
+    assert out["wall_us"] == 200.0
+    compute = out["streams"]["7"]
+    assert compute["busy_us"] == 50 + 10 + 20 and compute["events"] == 4
+    assert compute["gaps_over_20us"] == 1 and compute["gap_us_total"] == 30.0
+    assert compute["longest_gaps"] == [{"us": 30.0, "after": "norm"}]
+    assert out["streams"]["9"]["busy_share_of_wall"] == 0.5
+    assert summarize({"traceEvents": []}) == {"wall_us": 0.0, "streams": {}}
+
+
+@pytest.mark.parametrize("spec", ["3", "a:b", "-1:2", "2:0"])
+def test_trace_packs_must_be_skip_colon_count(spec: str) -> None:
+    from aerie.refserver.trace import parse_packs
+
+    with pytest.raises(ValueError, match="--trace-packs"):
+        parse_packs(spec)
+    assert parse_packs("8:4") == (8, 4)

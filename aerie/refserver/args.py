@@ -40,6 +40,8 @@ class RefServerArgs:
     max_running_requests: int = 64
     dump_writers: int = 2
     gil_switch_us: int = 0
+    trace_packs: str | None = None  # "SKIP:COUNT" (aerie.refserver.trace)
+    trace_dir: str | None = None
     dump_dtype: Literal["model", "fp8"] = "model"
     decode_backend: Literal["auto", "slots", "batched"] = "auto"
     cuda_graphs: bool = False
@@ -75,6 +77,8 @@ class RefServerArgs:
         argv += ["--max-running-requests", str(self.max_running_requests)]
         argv += ["--dump-writers", str(self.dump_writers)]
         argv += ["--gil-switch-us", str(self.gil_switch_us)]
+        if self.trace_packs and self.trace_dir:
+            argv += ["--trace-packs", self.trace_packs, "--trace-dir", self.trace_dir]
         argv += ["--dump-dtype", self.dump_dtype]
         argv += ["--decode-backend", self.decode_backend]
         if self.cuda_graphs:
@@ -159,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers' DynamicCache (any model); auto: slots where the model qualifies.",
     )
     p.add_argument(
+        "--trace-packs",
+        default=None,
+        metavar="SKIP:COUNT",
+        help="Extraction: profile packs SKIP..SKIP+COUNT-1 (torch.profiler, every thread and the device) "
+        "into --trace-dir: a Chrome trace, the ops by self time, and each device stream's busy time and "
+        "gaps (aerie.refserver.trace).",
+    )
+    p.add_argument("--trace-dir", default=None, help="Where --trace-packs writes.")
+    p.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="Slot decoder on CUDA: replay each decoding step as a CUDA graph (one per cache-width "
@@ -233,6 +246,8 @@ def parse_args(argv: Sequence[str]) -> RefServerArgs:
         max_running_requests=ns.max_running_requests,
         dump_writers=ns.dump_writers,
         gil_switch_us=ns.gil_switch_us,
+        trace_packs=ns.trace_packs,
+        trace_dir=ns.trace_dir,
         dump_dtype=ns.dump_dtype,
         decode_backend=ns.decode_backend,
         cuda_graphs=ns.cuda_graphs,
@@ -277,6 +292,8 @@ def check_args(args: RefServerArgs) -> None:
         _check_dump_dir(args.dump_dir)
     elif args.dump_dtype != "model":
         raise ArgsError(f"--dump-dtype {args.dump_dtype}: only --mode extract writes dumps")
+    if args.trace_packs is not None:
+        _check_trace(args)
     if args.aux_layers is not None:
         if len(set(args.aux_layers)) != len(args.aux_layers):
             raise ArgsError(f"--aux-layers {list(args.aux_layers)}: ids must be unique")
@@ -285,6 +302,19 @@ def check_args(args: RefServerArgs) -> None:
             check_aux_layers(args.aux_layers, depth)
     if args.speculative_algorithm is not None and not args.speculative_draft_model_path:
         raise ArgsError("--speculative-algorithm needs --speculative-draft-model-path")
+
+
+def _check_trace(args: RefServerArgs) -> None:
+    from aerie.refserver.trace import parse_packs
+
+    if args.mode != "extract":
+        raise ArgsError("--trace-packs: only --mode extract runs packs")
+    if not args.trace_dir:
+        raise ArgsError("--trace-packs needs --trace-dir (where the trace is written)")
+    try:
+        parse_packs(args.trace_packs or "")
+    except ValueError as exc:
+        raise ArgsError(str(exc)) from exc
 
 
 def _check_dump_dir(dump_dir: str | None) -> None:

@@ -33,6 +33,7 @@ import torch
 from aerie.refserver.dump import write_dump
 from aerie.refserver.extraction import HiddenStateCapture, PackCapture
 from aerie.refserver.generation import GenerationBackend, GenRequest, GenResult
+from aerie.refserver.trace import PackTrace
 
 logger = logging.getLogger("aerie.refserver")
 
@@ -151,8 +152,10 @@ class Scheduler:
         max_batch_tokens: int,
         dump_metadata: dict[str, str] | None = None,
         writer_threads: int = 2,
+        trace: PackTrace | None = None,
     ) -> None:
         self.backend = backend
+        self.trace = trace  # profiles a few packs (--trace-packs)
         self.capture = capture
         self.dump_dir = dump_dir
         self.max_batch_tokens = max_batch_tokens
@@ -225,7 +228,11 @@ class Scheduler:
                     extract = self._take_extraction()
                     admit = self._take_admissions()
                 if extract:
+                    if self.trace is not None:
+                        self.trace.before_pack()
                     self._run_extraction(extract)
+                    if self.trace is not None:
+                        self.trace.after_pack()
                 began, generating = time.perf_counter(), bool(admit or self._running)
                 if admit:
                     self.stats.prefill_tokens += sum(len(i.request.input_ids) for i in admit)

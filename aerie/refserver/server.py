@@ -35,6 +35,7 @@ from aerie.refserver.args import (
     parse_args,
 )
 from aerie.refserver.sglang_log import READY_LINE, avail_mem_gb, logger, setup_logging, uvicorn_log_config
+from aerie.refserver.trace import PackTrace, parse_packs
 
 SPEC_DECODE_MODULE = "aerie.evaluate.spec_decode"
 
@@ -66,6 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return _serve(state)
+
+
+def _pack_trace(args: RefServerArgs, device: str) -> PackTrace | None:
+    if not (args.trace_packs and args.trace_dir):
+        return None
+    skip, count = parse_packs(args.trace_packs)
+    return PackTrace(Path(args.trace_dir), skip, count, device)
 
 
 def _exit_during_startup(signum: int, frame: FrameType | None) -> None:
@@ -129,6 +137,7 @@ def _start(args: RefServerArgs) -> Any:
         Path(args.dump_dir) if args.dump_dir else None,
         max_batch_tokens=args.max_batch_tokens,
         writer_threads=args.dump_writers,
+        trace=_pack_trace(args, str(loaded.device)),
         dump_metadata={
             "aux_layers": ",".join(map(str, aux)),
             "aux_layers_convention": "input",
