@@ -419,56 +419,38 @@ def pipeline(
     variant: str,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    (
-        storage,
-        server_quantize,
-        sync_copy,
-        dump_writers,
-        in_flight,
-        buffer_batches,
-        batch,
-        direct,
-        gil_us,
-        reread,
-    ) = parse_variant(variant, args)
-    batch_tokens = batch or args.batch_tokens
+    v = parse_variant(variant, args)
+    batch_tokens = v.batch_tokens or args.batch_tokens
     cfg = ExtractConfig(
-        storage_dtype=storage,  # type: ignore[arg-type]
+        storage_dtype=v.storage,  # type: ignore[arg-type]
         shard_bytes=args.shard_mb << 20,
         batch_tokens=batch_tokens,
-        requests_in_flight=in_flight,
-        commit_buffer_tokens=buffer_batches and buffer_batches * batch_tokens,
+        requests_in_flight=v.requests_in_flight,
+        commit_buffer_tokens=v.commit_buffer_batches and v.commit_buffer_batches * batch_tokens,
         splits=["train"],
         work_dir=str(work / f"pipe-{variant}"),
         delete_local_after_upload=True,
         commit_workers=args.commit_workers,
-        quantize_on_server=server_quantize,
-        direct_io=direct,
-        reread_shards=reread,
+        quantize_on_server=v.server_quantize,
+        direct_io=v.direct,
+        reread_shards=v.reread,
     )
+    trace = ["--trace-packs", args.trace_packs, "--trace-dir", str(Path(args.trace_dir) / variant)]
     server = ServerConfig(
         backend="reference",
         device=device,
         port=_free_port(),
         extra_args=[
-            "--max-batch-tokens",
-            str(batch or args.server_batch_tokens),
-            "--dump-writers",
-            str(dump_writers),
-            "--gil-switch-us",
-            str(gil_us),
-            *(
-                ["--trace-packs", args.trace_packs, "--trace-dir", str(Path(args.trace_dir) / variant)]
-                if args.trace_dir
-                else []
-            ),
+            *("--max-batch-tokens", str(v.batch_tokens or args.server_batch_tokens)),
+            *("--dump-writers", str(v.dump_writers), "--gil-switch-us", str(v.gil_switch_us)),
+            *(trace if args.trace_dir else []),
         ],
-        env={SYNC_COPY_ENV: "1"} if sync_copy else {},
+        env={SYNC_COPY_ENV: "1"} if v.sync_copy else {},
     )  # type: ignore[arg-type]
     began = time.perf_counter()
     switch = sys.getswitchinterval()
-    if gil_us:  # the client's process too (this one)
-        sys.setswitchinterval(gil_us / 1e6)
+    if v.gil_switch_us:  # the client's process too (this one)
+        sys.setswitchinterval(v.gil_switch_us / 1e6)
     try:
         result = run_extract(
             cfg, store=store, run_name=f"bench-{variant}", target=target, corpus=corpus, server=server
@@ -492,15 +474,15 @@ def pipeline(
         "steady_tokens_per_s": f["steady_tokens_per_s"],
         "commit_share": f.get("commit_share"),
         "commit_workers": cfg.resolved_commit_workers(),
-        "quantized_on": None if storage != "fp8" else "server" if cfg.quantize_on_server else "client",
-        "server_copy": "sync" if sync_copy or not device.startswith("cuda") else "overlapped",
-        "dump_writers": dump_writers,
-        "requests_in_flight": in_flight,
+        "quantized_on": None if v.storage != "fp8" else "server" if cfg.quantize_on_server else "client",
+        "server_copy": "sync" if v.sync_copy or not device.startswith("cuda") else "overlapped",
+        "dump_writers": v.dump_writers,
+        "requests_in_flight": v.requests_in_flight,
         "batch_tokens": cfg.batch_tokens,
         "commit_buffer_tokens": cfg.resolved_commit_buffer_tokens(),
         "shard_writes": "direct" if cfg.direct_io else "buffered",
         "shard_reread": cfg.reread_shards,
-        "gil_switch_us": gil_us or round(switch * 1e6),
+        "gil_switch_us": v.gil_switch_us or round(switch * 1e6),
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
         # Seconds and shares of the steady wall: the client's critical path and the server's phases
