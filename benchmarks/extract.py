@@ -435,7 +435,11 @@ def pipeline(
         direct_io=v.direct,
         reread_shards=v.reread,
     )
-    trace = ["--trace-packs", args.trace_packs, "--trace-dir", str(Path(args.trace_dir) / variant)]
+    trace = (
+        ["--trace-packs", args.trace_packs, "--trace-dir", str(Path(args.trace_dir) / variant)]
+        if args.trace_dir
+        else []
+    )
     server = ServerConfig(
         backend="reference",
         device=device,
@@ -443,7 +447,7 @@ def pipeline(
         extra_args=[
             *("--max-batch-tokens", str(v.batch_tokens or args.server_batch_tokens)),
             *("--dump-writers", str(v.dump_writers), "--gil-switch-us", str(v.gil_switch_us)),
-            *(trace if args.trace_dir else []),
+            *trace,
         ],
         env={SYNC_COPY_ENV: "1"} if v.sync_copy else {},
     )  # type: ignore[arg-type]
