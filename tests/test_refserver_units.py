@@ -177,7 +177,7 @@ def test_trace_summary_counts_busy_time_and_gaps_per_stream() -> None:
 
 @pytest.mark.parametrize("spec", ["3", "a:b", "-1:2", "2:0"])
 def test_trace_packs_must_be_skip_colon_count(spec: str) -> None:
-    from aerie.refserver.trace import parse_packs
+    from aerie.refserver.args import parse_packs
 
     with pytest.raises(ValueError, match="--trace-packs"):
         parse_packs(spec)

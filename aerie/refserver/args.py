@@ -304,9 +304,18 @@ def check_args(args: RefServerArgs) -> None:
         raise ArgsError("--speculative-algorithm needs --speculative-draft-model-path")
 
 
-def _check_trace(args: RefServerArgs) -> None:
-    from aerie.refserver.trace import parse_packs
+def parse_packs(spec: str) -> tuple[int, int]:
+    """`--trace-packs SKIP:COUNT` -> (skip, count); ValueError with the reason otherwise."""
+    try:
+        skip, count = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--trace-packs wants SKIP:COUNT (two integers), got {spec!r}") from None
+    if skip < 0 or count < 1:
+        raise ValueError(f"--trace-packs {spec!r}: SKIP must be >= 0 and COUNT >= 1")
+    return skip, count
 
+
+def _check_trace(args: RefServerArgs) -> None:
     if args.mode != "extract":
         raise ArgsError("--trace-packs: only --mode extract runs packs")
     if not args.trace_dir:

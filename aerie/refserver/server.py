@@ -33,9 +33,10 @@ from aerie.refserver.args import (
     cpu_threads,
     default_aux_layers,
     parse_args,
+    parse_packs,
 )
 from aerie.refserver.sglang_log import READY_LINE, avail_mem_gb, logger, setup_logging, uvicorn_log_config
-from aerie.refserver.trace import PackTrace, parse_packs
+from aerie.refserver.trace import PackTrace
 
 SPEC_DECODE_MODULE = "aerie.evaluate.spec_decode"
 

@@ -31,17 +31,6 @@ from aerie.refserver.sglang_log import logger
 GAP_US = 20.0  # shorter gaps between kernels are launch latency, not waiting
 
 
-def parse_packs(spec: str) -> tuple[int, int]:
-    """`SKIP:COUNT` -> (skip, count); ValueError with the reason otherwise."""
-    try:
-        skip, count = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"--trace-packs wants SKIP:COUNT (two integers), got {spec!r}") from None
-    if skip < 0 or count < 1:
-        raise ValueError(f"--trace-packs {spec!r}: SKIP must be >= 0 and COUNT >= 1")
-    return skip, count
-
-
 class PackTrace:
     """Called by the model thread around each extraction pack: starts the profiler before pack `skip`,
     and after pack `skip + count - 1` waits for the device, stops and writes the files. Once written it
