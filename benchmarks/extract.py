@@ -319,16 +319,20 @@ def storage_write(
     storages: tuple[Storage, ...] = ("bf16", "fp8")
     direct_io = ExtractConfig().direct_io  # the shard writer as the pipeline configures it
     closed: list[ShardInfo] = []
-    for storage in storages:
-        # ShardWriter.add: everything in this thread (the serial commit path).
-        writer = ShardWriter(
-            work / f"w-{storage}",
+
+    def shard_writer(folder: str, storage: Storage) -> ShardWriter:
+        return ShardWriter(
+            work / folder,
             storage=storage,
             shard_bytes=shard_bytes,
             hidden_size=hidden,
             direct_io=direct_io,
             vocab_size=target.vocab_size,
         )
+
+    for storage in storages:
+        # ShardWriter.add: everything in this thread (the serial commit path).
+        writer = shard_writer(f"w-{storage}", storage)
         began = time.perf_counter()
         infos = [info for sample in samples if (info := writer.add(sample)) is not None]
         if (info := writer.close()) is not None:
@@ -340,16 +344,8 @@ def storage_write(
             i.path.unlink()
         # The pipeline's commit path: encode on `commit_workers` threads, append in order, write behind.
         closed.clear()
-        writer = ShardWriter(
-            work / f"c-{storage}",
-            storage=storage,
-            shard_bytes=shard_bytes,
-            hidden_size=hidden,
-            direct_io=direct_io,
-            vocab_size=target.vocab_size,
-        )
         committer = ShardCommitter(
-            writer,
+            shard_writer(f"c-{storage}", storage),
             first_row=0,
             workers=commit_workers,
             max_pending_tokens=16 * step,

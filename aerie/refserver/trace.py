@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -70,10 +69,10 @@ class PackTrace:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         raw = self.out_dir / "trace.json"
         prof.export_chrome_trace(str(raw))
-        with raw.open("rb") as src, gzip.open(self.out_dir / "trace.json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        events = json.loads(raw.read_text())
+        data = raw.read_bytes()  # read once: gzipped for the record, parsed for the summary
         raw.unlink()
+        (self.out_dir / "trace.json.gz").write_bytes(gzip.compress(data))
+        events = json.loads(data)
         sort = "self_cuda_time_total" if self.device.startswith("cuda") else "self_cpu_time_total"
         (self.out_dir / "ops.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
         summary = {"packs": [self.skip, self.skip + self.count], **summarize(events)}
