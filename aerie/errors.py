@@ -108,7 +108,13 @@ class PortInUseError(ServerLaunchError):
 
 
 class ServerCrashedError(ServerError):
-    """The server process or container exited."""
+    """The server process or container exited. `after_ready`: it had answered ready first (it died while
+    serving, or during its canary), so it loaded once and a restart may well succeed; a crash on the
+    way to ready is most often deterministic (a bad model, no memory) and is not retried in place."""
+
+    def __init__(self, message: str, *, after_ready: bool = False) -> None:
+        super().__init__(message)
+        self.after_ready = after_ready
 
 
 class ServerTimeoutError(ServerError, TimeoutError):

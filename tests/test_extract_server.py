@@ -4,7 +4,7 @@ One scenario, because each server start costs ~10-20 s on a busy 2-core machine:
 1. two servers (fan-out), fp8 storage, canary with the numeric reference check; server s0 is killed
    with SIGKILL mid-extraction and max_restarts=0, so the run fails, keeping the uploaded shards;
 2. the re-run (same stage key: max_restarts is not part of it) resumes after those shards; server s0
-   is SIGKILLed again and restarted; the run completes with every corpus sample exactly once, in order,
+   is SIGKILLed during its canary and again mid-extraction, and restarted both times; the run completes with every corpus sample exactly once, in order,
    the token ids and loss masks of the corpus, and hidden states matching a transformers forward;
 3. a third run is a cache hit;
 4. the servers quantize to fp8 (`quantize_on_server`): the same stage key and the same shards, byte
@@ -43,26 +43,35 @@ def listener_pid(port: int) -> int | None:
 
 
 class KillServer:
-    """A progress callback that SIGKILLs the server on `port` once extraction passed `at` and reported
-    tokens/s `after` times (so some batches were committed by this run)."""
+    """A progress callback that SIGKILLs server s0 (the one on `port`) at each of `when`, in turn:
+    "canary" as s0 starts its canary; a fraction once s0 is ready (its canary passed), the extraction
+    passed that fraction, and a tokens/s report came after s0 was ready (so it is extracting)."""
 
-    def __init__(self, port: int, at: float = 0.0, after: int = 1) -> None:
-        self.port, self.at, self.after = port, at, after
-        self.seen = 0
-        self.killed: int | None = None
+    def __init__(self, port: int, *when: str | float) -> None:
+        self.port, self.when = port, list(when)
+        self.ready = self.ticked = False
+        self.killed: list[int] = []
         self.lock = threading.Lock()
-        self.messages: list[str] = []
 
     def __call__(self, fraction: float, message: str) -> None:
-        self.messages.append(message)
         with self.lock:
-            if "tok/s" in message:
-                self.seen += 1
-            if self.killed is None and self.seen >= self.after and fraction >= self.at:
-                pid = listener_pid(self.port)
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
-                    self.killed = pid
+            if message.startswith("server s0: ready at"):
+                self.ready, self.ticked = True, False
+            elif "tok/s" in message and self.ready:
+                self.ticked = True
+            if not self.when:
+                return
+            when = self.when[0]
+            if when == "canary":
+                due = message == "server s0: running the canary"
+            else:
+                due = self.ticked and fraction >= float(when)
+            pid = listener_pid(self.port) if due else None
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                self.killed.append(pid)
+                self.when.pop(0)
+                self.ready = self.ticked = False
 
 
 def check_commit_path(phases: dict) -> dict[str, float]:
@@ -104,27 +113,28 @@ def test_fanout_kill9_resume_exact_counts(tmp_path, smollm2):
     )
 
     # 1. s0 dies, no restart allowed: the stage fails, uploaded shards are kept.
-    kill0 = KillServer(port, at=0.3)
+    kill0 = KillServer(port, 0.3)
     with pytest.raises(ExtractionError, match="max_restarts=0 is used up"):
         run(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server, progress=kill0)
-    assert kill0.killed is not None
+    assert len(kill0.killed) == 1
     prefix = next(p for p in {k.rsplit("/", 1)[0] for k in store.list("t/extract")} if p.count("/") == 2)
     kept = ProgressFile(store, f"{prefix}/progress.json").shards
     assert kept, "no shard was uploaded before the kill"
     assert not listener_pid(port) and not listener_pid(port + 1)  # both servers torn down
 
-    # 2. Re-run with one restart allowed: resumes after the kept shards; s0 (the slice with the most
-    # left to do) is killed again at this run's first progress report (the commit path holds at most a
-    # batch more than it reported, so s0 still has requests to make), and restarted.
-    cfg2 = cfg.model_copy(update={"max_restarts": 1})
-    kill1 = KillServer(port, after=1)
+    # 2. Re-run with two restarts allowed: resumes after the kept shards. s0 (the slice with the most
+    # left to do) is killed while its canary runs (a crash, not a wrong canary: restarted), then again at
+    # the first progress report once its restart is extracting (the commit path holds at most a batch
+    # more than it reported, so s0 still has requests to make), and restarted.
+    cfg2 = cfg.model_copy(update={"max_restarts": 2})
+    kill1 = KillServer(port, "canary", 0.0)
     result = run(
         cfg2, store=store, run_name="t", target=smollm2, corpus=corpus, server=server, progress=kill1
     )
     assert result.prefix == prefix and not result.cache_hit
-    assert kill1.killed is not None
+    assert len(kill1.killed) == 2
     figures = result.figures
-    assert figures["server_restarts"] == 1
+    assert figures["server_restarts"] == 2
     assert figures["resumed_rows"] >= sum(s.samples for s in kept)
     corpus_tokens = {s: sum(len(r["input_ids"]) for r in rs) for s, rs in splits.items()}
     assert (

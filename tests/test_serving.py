@@ -469,6 +469,25 @@ def test_a_failing_canary_fails_the_launch_and_tears_down(tmp_path: Path) -> Non
     assert_gone(server.launcher, spec.port)
 
 
+def test_a_server_dying_under_its_canary_is_a_crash_after_ready(tmp_path: Path) -> None:
+    """The canary's request failed because the server died: that says nothing about its hidden states.
+    The launch reports the crash, marked `after_ready` (the extraction worker restarts such a server)."""
+    spec = fake_spec(tmp_path)
+
+    def canary(server: ModelServer) -> None:
+        assert isinstance(server.launcher, ProcessLauncher) and server.launcher.pid is not None
+        os.kill(server.launcher.pid, signal.SIGKILL)
+        while server.launcher.exit_code() is None:
+            time.sleep(0.05)
+        raise CanaryError("canary extraction failed: Server disconnected without sending a response")
+
+    server = ModelServer(spec, canary=canary)
+    with pytest.raises(ServerCrashedError, match="exited while serving: killed by SIGKILL") as caught:
+        server.start()
+    assert caught.value.after_ready and isinstance(caught.value.__cause__, CanaryError)
+    assert_gone(server.launcher, spec.port)
+
+
 def test_keyboard_interrupt_during_the_wait_tears_down(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path, "--shards", "3", "--hang-at-shard", "2")
     server = ModelServer(spec)

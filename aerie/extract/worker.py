@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aerie.errors import ExtractionError, ServerError
+from aerie.errors import ExtractionError, ServerCrashedError, ServerError
 from aerie.extract.client import ExtractionClient, ServerUnavailable, make_batches
 from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
@@ -188,7 +188,13 @@ class SliceWorker:
         while committer.next_row < hi:
             if self.stop_event.is_set():
                 raise ExtractionError(f"slice {self.k}: stopped because another slice failed")
-            server = self._ensure_server()
+            try:
+                server = self._ensure_server()
+            except ServerCrashedError as exc:
+                if not exc.after_ready:
+                    raise
+                self._count_failure(str(exc), exc, split, committer.next_row)  # died during its canary
+                continue
             began = time.monotonic()
             uploads_before = self._uploads_now()
             try:
@@ -224,8 +230,8 @@ class SliceWorker:
 
     def _ensure_server(self) -> ModelServer:
         if self._server is None:
-            self._server = self.start_server(self.k, self._attempt)
-            self._attempt += 1
+            attempt, self._attempt = self._attempt, self._attempt + 1  # a failed start used its number too
+            self._server = self.start_server(self.k, attempt)
         return self._server
 
     def _on_server_failure(self, server: ModelServer, exc: ServerUnavailable, split: str, row: int) -> None:
@@ -234,9 +240,13 @@ class SliceWorker:
             why = f"server s{self.k} is alive but failed: {exc}"
         except ServerError as dead:
             why = str(dead)
-        self.result.errors.append(why.splitlines()[0])
         server.stop()
         self._server = None
+        self._count_failure(why, exc, split, row)
+
+    def _count_failure(self, why: str, exc: Exception, split: str, row: int) -> None:
+        """One more server failure of this slice: a restart if max_restarts allows, else the end."""
+        self.result.errors.append(why.splitlines()[0])
         if self.result.restarts >= self.cfg.max_restarts:
             raise ExtractionError(
                 f"slice {self.k} ({split} row {row}): the server failed and max_restarts="

@@ -34,6 +34,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from aerie.errors import (
+    AerieError,
     ServerCrashedError,
     ServerError,
     ServerIdentityError,
@@ -185,7 +186,7 @@ class ModelServer:
             self._wait_ready(began)
             if self.canary is not None:
                 self.progress(0.995, "running the canary")
-                self.canary(self)
+                self._run_canary()
         except BaseException:
             self.stop()
             raise
@@ -199,6 +200,19 @@ class ModelServer:
             self.launcher.describe(),
         )
         return self
+
+    def _run_canary(self) -> None:
+        """A canary that failed because the server died under it proves nothing about its hidden
+        states: report the crash (restartable), not a wrong canary."""
+        assert self.canary is not None
+        try:
+            self.canary(self)
+        except AerieError as exc:
+            try:
+                self.check_alive()
+            except ServerCrashedError as crash:
+                raise crash from exc
+            raise
 
     def _skip_old_log(self) -> None:
         """A reused log path (appended to): read only what this launch writes."""
@@ -358,5 +372,6 @@ class ModelServer:
             raise ServerCrashedError(
                 f"{self.spec.name} ({self.launcher.describe()}) exited while serving: {describe_exit(code)}.\n"
                 f"cause: {error_summary(lines) or 'no error line in the log'}\n"
-                f"last lines of {self.spec.log_path}:\n{format_tail(lines)}"
+                f"last lines of {self.spec.log_path}:\n{format_tail(lines)}",
+                after_ready=True,
             )
