@@ -36,8 +36,11 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
+# Two pytest workers, one test file each at a time (module fixtures, such as the pipeline's store, stay in
+# one process): most tests wait on servers and subprocesses, so two workers keep both cores busy.
+PYTEST_WORKERS ?= 2
 pytest: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 

@@ -462,7 +462,7 @@ def pipeline(
     shutil.rmtree(Path(store.root) / f"bench-{variant}", ignore_errors=True)
     f = result.figures
     # Where the server's per-sample dumps went: on disk they double the bytes written.
-    dumps = dump_root(cfg, "bench", "key", work, target.hidden_size)
+    dumps = dump_root(cfg, "bench", "key", work, target.hidden_size, target.vocab_size)
     shm = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 0
     return {
         "dumps_on": "tmpfs" if str(dumps).startswith("/dev/shm") else "disk",

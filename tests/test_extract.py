@@ -68,6 +68,11 @@ def test_preflight_counts_store_and_local_copies_on_one_disk(tmp_path):
         cfg, tokens=tokens, hidden_size=576, work_dir=tmp_path, store_dir=None, already_uploaded_bytes=shards
     )
     assert resumed.needs[0].parts["local shards"] == 0
+    # SmolLM2's 49,152-token vocabulary: its ids are stored as uint16, 2 B/token less than int32 ids.
+    narrow = preflight.estimate(
+        cfg, tokens=tokens, hidden_size=576, vocab_size=49_152, work_dir=tmp_path, store_dir=None
+    )
+    assert narrow.bytes_per_token == both.bytes_per_token - 2 == bytes_per_token("bf16", 576, 49_152)
 
 
 # ---- batching and corpus order -------------------------------------------------------------------

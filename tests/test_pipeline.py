@@ -4,7 +4,7 @@ One tiny configuration runs every stage for real (reference server, generation, 
 training, evaluation, deployment benchmark); the same config again is all cache hits; a changed
 training parameter re-runs only training and what follows; a forced failure posts to a local webhook;
 and `prefect deploy` of prefect.yaml + `prefect deployment run` is executed by a process worker (on the
-first run's store: finished stages are cache hits there, a changed deployment benchmark runs for real).
+first run's store: finished stages are cache hits there, a changed evaluation runs for real).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def tiny_config(store: Path) -> PipelineConfig:
 def pipeline_store(tmp_path_factory) -> Path:
     """The store of the full in-process run, shared with the worker's run: the worker's run then
     finds the upstream stages finished (as a re-run on another machine would) and runs for real only
-    the stage its parameters change (deploy: two reference servers from the worker's flow run). Run
-    alone, the worker's test still passes, running every stage."""
+    the stage its parameters change (the evaluation, from the worker's flow run). Run alone, the
+    worker's test still passes, running every stage."""
     return tmp_path_factory.mktemp("pipeline") / "artifacts"
 
 
@@ -99,8 +99,11 @@ def _shards_lost_then_rebuilt(store: Path, cfg: PipelineConfig, extract: StageRe
         )
         assert [r.stage for r in report.results if not r.cache_hit] == []
         assert not any(p.exists() for p in shards)
-        # A new training (the Prefect flow): the extraction is made again, byte for byte, then trained on.
-        rebuilt = _by_stage(eagle3_pipeline(config=apply_overrides(cfg, ["train.lr=0.0005"])))
+        # A new training (the Prefect flow): the extraction is made again, byte for byte, then trained on
+        # (and evaluated; the deployment benchmark, two more server starts, is left out: not about shards).
+        retrain = apply_overrides(cfg, ["train.lr=0.0005", "deploy.enabled=false"])
+        rebuilt = _by_stage(eagle3_pipeline(config=retrain))
+        assert list(rebuilt) == STAGES[:-1]
         assert [s for s, r in rebuilt.items() if r.cache_hit] == ["generate-sharegpt", "merge"]
         assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in shards} == shards
         assert rebuilt["extract"].key == extract.key
@@ -148,8 +151,10 @@ def test_prefect_deploy_and_a_worker_runs_the_deployment(prefect_api, pipeline_s
 
     cli("work-pool", "create", "aerie-local", "--type", "process", "--overwrite")
     cli("--no-prompt", "deploy", "--name", "local")
-    # Another deployment benchmark than the in-process run's: the worker's flow run does real work.
-    overrides = [*tiny_overrides(pipeline_store), "deploy.num_prompts=3"]
+    # Another evaluation than the in-process run's: the worker's flow run does real work (the deployment
+    # benchmark, two server starts, is left out: the evaluation is the cheaper stage to change).
+    overrides = [*tiny_overrides(pipeline_store), "evaluate.mtbench_questions=1", "deploy.enabled=false"]
+    evaluations = set(pipeline_store.glob("tiny/evaluate/*/manifest.json"))
     params = {"preset": "smollm2-local", "overrides": overrides}
     out = cli("deployment", "run", "eagle3-pipeline/local", "--params", json.dumps(params))
     flow_run_id = next(w for line in out.splitlines() if "UUID" in line for w in line.split() if len(w) == 36)
@@ -168,3 +173,5 @@ def test_prefect_deploy_and_a_worker_runs_the_deployment(prefect_api, pipeline_s
             return run.state.type.value if run.state else "NONE"
 
     assert asyncio.run(state()) == "COMPLETED", worker.stdout[-3000:] + worker.stderr[-3000:]
+    (made,) = set(pipeline_store.glob("tiny/evaluate/*/manifest.json")) - evaluations
+    assert json.loads(made.read_text())["figures"]["prompts_mtbench"] == 1

@@ -67,14 +67,14 @@ def _device(path: Path) -> int:
     return os.stat(existing_parent(path)).st_dev
 
 
-def dumps_in_flight_bytes(cfg: ExtractConfig, hidden_size: int) -> int:
+def dumps_in_flight_bytes(cfg: ExtractConfig, hidden_size: int, vocab_size: int | None = None) -> int:
     """Dump bytes the servers may hold at once, with the margin: every request in flight, the batch
     being handed over, the commit buffer, and the samples of the shards being filled, written and
     hashed (three). The client memory-maps the dumps (`aerie.tensorfile.load_mapped`) and a shard
     streams its samples from those mappings, so a dump's pages are freed only once its shard is written
     and hashed, not when the file is deleted."""
     per_token = 4 + 4 * hidden_size * DUMP_ELEMENT_BYTES
-    shard_tokens = cfg.shard_bytes // bytes_per_token(cfg.storage_dtype, hidden_size)
+    shard_tokens = cfg.shard_bytes // bytes_per_token(cfg.storage_dtype, hidden_size, vocab_size)
     tokens = (
         (cfg.requests_in_flight + 1) * cfg.batch_tokens
         + cfg.resolved_commit_buffer_tokens()
@@ -88,16 +88,18 @@ def estimate(
     *,
     tokens: int,
     hidden_size: int,
+    vocab_size: int | None = None,
     work_dir: Path,
     store_dir: Path | None,
     already_uploaded_bytes: int = 0,
     dump_dir: Path | None = None,
 ) -> PreflightReport:
-    """What the stage will write where (with `cfg.disk_margin`), and what is free there."""
-    bpt = bytes_per_token(cfg.storage_dtype, hidden_size)
+    """What the stage will write where (with `cfg.disk_margin`), and what is free there. `vocab_size`
+    None counts int32 token ids (the larger of the two id widths a shard may use)."""
+    bpt = bytes_per_token(cfg.storage_dtype, hidden_size, vocab_size)
     shards_total = int(tokens * bpt * cfg.disk_margin)
     remaining = max(0, shards_total - already_uploaded_bytes)
-    dumps = dumps_in_flight_bytes(cfg, hidden_size)
+    dumps = dumps_in_flight_bytes(cfg, hidden_size, vocab_size)
     if cfg.delete_local_after_upload:
         # Per server: the shard being uploaded and the next one closing, written while it uploads.
         local_shards = min(remaining, 2 * cfg.num_servers * cfg.shard_bytes)

@@ -122,13 +122,15 @@ def work_dir(cfg: ExtractConfig, run_name: str, key: str) -> Path:
     return Path(get_settings().cache_dir) / "extract" / run_name / key
 
 
-def dump_root(cfg: ExtractConfig, run_name: str, key: str, work: Path, hidden_size: int) -> Path:
+def dump_root(
+    cfg: ExtractConfig, run_name: str, key: str, work: Path, hidden_size: int, vocab_size: int | None = None
+) -> Path:
     """Dumps are written once and read back once: on tmpfs when it has room for twice the dumps in
     flight (so a disk-bound host spends its disk bandwidth on shards only), else in the work dir."""
     if cfg.dump_dir:
         return Path(cfg.dump_dir).expanduser().resolve() / run_name / key
     shm = Path("/dev/shm")
-    need = 2 * disk.dumps_in_flight_bytes(cfg, hidden_size)
+    need = 2 * disk.dumps_in_flight_bytes(cfg, hidden_size, vocab_size)
     if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= need:
         return SHM_DUMPS / run_name / key
     return work / "dumps"
@@ -231,12 +233,13 @@ def plan(
     progress_file = ProgressFile(store, stage.path(progress_key(slice_index, cfg.num_slices)))
     # Slices sharing a host (and its tmpfs) must not remove each other's dumps when they finish.
     dump_key = stage.key if slice_index is None else f"{stage.key}-slice{slice_index}"
-    dumps = dump_root(cfg, run_name, dump_key, work, target.hidden_size)
+    dumps = dump_root(cfg, run_name, dump_key, work, target.hidden_size, target.vocab_size)
     # What is already uploaded (resume) does not need disk again.
     report = disk.estimate(
         cfg,
         tokens=tokens,
         hidden_size=target.hidden_size,
+        vocab_size=target.vocab_size,
         work_dir=work,
         store_dir=store.local_path(stage.prefix),
         already_uploaded_bytes=sum(s.bytes for s in progress_file.shards),

@@ -120,6 +120,10 @@ class _SigtermAsExit:
         raise SystemExit(128 + signum)
 
 
+# How long a failed request waits for its server's exit to show before calling the server alive.
+CRASH_SETTLE_S = 2.0
+
+
 class ModelServer:
     """One model server's whole life: refuse a busy port, launch, wait until ready and verified, serve,
     tear down. `server.url` and `server.info` (its `/server_info`) are set once ready.
@@ -209,7 +213,7 @@ class ModelServer:
             self.canary(self)
         except AerieError as exc:
             try:
-                self.check_alive()
+                self.check_alive(settle_s=CRASH_SETTLE_S)
             except ServerCrashedError as crash:
                 raise crash from exc
             raise
@@ -359,13 +363,19 @@ class ModelServer:
         self._tail.read_new()
         return self._tail.last_lines(n)
 
-    def check_alive(self) -> None:
+    def check_alive(self, settle_s: float = 0.0) -> None:
         """Raise `ServerCrashedError` (exit code + last log lines) if the server has exited since it
-        became ready; long-running clients call it when requests start failing.
+        became ready; long-running clients call it when requests start failing. `settle_s`: wait up to
+        that long for an exit to show: a killed process's sockets close (the client's request fails)
+        a moment before its exit status can be read, a moment that grows on a loaded machine.
         """
         if not self._started:
             raise ServerError(f"{self.spec.name} was never started")
+        deadline = time.monotonic() + settle_s
         code = self.launcher.exit_code()
+        while code is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            code = self.launcher.exit_code()
         if code is not None:
             self._tail.drain()
             lines = self._last_lines()
