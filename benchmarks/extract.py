@@ -47,7 +47,7 @@ writes": where O_DIRECT is faster that roofline is lower, so it is reported, not
 back: cloud disks absorb a few GB fast and then slow down, and an extraction writes tens of GB.
 
 Results go to benchmarks/results/extract.json on CPU and extract-<device>.json elsewhere, so a GPU
-run does not overwrite the CPU one.
+run does not overwrite the CPU one (`--results PATH` elsewhere: tests/test_benchmarks.py runs it tiny).
 """
 
 from __future__ import annotations
@@ -553,6 +553,7 @@ def save(figures: dict[str, Any], args: argparse.Namespace, *, complete: bool) -
     """Write the record; called after every part, so a run cut short keeps what it measured."""
     gpu = args.device.startswith("cuda")
     name = "extract.json" if args.device == "cpu" else f"extract-{args.device.replace(':', '')}.json"
+    path = Path(args.results) if args.results else RESULTS / name
     gpu_name = f", {torch.cuda.get_device_name()}" if gpu else ""
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -562,10 +563,10 @@ def save(figures: dict[str, Any], args: argparse.Namespace, *, complete: bool) -
         "complete": complete,
         "figures": figures,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / name).write_text(json.dumps(record, indent=2) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
     if complete:
-        print(f"wrote {RESULTS / name}")
+        print(f"wrote {path}")
 
 
 def main() -> None:
@@ -603,6 +604,11 @@ def main() -> None:
         "--commit-workers", type=int, default=None, help="encode threads per server (default: the config's)"
     )
     ap.add_argument("--work-dir", default=None)
+    ap.add_argument(
+        "--results",
+        default=None,
+        help="where the record goes (default benchmarks/results/extract.json on CPU, extract-<device>.json)",
+    )
     ap.add_argument(
         "--trace-dir",
         default=None,
