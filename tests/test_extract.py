@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aerie.errors import CanaryError, ExtractionError, IntegrityError, PreflightError
-from aerie.extract import preflight
+from aerie.extract import preflight, stage
 from aerie.extract.canary import ExtractionCanary, _dequantized, compare_layers, reference_hidden_states
 from aerie.extract.client import make_batches, to_sample
 from aerie.extract.config import ExtractConfig
@@ -21,7 +21,10 @@ from aerie.extract.resume import ClosedShard, ProgressFile
 from aerie.extract.shards import HiddenSample, ShardWriter, bytes_per_token
 from aerie.extract.uploads import Uploader
 from aerie.fp8 import quantize_fp8
+from aerie.hostlock import HostLock
+from aerie.serving import ServerConfig
 from aerie.store import LocalStore
+from tests.conftest import free_port
 from tests.extract_support import corpus_rows, write_corpus
 
 # ---- preflight -----------------------------------------------------------------------------------
@@ -169,6 +172,24 @@ def test_corpus_split_in_manifest_order_and_from_any_row(tmp_path, smollm2):
     again = open_split(store, result.prefix, "train", tmp_path / "cache")
     assert again.rows == train.rows and again.tokens == train.tokens
     assert open_split(store, result.prefix, "eval", tmp_path / "cache").total_rows == 3
+
+
+def test_a_second_process_on_the_same_slice_is_refused_before_any_server_starts(tmp_path, smollm2):
+    """Its servers would wipe the running extraction's dump dirs as they start. The lock is a real
+    flock: this test holds it as another process would (a second open file description conflicts
+    like another process's), so the stage must refuse, naming the holder's pid; once released, a
+    stale lock file blocks nothing."""
+    store = LocalStore(tmp_path / "store")
+    corpus = write_corpus(store, "t", {"train": corpus_rows(smollm2.load_tokenizer(), 4)}, rows_per_shard=4)
+    cfg = ExtractConfig(work_dir=str(tmp_path / "work"), splits=["train"])
+    server = ServerConfig(backend="reference", device="cpu", port=free_port())
+    p = stage.plan(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
+    held = rf"another process \(pid {os.getpid()}\) is extracting {p.stage.prefix} with servers s0-s0"
+    with HostLock(p.work / ".lock-s0-s0"), pytest.raises(ExtractionError, match=held):
+        stage.run(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
+    assert not list((tmp_path / "work").rglob("*.log"))  # no server was launched
+    with HostLock(p.work / ".lock-s0-s0"):  # the lock file is left behind, the lock is not
+        pass
 
 
 # ---- resume and uploads --------------------------------------------------------------------------

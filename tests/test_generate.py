@@ -20,7 +20,7 @@ import pytest
 
 from aerie.conversation import Conversation, Message
 from aerie.datasets import SourceSpec
-from aerie.errors import EndpointAuthError, EndpointError, EndpointRequestError
+from aerie.errors import EndpointAuthError, EndpointError, EndpointRequestError, StoreError
 from aerie.generate.client import parse_retry_after
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
 from aerie.generate.output import SCHEMA, read_conversations
@@ -328,6 +328,10 @@ def test_kill_9_mid_run_then_rerun_yields_each_record_exactly_once(server: Fault
             assert child.poll() is None, "the child exited before it was killed"
             assert time.monotonic() < deadline, "the child never wrote its journal"
             time.sleep(0.05)
+        # A second process generating into the same journal is refused while the child holds it (after
+        # the kill, the re-run below takes the lock: the kernel dropped the dead child's).
+        with pytest.raises(StoreError, match=rf"another generation is writing to .* \(pid {child.pid}\)"):
+            run(cfg, spec, store=LocalStore(store_root), run_name="r", base_url=server.url)
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.wait()

@@ -19,13 +19,15 @@ byte-identical shards) are left out, so changing them does not throw away upload
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from aerie.extract.resume import ClosedShard, ProgressFile, progress_key
 from aerie.extract.shards import SHARD_SCHEMA_VERSION, bytes_per_token
 from aerie.extract.uploads import Uploader
 from aerie.extract.worker import SliceResult, SliceWorker, TokenMeter
+from aerie.hostlock import HeldElsewhere, HostLock
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ModelServer, ServerConfig, spec_for
@@ -324,7 +327,45 @@ def extract(
     server: ServerConfig,
     progress: ProgressFn = no_progress,
 ) -> tuple[list[SliceResult], ExtractionCanary]:
-    """Run the planned servers (threads), upload their shards, tear everything down (always)."""
+    """Run the planned servers (threads), upload their shards, tear everything down (always). One
+    process at a time per slice on a host (`ExtractionError` naming the other's pid)."""
+    with _slice_lock(p):
+        # Read the resume state again under the lock: a process that held it may have closed shards
+        # since this plan read it.
+        p = replace(p, progress_file=ProgressFile(p.progress_file.store, p.progress_file.key))
+        return _extract(cfg, p, store=store, target=target, server=server, progress=progress)
+
+
+@contextlib.contextmanager
+def _slice_lock(p: Plan) -> Iterator[None]:
+    """A second process extracting these servers' rows would wipe their dump dirs as its servers start,
+    and race them for the progress object: refuse it."""
+    servers = f"s{p.servers.start}-s{p.servers.stop - 1}"
+    lock = HostLock(p.work / f".lock-{servers}")
+    try:
+        lock.acquire()
+    except HeldElsewhere as exc:
+        raise ExtractionError(
+            f"another process (pid {exc.holder}) is extracting {p.stage.prefix} with servers {servers} on "
+            f"this host (lock {exc.path}); wait for it or stop it"
+        ) from exc
+    except OSError as exc:
+        raise ExtractionError(f"cannot create the extraction lock in {p.work}: {exc}") from exc
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _extract(
+    cfg: ExtractConfig,
+    p: Plan,
+    *,
+    store: ArtifactStore,
+    target: TargetInfo,
+    server: ServerConfig,
+    progress: ProgressFn,
+) -> tuple[list[SliceResult], ExtractionCanary]:
     stage, work, splits, progress_file = p.stage, p.work, p.splits, p.progress_file
     canary = _make_canary(cfg, target, splits)
     uploader = Uploader(

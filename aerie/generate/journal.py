@@ -10,7 +10,6 @@ is never followed by a good one. A lock file keeps two processes from generating
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import queue
@@ -22,6 +21,7 @@ from typing import IO, Any
 
 from aerie.diskspace import free_text
 from aerie.errors import StoreError
+from aerie.hostlock import HeldElsewhere, HostLock
 
 PART_GLOB = "part-*.jsonl"
 _STOP = object()
@@ -63,7 +63,7 @@ class Journal:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._lock_file: IO[str] | None = None
+        self._lock: HostLock | None = None
         self.part: Path | None = None
         self.errors_part: Path | None = None
 
@@ -75,24 +75,16 @@ class Journal:
         self.close()
 
     def open(self) -> None:
+        lock = HostLock(self.dir / ".lock")
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._lock_file = open(self.dir / ".lock", "a+")  # noqa: SIM115 - held until close()
+            lock.acquire()
+        except HeldElsewhere as exc:
+            raise StoreError(
+                f"another generation is writing to {self.dir} (pid {exc.holder}); wait for it or stop it"
+            ) from exc
         except OSError as exc:
             raise StoreError(f"cannot create the generation journal in {self.dir}: {exc}") from exc
-        try:
-            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            self._lock_file.seek(0)
-            holder = self._lock_file.read().strip() or "unknown"
-            self._lock_file.close()
-            self._lock_file = None
-            raise StoreError(
-                f"another generation is writing to {self.dir} (pid {holder}); wait for it or stop it"
-            ) from exc
-        self._lock_file.truncate(0)
-        self._lock_file.write(str(os.getpid()))
-        self._lock_file.flush()
+        self._lock = lock
         n = 1 + max((int(p.name.split("-")[1]) for p in self.dir.glob(PART_GLOB)), default=0)
         tag = uuid.uuid4().hex[:8]  # unique across machines sharing one remote journal
         self.part = self.dir / f"part-{n:05d}-{tag}.jsonl"
@@ -134,9 +126,9 @@ class Journal:
             self._queue.put(_STOP)
             self._thread.join()
             self._thread = None
-        if self._lock_file is not None:
-            self._lock_file.close()  # closing releases the flock
-            self._lock_file = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         self._check()
 
     def _check(self) -> None:
