@@ -17,6 +17,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,78 +59,21 @@ def run(
     sd = StageDir(store, run_name, STAGE, key_of(cfg, target, drafter, corpus))
     if (cached := sd.cached_result()) is not None:
         return cached
-    if not cfg.num_steps or any(k < 1 for k in cfg.num_steps):
-        raise EvaluationError(f"evaluate.num_steps must list chain lengths >= 1, got {cfg.num_steps}")
-    if not cfg.proposers:
-        raise EvaluationError("evaluate.proposers is empty: nothing to measure")
-
-    tokenizer = target.load_tokenizer()
+    _check(cfg)
     progress(0.0, "loading prompts")
-    datasets: dict[str, list[EvalPrompt]] = {
-        MTBENCH: mtbench_prompts(tokenizer, cfg.mtbench_questions, cfg.max_prompt_tokens)
-    }
-    held, held_skipped = heldout_prompts(store, corpus, cfg.heldout_samples, cfg.max_prompt_tokens)
-    if held:
-        datasets[HELDOUT] = held
-
+    datasets, held_skipped = _datasets(cfg, store, target, corpus)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    plan = [(name, proposer, k) for name in datasets for proposer in cfg.proposers for k in cfg.num_steps]
-    total = sum(len(datasets[name]) for name, _, _ in plan)
-    done = 0
-    results: list[dict[str, Any]] = []
-    per_prompt: list[dict[str, Any]] = []
-    diagnosis: dict[str, dict[str, Any]] = {}
-    answers: dict[str, dict[str, list[int]]] = {}  # dataset -> prompt id -> the eagle3 run's answer
     with tempfile.TemporaryDirectory(prefix="aerie-eval-") as tmp:
-        loaded: dict[str, Any] = {}
-        for name, proposer_name, k in plan:
-            part_key = sd.path(f"parts/{name}-{proposer_name}-k{k}.json")
-            if store.exists(part_key):
-                part = json.loads(store.get_bytes(part_key))
-            else:
-                if not loaded:
-                    progress(done / total, f"loading {target.name} on {device}")
-                    loaded = _load(cfg, store, target, drafter, Path(tmp), device, dtype)
-
-                def report(
-                    batch_done: int, base: int = done, label: str = f"{name} {proposer_name} k={k}"
-                ) -> None:
-                    progress((base + batch_done) / total, label)
-
-                part = _measure(cfg, loaded, target, name, datasets[name], proposer_name, k, report)
-                store.put_bytes(part_key, json.dumps(part).encode())
-            done += len(datasets[name])
-            results.append(part["result"])
-            per_prompt += part["per_prompt"]
-            if proposer_name == "eagle3" and k == max(cfg.num_steps) and "answers" in part:
-                answers[name] = part["answers"]
-            progress(done / total, f"{name} {proposer_name} k={k}: τ={part['result']['accept_length']:.2f}")
-
-        counts = None  # the corpus's token counts: read once, and only if a diagnosis has to run
-        for name in answers:  # parts written before answers were kept have none: no diagnosis then
-            part_key = sd.path(f"parts/{name}-diagnosis.json")
-            if not store.exists(part_key):
-                progress(done / total, f"{name}: teacher-forced diagnosis")
-                if not loaded:
-                    loaded = _load(cfg, store, target, drafter, Path(tmp), device, dtype)
-                found = _diagnose(
-                    loaded, datasets[name], answers[name], max(cfg.num_steps), cfg.max_new_tokens
-                )
-                if counts is None:
-                    counts = _token_counts(store, corpus, target)
-                found["vocab_coverage_by_size"] = _vocab_what_if(counts, loaded, answers[name])
-                store.put_bytes(part_key, json.dumps(found).encode())
-            diagnosis[name] = json.loads(store.get_bytes(part_key))
-        agreement = _agreement(per_prompt)
-        trainer = load_manifest(store, drafter.prefix).get("figures", {})
-        report_body = {
+        models = _Models(
+            lambda: _load(cfg, store, target, drafter, Path(tmp), device, dtype), f"{target.name} on {device}"
+        )
+        measured = _measure_all(cfg, sd, models, target, datasets, progress)
+        diagnosis = _diagnose_all(cfg, sd, models, target, corpus, datasets, measured.answers, progress)
+        agreement = _agreement(measured.per_prompt)
+        body = {
             "target": {"name": target.name, "revision": target.revision},
-            "drafter": {
-                "prefix": f"{drafter.prefix}/drafter",
-                "expected_accept_length": trainer.get("accept_length"),
-                "trainer_accept_length_rounds": trainer.get("accept_length_rounds"),
-            },
+            "drafter": _drafter_record(store, drafter),
             "config": cfg.model_dump(mode="json"),
             "device": device,
             "dtype": str(dtype).removeprefix("torch."),
@@ -141,16 +85,16 @@ def run(
                 for name, prompts in datasets.items()
             },
             "heldout_skipped": held_skipped,
-            "results": results,
-            "by_group": acceptance_by_group(per_prompt),
+            "results": measured.results,
+            "by_group": acceptance_by_group(measured.per_prompt),
             "agreement": agreement,
             "diagnosis": diagnosis,
         }
-        png = plot_acceptance(results, Path(tmp) / ACCEPTANCE_PNG)
-        store.put_file(sd.path(ACCEPTANCE_PNG), png)
-    store.put_bytes(sd.path("per_prompt.jsonl"), "".join(json.dumps(r) + "\n" for r in per_prompt).encode())
-    store.put_bytes(sd.path("report.json"), json.dumps(report_body, indent=2).encode())
-    store.put_bytes(sd.path("report.md"), evaluation_markdown(report_body).encode())
+        store.put_file(sd.path(ACCEPTANCE_PNG), plot_acceptance(measured.results, Path(tmp) / ACCEPTANCE_PNG))
+    per_prompt = "".join(json.dumps(r) + "\n" for r in measured.per_prompt)
+    store.put_bytes(sd.path("per_prompt.jsonl"), per_prompt.encode())
+    store.put_bytes(sd.path("report.json"), json.dumps(body, indent=2).encode())
+    store.put_bytes(sd.path("report.md"), evaluation_markdown(body).encode())
     progress(1.0, "report written")
     return sd.finish(
         {
@@ -158,7 +102,7 @@ def run(
             "drafter": drafter.prefix,
             "corpus": corpus.prefix,
             "config": cfg.model_dump(mode="json"),
-            "results": results,
+            "results": measured.results,
             "agreement": agreement,
             "files": {
                 "report": "report.json",
@@ -166,9 +110,132 @@ def run(
                 "plot": ACCEPTANCE_PNG,
                 "per_prompt": "per_prompt.jsonl",
             },
-            "figures": _figures(results, datasets, agreement),
+            "figures": _figures(measured.results, datasets, agreement),
         }
     )
+
+
+def _check(cfg: EvaluateConfig) -> None:
+    if not cfg.num_steps or any(k < 1 for k in cfg.num_steps):
+        raise EvaluationError(f"evaluate.num_steps must list chain lengths >= 1, got {cfg.num_steps}")
+    if not cfg.proposers:
+        raise EvaluationError("evaluate.proposers is empty: nothing to measure")
+
+
+def _datasets(
+    cfg: EvaluateConfig, store: ArtifactStore, target: TargetInfo, corpus: StageResult
+) -> tuple[dict[str, list[EvalPrompt]], dict[str, int]]:
+    """The prompts by dataset (held-out only where the corpus has some), and the held-out samples
+    skipped, by reason."""
+    datasets = {
+        MTBENCH: mtbench_prompts(target.load_tokenizer(), cfg.mtbench_questions, cfg.max_prompt_tokens)
+    }
+    held, held_skipped = heldout_prompts(store, corpus, cfg.heldout_samples, cfg.max_prompt_tokens)
+    if held:
+        datasets[HELDOUT] = held
+    return datasets, held_skipped
+
+
+class _Models:
+    """The target (and drafter), loaded on first use: a re-run whose parts are all stored loads none."""
+
+    def __init__(self, load: Callable[[], dict[str, Any]], label: str) -> None:
+        self._load = load
+        self.label = label  # what is loaded where, for progress
+        self._loaded: dict[str, Any] | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded is not None
+
+    def get(self) -> dict[str, Any]:
+        if self._loaded is None:
+            self._loaded = self._load()
+        return self._loaded
+
+
+@dataclass
+class _Measured:
+    results: list[dict[str, Any]] = field(default_factory=list)
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)
+    answers: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # the longest eagle3 run's
+
+
+def _measure_all(
+    cfg: EvaluateConfig,
+    sd: StageDir,
+    models: _Models,
+    target: TargetInfo,
+    datasets: dict[str, list[EvalPrompt]],
+    progress: ProgressFn,
+) -> _Measured:
+    """Every (dataset, proposer, steps) measurement: read from its stored part, or measured and stored."""
+    store = sd.store
+    plan = [(name, proposer, k) for name in datasets for proposer in cfg.proposers for k in cfg.num_steps]
+    total = sum(len(datasets[name]) for name, _, _ in plan)
+    done = 0
+    out = _Measured()
+    for name, proposer_name, k in plan:
+        part_key = sd.path(f"parts/{name}-{proposer_name}-k{k}.json")
+        if store.exists(part_key):
+            part = json.loads(store.get_bytes(part_key))
+        else:
+            if not models.loaded:
+                progress(done / total, f"loading {models.label}")
+
+            def report(
+                batch_done: int, base: int = done, label: str = f"{name} {proposer_name} k={k}"
+            ) -> None:
+                progress((base + batch_done) / total, label)
+
+            part = _measure(cfg, models.get(), target, name, datasets[name], proposer_name, k, report)
+            store.put_bytes(part_key, json.dumps(part).encode())
+        done += len(datasets[name])
+        out.results.append(part["result"])
+        out.per_prompt += part["per_prompt"]
+        if proposer_name == "eagle3" and k == max(cfg.num_steps) and "answers" in part:
+            out.answers[name] = part["answers"]
+        progress(done / total, f"{name} {proposer_name} k={k}: τ={part['result']['accept_length']:.2f}")
+    return out
+
+
+def _diagnose_all(
+    cfg: EvaluateConfig,
+    sd: StageDir,
+    models: _Models,
+    target: TargetInfo,
+    corpus: StageResult,
+    datasets: dict[str, list[EvalPrompt]],
+    answers: dict[str, dict[str, list[int]]],
+    progress: ProgressFn,
+) -> dict[str, dict[str, Any]]:
+    """The teacher-forced diagnosis of each dataset the drafter answered (parts written before answers
+    were kept have none: no diagnosis then), read from its stored part or made and stored."""
+    store = sd.store
+    diagnosis: dict[str, dict[str, Any]] = {}
+    counts = None  # the corpus's token counts: read once, and only if a diagnosis has to run
+    for name in answers:
+        part_key = sd.path(f"parts/{name}-diagnosis.json")
+        if not store.exists(part_key):
+            progress(1.0, f"{name}: teacher-forced diagnosis")
+            loaded = models.get()
+            found = _diagnose(loaded, datasets[name], answers[name], max(cfg.num_steps), cfg.max_new_tokens)
+            if counts is None:
+                counts = _token_counts(store, corpus, target)
+            found["vocab_coverage_by_size"] = _vocab_what_if(counts, loaded, answers[name])
+            store.put_bytes(part_key, json.dumps(found).encode())
+        diagnosis[name] = json.loads(store.get_bytes(part_key))
+    return diagnosis
+
+
+def _drafter_record(store: ArtifactStore, drafter: StageResult) -> dict[str, Any]:
+    """Where the drafter is, and the acceptance its trainer expected of it."""
+    trainer = load_manifest(store, drafter.prefix).get("figures", {})
+    return {
+        "prefix": f"{drafter.prefix}/drafter",
+        "expected_accept_length": trainer.get("accept_length"),
+        "trainer_accept_length_rounds": trainer.get("accept_length_rounds"),
+    }
 
 
 def _load(
