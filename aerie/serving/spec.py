@@ -176,6 +176,29 @@ def _sglang_command(
     return cmd
 
 
+def _container_volumes(
+    cfg: ServerConfig, model_path: str, dump: Path | None, speculative: SpeculativeArgs | None
+) -> tuple[dict[str, str], set[str]]:
+    """What a container mounts (host path -> container path), and which mounts are read-only: the HF
+    cache, and a local checkpoint, the dump dir and a local drafter each at their own path, so the
+    argv stays valid inside."""
+    volumes: dict[str, str] = {}
+    read_only: set[str] = set()
+    if cfg.hf_cache:
+        volumes[str(Path(cfg.hf_cache).expanduser())] = CONTAINER_HF_CACHE
+    local_model = Path(model_path).expanduser()
+    if local_model.exists():
+        volumes[str(local_model.resolve())] = str(local_model.resolve())
+        read_only.add(str(local_model.resolve()))
+    if dump is not None:
+        volumes[str(dump)] = str(dump)
+    if speculative is not None and Path(speculative.draft_model_path).exists():
+        draft = str(Path(speculative.draft_model_path).resolve())
+        volumes[draft] = draft
+        read_only.add(draft)
+    return volumes, read_only
+
+
 def spec_for(
     cfg: ServerConfig,
     *,
@@ -244,23 +267,7 @@ def spec_for(
     else:
         size = model_size_bytes if model_size_bytes is not None else model_size_on_disk(model_path)
         deadline = startup_deadline(size, cfg.backend, cfg.startup_read_mb_s)
-
-    volumes: dict[str, str] = {}
-    read_only: set[str] = set()
-    if docker:
-        if cfg.hf_cache:
-            volumes[str(Path(cfg.hf_cache).expanduser())] = CONTAINER_HF_CACHE
-        local_model = Path(model_path).expanduser()
-        if local_model.exists():
-            # A local checkpoint is mounted at the same path, so the argv stays valid inside.
-            volumes[str(local_model.resolve())] = str(local_model.resolve())
-            read_only.add(str(local_model.resolve()))
-        if dump is not None:
-            volumes[str(dump)] = str(dump)
-        if speculative is not None and Path(speculative.draft_model_path).exists():
-            draft = str(Path(speculative.draft_model_path).resolve())
-            volumes[draft] = draft
-            read_only.add(draft)
+    volumes, read_only = _container_volumes(cfg, model_path, dump, speculative) if docker else ({}, set())
 
     return ServerSpec(
         name=name,
