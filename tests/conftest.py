@@ -3,17 +3,21 @@ S3 server over HTTP, a Prefect test server, local HTTP servers that inject fault
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
-from pathlib import Path
 
 import pytest
 
 from tests.processes import free_port  # noqa: F401 - the tests import it from here
 
-# Isolate Prefect from the developer's ~/.prefect and keep it offline and quiet.
-_PREFECT_HOME = Path(tempfile.mkdtemp(prefix="aerie-prefect-"))
-os.environ.setdefault("PREFECT_HOME", str(_PREFECT_HOME))
+# Isolate Prefect from the developer's ~/.prefect and keep it offline and quiet. Made once, by the first
+# process (pytest-xdist's workers inherit it), and removed when that process exits.
+if "PREFECT_HOME" not in os.environ:
+    _PREFECT_HOME = tempfile.mkdtemp(prefix="aerie-prefect-")
+    os.environ["PREFECT_HOME"] = _PREFECT_HOME
+    atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
