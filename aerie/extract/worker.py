@@ -31,7 +31,6 @@ from aerie.extract.resume import ClosedShard, ProgressFile
 from aerie.extract.shards import HiddenSample, ShardInfo, ShardWriter
 from aerie.extract.uploads import Uploader
 from aerie.serving import ModelServer
-from aerie.serving.server import CRASH_SETTLE_S
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +236,7 @@ class SliceWorker:
 
     def _on_server_failure(self, server: ModelServer, exc: ServerUnavailable, split: str, row: int) -> None:
         try:
-            server.check_alive(settle_s=CRASH_SETTLE_S)
+            server.check_alive()
             why = f"server s{self.k} is alive but failed: {exc}"
         except ServerError as dead:
             why = str(dead)

@@ -213,7 +213,7 @@ class ModelServer:
             self.canary(self)
         except AerieError as exc:
             try:
-                self.check_alive(settle_s=CRASH_SETTLE_S)
+                self.check_alive()
             except ServerCrashedError as crash:
                 raise crash from exc
             raise
@@ -363,10 +363,10 @@ class ModelServer:
         self._tail.read_new()
         return self._tail.last_lines(n)
 
-    def check_alive(self, settle_s: float = 0.0) -> None:
+    def check_alive(self, settle_s: float = CRASH_SETTLE_S) -> None:
         """Raise `ServerCrashedError` (exit code + last log lines) if the server has exited since it
-        became ready; long-running clients call it when requests start failing. `settle_s`: wait up to
-        that long for an exit to show: a killed process's sockets close (the client's request fails)
+        became ready; long-running clients call it when requests start failing. It waits up to
+        `settle_s` for an exit to show: a killed process's sockets close (the client's request fails)
         a moment before its exit status can be read, a moment that grows on a loaded machine.
         """
         if not self._started:
