@@ -33,6 +33,9 @@ class Fault:
     raw_body: bytes | None = None  # sent verbatim (malformed JSON, a provider's error object)
     empty_choices: bool = False
     drop: bool = False  # close the connection without answering
+    content: str | None = None  # a normal answer with this visible text instead (an empty answer: "")
+    reasoning: str | None = None  # ... and this `reasoning_content`
+    finish_reason: str | None = None  # ... and this finish_reason
 
 
 OK = Fault()
@@ -50,6 +53,9 @@ MALFORMED = Fault(raw_body=b'{"choices": [{"message": {"content": "cut of')
 EMPTY_CHOICES = Fault(empty_choices=True)
 IN_BAND_ERROR = Fault(raw_body=b'{"error": {"code": 502, "message": "provider returned error"}}')
 DROP = Fault(drop=True)
+# A thinking model that spent max_tokens reasoning: no final answer at all.
+REASONING_ONLY = Fault(content="", reasoning="Let me think step by step about this", finish_reason="length")
+BLANK_ANSWER = Fault(content=" \n\t ")
 
 
 def answer_for(messages: list[dict[str, Any]]) -> str:
@@ -128,13 +134,16 @@ class FaultServer:
         with self._lock:
             return [s for s in self.seen if s.prompt == prompt]
 
-    def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+    def completion(self, body: dict[str, Any], fault: Fault = OK) -> dict[str, Any]:
         messages = body["messages"]
-        content = answer_for(messages)
+        content = answer_for(messages) if fault.content is None else fault.content
         prompt = messages[-1]["content"]
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.reasoning:
             message["reasoning_content"] = f"thinking about {prompt}"
+        if fault.reasoning is not None:
+            message["reasoning_content"] = fault.reasoning
+        finish = fault.finish_reason or ("length" if "[long]" in prompt else "stop")
         usage: dict[str, Any] = {
             "prompt_tokens": sum(len(m["content"].split()) for m in messages),
             "completion_tokens": len(content.split()),
@@ -149,7 +158,7 @@ class FaultServer:
                 {
                     "index": 0,
                     "message": message,
-                    "finish_reason": "length" if "[long]" in prompt else "stop",
+                    "finish_reason": finish,
                 }
             ],
             "usage": usage,
@@ -191,9 +200,10 @@ class _Handler(BaseHTTPRequestHandler):
         elif fault.empty_choices:
             payload = json.dumps({"id": "x", "choices": [], "usage": {}}).encode()
         else:
-            payload = json.dumps(state.completion(body)).encode()
-            with state._lock:
-                state.answered[prompt] += 1
+            payload = json.dumps(state.completion(body, fault)).encode()
+            if fault.content is None:
+                with state._lock:
+                    state.answered[prompt] += 1
         try:
             self.send_response(fault.status)
             self.send_header("Content-Type", "application/json")

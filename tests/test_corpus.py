@@ -236,16 +236,29 @@ def test_conversation_checks_name_the_reason(messages, code):
     assert err.value.code == code
 
 
-def test_trailing_user_turns_are_trimmed_and_reasoning_only_answers_kept():
+def test_trailing_user_turns_are_trimmed():
     checked = check_conversation(
-        [msg("user", "q"), msg("assistant", "", reasoning="thinking cut off"), msg("user", "more?")],
+        [msg("user", "q"), msg("assistant", "a", reasoning="thinking"), msg("user", "more?")],
         truncated=True,
         finish_reasons=["length"],
         truncated_policy="keep",
     )
     assert [m["role"] for m in checked.messages] == ["user", "assistant"]
+    assert checked.messages[1] == {"role": "assistant", "content": "a", "reasoning": "thinking"}
     assert checked.trimmed == 1
     assert checked.truncated_turns == frozenset({1})
+
+
+def test_a_reasoning_only_answer_is_quarantined_not_trained_on():
+    with pytest.raises(Rejected) as err:
+        check_conversation(
+            [msg("user", "q"), msg("assistant", "", reasoning="thinking cut off"), msg("user", "more?")],
+            truncated=True,
+            finish_reasons=["length"],
+            truncated_policy="keep",
+        )
+    assert err.value.code == "empty_content"
+    assert err.value.detail == "message 1 (assistant) has only reasoning and no final answer"
 
 
 @pytest.mark.parametrize(

@@ -29,10 +29,12 @@ from aerie.generate.turns import prepare
 from aerie.manifest import StageDir, load_manifest
 from aerie.store import LocalStore
 from tests.fault_server import (
+    BLANK_ANSWER,
     DROP,
     EMPTY_CHOICES,
     IN_BAND_ERROR,
     MALFORMED,
+    REASONING_ONLY,
     FaultServer,
     answer_for,
     slow,
@@ -288,6 +290,48 @@ def test_failures_over_the_budget_fail_the_dataset_and_the_rerun_retries_only_th
     assert [s.prompt for s in server.seen[before:]] == ["question 3.0"]  # only the failure again
     frame = read_output(store, result.prefix)
     assert sorted(frame["id"].to_list()) == [f"c{i:03d}" for i in range(6)]
+
+
+def test_an_empty_final_answer_is_an_error_record_never_a_good_sample(server: FaultServer, tmp_path: Path):
+    # Turn 1 of c001 is all reasoning (cut at max_tokens), turn 2 of c002 is whitespace: neither
+    # conversation may come out as a good sample with an empty assistant turn.
+    server.plan = {"question 1.0": [REASONING_ONLY], "question 2.1": [BLANK_ANSWER]}
+    cfg, spec = config(server.url), spec_for()
+    cfg = cfg.model_copy(update={"max_failure_fraction": 0.5})
+    store = LocalStore(tmp_path / "store")
+    result = generate_dataset(
+        conversations(4), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+    )
+    frame = read_output(store, result.prefix)
+    assert sorted(frame["id"].to_list()) == ["c000", "c003"]
+    for row in frame.iter_rows(named=True):
+        assert all(m["content"].strip() for m in row["messages"])
+    errors = {
+        e["id"]: e
+        for e in map(json.loads, store.get_bytes(f"{result.prefix}/errors.jsonl").decode().splitlines())
+    }
+    assert errors["c001"]["kind"] == errors["c002"]["kind"] == "empty_answer"
+    assert errors["c001"]["reasoning"] == "Let me think step by step about this"  # kept, in its own field
+    assert (
+        errors["c001"]["finish_reason"] == "length"
+        and "raise sampling.max_tokens (32)" in errors["c001"]["message"]
+    )
+    assert "whitespace" in errors["c002"]["message"] and errors["c002"]["reasoning"] is None
+    assert "assistant turn 2" in errors["c002"]["message"]
+    assert load_manifest(store, result.prefix)["errors_by_kind"] == {"empty_answer": 2}
+
+    # The next run retries exactly those two, which now answer, and completes the dataset.
+    before = len(server.seen)
+    again = generate_dataset(
+        conversations(4), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+    )
+    assert sorted(s.prompt for s in server.seen[before:]) == [
+        "question 1.0",
+        "question 1.1",
+        "question 2.0",
+        "question 2.1",
+    ]
+    assert sorted(read_output(store, again.prefix)["id"].to_list()) == ["c000", "c001", "c002", "c003"]
 
 
 def test_kill_9_mid_run_then_rerun_yields_each_record_exactly_once(server: FaultServer, tmp_path: Path):

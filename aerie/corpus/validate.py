@@ -1,7 +1,7 @@
 """Per-conversation checks: what makes a conversation unusable for training, and why.
 
 A conversation is usable when, after an optional system turn, roles alternate user/assistant starting
-with a user, every turn has text, and at least one assistant turn remains once trailing user turns
+with a user, every turn has text (an assistant turn has a final answer, not only reasoning), and at least one assistant turn remains once trailing user turns
 (which nothing answers, so nothing is supervised there) are trimmed. A rejected conversation is
 quarantined with a reason code (counted in the manifest) and a detail naming the message.
 """
@@ -53,9 +53,12 @@ def check_conversation(
                 "bad_order", f"message {i} ({role}) breaks the turn order: a {expected} turn belongs there"
             )
         text = content if isinstance(content, str) else ""
-        # A thinking model cut off while reasoning has an empty answer but real text to learn from.
-        if not text.strip() and not (role == "assistant" and reasoning and reasoning.strip()):
-            raise Rejected("empty_content", f"message {i} ({role}) has no text")
+        if not text.strip():
+            # Reasoning alone is not an answer: training on it would teach an empty assistant turn
+            # (and a template without a reasoning field would render nothing at all there).
+            only = role == "assistant" and reasoning and reasoning.strip()
+            has = "only reasoning and no final answer" if only else "no text"
+            raise Rejected("empty_content", f"message {i} ({role}) has {has}")
         msg = {"role": role, "content": text}
         if reasoning:
             msg["reasoning"] = reasoning

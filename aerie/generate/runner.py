@@ -21,7 +21,7 @@ from aerie.conversation import Conversation
 from aerie.generate.client import ChatClient, RequestFailedError
 from aerie.generate.config import DatasetSpec
 from aerie.generate.journal import Journal
-from aerie.generate.turns import Prepared, keep, prepare, regenerate
+from aerie.generate.turns import EmptyAnswerError, Prepared, keep, prepare, regenerate
 from aerie.progress import ProgressFn, no_progress
 
 
@@ -135,12 +135,7 @@ async def _run_workers(
             try:
                 rec = await regenerate(client, prepared, spec.sampling, journal.params_hash)
             except RequestFailedError as exc:
-                outcome.failures[prepared.id] = {
-                    "id": prepared.id,
-                    "kind": exc.kind,
-                    "message": str(exc),
-                    "attempts": exc.attempts,
-                }
+                outcome.failures[prepared.id] = failure_record(prepared, exc)
                 journal.append_error(outcome.failures[prepared.id])
                 if len(outcome.failures) > outcome.allowed_failures:
                     raise _BudgetExceeded() from exc
@@ -163,6 +158,21 @@ async def _run_workers(
     if fatal:
         raise fatal[0]
     outcome.aborted = any(isinstance(exc, _BudgetExceeded) for exc in errors)
+
+
+def failure_record(prepared: Prepared, exc: RequestFailedError) -> dict[str, Any]:
+    """The errors.jsonl record of a conversation that failed; an empty answer keeps its reasoning
+    (and why it stopped) in fields of their own, never as an answer."""
+    record: dict[str, Any] = {
+        "id": prepared.id,
+        "kind": exc.kind,
+        "message": str(exc),
+        "attempts": exc.attempts,
+    }
+    if isinstance(exc, EmptyAnswerError):
+        record["finish_reason"] = exc.finish_reason
+        record["reasoning"] = exc.reasoning
+    return record
 
 
 async def _tick(

@@ -12,8 +12,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from aerie.conversation import Conversation, Message
-from aerie.generate.client import ChatClient
+from aerie.errors import RequestFailedError
+from aerie.generate.client import ChatClient, Completion
 from aerie.generate.config import DatasetSpec, SamplingParams
+
+
+class EmptyAnswerError(RequestFailedError):
+    """The endpoint answered, but with no visible text (all of it reasoning, or whitespace): nothing a
+    drafter could learn the answer from. The conversation fails (never a good sample with an empty
+    turn); what reasoning came back is kept on the error, in its own field, for the error record."""
+
+    def __init__(self, message: str, attempts: int, *, reasoning: str | None, finish_reason: str) -> None:
+        super().__init__("empty_answer", message, attempts)
+        self.reasoning, self.finish_reason = reasoning, finish_reason
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,7 @@ async def regenerate(
             history.append({"role": message.role, "content": message.content})
             continue
         completion = await client.complete(history, sampling)
+        _check_answer(completion, prepared, len(finish_reasons) + 1, sampling)
         out.append(Message(role="assistant", content=completion.content, reasoning=completion.reasoning))
         history.append({"role": "assistant", "content": completion.content})
         finish_reasons.append(completion.finish_reason)
@@ -122,6 +134,31 @@ async def regenerate(
         completion_tokens=completion_tokens,
         cost=sum(costs) if costs else None,
         requests=requests,
+    )
+
+
+def _check_answer(completion: Completion, prepared: Prepared, turn: int, sampling: SamplingParams) -> None:
+    """Refuse an answer without visible text. Not retried: a model that spent max_tokens thinking
+    does so again on a retry, at the same cost; the next run retries the conversation."""
+    if completion.content.strip():
+        return
+    reasoning = completion.reasoning if completion.reasoning and completion.reasoning.strip() else None
+    if reasoning is not None:
+        what = f"only reasoning ({len(reasoning)} characters) and no final answer"
+        fix = (
+            f"raise sampling.max_tokens ({sampling.max_tokens}) or turn reasoning off in sampling.extra_body"
+            if completion.finish_reason == "length"
+            else "check the model's reasoning settings in sampling.extra_body"
+        )
+    else:
+        what = "an empty answer" if not completion.content else "an answer of whitespace only"
+        fix = "check the model and its chat template"
+    raise EmptyAnswerError(
+        f"conversation {prepared.id!r}, assistant turn {turn}: the endpoint returned {what} "
+        f"(finish_reason={completion.finish_reason}); {fix}",
+        completion.attempts,
+        reasoning=reasoning,
+        finish_reason=completion.finish_reason,
     )
 
 
