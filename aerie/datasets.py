@@ -29,9 +29,11 @@ and `LoadReport.repaired`):
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +82,14 @@ class SourceSpec(StrictModel):
         description="Maps the data's role names onto system/user/assistant.",
     )
     skip: int = Field(0, ge=0, description="Records to skip from the start (e.g. a held-out split).")
+    max_invalid_fraction: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="Share of the records read that may be malformed (skipped) before the source is "
+        "refused: more than that most often means a field mapping that does not fit the file. ShareGPT "
+        "V3 skips about 2%. A source with no valid record at all is always refused.",
+    )
 
     @field_validator("role_map")
     @classmethod
@@ -311,6 +321,11 @@ def _read_jsonl(path: Path, report: LoadReport) -> Iterator[tuple[str, Any]]:
                 report.skip("invalid_utf8", where, str(exc))
                 continue
             except json.JSONDecodeError as exc:
+                if not raw.endswith(b"\n"):
+                    # The last line, unterminated and unparsable: a write cut off (a full disk, a kill).
+                    report.truncated = f"{path}: the last line ({where}) is cut off: {exc.msg}"
+                    report.skip("truncated_tail", where, f"{exc.msg} at column {exc.colno}")
+                    continue
                 report.skip("invalid_json", where, f"{exc.msg} at column {exc.colno}")
                 continue
             yield where, record
@@ -583,6 +598,80 @@ def _one(
     if isinstance(record, dict) and isinstance(record.get(spec.messages_field), list):
         report.turns += len(record[spec.messages_field])
     return _conversation(where, record, cid, spec, name, report)
+
+
+def source_path(spec: SourceSpec) -> Path | None:
+    """The file a source reads, or None when it is missing (the loader then says so, with its path)."""
+    try:
+        return _source_path(spec)
+    except (SourceNotFoundError, ConfigError):
+        return None
+
+
+_FINGERPRINTS: dict[tuple[str, int, int, int, int, int], str] = {}
+_FINGERPRINTS_LOCK = threading.Lock()
+
+
+def source_fingerprint(spec: SourceSpec) -> str | None:
+    """sha256 of the source file's bytes (None when it is missing): part of the stage key, so a file
+    fixed or rewritten in place is read again instead of answering from the cache.
+
+    The whole file is hashed: size + mtime misses a rewrite of the same size within the filesystem's
+    timestamp tick (a coarse clock, `cp -p`, `rsync -t` and unpacking archives all set mtime back), and a
+    hash of the head and tail misses an edit in the middle. Hashing runs at disk speed (ShareGPT's
+    120 MiB in well under a second); within one process a file whose identity, size, mtime and ctime
+    are unchanged is not hashed twice."""
+    path = source_path(spec)
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+        memo = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with _FINGERPRINTS_LOCK:
+            known = _FINGERPRINTS.get(memo)
+        if known is not None:
+            return known
+        with path.open("rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise DataError(f"cannot read {path} to fingerprint it: {exc}") from exc
+    with _FINGERPRINTS_LOCK:
+        _FINGERPRINTS[memo] = digest
+    return digest
+
+
+def describe_skips(report: LoadReport, limit: int = 5) -> str:
+    """'12 of 40 records skipped: turn_missing_field 11, invalid_json 1; first: line 1 (id 'a'): ...'"""
+    if not report.skipped:
+        return f"0 of {report.records} records skipped"
+    reasons = ", ".join(
+        f"{reason} {n}" for reason, n in sorted(report.skipped.items(), key=lambda kv: -kv[1])
+    )
+    first = "; ".join(report.examples[:limit])
+    return f"{report.total_skipped} of {report.records} records skipped ({reasons}); first: {first}"
+
+
+def check_yield(spec: SourceSpec, name: str, report: LoadReport) -> None:
+    """Refuse a source that yielded no valid record, or more malformed ones than
+    `spec.max_invalid_fraction` of those read: a `DataError` with the counts by reason and where the
+    first ones are, so a wrong field mapping fails its stage instead of passing with 0 records."""
+    path = source_path(spec)
+    where = f"dataset {name!r} ({path or spec.kind})"
+    if report.loaded == 0:
+        if report.records == 0 and not report.skipped:
+            raise DataError(f"{where}: the source holds no records")
+        raise DataError(
+            f"{where}: no valid conversation; {describe_skips(report)}. Check the field mapping "
+            f"(messages_field={spec.messages_field!r}, role_field={spec.role_field!r}, "
+            f"content_field={spec.content_field!r}, role_map) against these records"
+        )
+    read = report.loaded + report.total_skipped
+    share = report.total_skipped / read
+    if share > spec.max_invalid_fraction:
+        raise DataError(
+            f"{where}: {share:.0%} of the records read are malformed, more than "
+            f"source.max_invalid_fraction ({spec.max_invalid_fraction:.0%}) allows; {describe_skips(report)}"
+        )
 
 
 def load_conversations(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Iterable
@@ -26,7 +27,7 @@ from typing import Any, TypeVar
 from dotenv import dotenv_values
 
 from aerie.conversation import Conversation
-from aerie.datasets import LoadReport, iter_conversations
+from aerie.datasets import LoadReport, check_yield, describe_skips, iter_conversations, source_fingerprint
 from aerie.errors import ConfigError, EndpointError
 from aerie.generate.client import ChatClient, public_url
 from aerie.generate.config import DatasetSpec, GenerateConfig
@@ -37,6 +38,8 @@ from aerie.manifest import StageDir, StageResult, canonical_json, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.settings import get_settings
 from aerie.store import ArtifactStore
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CONVERSATIONS = "conversations.parquet"
@@ -62,8 +65,21 @@ def params_hash(cfg: GenerateConfig, spec: DatasetSpec) -> str:
     return hashlib.sha256(canonical_json(generation_params(cfg, spec))).hexdigest()[:16]
 
 
+# Fields that decide whether a source is accepted, not what is generated from it: outside every key.
+_ACCEPTANCE_FIELDS: dict[str, Any] = {"source": {"max_invalid_fraction"}}
+
+
 def key_of(cfg: GenerateConfig, spec: DatasetSpec) -> str:
-    return stage_key(stage_name(spec), {"dataset": spec.model_dump(mode="json"), "model": cfg.endpoint.model})
+    """The stage key: the dataset spec, the model, and the source file's content (a file fixed in
+    place is a new input, never a cache hit on what the old bytes gave)."""
+    return stage_key(
+        stage_name(spec),
+        {
+            "dataset": spec.model_dump(mode="json", exclude=_ACCEPTANCE_FIELDS),
+            "model": cfg.endpoint.model,
+            "source_sha256": source_fingerprint(spec.source),
+        },
+    )
 
 
 def read_api_key(env_name: str) -> str | None:
@@ -92,10 +108,22 @@ def run(
         return cached
     _endpoint_url(cfg, spec, base_url)  # fail on a missing URL before reading any data
     report = LoadReport(source=spec.name)
-    conversations = iter_conversations(spec.source, spec.name, limit=spec.num_samples, report=report)
+    conversations = load_source(spec, report)
     return generate_dataset(
         conversations, cfg, spec, stage_dir=stage_dir, base_url=base_url, report=report, progress=progress
     )
+
+
+def load_source(spec: DatasetSpec, report: LoadReport) -> list[Conversation]:
+    """The dataset's conversations, read whole before any request is sent: a source that is mostly (or
+    all) malformed fails here with counts by reason and line numbers, before any money is spent."""
+    conversations = list(iter_conversations(spec.source, spec.name, limit=spec.num_samples, report=report))
+    check_yield(spec.source, spec.name, report)
+    if report.skipped:
+        log.warning("dataset %r: %s", spec.name, describe_skips(report))
+    if report.truncated:
+        log.warning("dataset %r: %s", spec.name, report.truncated)
+    return conversations
 
 
 def run_all(
@@ -301,8 +329,9 @@ def journal_location(
     cfg: GenerateConfig, spec: DatasetSpec, stage_dir: StageDir, phash: str
 ) -> tuple[Path, str | None]:
     """(local journal dir, store prefix to mirror it to or None when the journal is in the store)."""
+    source = spec.source.model_dump(mode="json", exclude=_ACCEPTANCE_FIELDS["source"])
     digest = hashlib.sha256(
-        canonical_json({"name": spec.name, "source": spec.source.model_dump(mode="json"), "params": phash})
+        canonical_json({"name": spec.name, "source": source, "params": phash})
     ).hexdigest()[:16]
     prefix = f"{stage_dir.run}/{stage_dir.stage}/journal/{digest}"
     local = stage_dir.store.local_path(prefix)
@@ -448,4 +477,10 @@ def _finish(
 def _loader_summary(report: LoadReport | None) -> dict[str, Any]:
     if report is None:
         return {}
-    return {"loaded": report.loaded, "skipped": dict(report.skipped), "truncated": report.truncated}
+    return {
+        "loaded": report.loaded,
+        "skipped": dict(report.skipped),
+        "truncated": report.truncated,
+        # Where the first skipped records are ("line 7: invalid_json (...)"), so they can be fixed.
+        "examples": list(report.examples),
+    }
