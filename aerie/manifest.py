@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 import aerie
-from aerie.errors import ObjectNotFoundError, StoreError
+from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
 from aerie.store import ArtifactStore
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -65,14 +68,27 @@ class StageDir:
         return self.store.uri(self.path(name))
 
     def manifest(self) -> dict[str, Any] | None:
-        """The manifest if the stage completed earlier, else None."""
+        """The manifest if the stage completed earlier, None if it did not (no manifest, or a corrupt
+        one: the stage re-runs and rewrites it). Any other store error raises: a store that cannot be
+        reached says nothing about what is cached, and taking it for "not cached" would start the
+        stage's work only to fail later, at its first write."""
+        uri = self.uri(MANIFEST)
         try:
-            return json.loads(self.store.get_bytes(self.path(MANIFEST)))
+            raw = self.store.get_bytes(self.path(MANIFEST))
         except ObjectNotFoundError:
             return None
-        except (StoreError, ValueError):
-            # A corrupt manifest is treated as "not complete": the stage re-runs and rewrites it.
+        except IntegrityError as exc:
+            log.warning("%s is corrupt (%s): the stage runs again and rewrites it", uri, exc)
             return None
+        try:
+            manifest = json.loads(raw)
+        except ValueError as exc:
+            log.warning("%s is not valid JSON (%s): the stage runs again and rewrites it", uri, exc)
+            return None
+        if not isinstance(manifest, dict):
+            log.warning("%s is not a JSON object: the stage runs again and rewrites it", uri)
+            return None
+        return manifest
 
     def cached_result(self) -> StageResult | None:
         manifest = self.manifest()

@@ -51,7 +51,7 @@ from s3transfer.subscribers import BaseSubscriber
 from aerie.diskspace import cannot_write
 from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
 from aerie.progress import ProgressFn
-from aerie.store import (
+from aerie.store_api import (
     MIB,
     ByteProgress,
     ObjectInfo,
@@ -188,15 +188,28 @@ class S3Store:
             # MinIO and moto serve buckets on a path, not as a subdomain of an IP address.
             s3={"addressing_style": "path"} if cfg.s3_endpoint_url else None,
         )
+        # The first request goes through a client that gives up fast: an endpoint that cannot be
+        # reached at all (a wrong URL, a server that is down) is reported in seconds, naming endpoint
+        # and bucket. Once it answered, requests are patient: a blip mid-run is retried with backoff.
+        self._probe_attempts = min(2, cfg.s3_max_attempts)
+        probe_cfg = BotoConfig(
+            retries={"mode": "standard", "total_max_attempts": self._probe_attempts},
+            connect_timeout=min(cfg.s3_connect_timeout_s, cfg.s3_first_contact_timeout_s),
+            read_timeout=min(cfg.s3_read_timeout_s, cfg.s3_first_contact_timeout_s),
+            s3={"addressing_style": "path"} if cfg.s3_endpoint_url else None,
+        )
         try:
             session = boto3.session.Session(region_name=cfg.s3_region)
             self.client: S3Client = session.client("s3", endpoint_url=cfg.s3_endpoint_url, config=boto_cfg)
+            self._probe: S3Client = session.client("s3", endpoint_url=cfg.s3_endpoint_url, config=probe_cfg)
         except (BotoCoreError, ValueError) as exc:
             raise StoreError(
                 f"cannot create an S3 client for {self.root} at {self._endpoint}: {type(exc).__name__}: "
                 f"{exc}; check store.s3_endpoint_url and store.s3_region"
             ) from exc
         self._bucket_checked = False
+        self._reached = False
+        self._reach_lock = threading.Lock()
         # Upload ids this store created, per full key, so a failed upload can abort its own parts.
         self._uploads: dict[str, list[str]] = {}
         self._uploads_lock = threading.Lock()
@@ -260,8 +273,40 @@ class S3Store:
             )
         return StoreError(f"cannot {action} {where}: {type(exc).__name__}: {exc}")
 
+    def _first_contact(self, action: str, key: str | None) -> None:
+        """Reach the endpoint once, fast (see `__init__`); raise a StoreError naming the endpoint and
+        the bucket when it cannot be reached or the bucket does not exist."""
+        if self._reached:
+            return
+        with self._reach_lock:
+            if self._reached:
+                return
+            where = self.uri(key) if key else self.root
+            began = time.monotonic()
+            try:
+                self._probe.head_bucket(Bucket=self.bucket)
+                self._bucket_checked = True
+            except ClientError as exc:
+                if _status(exc) == 404 or _code(exc) == "NoSuchBucket":
+                    raise StoreError(
+                        f"cannot {action} {where}: bucket {self.bucket!r} does not exist at "
+                        f"{self._endpoint}; create it or fix store.uri / store.s3_endpoint_url"
+                    ) from exc
+                # 403 and the like: it answered; a policy may allow objects but not HeadBucket.
+            except (BotoConnectionError, HTTPClientError) as exc:  # refused, DNS, timeouts, dropped
+                raise StoreError(
+                    f"cannot {action} {where}: cannot reach the S3 endpoint {self._endpoint} for bucket "
+                    f"{self.bucket!r} ({type(exc).__name__}, {self._probe_attempts} attempt(s) in "
+                    f"{time.monotonic() - began:.1f} s); check store.s3_endpoint_url, that the server "
+                    "is up, and the network"
+                ) from exc
+            except BotoCoreError as exc:
+                raise self._translate(exc, action, key) from exc
+            self._reached = True
+
     @contextmanager
     def _errors(self, action: str, key: str | None = None) -> Iterator[None]:
+        self._first_contact(action, key)
         try:
             yield
         except _TRANSLATED as exc:
@@ -287,6 +332,7 @@ class S3Store:
 
     def _head(self, key: str, action: str) -> dict[str, Any] | None:
         """head_object's answer, or None when there is no such object."""
+        self._first_contact(action, key)
         try:
             return cast("dict[str, Any]", self.client.head_object(Bucket=self.bucket, Key=self._full(key)))
         except ClientError as exc:

@@ -12,6 +12,7 @@ verified on download (`IntegrityError` on mismatch; a failed download never land
 `adopt_file` is an upload that takes the file over: a LocalStore renames it into place (no second
 write), an S3Store uploads it and deletes it once the stored object is verified.
 Errors are `StoreError`s (`ObjectNotFoundError` for a missing key) that name the object.
+The contract itself (protocol, config, key rules) lives in `aerie.store_api`, re-exported here.
 """
 
 from __future__ import annotations
@@ -20,154 +21,42 @@ import errno
 import hashlib
 import os
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import BinaryIO
 
-from pydantic import Field
-
-from aerie.configbase import StrictModel
 from aerie.diskspace import cannot_write, free_text
 from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
 from aerie.progress import ProgressFn
+from aerie.store_api import (
+    CHUNK,
+    MIB,
+    ArtifactStore,
+    ByteProgress,
+    ObjectInfo,
+    StoreConfig,
+    check_adopted,
+    check_key,
+    sha256_file,
+    sha256_of,
+    unlink_adopted,
+)
 
-CHUNK = 8 << 20
-MIB = 1 << 20
-
-
-class StoreConfig(StrictModel):
-    """Where artifacts go: a local directory or `s3://bucket/prefix`."""
-
-    uri: str = Field("./artifacts", description="Root: a local directory or s3://bucket/prefix.")
-    s3_endpoint_url: str | None = Field(None, description="S3 endpoint for MinIO/moto; None = AWS.")
-    s3_region: str | None = Field(None, description="S3 region; None = boto3's default.")
-    multipart_chunk_mb: int = Field(64, ge=5, description="Multipart upload part size (MiB).")
-    max_concurrency: int = Field(8, ge=1, description="Parallel parts per transfer.")
-    s3_max_attempts: int = Field(
-        10, ge=1, description="Attempts per S3 request (botocore 'standard' retries, with backoff)."
-    )
-    s3_connect_timeout_s: float = Field(10.0, gt=0, description="S3 connect timeout (seconds).")
-    s3_read_timeout_s: float = Field(60.0, gt=0, description="S3 read timeout per request (seconds).")
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    key: str
-    uri: str
-    size: int
-    sha256: str
-
-
-@runtime_checkable
-class ArtifactStore(Protocol):
-    root: str
-
-    def uri(self, key: str) -> str: ...
-    def put_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> ObjectInfo:
-        """Upload a file atomically. `progress` gets (fraction, message) as bytes go out, always in the
-        caller's thread; an exception it raises mid-transfer cancels the upload and leaves nothing."""
-        ...
-
-    def adopt_file(
-        self, key: str, path: str | Path, *, sha256: str | None = None, reread: bool = True
-    ) -> ObjectInfo:
-        """Upload a finished file and take it over: on success `path` is gone (moved in, or deleted
-        once the stored copy is verified). `sha256` is the digest the caller computed while writing
-        it: a file that no longer matches raises `IntegrityError`, and then nothing is stored and
-        `path` stays. The caller must not write to `path` any more.
-
-        `reread=False` (with `sha256`): where the store can take the file without reading it (a
-        LocalStore on the same filesystem renames it), it records `sha256` instead of reading the file
-        back, for a writer that hashed the very bytes it wrote and fsynced: a read-back costs a
-        disk-bound writer the bandwidth it needs. An upload reads the file anyway, and verifies it."""
-        ...
-
-    def put_bytes(self, key: str, data: bytes) -> ObjectInfo: ...
-    def get_file(self, key: str, path: str | Path, *, progress: ProgressFn | None = None) -> Path:
-        """Download to `path`, verified: a corrupt object raises `IntegrityError` and `path` is not
-        touched (the bytes land in a temp file beside it and are renamed only once verified)."""
-        ...
-
-    def get_bytes(self, key: str) -> bytes: ...
-    def exists(self, key: str) -> bool: ...
-    def list(self, prefix: str = "") -> list[str]: ...
-    def delete(self, key: str) -> None: ...
-    def open(self, key: str) -> BinaryIO: ...
-    def local_path(self, key: str) -> Path | None:
-        """A path readable in place (LocalStore), or None when the object must be downloaded."""
-        ...
-
-
-def sha256_file(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        return _sha256_of(f)
-
-
-def _sha256_of(f: BinaryIO) -> str:
-    h = hashlib.sha256()
-    while block := f.read(CHUNK):
-        h.update(block)
-    return h.hexdigest()
-
-
-def check_adopted(path: str | Path, want: str | None, got: str) -> None:
-    """IntegrityError when a file handed to `adopt_file` is not the one its writer hashed."""
-    if want is not None and got != want:
-        raise IntegrityError(
-            f"{path}: sha256 {got[:12]}… is not the {want[:12]}… it was written with; the file is "
-            "corrupt or was changed after it was written, and was not stored"
-        )
-
-
-class ByteProgress:
-    """Counts transferred bytes from any thread; reports throttled `(fraction, message)` calls from the
-    caller's thread only.
-
-    Why split: s3transfer counts bytes in its worker threads, but the callback may update a Prefect
-    progress artifact (which needs the flow run's context, held by the calling thread) or raise to
-    cancel the transfer (which, raised inside botocore's send, would be retried as a network error).
-    And a call happens only when the fraction moved by `step`, not for every 256 KiB read."""
-
-    def __init__(self, progress: ProgressFn, total: int, label: str, step: float = 0.01) -> None:
-        self._progress, self._total, self._label, self._step = progress, total, label, step
-        self._done = 0
-        self._last = -1.0
-        self._lock = threading.Lock()
-
-    def add(self, nbytes: int) -> None:
-        """Count bytes (any thread). s3transfer reports negative counts when it rewinds for a retry."""
-        with self._lock:
-            self._done += nbytes
-
-    def report(self) -> None:
-        """Call the callback if the fraction moved enough (the caller's thread; may raise)."""
-        with self._lock:
-            done = self._done
-        fraction = min(1.0, max(0.0, done / self._total)) if self._total else 1.0
-        if fraction - self._last >= self._step or (fraction >= 1.0 > self._last):
-            self._last = fraction
-            self._progress(fraction, f"{self._label} {done / MIB:.1f}/{self._total / MIB:.1f} MiB")
-
-    def finish(self) -> None:
-        """Report completion even when the transfer reported no bytes (an empty file)."""
-        if self._last < 1.0:
-            self._last = 1.0
-            self._progress(1.0, f"{self._label} {self._total / MIB:.1f} MiB")
-
-
-def check_key(key: str) -> str:
-    """The normalized key, or StoreError. Parts starting with '.' are refused: a store keeps its temp
-    files and checksum sidecars under such names, and `list()` must never show them."""
-    parts = key.strip("/").split("/")
-    if not key.strip("/") or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
-        raise StoreError(
-            f"invalid artifact key {key!r}: use a relative '/'-separated path without empty parts "
-            "or parts starting with '.'"
-        )
-    return "/".join(parts)
+__all__ = [
+    "CHUNK",
+    "MIB",
+    "ArtifactStore",
+    "ByteProgress",
+    "LocalStore",
+    "ObjectInfo",
+    "StoreConfig",
+    "check_adopted",
+    "check_key",
+    "open_store",
+    "sha256_file",
+    "unlink_adopted",
+]
 
 
 class LocalStore:
@@ -263,7 +152,7 @@ class LocalStore:
         if reread or sha256 is None:
             try:
                 with open(src, "rb") as f:
-                    digest = _sha256_of(f)
+                    digest = sha256_of(f)
                     os.fsync(f.fileno())  # put_file's temp file is fsync'd before its rename: the same here
             except OSError as exc:
                 raise StoreError(f"cannot read {src}: {exc}") from exc
@@ -374,14 +263,6 @@ class LocalStore:
 
     def open(self, key: str) -> BinaryIO:
         return open(self._verified(key), "rb")
-
-
-def unlink_adopted(path: Path, uri: str) -> None:
-    """Delete a file that is now stored (and verified) at `uri`."""
-    try:
-        path.unlink()
-    except OSError as exc:
-        raise StoreError(f"{path} is stored as {uri} but could not be deleted: {exc}") from exc
 
 
 def open_store(cfg: StoreConfig | str) -> ArtifactStore:

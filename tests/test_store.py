@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ import pytest
 from botocore.exceptions import ConnectionClosedError
 
 from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
+from aerie.manifest import StageDir
 from aerie.s3store import S3Store
 from aerie.store import ArtifactStore, LocalStore, StoreConfig, open_store
 from tests.conftest import free_port
@@ -458,3 +460,37 @@ def test_s3_object_replaced_during_download_is_refused(s3_config: StoreConfig, t
     with pytest.raises(StoreError, match="changed meanwhile"):
         store.get_file("run/shard.bin", dest)
     assert replaced and not dest.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_unreachable_store_is_an_error_never_not_cached(s3_server: StoreConfig) -> None:
+    """The cache probe (`StageDir.manifest`) with the default retry settings: an endpoint where nothing
+    listens raises, naming endpoint and bucket, instead of answering "not cached"."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    store = S3Store(StoreConfig(uri="s3://aerie-test/run-root", s3_endpoint_url=dead, s3_region="us-east-1"))
+    with pytest.raises(StoreError) as info:
+        StageDir(store, "run", "generate-x", "0123456789abcdef").manifest()
+    message = str(info.value)
+    assert f"cannot reach the S3 endpoint {dead} for bucket 'aerie-test'" in message
+    assert "2 attempt(s)" in message and "s3_endpoint_url" in message
+    assert os.environ["AWS_SECRET_ACCESS_KEY"] not in message
+
+
+def test_an_endpoint_that_accepts_and_never_answers_fails_on_first_contact(s3_server: StoreConfig) -> None:
+    with socket.socket() as silent:  # the kernel accepts connections into the backlog; nobody reads
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cfg = s3_server.model_copy(update={"s3_endpoint_url": url, "s3_first_contact_timeout_s": 0.5})
+        with pytest.raises(StoreError, match=r"cannot reach the S3 endpoint .* \(ReadTimeoutError"):
+            S3Store(cfg).exists("run/manifest.json")
+
+
+def test_a_corrupt_manifest_means_not_complete(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "artifacts")
+    stage = StageDir(store, "run", "merge", "0123456789abcdef")
+    store.put_bytes(stage.path("manifest.json"), b'{"figures": {}}')
+    assert stage.manifest() == {"figures": {}}
+    corrupt(store, stage.path("manifest.json"))
+    assert stage.manifest() is None  # the stage re-runs and rewrites it
+    store.put_bytes(stage.path("manifest.json"), b"[1, 2]")
+    assert stage.manifest() is None
