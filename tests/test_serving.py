@@ -403,6 +403,27 @@ def test_a_server_killed_during_the_wait_is_reported(tmp_path: Path) -> None:
     assert_gone(server.launcher, spec.port)
 
 
+def test_a_child_keeping_the_port_after_its_parent_exits_is_named_and_ended(tmp_path: Path) -> None:
+    """The main process binds, leaves a child holding the port (in its own session, deaf to SIGTERM,
+    so neither the group kill nor SIGTERM reaches it) and exits. The crash names the port and the
+    orphan; teardown gives no drain grace to a server that is already gone, and ends the orphan."""
+    spec = fake_spec(tmp_path, "--orphan-keeps-port", grace_s=600.0)  # a grace this test would never outwait
+    server = ModelServer(spec)
+    with pytest.raises(ServerCrashedError) as err:
+        server.start()
+    text = str(err.value)
+    assert "exit code 1" in text and "cause: RuntimeError: the launcher process died (fake)" in text
+    orphan = int(text.split("worker pid ")[1].split()[0])  # the fake server logged its child's pid
+    assert f"port {spec.port} is still held by pid {orphan} (" in text
+    assert "a process this server started" in text
+    report = server.teardown
+    assert report is not None and report.grace_s < spec.grace_s
+    assert report.ended == [orphan] and report.port_free and report.port_holders == []
+    assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
+    assert isinstance(server.launcher, ProcessLauncher)
+    assert_gone(server.launcher, spec.port)
+
+
 def test_a_start_past_the_deadline_fails_with_the_last_progress(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path, "--shards", "2", "--hang-at-shard", "1", startup_timeout_s=2.0)
     server = ModelServer(spec)

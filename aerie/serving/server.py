@@ -45,7 +45,17 @@ from aerie.serving.launcher import Launcher, ProcessLauncher, StopResult, descri
 from aerie.serving.probe import Prober, ensure_port_free
 from aerie.serving.spec import ServerSpec
 from aerie.serving.startup_log import LogTail, StartupLog, error_summary, format_tail
-from aerie.serving.teardown import clean_dump_dir, list_segments, sweep_shm, wait_port_free
+from aerie.serving.teardown import (
+    SERVER_TOKEN_ENV,
+    clean_dump_dir,
+    describe_pid,
+    end_processes,
+    list_segments,
+    port_holders,
+    sweep_shm,
+    tagged_processes,
+    wait_port_free,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +65,9 @@ Canary = Callable[["ModelServer"], None]
 # before treating it as crashed anyway.
 _FATAL_EXIT_WAIT_S = 2.0
 _TAIL_LINES = 20
+# Once the server's main process has exited there is nobody left to drain requests: what it left
+# running gets this long after SIGTERM, not the full grace a live server gets.
+_ORPHAN_GRACE_S = 1.0
 
 
 @dataclass
@@ -62,7 +75,10 @@ class TeardownReport:
     """What teardown did, for logs and manifests."""
 
     stop: StopResult | None = None
+    grace_s: float = 0.0  # the SIGTERM grace given (short when the main process had already exited)
+    ended: list[int] = field(default_factory=list)  # processes it started outside its group, ended
     port_free: bool = True
+    port_holders: list[int] = field(default_factory=list)  # pids still listening on the port
     swept: list[str] = field(default_factory=list)
     dump_files_removed: int = 0
     seconds: float = 0.0
@@ -137,8 +153,11 @@ class ModelServer:
         progress: ProgressFn = no_progress,
         canary: Canary | None = None,
     ) -> None:
-        self.spec = spec
         self.launcher = launcher or default_launcher(spec)
+        if self.launcher.host_pids:
+            # Marks every process of this launch, so teardown finds the ones that left the group.
+            spec = spec.with_(env={**spec.env, SERVER_TOKEN_ENV: spec.nonce})
+        self.spec = spec
         self.progress = progress
         self.canary = canary
         self.info: dict[str, Any] = {}
@@ -236,10 +255,18 @@ class ModelServer:
         report = TeardownReport()
         self.teardown = report
         try:
-            report.stop = self.launcher.stop(spec.grace_s)
-            report.port_free = wait_port_free(spec.host, spec.port, timeout=max(10.0, spec.grace_s))
+            exited = self.launcher.exit_code() is not None
+            report.grace_s = min(spec.grace_s, _ORPHAN_GRACE_S) if exited else spec.grace_s
+            report.stop = self.launcher.stop(report.grace_s)
+            report.ended = self._end_strays()
+            report.port_free = wait_port_free(spec.host, spec.port, timeout=max(10.0, report.grace_s))
             if not report.port_free:
-                log.warning("port %d is still bound after %s stopped", spec.port, spec.name)
+                report.port_holders = port_holders(spec.port)
+                held = (
+                    ", ".join(describe_pid(p) for p in report.port_holders)
+                    or "a process this user cannot see"
+                )
+                log.warning("port %d is still bound after %s stopped, by %s", spec.port, spec.name, held)
             if spec.sweep_shm:
                 report.swept = [str(p) for p in self._sweep()]
             if spec.clean_dump_dir and spec.dump_dir is not None:
@@ -258,6 +285,43 @@ class ModelServer:
             report.seconds,
         )
         return report
+
+    def _strays(self) -> list[int]:
+        """Live processes of this launch other than its main process (they may have left its group)."""
+        if not self.launcher.host_pids:
+            return []
+        main = getattr(self.launcher, "pid", None)
+        return [p for p in tagged_processes(self.spec.nonce) if p != main]
+
+    def _end_strays(self) -> list[int]:
+        """End what the launch started and the group kill missed (a child in its own session)."""
+        strays = self._strays()
+        if not strays:
+            return []
+        log.warning(
+            "%s left %s running outside its process group: ending it",
+            self.spec.name,
+            ", ".join(describe_pid(p) for p in strays),
+        )
+        left = end_processes(strays, _ORPHAN_GRACE_S)
+        if left:
+            log.warning("%s: %s still running after SIGKILL", self.spec.name, ", ".join(map(str, left)))
+        return [p for p in strays if p not in left]
+
+    def _leftovers(self) -> str:
+        """What an exited server left behind, for its crash message: who holds its port, what runs."""
+        strays = self._strays()
+        holders = port_holders(self.spec.port)
+        parts = []
+        for pid in holders:
+            whose = ", a process this server started," if pid in strays else " (not started by this server)"
+            parts.append(f"port {self.spec.port} is still held by {describe_pid(pid)}{whose}")
+        running = [p for p in strays if p not in holders]
+        if running:
+            parts.append("still running: " + ", ".join(describe_pid(p) for p in running))
+        if not parts:
+            return ""
+        return "\nleft behind: " + "; ".join(parts) + " (teardown ends what this server started)"
 
     def _sweep(self) -> list[Path]:
         if self.launcher.host_pids:
@@ -336,11 +400,14 @@ class ModelServer:
         lines = self._last_lines()
         cause = self._startup.fatal or error_summary(lines) or "no error line in the log"
         status = describe_exit(code) if code is not None else "reported a fatal error and has not exited"
-        return ServerCrashedError(
+        head = (
             f"{self.spec.name} ({self.launcher.describe()}) {status} {time.monotonic() - began:.1f} s into "
             f"its start, at: {self._startup.message} ({self._startup.fraction:.0%}).\n"
-            f"cause: {cause}\nlast lines of {self.spec.log_path}:\n{format_tail(lines)}"
+            f"cause: {cause}{self._leftovers() if code is not None else ''}"
         )
+        # Said now: the teardown that runs before this error propagates may take a while.
+        log.error("%s", head)
+        return ServerCrashedError(f"{head}\nlast lines of {self.spec.log_path}:\n{format_tail(lines)}")
 
     def _timed_out(self, began: float) -> ServerTimeoutError:
         lines = self._last_lines()
@@ -379,9 +446,11 @@ class ModelServer:
         if code is not None:
             self._tail.drain()
             lines = self._last_lines()
-            raise ServerCrashedError(
+            head = (
                 f"{self.spec.name} ({self.launcher.describe()}) exited while serving: {describe_exit(code)}.\n"
-                f"cause: {error_summary(lines) or 'no error line in the log'}\n"
-                f"last lines of {self.spec.log_path}:\n{format_tail(lines)}",
-                after_ready=True,
+                f"cause: {error_summary(lines) or 'no error line in the log'}{self._leftovers()}"
+            )
+            log.error("%s", head)
+            raise ServerCrashedError(
+                f"{head}\nlast lines of {self.spec.log_path}:\n{format_tail(lines)}", after_ready=True
             )

@@ -12,14 +12,21 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import psutil
 
 from aerie.serving.probe import port_is_free
 
 log = logging.getLogger(__name__)
 
+# Set in a launched server's environment (its value: the launch's nonce). Every process the server
+# starts inherits it, also one that leaves the process group and session (setsid) or is reparented:
+# the one mark that finds the whole tree after its root has exited.
+SERVER_TOKEN_ENV = "AERIE_SERVER_TOKEN"
 SGL_SHM_PREFIX = "sgl_shm_"
 MULTI_TOKENIZER_PREFIX = "multi_tokenizer_args_"
 
@@ -129,3 +136,74 @@ def clean_dump_dir(path: str | os.PathLike[str]) -> int:
             child.unlink(missing_ok=True)
             count += 1
     return count
+
+
+def tagged_processes(token: str) -> list[int]:
+    """Live (non-zombie) pids whose environment carries `SERVER_TOKEN_ENV=token`: what one launch
+    started, wherever it moved in the process tree."""
+    found = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(SERVER_TOKEN_ENV) == token:
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return sorted(found)
+
+
+def port_holders(port: int) -> list[int]:
+    """Pids with a socket listening on `port` (any address), as far as this user may see."""
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except (psutil.AccessDenied, OSError):
+        return []
+    return sorted(
+        {
+            c.pid
+            for c in conns
+            if c.pid is not None and c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
+        }
+    )
+
+
+def describe_pid(pid: int) -> str:
+    """`pid 123 (python -c import os...)` for messages; the command line is cut, never the env."""
+    try:
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return f"pid {pid}"
+    cmdline = cmdline if len(cmdline) <= 80 else cmdline[:77] + "..."
+    return f"pid {pid} ({cmdline})" if cmdline else f"pid {pid}"
+
+
+def end_processes(pids: Iterable[int], grace_s: float = 1.0) -> list[int]:
+    """SIGTERM, `grace_s`, then SIGKILL; returns the pids still alive after that (none, normally)."""
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            proc.send_signal(signal.SIGTERM)
+            procs.append(proc)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        except psutil.AccessDenied:
+            log.warning("cannot signal %s: not ours to end", describe_pid(pid))
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        except psutil.AccessDenied:
+            log.warning("cannot kill %s", describe_pid(proc.pid))
+    _, alive = psutil.wait_procs(alive, timeout=5.0)
+    return sorted(p.pid for p in alive if _running(p))
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False

@@ -62,6 +62,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--child", action="store_true", help="leave a scheduler-like child in the group")
     p.add_argument("--shm-dir", default=None, help="create sgl_shm_* segments here (unlinked on SIGTERM)")
+    p.add_argument(
+        "--orphan-keeps-port",
+        action="store_true",
+        help="once bound, leave a child holding the port (its own session, deaf to SIGTERM) and exit 1",
+    )
     p.add_argument("--pid-file", default=None, help="write our pid here once started")
     p.add_argument("--events-file", default=None, help="append '<event> <unix time>' (ready, crash) here")
     return p.parse_args()
@@ -189,6 +194,18 @@ def main() -> None:
         event("crash")
         sys.exit(1)
     server.daemon_threads = True
+    if args.orphan_keeps_port:
+        orphan = (
+            "import os, signal, time\n"
+            "os.setsid()\n"  # out of the launcher's process group and session: killpg misses it
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "time.sleep(3600)\n"
+        )
+        kept = subprocess.Popen([sys.executable, "-c", orphan], pass_fds=(server.socket.fileno(),))
+        log(f"worker pid {kept.pid} started")
+        print("RuntimeError: the launcher process died (fake)", file=sys.stderr, flush=True)
+        event("crash")
+        os._exit(1)
 
     def on_sigterm(signum: int, frame: object) -> None:
         State.draining = True
