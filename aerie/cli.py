@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from aerie.config import to_yaml
-from aerie.errors import AerieError
+from aerie.errors import AerieError, ConfigError
 from aerie.pipeline import STAGES
 from aerie.presets import PRESETS, load_config
 from aerie.progress import close_terminal_bars
@@ -38,6 +40,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from aerie.evaluate.standalone import evaluate_drafter, prompt_set_for_file, summary_lines
+    from aerie.progress import terminal_progress
+    from aerie.targets import resolve_target
+
+    cfg = load_config(args.preset, args.overrides)
+    sets = [prompt_set_for_file(path, args.limit) for path in args.prompts]
+    names = [s.name for s in sets]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"two prompt files have the same name {names}: rename one")
+    evaluate_cfg = type(cfg.evaluate).model_validate(
+        {**cfg.evaluate.model_dump(), "datasets": [s.model_dump() for s in sets]}
+    )
+    report = evaluate_drafter(
+        evaluate_cfg, resolve_target(cfg.target), args.drafter, terminal_progress("evaluate")
+    )
+    close_terminal_bars()
+    print("\n".join(summary_lines(report)))
+    print(report["table"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"report written to {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aerie", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -57,6 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--until", choices=STAGES, help="stop after this stage (implies --no-prefect)")
     run.set_defaults(func=_cmd_run)
+    evaluate = sub.add_parser(
+        "evaluate", help="measure a drafter directory's acceptance on prompt files, without a pipeline run"
+    )
+    evaluate.add_argument(
+        "--drafter", required=True, help="a drafter directory (config.json, model.safetensors)"
+    )
+    evaluate.add_argument(
+        "--prompts",
+        action="append",
+        required=True,
+        help="a JSONL or Parquet file of MT-Bench questions, conversations or prompts (repeatable)",
+    )
+    evaluate.add_argument(
+        "--preset", default="smollm2-local", help="the preset naming the target and settings"
+    )
+    evaluate.add_argument("--limit", type=int, default=None, help="prompts taken from each file")
+    evaluate.add_argument("--json", help="also write the whole report to this file")
+    evaluate.add_argument("overrides", nargs="*", help="key=value, e.g. evaluate.temperatures=[0,1]")
+    evaluate.set_defaults(func=_cmd_evaluate)
     return parser
 
 

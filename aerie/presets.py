@@ -60,6 +60,8 @@ def smollm2_local() -> PipelineConfig:
     cfg.evaluate.max_new_tokens = 32
     cfg.evaluate.mtbench_questions = 8
     cfg.evaluate.heldout_samples = 4
+    # Greedy and T=1 only: each temperature is another pass over every prompt, proposer and chain length.
+    cfg.evaluate.temperatures = [0.0, 1.0]
     cfg.deploy.concurrency = [1, 4]
     cfg.deploy.num_prompts = 8
     cfg.deploy.max_new_tokens = 32

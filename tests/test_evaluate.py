@@ -25,6 +25,7 @@ CFG = EvaluateConfig(
     heldout_samples=2,
     batch_size=2,
     device="cpu",
+    temperatures=[0.0],
 )
 
 
@@ -129,6 +130,39 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
     resumed = run(CFG, store=store, run_name="r", target=smollm2, drafter=drafter, corpus=corpus)
     assert not resumed.cache_hit
     assert load_manifest(store, resumed.prefix)["results"] == report["results"]
+
+
+def test_sampled_acceptance_is_measured_beside_greedy_and_resumes_identically(upstream, smollm2):
+    store, corpus, drafter = upstream
+    cfg = CFG.model_copy(update={"num_steps": [3], "temperatures": [0.0, 1.0], "proposers": ["eagle3"]})
+    result = run(cfg, store=store, run_name="t", target=smollm2, drafter=drafter, corpus=corpus)
+    report = json.loads(store.get_bytes(f"{result.prefix}/report.json"))
+    by_t = {(r["dataset"], r["temperature"]): r for r in report["results"]}
+    assert set(by_t) == {(d, t) for d in ("mtbench", "heldout") for t in (0.0, 1.0)}
+    for r in by_t.values():
+        assert 1.0 <= r["accept_length"] <= 4.0 and r["spec_verify_ct"] > 0
+    assert set(result.figures) >= {"accept_mtbench_eagle3_k3", "accept_mtbench_eagle3_k3_t1"}
+    # Only greedy runs are compared output by output (one greedy run per prompt here: nothing to compare).
+    assert report["agreement"] == {"compared": 0, "identical": 0}
+    md = store.get_bytes(f"{result.prefix}/report.md").decode()
+    assert "| mtbench | eagle3 T=1 |" in md and "| mtbench | eagle3 |" in md
+    # A sampled part redone after a crash draws the same tokens: its seed is its own, not the run's.
+    sd = StageDir(store, "t", "evaluate", result.key)
+    store.delete(sd.path("manifest.json"))
+    store.delete(sd.path("parts/mtbench-eagle3-k3-t1.json"))
+    resumed = run(cfg, store=store, run_name="t", target=smollm2, drafter=drafter, corpus=corpus)
+    assert untimed(load_manifest(store, resumed.prefix)["results"]) == untimed(report["results"])
+
+
+def untimed(results):
+    return [{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_second")} for r in results]
+
+
+def test_temperatures_are_checked_when_the_config_loads():
+    with pytest.raises(ValueError, match="temperatures"):
+        EvaluateConfig(temperatures=[-0.5])
+    with pytest.raises(ValueError, match="twice"):
+        EvaluateConfig(temperatures=[0.0, 0.0])
 
 
 def per_prompt_rows(store, result):

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
+from aerie.datasets import SourceSpec
 
 ProposerName = Literal["eagle3", "prompt_lookup"]
 PROPOSERS: tuple[ProposerName, ...] = ("eagle3", "prompt_lookup")
@@ -19,11 +20,55 @@ class PromptLookupConfig(StrictModel):
     min_ngram: int = Field(1, ge=1, description="Shortest tail n-gram tried before giving up.")
 
 
+class PromptSet(StrictModel):
+    """One set of prompts acceptance is measured on.
+
+    - `mtbench`: questions in MT-Bench's `question.jsonl` format (the packaged file unless `path`), first
+      turns, by category;
+    - `heldout`: the corpus's held-out split, each row cut before its first answer token;
+    - `prompts`: a JSONL or Parquet file of single prompts (`text_field`, optional `category_field`);
+    - `conversations`: multi-turn conversations read by `source` (the generate stage's loaders and field
+      mapping); each user turn is a prompt with the file's conversation before it (`turns="all"`), or
+      only the first user turn (`turns="first"`).
+    """
+
+    name: str = Field(pattern=r"^[a-z0-9_]+$", description="The set's name in results and figures.")
+    kind: Literal["mtbench", "heldout", "prompts", "conversations"]
+    path: str | None = Field(None, description="The file of an `mtbench` or `prompts` set.")
+    limit: int | None = Field(None, ge=1, description="Prompts taken (MT-Bench: spread over its categories).")
+    text_field: str = Field("prompt", description="`prompts`: the field holding the prompt text.")
+    category_field: str | None = Field(
+        "category", description="`prompts`: the field holding a category (results per category); optional."
+    )
+    id_field: str | None = Field("id", description="`prompts`: the field holding a prompt id; optional.")
+    source: SourceSpec | None = Field(None, description="`conversations`: where and how to read them.")
+    turns: Literal["first", "all"] = Field(
+        "all", description="`conversations`: which user turns are prompts."
+    )
+
+    @model_validator(mode="after")
+    def _inputs_match_kind(self) -> PromptSet:
+        if self.kind == "prompts" and not self.path:
+            raise ValueError(
+                f"prompt set {self.name!r} of kind 'prompts' needs `path` (a JSONL or Parquet file)"
+            )
+        if self.kind == "conversations" and self.source is None:
+            raise ValueError(f"prompt set {self.name!r} of kind 'conversations' needs `source`")
+        if self.kind != "conversations" and self.source is not None:
+            raise ValueError(f"prompt set {self.name!r}: `source` is for kind 'conversations' only")
+        return self
+
+
 class EvaluateConfig(StrictModel):
     """Offline speculative decoding with the target and the trained drafter."""
 
     num_steps: list[int] = Field(
         default_factory=lambda: [3, 7], description="Draft chain lengths to evaluate."
+    )
+    temperatures: list[float] = Field(
+        default_factory=lambda: [0.0, 0.6, 1.0],
+        description="Sampling temperatures measured: 0 is greedy (and checks losslessness output by "
+        "output); above 0 the drafts are verified by speculative sampling's rejection rule, as served.",
     )
     proposers: list[ProposerName] = Field(
         default_factory=lambda: list(PROPOSERS),
@@ -34,6 +79,11 @@ class EvaluateConfig(StrictModel):
         None, ge=1, description="MT-Bench questions used, spread over its 8 categories; None = all 80."
     )
     heldout_samples: int = Field(32, ge=0, description="Held-out corpus prompts evaluated.")
+    datasets: list[PromptSet] | None = Field(
+        None,
+        description="The prompt sets measured; None = MT-Bench (`mtbench_questions`) and the held-out "
+        "split (`heldout_samples`).",
+    )
     max_prompt_tokens: int = Field(
         1024, ge=8, description="Prompts longer than this (tokens) are cut to their last this-many tokens."
     )
@@ -45,6 +95,27 @@ class EvaluateConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Target and drafter dtype; auto = bfloat16 on CUDA, float32 on CPU."
     )
+
+    def prompt_sets(self) -> list[PromptSet]:
+        """The prompt sets measured, defaults filled in."""
+        if self.datasets is not None:
+            return self.datasets
+        sets = [PromptSet(name="mtbench", kind="mtbench", limit=self.mtbench_questions)]
+        if self.heldout_samples:
+            sets.append(PromptSet(name="heldout", kind="heldout", limit=self.heldout_samples))
+        return sets
+
+    @model_validator(mode="after")
+    def _temperatures_make_sense(self) -> EvaluateConfig:
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ValueError(f"temperatures must list values >= 0, got {self.temperatures}")
+        if len(set(self.temperatures)) != len(self.temperatures):
+            raise ValueError(f"temperatures lists a value twice: {self.temperatures}")
+        if self.datasets is not None:
+            names = [d.name for d in self.datasets]
+            if not names or len(set(names)) != len(names):
+                raise ValueError(f"datasets must name at least one prompt set, each once: {names}")
+        return self
 
 
 class DeployConfig(StrictModel):

@@ -15,6 +15,13 @@ from aerie.errors import EvaluationError
 ACCEPTANCE_PNG = "acceptance.png"
 
 
+def proposer_label(r: dict[str, Any]) -> str:
+    """A proposer as the tables name it: greedy rows by the proposer alone, sampled rows with their
+    temperature (`eagle3 T=0.6`), so each (proposer, temperature) is its own row."""
+    t = r.get("temperature") or 0.0
+    return str(r["proposer"]) if not t else f"{r['proposer']} T={t:g}"
+
+
 def _num(value: Any, digits: int = 2) -> str:
     if value is None:
         return "–"
@@ -34,14 +41,14 @@ def acceptance_table(results: list[dict[str, Any]]) -> list[str]:
     steps = sorted({r["num_steps"] for r in results})
     keys: list[tuple[str, str]] = []
     for r in results:
-        if (r["dataset"], r["proposer"]) not in keys:
-            keys.append((r["dataset"], r["proposer"]))
-    by = {(r["dataset"], r["proposer"], r["num_steps"]): r for r in results}
+        if (r["dataset"], proposer_label(r)) not in keys:
+            keys.append((r["dataset"], proposer_label(r)))
+    by = {(r["dataset"], proposer_label(r), r["num_steps"]): r for r in results}
     rows = []
     for dataset, proposer in keys:
         cells = [by.get((dataset, proposer, k), {}).get("accept_length") for k in steps]
         prompts = next(
-            r["sequences"] for r in results if (r["dataset"], r["proposer"]) == (dataset, proposer)
+            r["sequences"] for r in results if (r["dataset"], proposer_label(r)) == (dataset, proposer)
         )
         rows.append([dataset, proposer, str(prompts), *cells])
     return _table(["dataset", "proposer", "prompts", *[f"{k} steps" for k in steps]], rows)
@@ -55,7 +62,7 @@ def acceptance_by_group(per_prompt: list[dict[str, Any]]) -> list[dict[str, Any]
     for r in per_prompt:
         if not r.get("group"):
             continue
-        acc = sums.setdefault((r["dataset"], r["group"], r["proposer"], r["num_steps"]), [0, 0, 0])
+        acc = sums.setdefault((r["dataset"], r["group"], proposer_label(r), r["num_steps"]), [0, 0, 0])
         acc[0] += 1
         acc[1] += max(0, r["completion_tokens"] - 1)
         acc[2] += r["spec_verify_ct"]
@@ -71,8 +78,8 @@ def group_table(by_group: list[dict[str, Any]]) -> list[str]:
     lines: list[str] = []
     for dataset in sorted({r["dataset"] for r in by_group}):
         rows = [r for r in by_group if r["dataset"] == dataset]
-        columns = sorted({(r["proposer"], r["num_steps"]) for r in rows})
-        cell = {(r["group"], r["proposer"], r["num_steps"]): r for r in rows}
+        columns = sorted({(proposer_label(r), r["num_steps"]) for r in rows})
+        cell = {(r["group"], proposer_label(r), r["num_steps"]): r for r in rows}
         groups = sorted({r["group"] for r in rows})
         body = [
             [g, str(next(r["prompts"] for r in rows if r["group"] == g))]
@@ -90,7 +97,7 @@ def conditional_table(results: list[dict[str, Any]]) -> list[str]:
     rows = []
     for r in results:
         cond = list(r["conditional_acceptance"]) + [None] * (width - len(r["conditional_acceptance"]))
-        rows.append([r["dataset"], r["proposer"], str(r["num_steps"]), *cond])
+        rows.append([r["dataset"], proposer_label(r), str(r["num_steps"]), *cond])
     return _table(["dataset", "proposer", "steps", *[f"pos {j + 1}" for j in range(width)]], rows)
 
 
@@ -107,7 +114,7 @@ def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[s
             (
                 r["accept_length"]
                 for r in results
-                if (r["dataset"], r["proposer"], r["num_steps"]) == (dataset, "eagle3", k)
+                if (r["dataset"], proposer_label(r), r["num_steps"]) == (dataset, "eagle3", k)
             ),
             None,
         )
@@ -233,7 +240,7 @@ def plot_acceptance(results: list[dict[str, Any]], path: Path) -> Path:
                 ys,
                 style,
                 marker="o",
-                label=f"{r['proposer']} k={r['num_steps']} (τ={r['accept_length']:.2f})",
+                label=f"{proposer_label(r)} k={r['num_steps']} (τ={r['accept_length']:.2f})",
             )
         ax.set_title(f"{dataset}: acceptance per draft position")
         ax.set_xlabel("draft position")

@@ -1,4 +1,4 @@
-"""Lossless greedy speculative decoding with the target in transformers.
+"""Lossless speculative decoding with the target in transformers: greedy, or sampled at a temperature.
 
 One round, per sequence (committed tokens x_0..x_{L-1}; the target's KV cache holds x_0..x_{L-2}):
 
@@ -10,6 +10,13 @@ One round, per sequence (committed tokens x_0..x_{L-1}; the target's KV cache ho
 Every emitted token is the target's argmax given the tokens before it, so at temperature 0 the output
 is the target's plain greedy output whatever the proposer proposes; the proposer only decides how many
 tokens one target forward yields (the acceptance length).
+
+At a temperature T > 0 the drafts are verified by the rejection rule of speculative sampling for a
+proposer that drafts one token per position (a point mass, as SGLang's EAGLE-3 chain drafts): with p the
+target's distribution at T after the context and the accepted drafts, draft d is accepted with
+probability p(d); on rejection the token is drawn from p with d removed and renormalised, and the chain
+stops. Each emitted token is then distributed exactly as p, whatever the proposer drafts:
+P(x) = p(d)[x = d] + (1 - p(d)) p(x)[x != d] / (1 - p(d)) = p(x). `accept_sampled` is that rule.
 
 Sequences are decoded as a batch although each accepts a different number of tokens per round: the
 cache grows by the same number of slots for every row, and a row's rejected slots stay as holes that a
@@ -191,6 +198,34 @@ def accept_chain(drafts: Sequence[int], predictions: Sequence[int], stop_ids: fr
     return accepted
 
 
+def accept_sampled(
+    drafts: Sequence[int],
+    logits: Tensor,
+    temperature: float,
+    generator: torch.Generator,
+    stop_ids: frozenset[int],
+) -> tuple[int, int | None]:
+    """Speculative sampling of one chain (see the module docstring): `logits` [len(drafts) + 1, V] are
+    the target's after the context and each draft prefix. Returns (drafts accepted, the token that
+    follows them: the residual draw at the first rejection or the bonus draw after the last draft; None
+    when an accepted stop token ended the chain)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
+    for j, draft in enumerate(drafts):
+        p = probs[j]
+        if torch.rand((), generator=generator).item() < p[draft].item():
+            if draft in stop_ids:
+                return j + 1, None
+            continue
+        residual = p.clone()
+        residual[draft] = 0.0
+        return j, _draw(residual, generator)
+    return len(drafts), _draw(probs[len(drafts)], generator)
+
+
+def _draw(weights: Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(weights, 1, generator=generator).item())
+
+
 # ---------------------------------------------------------------------------------------------------
 # The target's cache: an HF DynamicCache plus a [B, S] mask of live slots.
 
@@ -366,7 +401,8 @@ class _Row:
 
 
 class SpecDecoder:
-    """Greedy speculative decoding with one proposer and a fixed chain length.
+    """Speculative decoding with one proposer and a fixed chain length: greedy at `temperature` 0,
+    speculative sampling above it (reproducible from `seed`).
 
     `generate(prompts, n)` decodes a batch to the end. A server drives the same engine step by step:
     `admit` prefills new sequences into the running batch (continuous batching), `step` runs one
@@ -381,7 +417,11 @@ class SpecDecoder:
         num_steps: int,
         eos_token_ids: Sequence[int],
         aux_layers: Sequence[int] | None = None,
+        temperature: float = 0.0,
+        seed: int = 0,
     ) -> None:
+        if temperature < 0:
+            raise EvaluationError(f"temperature must be >= 0, got {temperature}")
         if num_steps < 0:
             raise EvaluationError(f"num_steps must be >= 0, got {num_steps}")
         if proposer.needs_aux and not aux_layers:
@@ -394,6 +434,8 @@ class SpecDecoder:
         self.stop_ids = frozenset(int(e) for e in eos_token_ids)
         self.aux_layers = list(aux_layers) if proposer.needs_aux and aux_layers else None
         self.device = next(model.parameters()).device
+        self.temperature = float(temperature)
+        self.generator = torch.Generator().manual_seed(seed)
         self.rows: list[_Row] = []  # running sequences, in cache row order
         self.cache = TargetCache(model)
         self._next_seq = 0
@@ -479,7 +521,7 @@ class SpecDecoder:
             self.aux_layers,
             last_logits_only=True,
         )
-        first = logits[:, -1].argmax(dim=-1).tolist()
+        first = [self._first_token(row_logits) for row_logits in logits[:, -1]]
         aux_rows: list[Tensor] | None = None
         if aux is not None:
             aux_rows = [aux[i, longest - len(r.context) :] for i, r in enumerate(rows)]
@@ -511,18 +553,17 @@ class SpecDecoder:
         logits, aux = cache.forward(
             ids.to(self.device), valid.to(self.device), positions.to(self.device), self.aux_layers
         )
-        predictions = logits.argmax(dim=-1).tolist()
         kept = torch.zeros(b, width, dtype=torch.bool)
         new_tokens: list[list[int]] = []
         for i, (r, d) in enumerate(zip(rows, drafts, strict=True)):
-            a = accept_chain(d, predictions[i], r.stop_ids)
+            a, follow = self._verify(d, logits[i, : len(d) + 1], r.stop_ids)
             for j in range(min(len(d), a + 1)):
                 r.reached[j] += 1
             for j in range(a):
                 r.accepted[j] += 1
             new = d[:a]
-            if not (a and d[a - 1] in r.stop_ids):
-                new.append(int(predictions[i][a]))
+            if follow is not None:
+                new.append(follow)
             r.verify_ct += 1
             kept[i, : a + 1] = True  # x_{L-1} and the accepted drafts are now in the cache for good
             new_tokens.append(new)
@@ -531,6 +572,19 @@ class SpecDecoder:
         # Aux rows 0..a are the positions of x_{L-1}, d_1..d_a: row i pairs with new token i.
         aux_rows = None if aux is None else [aux[i, : len(n)] for i, n in enumerate(new_tokens)]
         self.proposer.advance([r.seq for r in rows], new_tokens, aux_rows)
+
+    def _first_token(self, logits: Tensor) -> int:
+        if self.temperature == 0:
+            return int(logits.argmax().item())
+        return _draw(torch.softmax(logits.float() / self.temperature, dim=-1).cpu(), self.generator)
+
+    def _verify(self, drafts: list[int], logits: Tensor, stop_ids: frozenset[int]) -> tuple[int, int | None]:
+        """(drafts accepted, the token after them or None when an accepted stop token ends the chain)."""
+        if self.temperature > 0:
+            return accept_sampled(drafts, logits, self.temperature, self.generator, stop_ids)
+        predictions = logits.argmax(dim=-1).tolist()
+        a = accept_chain(drafts, predictions, stop_ids)
+        return a, None if a and drafts[a - 1] in stop_ids else int(predictions[a])
 
     @staticmethod
     def _emit(row: _Row, tokens: list[int]) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from aerie.errors import EvaluationError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.drafter_files import fetch_drafter
-from aerie.evaluate.prompts import HELDOUT, MTBENCH, EvalPrompt, heldout_prompts, mtbench_prompts
+from aerie.evaluate.prompts import ALL_ROWS, EvalPrompt, heldout_prompts, prompt_set
 from aerie.evaluate.report import ACCEPTANCE_PNG, acceptance_by_group, evaluation_markdown, plot_acceptance
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
@@ -127,12 +127,18 @@ def _datasets(
 ) -> tuple[dict[str, list[EvalPrompt]], dict[str, int]]:
     """The prompts by dataset (held-out only where the corpus has some), and the held-out samples
     skipped, by reason."""
-    datasets = {
-        MTBENCH: mtbench_prompts(target.load_tokenizer(), cfg.mtbench_questions, cfg.max_prompt_tokens)
-    }
-    held, held_skipped = heldout_prompts(store, corpus, cfg.heldout_samples, cfg.max_prompt_tokens)
-    if held:
-        datasets[HELDOUT] = held
+    tokenizer = target.load_tokenizer()
+    datasets: dict[str, list[EvalPrompt]] = {}
+    held_skipped: dict[str, int] = {}
+    for spec in cfg.prompt_sets():
+        if spec.kind == "heldout":
+            held, held_skipped = heldout_prompts(
+                store, corpus, spec.limit or ALL_ROWS, cfg.max_prompt_tokens, spec.name
+            )
+            if held:
+                datasets[spec.name] = held
+        else:
+            datasets[spec.name] = prompt_set(tokenizer, spec, cfg.max_prompt_tokens)
     return datasets, held_skipped
 
 
@@ -171,31 +177,38 @@ def _measure_all(
 ) -> _Measured:
     """Every (dataset, proposer, steps) measurement: read from its stored part, or measured and stored."""
     store = sd.store
-    plan = [(name, proposer, k) for name in datasets for proposer in cfg.proposers for k in cfg.num_steps]
-    total = sum(len(datasets[name]) for name, _, _ in plan)
+    plan = [
+        (name, proposer, k, t)
+        for name in datasets
+        for t in cfg.temperatures
+        for proposer in cfg.proposers
+        for k in cfg.num_steps
+    ]
+    total = sum(len(datasets[name]) for name, *_ in plan)
     done = 0
     out = _Measured()
-    for name, proposer_name, k in plan:
-        part_key = sd.path(f"parts/{name}-{proposer_name}-k{k}.json")
+    for name, proposer_name, k, temperature in plan:
+        setting = f"{name}-{proposer_name}-k{k}" + (f"-t{temperature:g}" if temperature else "")
+        part_key = sd.path(f"parts/{setting}.json")
         if store.exists(part_key):
             part = json.loads(store.get_bytes(part_key))
         else:
             if not models.loaded:
                 progress(done / total, f"loading {models.label}")
 
-            def report(
-                batch_done: int, base: int = done, label: str = f"{name} {proposer_name} k={k}"
-            ) -> None:
+            def report(batch_done: int, base: int = done, label: str = setting) -> None:
                 progress((base + batch_done) / total, label)
 
-            part = _measure(cfg, models.get(), target, name, datasets[name], proposer_name, k, report)
+            part = measure_setting(
+                cfg, models.get(), target, name, datasets[name], proposer_name, (k, temperature), report
+            )
             store.put_bytes(part_key, json.dumps(part).encode())
         done += len(datasets[name])
         out.results.append(part["result"])
         out.per_prompt += part["per_prompt"]
-        if proposer_name == "eagle3" and k == max(cfg.num_steps) and "answers" in part:
+        if proposer_name == "eagle3" and k == max(cfg.num_steps) and not temperature and "answers" in part:
             out.answers[name] = part["answers"]
-        progress(done / total, f"{name} {proposer_name} k={k}: τ={part['result']['accept_length']:.2f}")
+        progress(done / total, f"{setting}: τ={part['result']['accept_length']:.2f}")
     return out
 
 
@@ -273,17 +286,20 @@ def make_proposer(
     raise EvaluationError(f"unknown proposer {name!r} (eagle3 or prompt_lookup)")
 
 
-def _measure(
+def measure_setting(
     cfg: EvaluateConfig,
     loaded: dict[str, Any],
     target: TargetInfo,
     dataset: str,
     prompts: list[EvalPrompt],
     proposer_name: str,
-    k: int,
+    setting: tuple[int, float],
     report: Callable[[int], None],
 ) -> dict[str, Any]:
-    """Decode `prompts` in batches with a fresh proposer per batch; the stats and a row per prompt."""
+    """Decode `prompts` in batches with a fresh proposer per batch at `setting` = (chain length,
+    temperature); the stats and a row per prompt. A sampled batch draws from a seed of its own
+    (dataset, setting and first prompt), so a resumed evaluation measures what an unbroken one would."""
+    k, temperature = setting
     from aerie.evaluate.spec_decode import SpecDecoder, SpecStats
 
     stats = SpecStats(k)
@@ -297,7 +313,13 @@ def _measure(
         batch = prompts[start : start + cfg.batch_size]
         proposer, aux_layers = make_proposer(proposer_name, cfg, loaded)
         decoder = SpecDecoder(
-            loaded["model"], proposer, num_steps=k, eos_token_ids=target.eos_token_ids, aux_layers=aux_layers
+            loaded["model"],
+            proposer,
+            num_steps=k,
+            eos_token_ids=target.eos_token_ids,
+            aux_layers=aux_layers,
+            temperature=temperature,
+            seed=_batch_seed(dataset, k, temperature, start),
         )
         outputs = decoder.generate([p.input_ids for p in batch], cfg.max_new_tokens)
         for prompt, out in zip(batch, outputs, strict=True):
@@ -312,6 +334,7 @@ def _measure(
                     "group": prompt.group,
                     "proposer": proposer_name,
                     "num_steps": k,
+                    "temperature": temperature,
                     "prompt_tokens": len(prompt.input_ids),
                     "completion_tokens": out.completion_tokens,
                     "spec_verify_ct": out.verify_ct,
@@ -322,12 +345,17 @@ def _measure(
             )
         report(start + len(batch))
     stats.seconds = time.perf_counter() - started
-    result: dict[str, Any] = {"dataset": dataset, "proposer": proposer_name, **stats.to_dict()}
+    result: dict[str, Any] = {
+        "dataset": dataset,
+        "proposer": proposer_name,
+        "temperature": temperature,
+        **stats.to_dict(),
+    }
     if in_vocab is not None:
         result["draft_vocab_coverage"] = round(covered / max(1, stats.completion_tokens), 4)
     part: dict[str, Any] = {"result": result, "per_prompt": rows}
-    if proposer_name == "eagle3":
-        part["answers"] = answers  # what the teacher-forced diagnosis replays
+    if proposer_name == "eagle3" and not temperature:
+        part["answers"] = answers  # what the teacher-forced diagnosis replays (greedy answers)
     return part
 
 
@@ -358,15 +386,24 @@ def _vocab_what_if(counts: Any, loaded: dict[str, Any], answers: dict[str, list[
     return {str(k): round(v, 4) for k, v in coverage_by_size(counts, ids, size).items()}
 
 
+def _batch_seed(dataset: str, k: int, temperature: float, start: int) -> int:
+    return int.from_bytes(
+        hashlib.sha256(f"{dataset}/{k}/{temperature:g}/{start}".encode()).digest()[:8], "big"
+    )
+
+
 def _digest(ids: list[int]) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
 def _agreement(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """Runs whose output equals the first run's output for the same prompt (all must, if lossless)."""
+    """Greedy runs whose output equals the first greedy run's output for the same prompt (all must, if
+    lossless; sampled runs differ by design: their losslessness is distributional, tests/test_spec_sampling.py)."""
     first: dict[tuple[str, str], str] = {}
     compared = identical = 0
     for r in rows:
+        if r.get("temperature"):
+            continue
         key = (r["dataset"], r["id"])
         if key not in first:
             first[key] = r["output_sha"]
@@ -381,6 +418,7 @@ def _figures(
 ) -> dict[str, Any]:
     figures: dict[str, Any] = {f"prompts_{name}": len(p) for name, p in datasets.items()}
     for r in results:
-        figures[f"accept_{r['dataset']}_{r['proposer']}_k{r['num_steps']}"] = r["accept_length"]
+        sampled = f"_t{r['temperature']:g}" if r.get("temperature") else ""
+        figures[f"accept_{r['dataset']}_{r['proposer']}_k{r['num_steps']}{sampled}"] = r["accept_length"]
     figures["outputs_identical"] = f"{agreement['identical']}/{agreement['compared']}"
     return figures

@@ -1,0 +1,84 @@
+"""`aerie evaluate`: a drafter directory measured on the user's own prompt files, no pipeline run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aerie.cli import main
+from aerie.datasets import mtbench_path
+from aerie.draft.export import export_drafter
+from aerie.evaluate.standalone import prompt_set_for_file
+from tests.evaluate_support import random_drafter
+
+SETTINGS = ["evaluate.max_new_tokens=6", "evaluate.num_steps=[2]", "evaluate.proposers=[eagle3]"]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, smollm2):
+    return export_drafter(random_drafter(smollm2), tmp_path_factory.mktemp("d") / "drafter", smollm2, {})
+
+
+@pytest.fixture
+def prompt_files(tmp_path):
+    prompts = tmp_path / "support.jsonl"
+    prompts.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"id": "a", "prompt": "Write a haiku about rain.", "category": "writing"},
+                {"id": "b", "prompt": "What is 12 times 7?", "category": "math"},
+            ]
+        )
+    )
+    chats = tmp_path / "chats.jsonl"
+    turns = [
+        {"role": "user", "content": "Hi, who are you?"},
+        {"role": "assistant", "content": "I am a helpful assistant."},
+        {"role": "user", "content": "Name three colours."},
+    ]
+    chats.write_text(json.dumps({"id": "c1", "messages": turns}) + "\n")
+    mtbench = tmp_path / "bench.jsonl"
+    mtbench.write_text("".join(mtbench_path().read_text().splitlines(keepends=True)[:2]))
+    return prompts, chats, mtbench
+
+
+def test_a_drafter_is_evaluated_on_prompt_files(drafter_dir, prompt_files, tmp_path, capsys):
+    prompts, chats, mtbench = prompt_files
+    out = tmp_path / "report.json"
+    args = ["evaluate", "--drafter", str(drafter_dir), "--json", str(out)]
+    for f in prompt_files:
+        args += ["--prompts", str(f)]
+    assert main([*args, *SETTINGS, "evaluate.temperatures=[0,1]"]) == 0
+    printed = capsys.readouterr().out
+    lines = [line for line in printed.splitlines() if "acceptance length" in line]
+    assert len(lines) == 3 * 2  # three files x two temperatures
+    report = json.loads(out.read_text())
+    assert report["prompts"] == {"support": 2, "chats": 2, "bench": 2}  # the chat's two user turns
+    assert {(r["dataset"], r["temperature"]) for r in report["results"]} == {
+        (d, t) for d in ("support", "chats", "bench") for t in (0.0, 1.0)
+    }
+    assert all(1.0 <= r["accept_length"] <= 3.0 for r in report["results"])
+    groups = {(g["dataset"], g["group"]) for g in report["by_group"]}
+    assert {("support", "writing"), ("support", "math")} <= groups
+
+
+def test_file_kinds_are_told_by_their_first_record(prompt_files):
+    prompts, chats, mtbench = prompt_files
+    assert prompt_set_for_file(prompts).kind == "prompts"
+    chat = prompt_set_for_file(chats)
+    assert chat.kind == "conversations" and chat.source is not None
+    assert (chat.source.role_field, chat.source.content_field) == ("role", "content")
+    assert prompt_set_for_file(mtbench).kind == "mtbench"
+
+
+def test_a_bad_prompt_file_is_named_with_its_line(drafter_dir, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
+    assert main(["evaluate", "--drafter", str(drafter_dir), "--prompts", str(bad), *SETTINGS]) == 2
+    assert f"{bad}:2: no prompt text in field 'prompt'" in capsys.readouterr().err
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({"q": 1}) + "\n")
+    assert main(["evaluate", "--drafter", str(drafter_dir), "--prompts", str(odd), *SETTINGS]) == 2
+    assert "cannot tell what its records hold" in capsys.readouterr().err
