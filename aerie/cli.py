@@ -106,8 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, with `key=value` overrides accepted before, between or after the options
+    (argparse alone takes positionals only before the first option: `aerie run P --no-prefect k=v`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [item for item in extra if item.startswith("-") or "=" not in item]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        if not hasattr(args, "overrides"):
+            parser.error(f"{args.command} takes no key=value overrides: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return int(args.func(args))
     except AerieError as exc:

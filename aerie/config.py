@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from aerie.configbase import StrictModel
 from aerie.corpus.config import CorpusConfig
@@ -60,9 +60,35 @@ def _format_errors(exc: ValidationError, where: str) -> str:
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown field"
+            allowed = _fields_at(err["loc"][:-1])
+            msg = "unknown field" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
         lines.append(f"  {loc}: {msg} [got {err.get('input')!r}]")
     return "\n".join(lines)
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the model at `loc` (a validation error's location without its last part)."""
+    model: Any = PipelineConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue  # a list element: the list's item model
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+        if model is None:
+            return []
+    return sorted(getattr(model, "model_fields", {}))
+
+
+def _model_of(annotation: Any) -> Any:
+    """The pydantic model inside an annotation (`X`, `list[X]`, `X | None`), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if (found := _model_of(arg)) is not None:
+            return found
+    return None
 
 
 def validate(data: dict[str, Any], where: str = "config") -> PipelineConfig:
@@ -74,20 +100,41 @@ def validate(data: dict[str, Any], where: str = "config") -> PipelineConfig:
 
 
 def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `value` at `dotted` in the config's data; a path through a value or past a list's end says
+    which part of it is wrong and what is there instead."""
     node: Any = data
     parts = dotted.split(".")
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth]) or "the config"
+        last = depth == len(parts) - 1
         if isinstance(node, list):
-            node = node[int(part)]
-            continue
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict | list):
-            raise ConfigError(f"override {dotted!r}: {part!r} is a value, not a section")
-    last = parts[-1]
-    if isinstance(node, list):
-        node[int(last)] = value
-    else:
-        node[last] = value
+            index = _list_index(node, part, where)
+            if last:
+                node[index] = value
+                return
+            node = node[index]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+                return
+            node = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"{where} is {_kind(node)} ({node!r}), it has no field {part!r}")
+
+
+def _list_index(node: list[Any], part: str, where: str) -> int:
+    try:
+        index = int(part)
+    except ValueError:
+        raise ConfigError(f"{where} is a list: {part!r} is not an index (0..{len(node) - 1})") from None
+    if not -len(node) <= index < len(node):
+        raise ConfigError(f"{where} has {len(node)} element(s): no element {index}")
+    return index
+
+
+def _kind(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig:
@@ -103,8 +150,8 @@ def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig
             raise ConfigError(f"override {item!r}: cannot parse the value: {exc}") from exc
         try:
             _set_path(data, key.strip(), value)
-        except (IndexError, ValueError) as exc:
-            raise ConfigError(f"override {item!r}: no such list element") from exc
+        except ConfigError as exc:
+            raise ConfigError(f"override {item!r}: {exc}") from exc
     return validate(data, where=f"overrides {' '.join(overrides)}")
 
 

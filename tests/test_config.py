@@ -53,3 +53,29 @@ def test_unknown_preset_lists_the_allowed_ones(capsys):
 def test_cli_shows_a_preset_with_overrides(capsys):
     assert main(["config", "show", "smollm2-local", "train.epochs=3"]) == 0
     assert "epochs: 3.0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("server.port.x=1", "server.port is an integer (30000), it has no field 'x'"),
+        ("generate.datasets.3.name=a", "generate.datasets has 1 element(s): no element 3"),
+        ("generate.datasets.x.name=a", "generate.datasets is a list: 'x' is not an index (0..0)"),
+        ("train.epochz=2", "allowed: attention, batch_tokens"),
+    ],
+)
+def test_a_bad_nested_path_says_what_is_there(override, message):
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(get_preset("smollm2-local"), [override])
+    assert message in str(info.value)
+
+
+def test_overrides_are_taken_before_between_and_after_options():
+    from aerie.cli import parse_args
+
+    args = parse_args(["run", "smollm2-local", "a=1", "--no-prefect", "b=2", "--until", "merge", "c=3"])
+    assert args.overrides == ["a=1", "b=2", "c=3"] and args.no_prefect and args.until == "merge"
+    with pytest.raises(SystemExit):
+        parse_args(["run", "smollm2-local", "--no-prefect", "--bogus"])
+    with pytest.raises(SystemExit):
+        parse_args(["presets", "train.epochs=2"])
