@@ -48,7 +48,10 @@ class StageResult(BaseModel):
     manifest_uri: str
     manifest_sha256: str
     cache_hit: bool
-    seconds: float
+    seconds: float = Field(description="This run's time for the stage (for a cache hit: finding it).")
+    original_seconds: float | None = Field(
+        None, description="For a cache hit: the seconds the stage took when it ran."
+    )
     figures: dict[str, Any] = Field(default_factory=dict, description="Key figures for the summary.")
 
 
@@ -122,6 +125,7 @@ class StageDir:
             seconds=round(time.monotonic() - self.started, 3)
             if cache_hit
             else float(manifest.get("seconds", 0.0)),
+            original_seconds=float(manifest.get("seconds", 0.0)) if cache_hit else None,
             figures=dict(manifest.get("figures", {})),
         )
 

@@ -47,6 +47,11 @@ class PipelineReport:
         for r in self.results:
             figures = ", ".join(f"{k}={figure_text(v)}" for k, v in r.figures.items())
             lines.append(f"{r.stage:22s} {r.seconds:7.1f}s {'hit' if r.cache_hit else 'run':>6s}  {figures}")
+            if r.cache_hit and r.original_seconds is not None:
+                figures = (
+                    f"(this run {r.seconds:.1f} s; the stage took {r.original_seconds:.1f} s when it ran)"
+                )
+                lines.append(f"{'':22s} {'':>8s} {'':>6s}  {figures}")
             lines.append(f"{'':22s} {'':>8s} {'':>6s}  {r.manifest_uri}")
         return "\n".join(lines)
 

@@ -87,12 +87,20 @@ def eagle3_pipeline(
 
 def _summarize(cfg: PipelineConfig, results: list[StageResult]) -> None:
     report = PipelineReport(config=cfg, results=results, seconds=sum(r.seconds for r in results))
-    get_run_logger().info("\n%s", report.table())
+    # One line in the log, the table in the artifacts: `aerie run` prints the table itself, once.
+    get_run_logger().info(
+        "pipeline %s: %d stages in %.1f s; the summary is the artifact %s",
+        cfg.run,
+        len(results),
+        report.seconds,
+        artifact_key(cfg.run, "summary"),
+    )
     rows: list[dict[str, Any]] = [
         {
             "stage": r.stage,
             "seconds": round(r.seconds, 1),
             "cache": "hit" if r.cache_hit else "run",
+            "seconds when it ran": None if r.original_seconds is None else round(r.original_seconds, 1),
             "figures": ", ".join(f"{k}={figure_text(v)}" for k, v in r.figures.items()),
             "manifest": r.manifest_uri,
         }

@@ -10,6 +10,7 @@ store is detected by `verified` and the stage re-runs.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 from prefect.context import TaskRunContext
@@ -51,9 +52,20 @@ def verified(store: ArtifactStore, result: StageResult) -> bool:
 
 def run_cached(stage_task: Any, store: ArtifactStore, **params: Any) -> StageResult:
     """Call a cached stage task; if its cached result points at a manifest that is gone, re-run it."""
+    started = time.monotonic()
     state = stage_task(**params, return_state=True)
     result: StageResult = state.result()
     if not verified(store, result):
         return stage_task.with_options(refresh_cache=True)(**params)
-    # A Prefect cache hit returns the result object stored by the run that computed it.
-    return result.model_copy(update={"cache_hit": True}) if state.name == "Cached" else result
+    if state.name != "Cached":
+        return result
+    # A Prefect cache hit returns the result object stored by the run that computed it: its seconds
+    # are that run's, so this run's time replaces them and the original's is kept beside it.
+    original = result.original_seconds if result.cache_hit else result.seconds
+    return result.model_copy(
+        update={
+            "cache_hit": True,
+            "seconds": round(time.monotonic() - started, 3),
+            "original_seconds": original,
+        }
+    )

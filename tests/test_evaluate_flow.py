@@ -47,6 +47,7 @@ def test_evaluate_flow_reports_and_caches(tmp_path, smollm2):
     assert artifacts["evaluate-figures"] == "table"
     again = evaluate_flow(**params)
     assert again.key == first.key and again.figures == first.figures
+    assert again.cache_hit and again.original_seconds == first.seconds
 
     # A disabled deployment is a recorded no-op (no server is started).
     skipped = deploy_flow(

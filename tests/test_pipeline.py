@@ -68,6 +68,8 @@ def test_pipeline_runs_every_stage_caches_and_reruns_only_what_changed(prefect_a
 
     second = _by_stage(eagle3_pipeline(config=cfg))
     assert [s for s, r in second.items() if not r.cache_hit] == []
+    # A hit reports this run's seconds, with the seconds the stage took when it ran beside them.
+    assert {s: r.original_seconds for s, r in second.items()} == {s: r.seconds for s, r in first.items()}
     assert {s: r.manifest_sha256 for s, r in second.items()} == {
         s: r.manifest_sha256 for s, r in first.items()
     }

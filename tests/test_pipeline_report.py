@@ -24,3 +24,18 @@ def test_a_nested_figure_shows_its_largest_shares_and_the_line_stays_short() -> 
     assert "tokens=26,000, tokens_per_s=182.2, phases=(client.http_wait 0.97, server.forward 0.96, " in line
     assert "'s':" not in line and line.endswith("canary_passed=True")
     assert figure_text({"a": 1, "b": 2}) == "(2 entries; see the manifest)"
+
+
+def test_a_cache_hit_shows_this_runs_time_beside_the_original(tmp_path) -> None:
+    from aerie.manifest import StageDir
+    from aerie.store import LocalStore
+
+    store = LocalStore(tmp_path)
+    ran = StageDir(store, "r", "merge", "k")
+    ran.started -= 73.0  # as if the stage had worked for 73 s
+    first = ran.finish({"figures": {"records": 3}})
+    hit = StageDir(store, "r", "merge", "k").cached_result()
+    assert hit is not None and hit.cache_hit and hit.original_seconds == first.seconds >= 73.0
+    assert hit.seconds < first.seconds
+    report = PipelineReport(config=get_preset("smollm2-local"), results=[hit], seconds=hit.seconds)
+    assert f"the stage took {first.seconds:.1f} s when it ran" in report.table()
