@@ -118,6 +118,7 @@ def run_pipeline(
     wanted = STAGES[: STAGES.index(until) + 1] if until else STAGES
     started = time.monotonic()
     store = store or open_store(cfg.store)
+    check_secrets(cfg, store)
     target = resolve_target(cfg.target)
     report = PipelineReport(config=cfg)
     common: dict[str, Any] = {"store": store, "run_name": cfg.run, "target": target}
@@ -227,3 +228,43 @@ def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
         and StageDir(store, cfg.run, stage_name(spec), key_of(cfg.generate, spec)).manifest() is None
         for spec in cfg.generate.datasets
     )
+
+
+def missing_secrets(cfg: PipelineConfig, store: ArtifactStore) -> list[str]:
+    """What this run needs from the environment and does not have, one line each (variable names, never
+    values): the endpoint's API key when a dataset still has to be generated through an endpoint that
+    is not on this machine, and AWS credentials for an S3 store."""
+    from aerie.generate.stage import read_api_key
+
+    missing = []
+    endpoint = cfg.generate.endpoint
+    remote = endpoint.base_url is not None and _host_of(endpoint.base_url) not in _LOCAL_HOSTS
+    if remote and read_api_key(endpoint.api_key_env) is None and generation_pending(cfg, store):
+        missing.append(
+            f"{endpoint.api_key_env} is not set: generation through {endpoint.base_url} needs it "
+            "(set it in the environment or in .env, see .env.example)"
+        )
+    if cfg.store.uri.startswith("s3://"):
+        import boto3
+
+        if boto3.Session().get_credentials() is None:
+            missing.append(
+                f"no AWS credentials for the store {cfg.store.uri}: set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment or .env"
+            )
+    return missing
+
+
+_LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "0.0.0.0"})
+
+
+def _host_of(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    return (urlsplit(url).hostname or "").lower()
+
+
+def check_secrets(cfg: PipelineConfig, store: ArtifactStore) -> None:
+    """Refuse to start a run that would fail later for want of a secret (before any stage starts)."""
+    if missing := missing_secrets(cfg, store):
+        raise ConfigError("; ".join(missing))

@@ -21,6 +21,7 @@ from aerie.manifest import StageResult
 from aerie.pipeline import (
     STAGES,
     PipelineReport,
+    check_secrets,
     figure_text,
     generation_endpoint,
     generation_pending,
@@ -66,6 +67,7 @@ def eagle3_pipeline(
     """Generate -> merge -> extract -> train -> evaluate -> deploy, each stage a cached subflow."""
     cfg = pipeline_config(preset, overrides, config)
     store = open_store(cfg.store)
+    check_secrets(cfg, store)
     target = resolve_target_task(cfg.target)
     store_cfg, run = cfg.store, cfg.run
 
