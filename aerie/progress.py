@@ -35,6 +35,20 @@ def terminal_progress(desc: str) -> ProgressFn:
     return update
 
 
+def eta_text(elapsed_s: float, fraction: float) -> str:
+    """`12.0% in 1m05s, ~8m00s left` from the time spent and the share done (the rate so far)."""
+    if fraction <= 0:
+        return f"0% after {_clock(elapsed_s)}"
+    left = elapsed_s * (1.0 - fraction) / fraction
+    return f"{fraction * 100:.1f}% in {_clock(elapsed_s)}, ~{_clock(left)} left"
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
 def close_terminal_bars() -> None:
     """Close the bars a failed stage left open, so that an error printed next starts its own line
     instead of trailing the last bar's."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from prefect.artifacts import (
 
 from aerie.manifest import StageResult
 from aerie.pipeline import figure_text
-from aerie.progress import ProgressFn
+from aerie.progress import ProgressFn, eta_text, terminal_progress
 from aerie.settings import get_settings
 
 
@@ -34,14 +35,22 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:100]
 
 
-def prefect_progress(key: str, description: str, min_interval_s: float = 1.0) -> ProgressFn:
-    """A ProgressFn that drives a Prefect progress artifact and logs every 10%."""
+def prefect_progress(
+    key: str, description: str, min_interval_s: float = 1.0, log_every_s: float = 30.0
+) -> ProgressFn:
+    """A ProgressFn that drives a Prefect progress artifact and, on a terminal (an interactive `aerie
+    run`), a bar with rate and ETA; elsewhere (a worker's log) it logs each 10% and at least every
+    `log_every_s`, with the share done, the time spent and an ETA from the rate so far."""
     artifact_id = cast(UUID, create_progress_artifact(0.0, key=artifact_key(key), description=description))
     logger = get_run_logger()
+    bar = terminal_progress(description) if sys.stderr.isatty() else None
     lock = threading.Lock()
-    state: dict[str, float] = {"last": 0.0, "decile": -1, "warned": False}
+    started = time.monotonic()
+    state: dict[str, float] = {"last": 0.0, "logged": started, "decile": -1, "warned": False}
 
     def update(fraction: float, message: str) -> None:
+        if bar is not None:
+            bar(fraction, message)
         pct = max(0.0, min(100.0, fraction * 100.0))
         now = time.monotonic()
         with lock:
@@ -49,9 +58,11 @@ def prefect_progress(key: str, description: str, min_interval_s: float = 1.0) ->
                 return
             state["last"] = now
             decile = int(pct // 10)
-            if decile != state["decile"]:
-                state["decile"] = decile
-                logger.info("%s: %.0f%% %s", description, pct, message)
+            # With a bar on the terminal, lines in between would only break it: the last one is logged.
+            due = decile != state["decile"] or now - state["logged"] >= log_every_s
+            if due and (bar is None or pct >= 100.0):
+                state["decile"], state["logged"] = decile, now
+                logger.info("%s: %s; %s", description, eta_text(now - started, pct / 100.0), message)
         try:
             update_progress_artifact(
                 artifact_id=artifact_id, progress=pct, description=f"{description}: {message}"
