@@ -352,7 +352,7 @@ def test_kill_9_mid_run_then_rerun_yields_each_record_exactly_once(server: Fault
         name="toy", source=SourceSpec(kind="jsonl", path=str(source)), sampling=SamplingParams(max_tokens=8)
     )
     store_root = tmp_path / "store"
-    server.delay_s = 0.15  # slow enough to catch the child mid-run
+    server.delay_s = 0.3  # slow enough to catch the child mid-run, after its first time record
     child = subprocess.Popen(
         [
             sys.executable,
@@ -368,7 +368,7 @@ def test_kill_9_mid_run_then_rerun_yields_each_record_exactly_once(server: Fault
     journal = store_root / "r" / "generate-toy" / "journal"
     try:
         deadline = time.monotonic() + 60
-        while _journal_lines(journal) < 8:
+        while _journal_lines(journal) < 8 or not list(journal.rglob("time-*.jsonl")):
             assert child.poll() is None, "the child exited before it was killed"
             assert time.monotonic() < deadline, "the child never wrote its journal"
             time.sleep(0.05)
@@ -403,6 +403,15 @@ def test_kill_9_mid_run_then_rerun_yields_each_record_exactly_once(server: Fault
     assert result.figures["records"] == n
     manifest = load_manifest(store, result.prefix)
     assert manifest["counts"]["done_in_earlier_runs"] == len(done_before_kill)
+    # The time is both runs': the killed one's (as it last recorded it) and the re-run's.
+    killed_time, _rerun_time = sorted(journal.rglob("time-*.jsonl"))  # one per run, numbered in order
+    killed_s = json.loads(killed_time.read_text())["seconds"]
+    throughput = manifest["throughput"]
+    assert throughput["runs"] == 2 and killed_s > 0
+    assert throughput["wall_seconds"] == pytest.approx(
+        throughput["this_run"]["wall_seconds"] + killed_s, abs=0.01
+    )
+    assert manifest["seconds"] >= killed_s and result.figures["wall_s"] == throughput["wall_seconds"]
     # The journal holds no id twice across the killed run's part and the re-run's part.
     ids = [
         json.loads(line)["id"]

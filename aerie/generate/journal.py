@@ -24,6 +24,7 @@ from aerie.errors import StoreError
 from aerie.hostlock import HeldElsewhere, HostLock
 
 PART_GLOB = "part-*.jsonl"
+TIME_GLOB = "time-*.jsonl"  # one per run: the seconds it generated for (*.jsonl: the mirror carries it)
 _STOP = object()
 
 
@@ -66,6 +67,7 @@ class Journal:
         self._lock: HostLock | None = None
         self.part: Path | None = None
         self.errors_part: Path | None = None
+        self.time_file: Path | None = None
 
     def __enter__(self) -> Journal:
         self.open()
@@ -89,6 +91,7 @@ class Journal:
         tag = uuid.uuid4().hex[:8]  # unique across machines sharing one remote journal
         self.part = self.dir / f"part-{n:05d}-{tag}.jsonl"
         self.errors_part = self.dir / f"errors-{n:05d}-{tag}.jsonl"
+        self.time_file = self.dir / f"time-{n:05d}-{tag}.jsonl"
         self._thread = threading.Thread(target=self._write_loop, name="aerie-journal", daemon=True)
         self._thread.start()
 
@@ -100,6 +103,27 @@ class Journal:
                 if rec.get("params_hash") == self.params_hash and rec["id"] not in seen:
                     seen.add(rec["id"])
                     yield rec
+
+    def record_seconds(self, seconds: float) -> None:
+        """This run's generation time so far (rewritten as it grows, so a killed run keeps what it
+        spent up to its last record): what the manifest's time sums over resumed runs."""
+        assert self.time_file is not None, "record_seconds needs an open journal"
+        line = json.dumps({"params_hash": self.params_hash, "seconds": round(seconds, 3)})
+        tmp = self.dir / ".time.tmp"
+        tmp.write_text(line + "\n")
+        os.replace(tmp, self.time_file)
+
+    def earlier_runs(self) -> tuple[int, float]:
+        """(runs before this one, the seconds they generated for), from their time files."""
+        runs, seconds = 0, 0.0
+        for path in sorted(self.dir.glob(TIME_GLOB)):
+            if path == self.time_file:
+                continue
+            for rec in read_jsonl(path):
+                if rec.get("params_hash") == self.params_hash:
+                    runs += 1
+                    seconds += float(rec.get("seconds", 0.0))
+        return runs, seconds
 
     def done(self) -> set[str]:
         return {rec["id"] for rec in self.records()}

@@ -101,7 +101,7 @@ async def generate_conversations(
     outcome.allowed_failures = math.floor(max_failure_fraction * outcome.requested)
     started = time.monotonic()
     ticker = asyncio.create_task(
-        _tick(outcome, started, progress, progress_interval_s, on_tick, tick_interval_s)
+        _tick(outcome, started, journal, progress, progress_interval_s, on_tick, tick_interval_s)
     )
     try:
         if not spec.regenerate:
@@ -115,6 +115,7 @@ async def generate_conversations(
     finally:
         ticker.cancel()
         outcome.seconds = time.monotonic() - started
+        journal.record_seconds(outcome.seconds)
         if client is not None:
             outcome.requests = client.stats.requests
     return outcome
@@ -178,6 +179,7 @@ def failure_record(prepared: Prepared, exc: RequestFailedError) -> dict[str, Any
 async def _tick(
     outcome: Outcome,
     started: float,
+    journal: Journal,
     progress: ProgressFn,
     interval_s: float,
     on_tick: Callable[[], None] | None,
@@ -187,6 +189,7 @@ async def _tick(
     while True:
         await asyncio.sleep(interval_s)
         progress(fraction(outcome), progress_message(outcome, time.monotonic() - started))
+        journal.record_seconds(time.monotonic() - started)
         if on_tick is not None and time.monotonic() - last_tick >= tick_interval_s:
             last_tick = time.monotonic()
             await asyncio.to_thread(on_tick)

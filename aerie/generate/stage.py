@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -417,13 +418,22 @@ def _finish(
     costs = [r["cost"] for r in ordered if r["cost"] is not None]
     truncated = sum(1 for r in ordered if "length" in r["finish_reasons"])
     seconds = max(outcome.seconds, 1e-9)
+    earlier_runs, earlier_s = journal.earlier_runs()
+    # A resumed dataset's time is every run's: the records (and so the tokens) are every run's too.
+    total_s = max(outcome.seconds + earlier_s, 1e-9)
     throughput = {
-        "requests": outcome.requests,
-        "requests_per_s": round(outcome.requests / seconds, 3),
-        "completion_tokens_per_s": round(outcome.completion_tokens / seconds, 3),
-        "tokens_per_s": round((outcome.prompt_tokens + outcome.completion_tokens) / seconds, 3),
-        "wall_seconds": round(outcome.seconds, 3),
-        "conversations_this_run": outcome.done_now,
+        "runs": earlier_runs + 1,
+        "wall_seconds": round(total_s, 3),
+        "completion_tokens_per_s": round(completion_tokens / total_s, 3),
+        "conversations_per_s": round(rows / total_s, 3),
+        "this_run": {
+            "requests": outcome.requests,
+            "requests_per_s": round(outcome.requests / seconds, 3),
+            "completion_tokens_per_s": round(outcome.completion_tokens / seconds, 3),
+            "tokens_per_s": round((outcome.prompt_tokens + outcome.completion_tokens) / seconds, 3),
+            "wall_seconds": round(outcome.seconds, 3),
+            "conversations": outcome.done_now,
+        },
     }
     counts = {
         "requested": outcome.requested,
@@ -442,11 +452,14 @@ def _finish(
         "completion_tokens": completion_tokens,
         "cost_usd": round(sum(costs), 6) if costs else None,
         "truncated": truncated,
-        "requests_per_s": throughput["requests_per_s"],
+        "requests_per_s": throughput["this_run"]["requests_per_s"],
         "tokens_per_s": throughput["completion_tokens_per_s"],
         "wall_s": throughput["wall_seconds"],
+        "runs": throughput["runs"],
     }
     manifest = {
+        # The stage's seconds: this call's, plus the generation time of the runs it resumed.
+        "seconds": round(time.monotonic() - stage_dir.started + earlier_s, 3),
         "figures": figures,
         "dataset": spec.model_dump(mode="json"),
         "endpoint": {
