@@ -724,7 +724,8 @@ class Pipeline:
             m = json.loads(manifests[-1].read_text())
             fig = m.get("figures", {})
             keep = {k: fig.get(k) for k in ("records", "tokens", "train_records", "eval_records", "steps")}
-            state[stage] = {"key": m["key"], "figures": keep, "complete": len(manifests)}
+            # Keys differ between runs on other ports (the endpoint URL is in generation's manifest).
+            state[stage] = {"figures": keep, "complete": len(manifests)}
         conv = sorted((root / "generate-sharegpt").glob("*/conversations.parquet"))
         if conv:
             frame = pl.read_parquet(conv[-1])
