@@ -724,7 +724,8 @@ class Pipeline:
             m = json.loads(manifests[-1].read_text())
             fig = m.get("figures", {})
             keep = {k: fig.get(k) for k in ("records", "tokens", "train_records", "eval_records", "steps")}
-            state[stage] = {"key": m["key"], "figures": keep, "complete": len(manifests)}
+            # Keys differ between runs on other ports (the endpoint URL is in generation's manifest).
+            state[stage] = {"figures": keep, "complete": len(manifests)}
         conv = sorted((root / "generate-sharegpt").glob("*/conversations.parquet"))
         if conv:
             frame = pl.read_parquet(conv[-1])
@@ -891,6 +892,8 @@ def main() -> None:
             raise SystemExit(f"the unfaulted pipeline run failed:\n{err[-3000:]}")
         BASELINE.update(pipe.state())
     results: list[Case] = []
+    command = "python benchmarks/faults.py" + (" --skip-pipeline" if args.skip_pipeline else "")
+    record: dict[str, Any] = {}
     for name, fn in selected:
         work = scratch / name
         work.mkdir()
@@ -904,19 +907,20 @@ def main() -> None:
         case.detect_s = None if case.detect_s is None else round(case.detect_s, 3)
         results.append(case)
         print(
-            f"{name:36s} {'survived' if case.survived else 'FAILED':9s} {time.monotonic() - began:6.1f}s  {case.message[:150]}",
+            f"{name:36s} {'survived' if case.survived else 'FAILED':9s} {time.monotonic() - began:6.1f}s  "
+            f"{case.message[:150]}",
             flush=True,
         )
-    record = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "python benchmarks/faults.py" + (" --skip-pipeline" if args.skip_pipeline else ""),
-        "survived": f"{sum(c.survived for c in results)} of {len(results)}",
-        "cases": [asdict(c) for c in results],
-    }
-    if args.only is None:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        record = {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
+            "command": command,
+            "survived": f"{sum(c.survived for c in results)} of {len(results)}",
+            "cases": [asdict(c) for c in results],
+        }
+        if args.only is None:  # written after every case: a long matrix cut short keeps what it measured
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(record["survived"], "survived")
     shutil.rmtree(scratch, ignore_errors=True)
 

@@ -324,3 +324,24 @@ def test_input_contract_is_the_generation_stage_schema():
     from aerie.generate.output import SCHEMA
 
     assert dict(SCHEMA) == CONVERSATIONS
+
+
+def test_a_flipped_byte_in_a_stored_shard_is_refused_naming_it(tmp_path):
+    from aerie.corpus.reader import iter_corpus
+    from aerie.errors import IntegrityError
+    from aerie.store import LocalStore
+    from tests.extract_support import write_corpus
+
+    store = LocalStore(tmp_path / "store")
+    rows = [
+        {"id": f"c{i}", "source": "t", "input_ids": list(range(i, i + 20)), "loss_mask": [0] * 10 + [1] * 10}
+        for i in range(20)
+    ]
+    result = write_corpus(store, "r", {"train": rows}, rows_per_shard=10)
+    assert len(list(iter_corpus(store, result, "train"))) == 20
+    shard = store.local_path(f"{result.prefix}/train-00001.parquet")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="train-00001.parquet"):
+        list(iter_corpus(store, result, "train"))

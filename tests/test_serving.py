@@ -564,3 +564,40 @@ def test_sigterm_to_the_orchestrator_tears_the_server_down(tmp_path: Path) -> No
     driver.send_signal(signal.SIGTERM)
     assert driver.wait(timeout=60) == 128 + signal.SIGTERM
     assert live_group_members(pgid) == []
+
+
+PORT_DRIVER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from aerie.serving import ModelServer
+from tests.fake_servers.scenarios import fake_spec
+server = ModelServer(fake_spec(Path({work!r}), "--child", port={port}))
+with server:
+    print(server.launcher.pgid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_server_left_by_a_killed_run_is_ended_by_the_next_launch(tmp_path: Path) -> None:
+    """kill -9 of the orchestrator skips every teardown: its server (in its own session) keeps the port.
+    The next launch on that port finds it marked as launched by a process that is gone, ends it, and
+    starts; a stale server nobody marked is still refused (test_a_stale_server_on_the_port...)."""
+    root = str(Path(__file__).resolve().parents[1])
+    port = free_port()
+    (tmp_path / "first").mkdir()
+    driver = subprocess.Popen(
+        [sys.executable, "-c", PORT_DRIVER.format(root=root, work=str(tmp_path / "first"), port=port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert driver.stdout is not None
+    pgid = int(driver.stdout.readline())
+    driver.kill()
+    assert driver.wait(timeout=60) == -signal.SIGKILL
+    assert live_group_members(pgid) and not port_is_free("127.0.0.1", port)  # the orphan holds the port
+    with ModelServer(fake_spec(tmp_path, port=port)) as server:
+        assert server.info["weight_version"] == server.spec.weight_version
+        assert live_group_members(pgid) == []
+    assert isinstance(server.launcher, ProcessLauncher)
+    assert_gone(server.launcher, port)

@@ -40,6 +40,9 @@ def iter_corpus(store: ArtifactStore, result: StageResult, split: str) -> Iterat
     for key in corpus_shards(store, result, split):
         local = store.local_path(key)
         if local is not None and local.is_file():
+            # Read in place, but only once its bytes match the sha256 recorded when it was stored: a
+            # flipped bit in a Parquet page may decode into wrong token ids without any error.
+            store.open(key).close()
             yield from _rows(local)
             continue
         with tempfile.TemporaryDirectory(prefix="aerie-corpus-") as tmp:

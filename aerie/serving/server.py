@@ -46,11 +46,14 @@ from aerie.serving.probe import Prober, ensure_port_free
 from aerie.serving.spec import ServerSpec
 from aerie.serving.startup_log import LogTail, StartupLog, error_summary, format_tail
 from aerie.serving.teardown import (
+    SERVER_OWNER_ENV,
     SERVER_TOKEN_ENV,
     clean_dump_dir,
     describe_pid,
     end_processes,
     list_segments,
+    orphaned_servers,
+    owner_mark,
     port_holders,
     sweep_shm,
     tagged_processes,
@@ -156,7 +159,7 @@ class ModelServer:
         self.launcher = launcher or default_launcher(spec)
         if self.launcher.host_pids:
             # Marks every process of this launch, so teardown finds the ones that left the group.
-            spec = spec.with_(env={**spec.env, SERVER_TOKEN_ENV: spec.nonce})
+            spec = spec.with_(env={**spec.env, SERVER_TOKEN_ENV: spec.nonce, SERVER_OWNER_ENV: owner_mark()})
         self.spec = spec
         self.progress = progress
         self.canary = canary
@@ -194,6 +197,8 @@ class ModelServer:
             raise ServerError(f"{self.spec.name}: a ModelServer starts once; make a new one to relaunch")
         spec = self.spec
         self.progress(0.0, f"checking port {spec.port}")
+        if self.launcher.host_pids:
+            self._end_orphans()
         ensure_port_free(spec.host, spec.port)
         self.progress(0.0, "checking the launch")
         self.launcher.preflight(spec)
@@ -285,6 +290,22 @@ class ModelServer:
             report.seconds,
         )
         return report
+
+    def _end_orphans(self) -> None:
+        """A server an earlier run launched and could not tear down (it was killed with SIGKILL) holds
+        the port: end it, saying so. One whose launcher still runs is left alone (and refused below)."""
+        orphans = orphaned_servers(self.spec.port)
+        for token, pids in orphans.items():
+            log.warning(
+                "port %d is held by a server left running by a run that was killed (%s): ending it",
+                self.spec.port,
+                ", ".join(describe_pid(p) for p in pids),
+            )
+            left = end_processes(pids, _ORPHAN_GRACE_S)
+            if left:
+                log.warning("could not end %s (launch %s)", ", ".join(map(str, left)), token)
+        if orphans:
+            wait_port_free(self.spec.host, self.spec.port, timeout=5.0)
 
     def _strays(self) -> list[int]:
         """Live processes of this launch other than its main process (they may have left its group)."""

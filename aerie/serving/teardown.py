@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 # starts inherits it, also one that leaves the process group and session (setsid) or is reparented:
 # the one mark that finds the whole tree after its root has exited.
 SERVER_TOKEN_ENV = "AERIE_SERVER_TOKEN"
+# Beside it: `<pid>:<start time>` of the process that launched the server. A server whose launcher is
+# gone (killed with SIGKILL, no teardown ran) is an orphan that the next launch may end.
+SERVER_OWNER_ENV = "AERIE_SERVER_OWNER"
 SGL_SHM_PREFIX = "sgl_shm_"
 MULTI_TOKENIZER_PREFIX = "multi_tokenizer_args_"
 
@@ -207,3 +210,34 @@ def _running(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
+
+
+def owner_mark() -> str:
+    """This process as `SERVER_OWNER_ENV` names it: pid and start time (a pid alone can be reused)."""
+    return f"{os.getpid()}:{psutil.Process().create_time():.3f}"
+
+
+def orphaned_servers(port: int) -> dict[str, list[int]]:
+    """Servers aerie launched that hold `port` although their launcher is gone: token -> every live
+    process of that launch. A server whose launcher lives (another pipeline) is never in it."""
+    found: dict[str, list[int]] = {}
+    for pid in port_holders(port):
+        try:
+            env = psutil.Process(pid).environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        token, owner = env.get(SERVER_TOKEN_ENV), env.get(SERVER_OWNER_ENV)
+        if token and owner and not _owner_alive(owner):
+            found[token] = tagged_processes(token)
+    return found
+
+
+def _owner_alive(mark: str) -> bool:
+    pid_text, _, started = mark.partition(":")
+    try:
+        proc = psutil.Process(int(pid_text))
+        return proc.status() != psutil.STATUS_ZOMBIE and f"{proc.create_time():.3f}" == started
+    except (ValueError, psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True
