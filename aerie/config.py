@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, get_args
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -15,7 +16,7 @@ from aerie.errors import ConfigError
 from aerie.evaluate.config import DeployConfig, EvaluateConfig
 from aerie.extract.config import ExtractConfig, server_quantization_problem
 from aerie.generate.config import GenerateConfig
-from aerie.serving.config import ServerConfig
+from aerie.serving.config import ALL_LAUNCHES, ServerConfig, flag_conflict, launcher_problem
 from aerie.store import StoreConfig
 from aerie.targets import TargetConfig
 from aerie.train.config import TrainConfig
@@ -48,9 +49,34 @@ class PipelineConfig(StrictModel):
     @model_validator(mode="after")
     def _extraction_server_can_quantize(self) -> PipelineConfig:
         # At load, not when extraction starts after hours of generation.
-        problem = server_quantization_problem(self.extract, self.server.backend)
+        problem = server_quantization_problem(self.extract, self.server.backend) or launcher_problem(
+            self.server
+        )
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _tree_drafts_need_sglang(self) -> PipelineConfig:
+        # The reference server decodes one chain; found at load rather than after training.
+        if self.deploy.eagle_topk != 1 and self.server.backend != "sglang":
+            raise ValueError(
+                f"deploy.eagle_topk {self.deploy.eagle_topk} drafts trees, which only server.backend "
+                f"'sglang' serves (server.backend is {self.server.backend!r}; allowed with it: eagle_topk 1)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _no_flag_given_twice(self) -> PipelineConfig:
+        # A flag aerie derives from a field, given again verbatim, would silently win (argparse keeps the
+        # last); one place per setting.
+        for where, args, launches in (
+            ("server.extra_args", self.server.extra_args, ALL_LAUNCHES),
+            ("generate.endpoint.launch_args", self.generate.endpoint.launch_args, {"generate"}),
+        ):
+            problem = flag_conflict(where, args, launches)
+            if problem:
+                raise ValueError(problem)
         return self
 
 
@@ -59,36 +85,15 @@ def _format_errors(exc: ValidationError, where: str) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
         msg = err["msg"]
+        got = f" [got {err.get('input')!r}]"
         if err["type"] == "extra_forbidden":
-            allowed = _fields_at(err["loc"][:-1])
+            allowed = _fields_at(tuple(err["loc"][:-1]))
             msg = "unknown field" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
-        lines.append(f"  {loc}: {msg} [got {err.get('input')!r}]")
+        elif err["type"] == "value_error":
+            # A model's own check: its message names the fields; the whole section as input is noise.
+            msg, got = msg.removeprefix("Value error, "), ""
+        lines.append(f"  {loc}: {msg}{got}")
     return "\n".join(lines)
-
-
-def _fields_at(loc: tuple[Any, ...]) -> list[str]:
-    """The field names of the model at `loc` (a validation error's location without its last part)."""
-    model: Any = PipelineConfig
-    for part in loc:
-        if isinstance(part, int):
-            continue  # a list element: the list's item model
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        model = _model_of(field.annotation)
-        if model is None:
-            return []
-    return sorted(getattr(model, "model_fields", {}))
-
-
-def _model_of(annotation: Any) -> Any:
-    """The pydantic model inside an annotation (`X`, `list[X]`, `X | None`), or None."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation):
-        if (found := _model_of(arg)) is not None:
-            return found
-    return None
 
 
 def validate(data: dict[str, Any], where: str = "config") -> PipelineConfig:
@@ -99,42 +104,69 @@ def validate(data: dict[str, Any], where: str = "config") -> PipelineConfig:
         raise ConfigError(_format_errors(exc, where)) from exc
 
 
-def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set `value` at `dotted` in the config's data; a path through a value or past a list's end says
-    which part of it is wrong and what is there instead."""
-    node: Any = data
-    parts = dotted.split(".")
-    for depth, part in enumerate(parts):
-        where = ".".join(parts[:depth]) or "the config"
-        last = depth == len(parts) - 1
-        if isinstance(node, list):
-            index = _list_index(node, part, where)
-            if last:
-                node[index] = value
-                return
-            node = node[index]
-        elif isinstance(node, dict):
-            if last:
-                node[part] = value
-                return
-            node = node.setdefault(part, {})
-        else:
-            raise ConfigError(f"{where} is {_kind(node)} ({node!r}), it has no field {part!r}")
-
-
-def _list_index(node: list[Any], part: str, where: str) -> int:
-    try:
-        index = int(part)
-    except ValueError:
-        raise ConfigError(f"{where} is a list: {part!r} is not an index (0..{len(node) - 1})") from None
-    if not -len(node) <= index < len(node):
-        raise ConfigError(f"{where} has {len(node)} element(s): no element {index}")
-    return index
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
 
 
 def _kind(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
+    """How a value reads in an error: 'an integer', 'a string', 'null' ..."""
+    if value is None:
+        return "null"
+    return _KINDS.get(type(value), type(value).__name__)
+
+
+def _child(node: Any, part: str, where: str) -> tuple[Any, int | str]:
+    """The element `part` of a section or list, with an error naming `where` when there is none."""
+    if isinstance(node, list):
+        if not part.lstrip("-").isdigit():
+            raise ConfigError(f"{where} is a list, {part!r} is not an index (0..{len(node) - 1})")
+        index = int(part)
+        if not 0 <= index < len(node):
+            raise ConfigError(f"{where} has {len(node)} element(s), there is no index {index}")
+        return node, index
+    if isinstance(node, dict):
+        return node, part
+    raise ConfigError(f"{where} is {_kind(node)}, it has no field {part!r}")
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node: Any = data
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth]) or "the config"
+        holder, key = _child(node, part, where)
+        if depth == len(parts) - 1:
+            holder[key] = value
+            return
+        if isinstance(holder, dict) and holder.get(key) is None:
+            holder[key] = {}  # a new mapping (an unset dict field); pydantic names a wrong one
+        node = holder[key]
+
+
+def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:
+    """The fields of the config model at `loc` (a path into PipelineConfig), or None if it is not one."""
+    annotation: Any = PipelineConfig
+    for part in loc:
+        annotation = _unwrap(annotation)
+        if isinstance(part, int):
+            args = get_args(annotation)
+            annotation = args[0] if args else None
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(part)
+            annotation = field.annotation if field else None
+        else:
+            return None
+    annotation = _unwrap(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return list(annotation.model_fields)
+    return None
+
+
+def _unwrap(annotation: Any) -> Any:
+    """`X | None` -> X."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) in (Union, UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
 
 
 def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig:

@@ -29,3 +29,36 @@ def smollm2():
     from aerie.targets import resolve_target
 
     return resolve_target("smollm2-135m-instruct")
+
+
+# The fast lane (`make test-fast`: AERIE_FAST_LANE=1, the tests not marked integration, slow, gpu, docker or
+# sglang) promises no child processes and no servers. This guard keeps the promise honest: under the fast
+# lane a test that starts a process or binds a socket fails, naming what it did, so an unmarked test that
+# needs the `integration` marker cannot slip into the lane.
+FAST_LANE = os.environ.get("AERIE_FAST_LANE") == "1"
+
+
+class FastLaneViolation(AssertionError):
+    """A test in the fast lane started a process or bound a socket: mark it `integration`."""
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not FAST_LANE:
+        return
+    import multiprocessing.process
+    import socket
+    import subprocess
+
+    def refuse(what: str):  # type: ignore[no-untyped-def]
+        def guard(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise FastLaneViolation(f"the fast lane starts no {what}: mark this test `integration`")
+
+        return guard
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("child process (subprocess.Popen)"))
+    monkeypatch.setattr(os, "fork", refuse("child process (os.fork)"))
+    monkeypatch.setattr(
+        multiprocessing.process.BaseProcess, "start", refuse("child process (multiprocessing)")
+    )
+    monkeypatch.setattr(socket.socket, "bind", refuse("server (socket.bind)"))

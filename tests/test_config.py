@@ -24,8 +24,8 @@ def test_overrides_change_only_what_they_name():
     assert (cfg.train.epochs, cfg.evaluate.num_steps, cfg.generate.datasets[0].num_samples) == (2, [3], 5)
     assert cfg.train.lr == base.train.lr
     # Flags with numbers, as typed on a command line (YAML reads 65536 as an int; the field wants str).
-    flags = apply_overrides(base, ["server.extra_args=[--max-batch-tokens,65536,--cuda-graphs]"])
-    assert flags.server.extra_args == ["--max-batch-tokens", "65536", "--cuda-graphs"]
+    flags = apply_overrides(base, ["server.extra_args=[--max-running-requests,65536,--cuda-graphs]"])
+    assert flags.server.extra_args == ["--max-running-requests", "65536", "--cuda-graphs"]
 
 
 @pytest.mark.parametrize(
@@ -56,18 +56,101 @@ def test_cli_shows_a_preset_with_overrides(capsys):
 
 
 @pytest.mark.parametrize(
-    ("override", "message"),
+    ("override", "names"),
     [
-        ("server.port.x=1", "server.port is an integer (30000), it has no field 'x'"),
-        ("generate.datasets.3.name=a", "generate.datasets has 1 element(s): no element 3"),
-        ("generate.datasets.x.name=a", "generate.datasets is a list: 'x' is not an index (0..0)"),
-        ("train.epochz=2", "allowed: attention, batch_tokens"),
+        ("server.port.x=1", ["server.port is an integer, it has no field 'x'"]),
+        ("server.host.x.y=1", ["server.host is a string, it has no field 'x'"]),
+        ("generate.datasets.5.num_samples=1", ["generate.datasets has 1 element(s), there is no index 5"]),
+        ("generate.datasets.x.num_samples=1", ["generate.datasets is a list, 'x' is not an index (0..0)"]),
+        ("server.portt=1", ["server.portt", "unknown field; allowed: backend, launcher", "port"]),
+        ("generate.datasets.0.nmu=1", ["generate.datasets.0.nmu", "allowed: name, source, num_samples"]),
     ],
 )
-def test_a_bad_nested_path_says_what_is_there(override, message):
+def test_override_paths_name_the_type_or_the_allowed_fields(override, names):
     with pytest.raises(ConfigError) as info:
         apply_overrides(get_preset("smollm2-local"), [override])
-    assert message in str(info.value)
+    for text in names:
+        assert text in str(info.value)
+    assert "no such list element" not in str(info.value)
+
+
+def test_overrides_still_reach_mappings_and_unset_sections():
+    cfg = apply_overrides(
+        get_preset("smollm2-local"),
+        [
+            "server.env.FOO=bar",
+            "generate.endpoint.provider.order=[a,b]",
+            "corpus.chat_template_kwargs.x=true",
+        ],
+    )
+    assert cfg.server.env == {"FOO": "bar"} and cfg.generate.endpoint.provider == {"order": ["a", "b"]}
+    assert cfg.corpus.chat_template_kwargs == {"x": True}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (
+            ["train.batch_tokens=16", "train.ttt_length=20"],
+            ["train.batch_tokens 16 must be at least train.ttt_length + 2 = 22"],
+        ),
+        (["evaluate.num_steps=[]"], ["evaluate.num_steps", "at least 1 item"]),
+        (["evaluate.num_steps=[3,0]"], ["evaluate.num_steps.1", "greater than or equal to 1"]),
+        (["evaluate.proposers=[]"], ["evaluate.proposers", "at least 1 item"]),
+        (
+            ["generate.datasets=[{name: a, source: {kind: sharegpt}}, {name: a, source: {kind: mtbench}}]"],
+            ["dataset names must be unique", "['a'] twice"],
+        ),
+        (
+            ["generate.datasets=[{name: mine, source: {kind: jsonl}}]"],
+            ["generate.datasets.0", "'jsonl' reads a file, so source.path is required"],
+        ),
+        (
+            ["server.launcher=docker"],
+            ["server.launcher 'docker' runs SGLang, not server.backend 'reference'"],
+        ),
+        (["deploy.eagle_topk=2"], ["deploy.eagle_topk 2 drafts trees", "server.backend is 'reference'"]),
+    ],
+)
+def test_checks_that_need_only_the_config_run_at_load(overrides, names):
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(get_preset("smollm2-local"), overrides)
+    for text in names:
+        assert text in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        (
+            "server.extra_args=[--max-batch-tokens,65536]",
+            ["server.extra_args gives --max-batch-tokens", "extract.batch_tokens"],
+        ),
+        ("server.extra_args=[--port=31000]", ["server.extra_args gives --port", "server.port"]),
+        ("server.extra_args=[--tp-size,4]", ["--tp-size", "server.tp_size"]),
+        ("server.extra_args=[--speculative-num-steps,5]", ["--speculative-num-steps", "deploy.num_steps"]),
+        (
+            "generate.endpoint.launch_args=[--device,cuda]",
+            ["generate.endpoint.launch_args gives --device", "server.device"],
+        ),
+    ],
+)
+def test_a_flag_aerie_sets_from_a_field_is_refused_in_the_extra_args(override, names):
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(get_preset("smollm2-local"), [override])
+    for text in names:
+        assert text in str(info.value)
+
+
+def test_flags_aerie_does_not_set_pass_and_launch_args_may_size_the_generation_server():
+    cfg = apply_overrides(
+        get_preset("smollm2-local"),
+        [
+            "server.extra_args=[--max-running-requests,5]",
+            "generate.endpoint.launch_args=[--max-batch-tokens,4096]",
+        ],
+    )
+    assert cfg.generate.endpoint.launch_args == ["--max-batch-tokens", "4096"]
 
 
 def test_overrides_are_taken_before_between_and_after_options():

@@ -22,6 +22,8 @@ from aerie.generate.config import EndpointConfig, SamplingParams
 from aerie.generate.transport import Http11Transport
 from tests.fault_server import FaultServer, answer_for
 
+pytestmark = pytest.mark.integration  # local HTTP servers
+
 Responder = Callable[[socket.socket, bytes], bool]  # (socket, request path) -> keep the connection open
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -62,8 +62,8 @@ class PromptSet(StrictModel):
 class EvaluateConfig(StrictModel):
     """Offline speculative decoding with the target and the trained drafter."""
 
-    num_steps: list[int] = Field(
-        default_factory=lambda: [3, 7], description="Draft chain lengths to evaluate."
+    num_steps: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [3, 7], min_length=1, description="Draft chain lengths to evaluate (>= 1)."
     )
     temperatures: list[float] = Field(
         default_factory=lambda: [0.0, 0.6, 1.0],
@@ -72,6 +72,7 @@ class EvaluateConfig(StrictModel):
     )
     proposers: list[ProposerName] = Field(
         default_factory=lambda: list(PROPOSERS),
+        min_length=1,
         description="Proposers measured by the same evaluator (prompt lookup is the training-free baseline).",
     )
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")

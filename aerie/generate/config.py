@@ -9,6 +9,9 @@ from pydantic import Field, model_validator
 from aerie.configbase import StrictModel
 from aerie.datasets import SourceSpec
 
+# Source kinds read from a file the user names (the others are installed data packages).
+FILE_KINDS = frozenset({"jsonl", "parquet"})
+
 
 class SamplingParams(StrictModel):
     """Sampling parameters sent with every chat completion. They are part of the generation-params hash,
@@ -104,6 +107,15 @@ class DatasetSpec(StrictModel):
     )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
 
+    @model_validator(mode="after")
+    def _file_kinds_have_a_path(self) -> DatasetSpec:
+        if self.source.kind in FILE_KINDS and self.source.path is None:
+            raise ValueError(
+                f"dataset {self.name!r}: source.kind {self.source.kind!r} reads a file, so source.path is "
+                "required (kinds without one: 'sharegpt', 'mtbench', the installed data packages)"
+            )
+        return self
+
 
 class GenerateConfig(StrictModel):
     """The generation stage: one subflow per dataset."""
@@ -128,3 +140,12 @@ class GenerateConfig(StrictModel):
         gt=0,
         description="With a remote store: how often the journal is copied to it, so another machine can resume.",
     )
+
+    @model_validator(mode="after")
+    def _dataset_names_are_unique(self) -> GenerateConfig:
+        # A name is the dataset's stage: two with one name would share one output.
+        names = [spec.name for spec in self.datasets]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"generate.datasets: dataset names must be unique, got {names} ({twice} twice)")
+        return self

@@ -68,3 +68,57 @@ class ServerConfig(StrictModel):
         default_factory=list, description="Extra server arguments, appended verbatim."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the server.")
+
+
+Launch = Literal["generate", "extract", "deploy"]
+ALL_LAUNCHES: frozenset[Launch] = frozenset({"generate", "extract", "deploy"})
+_EXTRACT: frozenset[Launch] = frozenset({"extract"})
+_DEPLOY: frozenset[Launch] = frozenset({"deploy"})
+
+# Flags aerie puts on a server's command line itself, each from one config field (or its own
+# bookkeeping), and the launches that get it: generation's reference server, extraction's, deployment's.
+OWN_FLAGS: dict[str, tuple[str, frozenset[Launch]]] = {
+    "--model-path": ("target.name", ALL_LAUNCHES),
+    "--model": ("target.name", ALL_LAUNCHES),
+    "--host": ("server.host", ALL_LAUNCHES),
+    "--port": ("server.port", ALL_LAUNCHES),
+    "--weight-version": ("aerie itself (the launch nonce the readiness check expects)", ALL_LAUNCHES),
+    "--mode": ("aerie itself (serve or extract)", ALL_LAUNCHES),
+    "--device": ("server.device", ALL_LAUNCHES),
+    "--trust-remote-code": ("target.trust_remote_code", ALL_LAUNCHES),
+    "--tp-size": ("server.tp_size", ALL_LAUNCHES),
+    "--tensor-parallel-size": ("server.tp_size", ALL_LAUNCHES),
+    "--dump-dir": ("extract.dump_dir", _EXTRACT),
+    "--max-batch-tokens": ("extract.batch_tokens", _EXTRACT),
+    "--dump-dtype": ("extract.quantize_on_server", _EXTRACT),
+    "--skip-tokenizer-init": ("aerie itself (extraction sends token ids)", _EXTRACT),
+    "--chunked-prefill-size": ("aerie itself (extraction needs whole prefills: -1)", _EXTRACT),
+    "--disable-radix-cache": ("aerie itself (extraction needs every prefix computed)", _EXTRACT),
+    "--speculative-algorithm": ("aerie itself (EAGLE3, for the deployed drafter)", _DEPLOY),
+    "--speculative-draft-model-path": ("aerie itself (the trained drafter)", _DEPLOY),
+    "--speculative-num-steps": ("deploy.num_steps", _DEPLOY),
+    "--speculative-eagle-topk": ("deploy.eagle_topk", _DEPLOY),
+    "--speculative-num-draft-tokens": ("deploy.num_draft_tokens", _DEPLOY),
+}
+
+
+def flag_conflict(where: str, args: list[str], launches: frozenset[Launch] | set[str]) -> str | None:
+    """Why `args` (the config list `where`, passed to `launches`) give a flag aerie sets itself, or None."""
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        owner = OWN_FLAGS.get(flag)
+        if owner is not None and owner[1] & launches:
+            source = owner[0]
+            fix = f"set {source} instead" if "." in source and " " not in source else "leave it out"
+            return f"{where} gives {flag}, which aerie already sets from {source}: one would silently win ({fix})"
+    return None
+
+
+def launcher_problem(cfg: ServerConfig) -> str | None:
+    """Why this launcher cannot run this backend, or None (checked at load; `spec_for` checks again)."""
+    if cfg.launcher == "docker" and cfg.backend != "sglang":
+        return (
+            f"server.launcher 'docker' runs SGLang, not server.backend {cfg.backend!r}: the reference "
+            "server runs as a process (set server.backend 'sglang', or server.launcher 'process')"
+        )
+    return None

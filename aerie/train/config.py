@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
 
@@ -60,3 +60,12 @@ class TrainConfig(StrictModel):
     cache_dir: str | None = Field(
         None, description="Local dir for downloaded shards and the work dir; None = <AERIE_CACHE_DIR>/train."
     )
+
+    @model_validator(mode="after")
+    def _a_batch_holds_an_unroll(self) -> TrainConfig:
+        if self.batch_tokens < self.ttt_length + 2:
+            raise ValueError(
+                f"train.batch_tokens {self.batch_tokens} must be at least train.ttt_length + 2 = "
+                f"{self.ttt_length + 2}: a packed batch must hold one sample of the unroll"
+            )
+        return self
