@@ -32,6 +32,7 @@ run: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/check_words.py
 
 typecheck: setup
 	$(VENV)/bin/mypy

@@ -72,7 +72,7 @@ def smollm2_gpu() -> PipelineConfig:
     cfg.preset = "smollm2-gpu"
     cfg.run = "smollm2-gpu"
     # CUDA graphs for generation only: 23.0K vs 7.9K generated tokens/s at 256 running
-    # (benchmarks/results/decode-cuda.json); the deploy stage compares eager servers (see launch_args).
+    # (benchmarks/results/decode-h200.json); the deploy stage compares eager servers (see launch_args).
     cfg.generate.endpoint = EndpointConfig(
         base_url=None, concurrency=256, read_timeout_s=600, launch_args=["--cuda-graphs"]
     )
@@ -82,7 +82,7 @@ def smollm2_gpu() -> PipelineConfig:
             source=SourceSpec(kind="sharegpt"),
             # The first three user turns of every conversation: 2.4x the tokens of the first turn alone
             # (15.1M vs 6.2M), MT-Bench 2.54 vs 2.12 at 7 steps, and the pipeline still ~20 GPU minutes
-            # (generation 450 s with CUDA graphs; benchmarks/results/h200-capstone.json). All turns would
+            # (generation 450 s with CUDA graphs; benchmarks/results/h200-pipeline.json). All turns would
             # push generation and training past the 30-minute budget.
             max_turns=3,
             sampling=SamplingParams(temperature=0.0, max_tokens=384),
@@ -105,16 +105,16 @@ def smollm2_gpu() -> PipelineConfig:
     cfg.extract.delete_local_after_upload = True
     cfg.train.device = "cuda"
     # 32K: holds 99.3% of the target's MT-Bench output tokens against 96.7% for 16K; session 6's replay of
-    # session 5's answers bounded what 16K lost at 0.19 (benchmarks/results/diagnose-h200-session5.json).
+    # session 5's answers bounded what 16K lost at 0.19 (benchmarks/results/diagnose-cpu.json).
     cfg.train.draft_vocab_size = 32768
-    # Measured on one H200 (benchmarks/results/h200-capstone.json): lr 1e-3 with the lm_head started from
+    # Measured on one H200 (benchmarks/results/h200-pipeline.json): lr 1e-3 with the lm_head started from
     # the target's rows beat 5e-4 from scratch (MT-Bench 1.34 vs 1.15 on the small corpus); with 4 epochs
     # the draft MLP at 8x the hidden size beat the target's 1536 (MT-Bench 2.12 vs 2.02 at 7 steps, same
     # first-turn data), and that drafter beat session 3's 2-epoch one on the same 8 prompts at 128 tokens: 1.61 vs 1.43.
     # 3 epochs of the three-turn corpus (44.8M tokens, 266 s) left the held-out acceptance still rising at
     # the schedule's end (3.43 -> 3.51 over its last 300 steps) and MT-Bench at 2.54 (7 steps). 6 epochs
     # with the 32K vocabulary (89.7M tokens, ~670 s): MT-Bench 3.10, held-out 4.11 (session 7,
-    # benchmarks/results/h200-capstone.json), the pipeline still ~27.5 GPU minutes.
+    # benchmarks/results/h200-pipeline.json), the pipeline still ~27.5 GPU minutes.
     cfg.train.epochs = 6
     cfg.train.draft_intermediate_size = 4608
     cfg.train.lr = 1e-3

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from tools import gpuhost
 from aerie.datasets import SourceSpec, iter_conversations, mtbench_path
 from aerie.errors import AerieError, HostSetupError, IntegrityError, SourceNotFoundError
 from tests.conftest import free_port
+from tools import gpuhost
 
 REPO = Path(__file__).resolve().parent.parent
 # Four short conversations, one turn each, eight tokens per answer: the pipeline in ~30 s on 2 CPUs.
