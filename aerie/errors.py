@@ -31,7 +31,7 @@ there: ``aerie.diskspace.writing``)::
     ├── TrainingError               the drafter trainer
     ├── EvaluationError             speculative decoding, benchmarks, promotion
     └── HostSetupError              preparing the offline GPU host: wheel download, install, the
-                                    environment check, the host's config (`aerie.gpuhost`)
+                                    environment check, the host's config (`tools.gpuhost`)
 """
 
 from __future__ import annotations

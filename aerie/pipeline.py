@@ -196,7 +196,7 @@ def shards_needed(
     shards are gone makes them again (`extract.run(rebuild_missing=True)`): yes when it stops at
     extraction or its training has to run. Evaluation and deployment read the drafter, never the
     shards, so a GPU host that got a finished drafter back without its shards (they never travel,
-    `aerie.gpuhost`) evaluates and deploys it straight away."""
+    `tools.gpuhost`) evaluates and deploys it straight away."""
     if "train" not in wanted:
         return True
     from aerie.extract import stage as extract_stage

@@ -91,7 +91,7 @@ def smollm2_gpu() -> PipelineConfig:
     cfg.preset = "smollm2-gpu"
     cfg.run = "smollm2-gpu"
     # CUDA graphs for generation only: 23.0K vs 7.9K generated tokens/s at 256 running
-    # (benchmarks/results/decode-cuda.json); the deploy stage compares eager servers (see launch_args).
+    # (benchmarks/results/decode-h200.json); the deploy stage compares eager servers (see launch_args).
     cfg.generate.endpoint = EndpointConfig(
         base_url=None, concurrency=256, read_timeout_s=600, launch_args=["--cuda-graphs"]
     )

@@ -1,13 +1,13 @@
 """The capstone record: one pipeline run's figures, read from its stage manifests.
 
-    .venv/bin/python -m aerie.gpuhost restore --home /tmp/h .stage/state
+    .venv/bin/python -m tools.gpuhost restore --home /tmp/h .stage/state
     .venv/bin/python benchmarks/capstone.py --home /tmp/h --run smollm2-gpu \
         --machine "one NVIDIA H200 ..." --command "how the stages were run" [--note TEXT ...]
 
-The stages ran on the GPU host (`python -m aerie.gpuhost run`, docs/gpu-host.md), which packs their
+The stages ran on the GPU host (`python -m tools.gpuhost run`, docs/gpu-host.md), which packs their
 manifests out; nothing here measures anything. Every figure is copied from a manifest the stage
 wrote, with each stage's own wall time (`seconds`), so the record cannot drift from what ran. Writes
-benchmarks/results/h200-capstone.json and copies the evaluate and deploy reports and the plots into
+benchmarks/results/h200-pipeline.json and copies the evaluate and deploy reports and the plots into
 benchmarks/results/h200/.
 """
 
@@ -62,12 +62,12 @@ def stage_record(stage: str, m: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--home", required=True, help="a home restored by `python -m aerie.gpuhost restore`")
+    ap.add_argument("--home", required=True, help="a home restored by `python -m tools.gpuhost restore`")
     ap.add_argument("--run", default="smollm2-gpu")
     ap.add_argument("--machine", required=True)
     ap.add_argument("--command", required=True, help="how the stages were run, for the record")
     ap.add_argument("--note", action="append", default=[])
-    ap.add_argument("--out", default=str(RESULTS / "h200-capstone.json"))
+    ap.add_argument("--out", default=str(RESULTS / "h200-pipeline.json"))
     args = ap.parse_args()
 
     home = Path(args.home)

@@ -42,7 +42,7 @@ from aerie.manifest import StageDir, stage_key
 from aerie.store import LocalStore
 from aerie.targets import resolve_target
 
-RESULTS = Path(__file__).parent / "results" / "corpus.json"
+RESULTS = Path(__file__).parent / "results" / "corpus-cpu.json"
 CHARS_PER_TOKEN = 4.2  # ShareGPT text with SmolLM2's tokenizer, measured; only sizes the synthetic corpus
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",

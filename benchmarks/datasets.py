@@ -1,5 +1,5 @@
 """How fast the dataset loaders read: the full ShareGPT file (stream parse + normalization) and a
-synthetic Parquet file, on one core. Writes benchmarks/results/datasets.json.
+synthetic Parquet file, on one core. Writes benchmarks/results/datasets-cpu.json.
 
     .venv/bin/python benchmarks/datasets.py [--repeat 3] [--parquet-rows 50000]
 """
@@ -21,7 +21,7 @@ import psutil
 
 from aerie.datasets import LoadReport, SourceSpec, iter_conversations, sharegpt_path
 
-RESULTS = Path(__file__).parent / "results" / "datasets.json"
+RESULTS = Path(__file__).parent / "results" / "datasets-cpu.json"
 
 
 def _timed(spec: SourceSpec, repeat: int) -> tuple[float, LoadReport]:

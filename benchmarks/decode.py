@@ -31,6 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hardware import hardware_name  # noqa: E402
+
 from aerie.refserver import packed  # noqa: E402
 from aerie.refserver.extraction import HiddenStateCapture  # noqa: E402
 from aerie.refserver.generation import BatchedDecoder, GenRequest, SamplingParams  # noqa: E402
@@ -139,7 +141,7 @@ def main() -> None:
             "runs": runs,
         },
     }
-    out = ROOT / "benchmarks" / "results" / f"decode-{args.device}.json"
+    out = ROOT / "benchmarks" / "results" / f"decode-{hardware_name(args.device)}.json"
     for concurrency in map(int, args.concurrency.split(",")):
         requests = make_requests(
             concurrency * args.requests_per_slot, loaded.vocab_size, (lo_p, hi_p), (lo_n, hi_n)

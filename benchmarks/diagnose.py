@@ -18,9 +18,9 @@ answers' coverage by draft vocabs of other sizes is added. Every run also report
 by MT-Bench category and the vocabulary bound (the simulated figure had every answer token outside the
 draft vocabulary been drafted right).
 
-The drafter of the H200 capstone comes back with `python -m aerie.gpuhost restore --home /tmp/h
+The drafter of the H200 capstone comes back with `python -m tools.gpuhost restore --home /tmp/h
 .stage/state` (store/<run>/train/<key>/drafter, the evaluate stage's parts and the merge stage's eval
-parquet and token counts beside it). Writes benchmarks/results/diagnose.json (or `--out`).
+parquet and token counts beside it). Writes benchmarks/results/diagnose-cpu.json (or `--out`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main() -> None:
     p.add_argument("--corpus-eval", default=None, help="the merge stage's eval-*.parquet")
     p.add_argument("--corpus-rows", type=int, default=80)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(RESULTS / "diagnose.json"))
+    p.add_argument("--out", default=str(RESULTS / "diagnose-cpu.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 

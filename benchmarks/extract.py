@@ -46,7 +46,7 @@ writes": where O_DIRECT is faster that roofline is lower, so it is reported, not
 `efficiency_vs_sustained_write` uses instead the rate of `--sustained-gib` GiB of shards written back to
 back: cloud disks absorb a few GB fast and then slow down, and an extraction writes tens of GB.
 
-Results go to benchmarks/results/extract.json on CPU and extract-<device>.json elsewhere, so a GPU
+Results go to benchmarks/results/extract-<hardware>.json (extract-cpu.json, extract-h200.json), so a GPU
 run does not overwrite the CPU one (`--results PATH` elsewhere: tests/test_benchmarks.py runs it tiny).
 """
 
@@ -70,6 +70,7 @@ from typing import Any, NamedTuple
 
 import polars as pl
 import torch
+from hardware import hardware_name
 from safetensors.torch import save_file
 
 from aerie.corpus.stage import ROW_GROUP
@@ -552,7 +553,7 @@ def match_server_threads(device: str) -> int:
 def save(figures: dict[str, Any], args: argparse.Namespace, *, complete: bool) -> None:
     """Write the record; called after every part, so a run cut short keeps what it measured."""
     gpu = args.device.startswith("cuda")
-    name = "extract.json" if args.device == "cpu" else f"extract-{args.device.replace(':', '')}.json"
+    name = f"extract-{hardware_name(args.device)}.json"
     path = Path(args.results) if args.results else RESULTS / name
     gpu_name = f", {torch.cuda.get_device_name()}" if gpu else ""
     record = {
@@ -607,7 +608,7 @@ def main() -> None:
     ap.add_argument(
         "--results",
         default=None,
-        help="where the record goes (default benchmarks/results/extract.json on CPU, extract-<device>.json)",
+        help="where the record goes (default benchmarks/results/extract-<hardware>.json)",
     )
     ap.add_argument(
         "--trace-dir",

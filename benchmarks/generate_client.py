@@ -1,5 +1,5 @@
 """Requests/s the generation client sustains against a local endpoint that is never the bottleneck,
-and its CPU cost per request. Writes benchmarks/results/generate_client.json.
+and its CPU cost per request. Writes benchmarks/results/generate_client-cpu.json.
 
 The endpoint is a raw asyncio HTTP/1.1 server in a separate process that returns a fixed completion
 (no framework, no JSON parsing), so the figures measure the client. The server's own CPU time is
@@ -31,7 +31,7 @@ from typing import Any
 
 import psutil
 
-RESULTS = Path(__file__).parent / "results" / "generate_client.json"
+RESULTS = Path(__file__).parent / "results" / "generate_client-cpu.json"
 
 _BODY = json.dumps(
     {

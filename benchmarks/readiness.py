@@ -1,6 +1,6 @@
 """Readiness, side by side: the seed's bash wait loop vs aerie's `ModelServer`, on the same scenarios.
 
-    python benchmarks/readiness.py [--seed-cap-s 25] [--out benchmarks/results/readiness.json]
+    python benchmarks/readiness.py [--seed-cap-s 25] [--out benchmarks/results/readiness-cpu.json]
 
 Both face the same SGLang-like server (`tests/fake_servers/sglang_like.py`: SGLang's log lines, port
 bound only after loading, /health 503 until warm) in four scenarios:
@@ -330,7 +330,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seed-cap-s", type=float, default=25.0, help="real seconds the seed loop may run")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "readiness.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "readiness-cpu.json")
     parser.add_argument("--only", nargs="*", default=None, help="scenario names (default: all)")
     args = parser.parse_args()
 

@@ -8,7 +8,7 @@ Over HTTP against a real `python -m aerie.refserver` process:
   - extract: /generate prefill-only requests (many sequences each, 2 in flight) incl. dump writes
   - chat:    /v1/chat/completions, 1 request at a time vs N concurrent (the batching loop)
 
-Writes benchmarks/results/refserver.json ({date, machine, command, figures}).
+Writes benchmarks/results/refserver-cpu.json ({date, machine, command, figures}).
 
     .venv/bin/python benchmarks/refserver.py                 # CPU, small sizes
     .venv/bin/python benchmarks/refserver.py --device cuda --samples 2048 --max-len 2048 --batch-tokens 65536
@@ -301,7 +301,7 @@ def main() -> int:
     p.add_argument("--chat-requests", type=int, default=8)
     p.add_argument("--chat-tokens", type=int, default=32)
     p.add_argument("--skip-http", action="store_true")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "refserver.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "refserver-cpu.json"))
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here; nothing measured", file=sys.stderr)

@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 import torch
+from hardware import hardware_name
 
 from aerie.evaluate.prompt_lookup import PromptLookupProposer
 from aerie.evaluate.prompts import mtbench_prompts
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
         },
     }
-    out_path = Path(args.out) if args.out else RESULTS / f"spec_decode-{device_tag}.json"
+    out_path = Path(args.out) if args.out else RESULTS / f"spec_decode-{hardware_name(device_tag)}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["figures"], indent=2))

@@ -1,5 +1,5 @@
 """Artifact store throughput: put_file / get_file / get_bytes of one large file, for LocalStore (a temp
-dir) and S3Store against a local moto server process. Writes benchmarks/results/store.json.
+dir) and S3Store against a local moto server process. Writes benchmarks/results/store-cpu.json.
 
     .venv/bin/python benchmarks/store.py [--size-mb 256] [--repeat 2] [--chunk-mb 64] [--concurrency 8]
 
@@ -33,7 +33,7 @@ import psutil
 
 from aerie.store import ArtifactStore, StoreConfig, open_store, sha256_file
 
-RESULTS = Path(__file__).parent / "results" / "store.json"
+RESULTS = Path(__file__).parent / "results" / "store-cpu.json"
 BUCKET = "aerie-bench"
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import psutil
 import torch
+from hardware import hardware_name
 
 from aerie.draft.model import DraftConfig, Eagle3Drafter
 from aerie.train.config import TrainConfig
@@ -335,7 +336,7 @@ def main() -> None:
             "failures": failures,
         },
     }
-    out = RESULTS / f"train-{args.device}.json"
+    out = RESULTS / f"train-{hardware_name(args.device)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def measure(system: str, name: str, tokens: int, step: Any) -> None:

@@ -1,7 +1,7 @@
 """Training settings compared on one extraction: each variant trains a drafter and evaluates it.
 
     # on the GPU host, with a finished run restored into the home (docs/gpu-host.md):
-    eval "$(python3 -m aerie.gpuhost env)"
+    eval "$(python3 -m tools.gpuhost env)"
     python3 benchmarks/train_sweep.py smollm2-gpu --store "$HOME_DIR/store" \
         --variant base --variant data50 train.train_fraction=0.5 --variant epochs6 train.epochs=6 \
         --common 'evaluate.proposers=[eagle3]' 'evaluate.num_steps=[7]' evaluate.heldout_samples=0
@@ -13,7 +13,7 @@ A variant is a name and its overrides; each runs as the preset with `--common` a
 overrides applied, through the evaluate stage (`aerie.pipeline.run_pipeline`). Generation, merge and
 extraction are cache hits shared by every variant (the extraction is re-made once if its shards are
 gone), so only training and evaluation run; a variant that finished before is a hit as well, so a sweep
-stopped at a time limit (SIGTERM unwinds the stages as `aerie.gpuhost` does) resumes where it stopped.
+stopped at a time limit (SIGTERM unwinds the stages as `tools.gpuhost` does) resumes where it stopped.
 
 Nothing is timed here: every figure is read from the manifests the stages wrote. Per variant: the
 training tokens, steps and wall time, the held-out acceptance curve the trainer recorded (acceptance
@@ -32,6 +32,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from hardware import hardware_name
 
 from aerie.manifest import StageResult, load_manifest
 from aerie.pipeline import run_pipeline
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     # A time limit's SIGTERM unwinds the stages (servers stop, checkpoints stay) like any error.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = Path(args.out or RESULTS / f"train_sweep-{device}.json")
+    out = Path(args.out or RESULTS / f"train_sweep-{hardware_name(device)}.json")
     record: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),

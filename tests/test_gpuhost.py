@@ -1,4 +1,4 @@
-"""`python -m aerie.gpuhost` on this machine, standing in for the GPU host with temporary homes.
+"""`python -m tools.gpuhost` on this machine, standing in for the GPU host with temporary homes.
 
 Every step runs as the real CLI in a subprocess: `stage` (bundles split at a tiny size, no wheel
 download: one wheel built here instead, installed by real pip), `unpack` (parts checked and reassembled,
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from aerie import gpuhost
 from aerie.datasets import SourceSpec, iter_conversations, mtbench_path
 from aerie.errors import AerieError, HostSetupError, IntegrityError, SourceNotFoundError
 from tests.conftest import free_port
+from tools import gpuhost
 
 REPO = Path(__file__).resolve().parent.parent
 # Four short conversations, one turn each, eight tokens per answer: the pipeline in ~30 s on 2 CPUs.
@@ -40,7 +40,7 @@ BUNDLE_MB = "0.02"  # ~20 KiB: MT-Bench's 20 KiB question file is split over bun
 
 def gpuhost_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "aerie.gpuhost", *args],
+        [sys.executable, "-m", "tools.gpuhost", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -83,7 +83,7 @@ def test_pipeline_runs_every_stage_caches_and_reruns_only_what_changed(prefect_a
 
 def _shards_lost_then_rebuilt(store: Path, cfg: PipelineConfig, extract: StageResult) -> None:
     """A store holding an extraction's manifest but not its shards (what a fresh GPU host restores:
-    `aerie.gpuhost` never moves hidden states): a run whose training is done is all cache hits and
+    `tools.gpuhost` never moves hidden states): a run whose training is done is all cache hits and
     extracts nothing; one whose training must run extracts the same shards again first. The store is
     put back as it was after, for the worker's test."""
     from flows.pipeline import eagle3_pipeline

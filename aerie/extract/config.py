@@ -85,10 +85,10 @@ class ExtractConfig(StrictModel):
         "filesystem takes it. The disk takes O_DIRECT writes faster (H200 hosts: 1.83 GB/s against 1.15 GB/s "
         "through the page cache, benchmarks/results/disk_write-h200.json). With reread_shards on, as it "
         "was then, fp8 extraction lost with it (291-352K tokens/s against 375-443K on three hosts, "
-        "benchmarks/results/extract-cuda-session10-direct-{a,b,c}.json): each shard was read back from the "
+        "benchmarks/README.md): each shard was read back from the "
         "disk, not the page cache. Without the read-back it ran a little ahead on one host (469K against 451K "
-        "and 457K, benchmarks/results/extract-cuda-session11-reread-off.json) and level on another in an "
-        "ABAB run (467K, 487K against 445K, 494K, extract-cuda.json), so it stays off by default. Either way each shard is fsynced before it counts.",
+        "and 457K, benchmarks/results/extract_reread-h200.json) and level on another in an "
+        "ABAB run (467K, 487K against 445K, 494K, extract-h200.json), so it stays off by default. Either way each shard is fsynced before it counts.",
     )
     reread_shards: bool = Field(
         False,
@@ -129,7 +129,7 @@ class ExtractConfig(StrictModel):
     def resolved_commit_buffer_tokens(self) -> int:
         """`commit_buffer_tokens`, or 4 batches: with one, on an H200 the pump spent half its time
         waiting to hand its next batch over while the append thread sat idle 70% of the time; 4 took
-        the fp8 pipeline from 281K to 299K tokens/s (benchmarks/results/extract-cuda-session8.json)."""
+        the fp8 pipeline from 281K to 299K tokens/s (an earlier H200 run; git history of benchmarks/results)."""
         return self.commit_buffer_tokens or 4 * self.batch_tokens
 
     def resolved_commit_workers(self) -> int:

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="The interpreter's thread switch interval (sys.setswitchinterval) in microseconds; 0 keeps "
         "Python's 5,000. Every torch call releases the GIL and must win it back: a shorter interval makes "
         "the model thread wait less for the HTTP and dump-writer threads between kernel launches. (In an "
-        "H200 extraction 1,000 made no difference: benchmarks/results/extract-cuda-session10-gil-abab.json.)",
+        "H200 extraction 1,000 made no difference: benchmarks/results/extract_gil-h200.json.)",
     )
     p.add_argument(
         "--dump-dtype",

@@ -1,0 +1,90 @@
+"""The word check: tracked files describe aerie and its users' world, not how aerie was built.
+
+    python scripts/check_words.py            # every file `git ls-files` lists
+    python scripts/check_words.py FILE...    # only these files
+
+Prints `file:line:text` for each line (and `file:0:name` for each file name) that uses one of the
+words of a development log: a numbered work session, a machine lease, a numbered tool call, a
+lettered test host, an issue number, the project's milestone name or its starting code. Exits 1 if
+any, 0 otherwise. Words the product uses in its own world (an HTTP session, `requests.Session`, a
+random seed) do not match: each pattern below is precise.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Case-insensitive patterns, except the host letter (see HOST_LETTER).
+PATTERNS = [
+    r"\bsession[ _-]?\d",  # session 4, session4, session-4
+    r"\bsessions\b",
+    r"\bleases?\b",
+    r"\bcall[ _-]?#?\d",  # call 13, call13
+    r"\bissue[ _-]?#?\d",  # issue 22, issue #22
+    r"capstone",
+    r"\bthe seed\b",
+]
+# "host K": the word in any case, the letter a capital A-L exactly (so "host a" in prose does not trip).
+HOST_LETTER = r"\b[Hh][Oo][Ss][Tt][ _-][A-L]\b"
+WORDS = re.compile("|".join(f"(?i:{p})" for p in PATTERNS) + "|" + HOST_LETTER)
+
+# The check's own source names the words it looks for.
+ALLOWED = ["scripts/check_words.py"]
+
+
+def hits(name: str, text: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) for each line of `text` that uses a listed word; line 0 is the file's name."""
+    if WORDS.search(name):
+        yield 0, name
+    for number, line in enumerate(text.splitlines(), start=1):
+        if WORDS.search(line):
+            yield number, line.strip()
+
+
+def tracked_files(root: Path) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=root, check=True, capture_output=True)
+    return [name for name in out.stdout.decode().split("\0") if name]
+
+
+def read_text(path: Path) -> str:
+    """The file's text; a binary file (or one git lists but the tree lacks) is checked by name only."""
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        return ""
+    if b"\0" in data[:8192]:
+        return ""
+    return data.decode("utf-8", errors="replace")
+
+
+def check(root: Path, names: Iterable[str]) -> list[str]:
+    """One `file:line:text` entry per hit in the named files (paths relative to `root`)."""
+    found = []
+    for name in names:
+        if any(fnmatch.fnmatch(name, glob) for glob in ALLOWED):
+            continue
+        for number, line in hits(name, read_text(root / name)):
+            found.append(f"{name}:{number}:{line}")
+    return found
+
+
+def main(argv: list[str]) -> int:
+    names = argv or tracked_files(ROOT)
+    found = check(ROOT if not argv else Path.cwd(), names)
+    for entry in found:
+        print(entry)
+    if found:
+        print(f"check_words: {len(found)} line(s) speak of how aerie was built", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
