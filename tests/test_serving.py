@@ -418,7 +418,9 @@ def test_a_child_keeping_the_port_after_its_parent_exits_is_named_and_ended(tmp_
     assert "a process this server started" in text
     report = server.teardown
     assert report is not None and report.grace_s < spec.grace_s
-    assert report.ended == [orphan] and report.port_free and report.port_holders == []
+    # The orphan is ended by the sweep, or already by the group kill before it (both seen): either way
+    # teardown leaves it gone and the port free.
+    assert report.ended in ([orphan], []) and report.port_free and report.port_holders == []
     assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
     assert isinstance(server.launcher, ProcessLauncher)
     assert_gone(server.launcher, spec.port)
