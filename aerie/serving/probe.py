@@ -56,7 +56,7 @@ def port_is_free(host: str, port: int) -> bool:
     return port_is_bindable(host, port) and not port_accepts(host, port)
 
 
-def _listener_pids(port: int) -> list[int]:
+def port_holders(port: int) -> list[int]:
     """Pids listening on `port` (may be empty without the rights to see other users' sockets)."""
     try:
         conns = psutil.net_connections(kind="inet")
@@ -114,7 +114,7 @@ def describe_listener(host: str, port: int, timeout: float = 1.0) -> str:
         pass
     if not parts:
         parts.append("the port is bound but does not answer HTTP")
-    parts += [_process_line(pid) for pid in _listener_pids(port)]
+    parts += [_process_line(pid) for pid in port_holders(port)]
     return "; ".join(parts)
 
 

@@ -42,7 +42,7 @@ from aerie.errors import (
 )
 from aerie.progress import ProgressFn, no_progress
 from aerie.serving.launcher import Launcher, ProcessLauncher, StopResult, describe_exit
-from aerie.serving.probe import Prober, ensure_port_free
+from aerie.serving.probe import Prober, ensure_port_free, port_holders
 from aerie.serving.spec import ServerSpec
 from aerie.serving.startup_log import LogTail, StartupLog, error_summary, format_tail
 from aerie.serving.teardown import (
@@ -54,7 +54,6 @@ from aerie.serving.teardown import (
     list_segments,
     orphaned_servers,
     owner_mark,
-    port_holders,
     sweep_shm,
     tagged_processes,
     wait_port_free,

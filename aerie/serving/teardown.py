@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from aerie.serving.probe import port_is_free
+from aerie.serving.probe import port_holders, port_is_free
 
 log = logging.getLogger(__name__)
 
@@ -154,21 +154,6 @@ def tagged_processes(token: str) -> list[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
     return sorted(found)
-
-
-def port_holders(port: int) -> list[int]:
-    """Pids with a socket listening on `port` (any address), as far as this user may see."""
-    try:
-        conns = psutil.net_connections(kind="inet")
-    except (psutil.AccessDenied, OSError):
-        return []
-    return sorted(
-        {
-            c.pid
-            for c in conns
-            if c.pid is not None and c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN
-        }
-    )
 
 
 def describe_pid(pid: int) -> str:
