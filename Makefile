@@ -29,9 +29,11 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/aerie run smollm2-local $(ARGS)
 
+# The word check: no tracked file speaks of how aerie was built (scripts/check_words.py lists the words).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/check_words.py
 
 typecheck: setup
 	$(VENV)/bin/mypy

@@ -1,5 +1,5 @@
 """Server lifecycle against real processes: `fake_servers/sglang_like.py` starts, fails and answers the
-way SGLang does, on real ports. Each scenario of the seed must end in the right error with the
+way SGLang does, on real ports. Each fault of a bash wait loop must end in the right error with the
 server's own words, and every server must be gone afterwards (process group, port, /dev/shm)."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_reference_spec_passes_the_nonce_and_the_extraction_mode(tmp_path: Path)
 def test_deadline_grows_with_the_model_size() -> None:
     kimi_int4 = 595 * 10**9
     assert startup_deadline(kimi_int4, "sglang") == pytest.approx(600 + 595e9 / 200e6)
-    assert startup_deadline(kimi_int4, "sglang") > 15 * 60  # the seed's fixed ceiling was too short
+    assert startup_deadline(kimi_int4, "sglang") > 15 * 60  # a fixed 15-minute ceiling is too short
     assert startup_deadline(None, "sglang") == 3600
 
 
