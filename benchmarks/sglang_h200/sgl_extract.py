@@ -130,7 +130,7 @@ def run_pipeline(backend: str, target, store, corpus, work: Path, args, storage:
         "steady_tokens_per_s": f["steady_tokens_per_s"],
         "wall_s_incl_startup_and_canary": round(wall, 1),
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
-        "canary": f.get("canary"),
+        "canary_passed": f.get("canary_passed"),
         "server_args": server.extra_args,
         "phases": f.get("phases"),
         "figures_keys": sorted(f),
