@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # the word check runs as a child process
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_words.py"
 # Built from parts, so this file does not trip the check itself.
 PLANTED = "measured in " + "sess" + "ion 11 on ho" + "st K"
