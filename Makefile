@@ -48,12 +48,12 @@ pytest: setup
 
 test: lint typecheck pytest
 
-# The fast lane: lint, types and the tests that start no server and no child process, in one process.
-# Under AERIE_FAST_LANE=1 a guard in tests/conftest.py fails any test that does, naming what it started.
-# Markers (pyproject.toml): integration (servers, child processes), slow, gpu, docker, sglang.
+# The fast lane: lint, types and the tests that start no server and no child process (pytest's own two
+# workers aside: the lane is CPU-bound). Under AERIE_FAST_LANE=1 a guard in tests/conftest.py fails any
+# test that does, naming what it started. Markers (pyproject.toml): integration, slow, gpu, docker, sglang.
 FAST_MARKERS := not integration and not slow and not gpu and not docker and not sglang
 test-fast: lint typecheck
-	AERIE_FAST_LANE=1 $(PY) -m pytest -q -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+	AERIE_FAST_LANE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 ui: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/prefect server start
