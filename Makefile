@@ -1,7 +1,7 @@
 # Two commands do everything from a fresh clone:
 #   make run        set up, then run the whole pipeline on the embedded default (smollm2-local)
 #   make test       set up, then lint, type-check and test
-# and one checks a change in under three minutes:
+# and one checks a change in about two minutes:
 #   make test-fast  lint, type-check and the tests that start no server and no child process
 PYTHON ?= python3
 VENV   ?= .venv
