@@ -36,8 +36,10 @@ PATTERNS = [
 ]
 # Case-sensitive patterns.
 EXACT = [
-    # "host K": the word in any case, the letter a capital A-L exactly (so "host a" in prose does not trip).
-    r"\b[Hh][Oo][Ss][Tt][ _-][A-L]\b",
+    # "host K", "hosts K and L": the word in any case, the letter a capital A-L exactly (so "host a" in
+    # prose does not trip); in a name, "host-k" or "host_k".
+    r"\b[Hh][Oo][Ss][Tt][Ss]?[ _-][A-L]\b",
+    r"\bhost[-_][a-l]\b",
     r"\$OUT\b",  # one test machine's output folder (a script's own `$out` is fine)
 ]
 WORDS = re.compile("|".join([*(f"(?i:{p})" for p in PATTERNS), *EXACT]))

@@ -43,6 +43,8 @@ LISTED = [
     "ask the " + "coordi" + "nator",
     "written to " + "$" + "OUT/log",
     "measured on " + "ho" + "st E",
+    "on " + "ho" + "sts K and L",
+    "extract-" + "ho" + "st-k.json",
 ]
 
 
