@@ -30,7 +30,7 @@ PATTERNS = [
     r"\bcalls?[ _-]?#?\d",  # call 13, call13, calls 1-3
     r"\bissues?[ _-]?#?\d",  # issue 22, issue #22
     r"capstone",
-    r"\bthe seed\b",  # the starting code; a random seed is "its seed", "the split seed"
+    r"(?<![a-z])the[ _]seeds?(?![a-z])",  # the starting code (also in names); a random seed is "its seed"
     r"\b(seed|research)/",  # the starting code's and the research notes' folders
     r"\bcoordinator\b",
 ]

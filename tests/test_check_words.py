@@ -38,6 +38,7 @@ LISTED = [
     "see " + "iss" + "ue #22",
     "the " + "caps" + "tone run",
     "as " + "the se" + "ed did",
+    "def test_" + "the_se" + "eds_loop():",
     "the " + "se" + "ed/" + "loop.txt note",
     "per " + "resea" + "rch/sglang.md",
     "ask the " + "coordi" + "nator",

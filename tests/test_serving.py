@@ -283,7 +283,7 @@ def test_shm_sweep_can_be_limited_to_named_segments(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_the_seeds_wrong_interpreter_is_named_with_its_module() -> None:
+def test_the_system_python_without_sglang_is_named_with_its_module() -> None:
     if not Path("/usr/bin/python3").exists():
         pytest.skip("no /usr/bin/python3 on this machine")
     with pytest.raises(ServerLaunchError) as err:
