@@ -18,7 +18,8 @@ from flows.merge import merge_corpus
 from tests.corpus_support import generated_result, msg
 
 pytest_plugins = ("tests.prefect_support",)
-pytestmark = pytest.mark.usefixtures("prefect_harness")  # one harness for every flow module
+# integration: a Prefect test server (one harness for every flow module)
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_harness")]
 
 
 async def _artifacts() -> dict[str, str]:

@@ -15,7 +15,8 @@ from flows.train import train_flow
 from tests.train_support import make_samples, make_upstream, tiny_target
 
 pytest_plugins = ("tests.prefect_support",)
-pytestmark = pytest.mark.usefixtures("prefect_harness")  # one harness for every flow module
+# integration: a Prefect test server (one harness for every flow module)
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_harness")]
 
 
 async def _artifacts() -> dict[str, str]:
