@@ -2,7 +2,7 @@
 
     python benchmarks/sglang_h200/record.py --extract DIR --serve DIR [--serve-short DIR] [--offline FILE]
 
-DIR holds what `dev.sh extract` / `dev.sh serve` wrote to $OUT (extract.json, serve.json); --offline is the
+DIR holds what `dev.sh extract` / `dev.sh serve` wrote to their output folder (extract.json, serve.json); --offline is the
 report of `aerie evaluate --json` on the same drafter and prompts. The record's earlier `extract` block (its
 roofline measured in that run) is kept; this run's extraction goes beside it.
 """
@@ -78,7 +78,9 @@ def main() -> None:
     if args.offline:
         record["offline_eval"] = _offline(json.loads(args.offline.read_text()))
     RECORD.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({"speedup": record["serve"]["speedup"], "accept_length": record["serve"]["accept_length"]}))
+    print(
+        json.dumps({"speedup": record["serve"]["speedup"], "accept_length": record["serve"]["accept_length"]})
+    )
 
 
 if __name__ == "__main__":
