@@ -1,15 +1,11 @@
-"""Evaluate and deploy a trained drafter: lossless speculative decoding, acceptance, serving benchmark.
+"""Evaluate and deploy a trained drafter: acceptance under speculative decoding, serving benchmark.
 
 Stage entry points: `run(cfg, store=..., run_name=..., target=..., drafter=..., corpus=...)` (stage
 `evaluate`) and `deploy(cfg, store=..., run_name=..., target=..., drafter=..., evaluation=...,
 server=...)` (stage `deploy`). Attributes load lazily so that importing the config does not pull in
-torch or transformers.
+torch or transformers. The speculative decoder and its proposers live in `aerie.engine.speculative`.
 
     config.py         EvaluateConfig, DeployConfig
-    spec_decode.py    SpecDecoder: batched greedy speculative decoding, acceptance accounting
-    prompt_lookup.py  the training-free n-gram proposer
-    eagle.py          the EAGLE-3 drafter as a batched proposer
-    spec_backend.py   the reference server's speculative mode (create_backend seam)
     prompts.py        MT-Bench and held-out prompts as token ids
     stage.py          run(): the offline evaluation stage
     bench.py          async /generate benchmark client (tokens/s, TTFT, ITL, accept length)
@@ -25,10 +21,10 @@ _EXPORTS = {
     "run": "aerie.evaluate.stage",
     "deploy": "aerie.evaluate.deploy",
     "decide_promotion": "aerie.evaluate.deploy",
-    "SpecDecoder": "aerie.evaluate.spec_decode",
-    "SpecStats": "aerie.evaluate.spec_decode",
-    "PromptLookupProposer": "aerie.evaluate.prompt_lookup",
-    "EagleProposer": "aerie.evaluate.eagle",
+    "SpecDecoder": "aerie.engine.speculative.decoder",
+    "SpecStats": "aerie.engine.speculative.decoder",
+    "PromptLookupProposer": "aerie.engine.speculative.prompt_lookup",
+    "EagleProposer": "aerie.engine.speculative.eagle",
     "benchmark": "aerie.evaluate.bench",
 }
 
