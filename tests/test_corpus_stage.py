@@ -182,6 +182,7 @@ def test_merge_end_to_end(tmp_path: Path, smollm2, tok):
     assert again.cache_hit and again.manifest_sha256 == result.manifest_sha256
 
 
+@pytest.mark.integration
 def test_workers_give_the_same_corpus_and_adding_data_moves_nothing(tmp_path: Path, smollm2):
     store = LocalStore(tmp_path / "store")
     first = generated_result(store, "up", "a", _generated_rows(60))
@@ -209,6 +210,7 @@ def test_workers_give_the_same_corpus_and_adding_data_moves_nothing(tmp_path: Pa
     assert [r.id for r in iter_corpus(store, reseeded, "train")] != old_train
 
 
+@pytest.mark.integration
 def test_another_models_template_through_workers(tmp_path: Path, smollm2):
     llama = target_with_template(smollm2, LLAMA_LIKE, LLAMA_SPECIAL, tmp_path / "llama-like")
     assert llama.chat_template_sha256 != smollm2.chat_template_sha256
@@ -253,6 +255,7 @@ def test_nothing_usable_is_an_error_that_keeps_the_reasons(tmp_path: Path, smoll
     assert not [k for k in store.list("run/merge") if k.endswith("manifest.json")]
 
 
+@pytest.mark.integration
 def test_merge_through_s3(s3_config: StoreConfig, smollm2, tok):
     store = open_store(s3_config)  # a real moto server over HTTP: inputs downloaded, outputs uploaded
     up = generated_result(store, "s3run", "gen", _generated_rows(6))

@@ -91,6 +91,7 @@ def test_promotion_decision():
     assert not zero.promoted
 
 
+@pytest.mark.integration
 def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smollm2):
     """Baseline and speculative reference servers (untrained drafter) on the same prompts: both serve
     the same greedy tokens, the speculative one reports its acceptance, and a margin it meets promotes

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from aerie.draft.attention import DocCausalMask, ttt_attention
 from aerie.draft.export import EXPORT_KEYS, draft_config_for, export_drafter, load_drafter
-from aerie.draft.model import DocCausalMask, DraftConfig, DraftKVCache, Eagle3Drafter, ttt_attention
+from aerie.draft.model import DraftConfig, DraftKVCache, Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
 from aerie.draft.vocab import build_vocab_map, counts_from_table, coverage_by_size
 from aerie.errors import DataError, TargetError

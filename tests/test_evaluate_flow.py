@@ -18,7 +18,8 @@ from flows.stage import run_stage
 from tests.evaluate_support import corpus_result, train_result
 
 pytest_plugins = ("tests.prefect_support",)
-pytestmark = pytest.mark.usefixtures("prefect_harness")  # one harness for every flow module
+# integration: a Prefect test server (one harness for every flow module)
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_harness")]
 
 
 async def _artifacts() -> dict[str, str]:

@@ -174,6 +174,7 @@ def test_corpus_split_in_manifest_order_and_from_any_row(tmp_path, smollm2):
     assert open_split(store, result.prefix, "eval", tmp_path / "cache").total_rows == 3
 
 
+@pytest.mark.integration
 def test_a_second_process_on_the_same_slice_is_refused_before_any_server_starts(tmp_path, smollm2):
     """Its servers would wipe the running extraction's dump dirs as they start. The lock is a real
     flock: this test holds it as another process would (a second open file description conflicts

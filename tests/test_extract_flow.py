@@ -20,7 +20,8 @@ from tests.conftest import free_port
 from tests.extract_support import corpus_rows, write_corpus
 
 pytest_plugins = ("tests.prefect_support",)
-pytestmark = pytest.mark.usefixtures("prefect_harness")  # one harness for every flow module
+# integration: a Prefect test server and reference server processes (one harness for every flow module)
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_harness")]
 
 
 @pytest.fixture

@@ -34,6 +34,8 @@ from aerie.store import LocalStore
 from tests.extract_support import corpus_rows, write_corpus
 from tests.processes import free_port_pair
 
+pytestmark = pytest.mark.integration  # reference server processes
+
 
 def listener_pid(port: int) -> int | None:
     for conn in psutil.net_connections("tcp"):

@@ -39,6 +39,8 @@ from tests.processes import free_port_pair
 from tests.test_extract_server import check_commit_path
 from tests.test_pipeline import BIN, REPO
 
+pytestmark = pytest.mark.integration  # reference server processes
+
 pytest_plugins = ("tests.prefect_support",)  # prefect_api: the real Prefect server
 
 LAYOUT = ("split", "slice", "index", "name", "first_row", "end_row", "samples", "tokens", "bytes")

@@ -1,7 +1,7 @@
 """The reference server's CUDA-only capture paths, checked against the paths CPU CI does run: the
 overlapped device->host copy (pinned memory, side stream) against the synchronous copy, and fp8
 quantization on the device against the same function on the CPU. Both skip without a GPU; on the GPU
-host they take seconds, so a session can run them before trusting an extraction to them."""
+host they take seconds, so they can run before trusting an extraction to them."""
 
 from __future__ import annotations
 

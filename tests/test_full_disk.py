@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from aerie.config import apply_overrides
 from aerie.generate.journal import read_jsonl
 from aerie.manifest import StageResult
@@ -28,6 +30,8 @@ from aerie.presets import get_preset
 from aerie.progress import no_progress
 from tests import pipeline_support
 from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration  # `aerie run` as a child process
 
 
 def _run_limited(overrides: list[str], until: str, limit: int) -> str:

@@ -111,6 +111,7 @@ def read_output(store: LocalStore, prefix: str) -> pl.DataFrame:
 
 
 @pytest.mark.parametrize("transport", ["lean", "httpcore"])
+@pytest.mark.integration
 def test_transient_faults_are_retried_and_every_record_arrives_once(
     server: FaultServer, tmp_path: Path, transport: str
 ):
@@ -163,6 +164,7 @@ def test_transient_faults_are_retried_and_every_record_arrives_once(
     assert (store.local_path(f"{result.prefix}/errors.jsonl")).read_text() == ""
 
 
+@pytest.mark.integration
 def test_rejected_key_stops_at_once_and_is_never_written(
     server: FaultServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -187,6 +189,7 @@ def test_rejected_key_stops_at_once_and_is_never_written(
             assert secret.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.integration
 def test_no_key_means_no_authorization_header(server: FaultServer, tmp_path: Path):
     cfg, spec = config(server.url), spec_for()
     store = LocalStore(tmp_path / "store")
@@ -196,6 +199,7 @@ def test_no_key_means_no_authorization_header(server: FaultServer, tmp_path: Pat
     assert [s.authorization for s in server.seen] == [None, None]
 
 
+@pytest.mark.integration
 def test_openrouter_fields_reasoning_cost_and_truncation(
     server: FaultServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -240,6 +244,7 @@ def test_openrouter_fields_reasoning_cost_and_truncation(
     assert manifest["endpoint"]["models_served"] == {"moonshotai/kimi-k2.5": 2}
 
 
+@pytest.mark.integration
 def test_request_errors_that_retrying_cannot_fix(server: FaultServer, tmp_path: Path):
     store = LocalStore(tmp_path / "store")
     cfg, spec = config(server.url, concurrency=1), spec_for(max_turns=1)
@@ -272,6 +277,7 @@ def test_request_errors_that_retrying_cannot_fix(server: FaultServer, tmp_path: 
     assert result.figures["records"] == 2 and result.figures["failed"] == 1
 
 
+@pytest.mark.integration
 def test_failures_over_the_budget_fail_the_dataset_and_the_rerun_retries_only_them(
     server: FaultServer, tmp_path: Path
 ):
@@ -292,6 +298,7 @@ def test_failures_over_the_budget_fail_the_dataset_and_the_rerun_retries_only_th
     assert sorted(frame["id"].to_list()) == [f"c{i:03d}" for i in range(6)]
 
 
+@pytest.mark.integration
 def test_an_empty_final_answer_is_an_error_record_never_a_good_sample(server: FaultServer, tmp_path: Path):
     # Turn 1 of c001 is all reasoning (cut at max_tokens), turn 2 of c002 is whitespace: neither
     # conversation may come out as a good sample with an empty assistant turn.
@@ -334,6 +341,7 @@ def test_an_empty_final_answer_is_an_error_record_never_a_good_sample(server: Fa
     assert sorted(read_output(store, again.prefix)["id"].to_list()) == ["c000", "c001", "c002", "c003"]
 
 
+@pytest.mark.integration
 def test_kill_9_mid_run_then_rerun_yields_each_record_exactly_once(server: FaultServer, tmp_path: Path):
     """Generation runs in a child process (the real `run()`, reading a JSONL source); it is killed
     with SIGKILL while requests are in flight, then a re-run finishes the dataset."""
@@ -437,6 +445,7 @@ def _journal_lines(journal: Path) -> int:
     return sum(p.read_text().count("\n") for p in journal.rglob("part-*.jsonl")) if journal.exists() else 0
 
 
+@pytest.mark.integration
 def test_run_caches_and_writes_the_manifest_without_secrets(
     server: FaultServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -496,6 +505,7 @@ def test_a_kept_dataset_writes_the_same_schema_without_an_endpoint(tmp_path: Pat
     assert row["finish_reasons"] == [] and row["cost"] is None and row["truncated"] is False
 
 
+@pytest.mark.integration
 def test_rate_limit_paces_requests(server: FaultServer, tmp_path: Path):
     cfg, spec = config(server.url, requests_per_minute=600.0), spec_for(max_turns=1)
     store = LocalStore(tmp_path / "store")

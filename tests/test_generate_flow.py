@@ -21,7 +21,8 @@ from flows.generate import generate_all
 from tests.fault_server import FaultServer, status
 
 pytest_plugins = ("tests.prefect_support",)
-pytestmark = pytest.mark.usefixtures("prefect_harness")  # one harness for every flow module
+# integration: a Prefect test server and a local endpoint (one harness for every flow module)
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_harness")]
 
 
 def _source(path: Path, prefix: str, n: int) -> SourceSpec:

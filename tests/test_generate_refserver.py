@@ -16,6 +16,8 @@ from aerie.manifest import StageDir
 from aerie.store import LocalStore
 from tests.refserver_support import launch, wait_ready
 
+pytestmark = pytest.mark.integration  # a reference server process
+
 
 @pytest.mark.slow
 def test_regenerates_with_the_reference_server(smollm2, tmp_path: Path):

@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from aerie.datasets import SourceSpec
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
 from aerie.generate.output import read_conversations
 from aerie.generate.stage import run
 from aerie.store import StoreConfig, open_store
 from tests.fault_server import FaultServer
+
+pytestmark = pytest.mark.integration  # a moto S3 server
 
 pytest_plugins = ("tests.s3_support",)
 

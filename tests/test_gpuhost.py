@@ -93,6 +93,7 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.integration
 def test_stage_splits_into_bundles_that_reassemble(staged: Path, tmp_path: Path) -> None:
     index = json.loads((staged / "bundle-1" / gpuhost.CONTENTS).read_text())
     bundles = sorted(staged.glob("bundle-*"))
@@ -143,6 +144,7 @@ def test_stage_splits_into_bundles_that_reassemble(staged: Path, tmp_path: Path)
         }
 
 
+@pytest.mark.integration
 def test_install_and_env_redirect_imports(staged: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     assert gpuhost_cli("install", "--home", str(home)).returncode == 1  # nothing unpacked yet
@@ -166,6 +168,7 @@ def test_install_and_env_redirect_imports(staged: Path, tmp_path: Path) -> None:
     assert cache == str(home / "cache")
 
 
+@pytest.mark.integration
 def test_an_unusable_host_environment_is_a_host_setup_error(tmp_path: Path) -> None:
     """The import check runs in a child with the host's environment; a module it cannot import is a
     HostSetupError (an AerieError, which the CLI prints as one line) naming the module and the home."""
@@ -271,6 +274,7 @@ def _stage_lines(stdout: str) -> dict[str, str]:
 
 
 @needs_pipeline
+@pytest.mark.integration
 def test_run_packs_out_and_a_fresh_home_resumes_from_it(smollm2, staged: Path, tmp_path: Path) -> None:
     first_home, second_home = tmp_path / "host-1", tmp_path / "host-2"
     unpack_all(staged, first_home)
@@ -300,6 +304,7 @@ def test_run_packs_out_and_a_fresh_home_resumes_from_it(smollm2, staged: Path, t
 
 
 @needs_pipeline
+@pytest.mark.integration
 def test_run_stops_at_its_budget_and_tears_the_server_down(smollm2, staged: Path, tmp_path: Path) -> None:
     home, port = tmp_path / "host", free_port()
     unpack_all(staged, home)

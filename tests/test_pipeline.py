@@ -28,6 +28,8 @@ from aerie.settings import get_settings
 from tests import pipeline_support
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.integration  # a Prefect server process and reference servers
+
 pytest_plugins = ("tests.prefect_support", "tests.webhook_support")
 
 REPO = Path(__file__).resolve().parents[1]

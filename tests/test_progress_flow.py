@@ -15,7 +15,8 @@ from aerie.progress import eta_text
 from flows.reporting import prefect_progress
 
 pytest_plugins = ("tests.prefect_support",)
-pytestmark = pytest.mark.usefixtures("prefect_harness")
+# integration: a Prefect test server
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("prefect_harness")]
 
 
 @flow(name="progress-probe")

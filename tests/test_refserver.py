@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 from aerie.fp8 import dequantize_fp8, quantize_fp8, scale_values
 from tests.refserver_support import RefServer, launch, wait_ready
 
+pytestmark = pytest.mark.integration  # a reference server process
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -69,12 +69,14 @@ def started(smollm2, tmp_path_factory: pytest.TempPathFactory):
         srv.stop()
 
 
+@pytest.mark.integration
 def test_port_is_bound_only_after_the_weights_are_loaded(started) -> None:
     _, seen = started
     assert seen["refused"] > 0
     assert seen["loaded_at_first_connect"] is True
 
 
+@pytest.mark.integration
 def test_health_generate_is_503_until_the_warm_up_succeeds(started) -> None:
     srv, seen = started
     assert seen["codes"] == [503, 200]
@@ -82,6 +84,7 @@ def test_health_generate_is_503_until_the_warm_up_succeeds(started) -> None:
     assert httpx.get(srv.url + "/ready").status_code == 200
 
 
+@pytest.mark.integration
 def test_startup_log_lines_are_in_sglang_format_and_order(started) -> None:
     srv, _ = started
     log = srv.log()
@@ -103,6 +106,7 @@ def test_startup_log_lines_are_in_sglang_format_and_order(started) -> None:
     assert positions == sorted(positions)
 
 
+@pytest.mark.integration
 def test_identity_endpoints_echo_the_launch(started, smollm2) -> None:
     srv, _ = started
     info = httpx.get(srv.url + "/server_info").json()
@@ -114,6 +118,7 @@ def test_identity_endpoints_echo_the_launch(started, smollm2) -> None:
     assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == "smol-test"
 
 
+@pytest.mark.integration
 def test_serve_mode_refuses_hidden_states_and_answers_prefill_only(started, tmp_path: Path) -> None:
     srv, _ = started
     reply = httpx.post(
@@ -138,6 +143,7 @@ def _long_chat(srv: RefServer, out: dict) -> None:
     out["reply"] = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=300)
 
 
+@pytest.mark.integration
 def test_sigterm_drains_in_flight_requests_then_exits_0(started) -> None:
     """Runs last in this module: it ends the module's server."""
     srv, _ = started
@@ -221,6 +227,7 @@ def test_speculative_flags_fail_clearly_until_the_backend_exists(smollm2, tmp_pa
     assert "Load weight begin" not in done.stderr  # refused before any loading
 
 
+@pytest.mark.integration
 def test_out_of_range_aux_layers_fail_before_loading(smollm2) -> None:
     done = _run_cli("--model-path", smollm2.path, "--aux-layers", "2", "15", "30")
     assert done.returncode == 2

@@ -1,5 +1,5 @@
 """Server lifecycle against real processes: `fake_servers/sglang_like.py` starts, fails and answers the
-way SGLang does, on real ports. Each scenario of the seed must end in the right error with the
+way SGLang does, on real ports. Each fault of a bash wait loop must end in the right error with the
 server's own words, and every server must be gone afterwards (process group, port, /dev/shm)."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_reference_spec_passes_the_nonce_and_the_extraction_mode(tmp_path: Path)
 def test_deadline_grows_with_the_model_size() -> None:
     kimi_int4 = 595 * 10**9
     assert startup_deadline(kimi_int4, "sglang") == pytest.approx(600 + 595e9 / 200e6)
-    assert startup_deadline(kimi_int4, "sglang") > 15 * 60  # the seed's fixed ceiling was too short
+    assert startup_deadline(kimi_int4, "sglang") > 15 * 60  # a fixed 15-minute ceiling is too short
     assert startup_deadline(None, "sglang") == 3600
 
 
@@ -250,6 +250,7 @@ def dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.integration
 def test_shm_sweep_removes_dead_pid_segments_and_keeps_the_rest(tmp_path: Path) -> None:
     dead, live = dead_pid(), os.getpid()
     names = {
@@ -281,7 +282,8 @@ def test_shm_sweep_can_be_limited_to_named_segments(tmp_path: Path) -> None:
 # -- interpreter check --------------------------------------------------------------------------
 
 
-def test_the_seeds_wrong_interpreter_is_named_with_its_module() -> None:
+@pytest.mark.integration
+def test_the_system_python_without_sglang_is_named_with_its_module() -> None:
     if not Path("/usr/bin/python3").exists():
         pytest.skip("no /usr/bin/python3 on this machine")
     with pytest.raises(ServerLaunchError) as err:
@@ -290,6 +292,7 @@ def test_the_seeds_wrong_interpreter_is_named_with_its_module() -> None:
     assert "No module named" in str(err.value)
 
 
+@pytest.mark.integration
 def test_missing_interpreter_and_a_working_one() -> None:
     with pytest.raises(ServerLaunchError, match=r"interpreter '/nonexistent/bin/python' not found"):
         check_interpreter("/nonexistent/bin/python", "aerie.refserver")
@@ -299,6 +302,7 @@ def test_missing_interpreter_and_a_working_one() -> None:
 # -- scenarios with real processes --------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_ready_then_teardown_leaves_nothing(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
     (dumps / "batch-0").mkdir(parents=True)
@@ -320,6 +324,7 @@ def test_ready_then_teardown_leaves_nothing(tmp_path: Path) -> None:
     assert_gone(launcher, spec.port)
 
 
+@pytest.mark.integration
 def test_wrong_interpreter_fails_before_any_launch(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path)
     spec = spec.with_(
@@ -336,6 +341,7 @@ def test_wrong_interpreter_fails_before_any_launch(tmp_path: Path) -> None:
         ModelServer(missing).start()
 
 
+@pytest.mark.integration
 def test_crash_while_loading_is_reported_with_the_servers_own_error(tmp_path: Path) -> None:
     spec = fake_spec(
         tmp_path,
@@ -358,6 +364,7 @@ def test_crash_while_loading_is_reported_with_the_servers_own_error(tmp_path: Pa
     assert_gone(server.launcher, spec.port)
 
 
+@pytest.mark.integration
 def test_a_stale_server_on_the_port_is_refused_and_named(tmp_path: Path) -> None:
     port = free_port()
     stale = start_stale_server(port, tmp_path / "stale.log", weight_version="run-stale-0001")
@@ -375,6 +382,7 @@ def test_a_stale_server_on_the_port_is_refused_and_named(tmp_path: Path) -> None
         stale.wait()
 
 
+@pytest.mark.integration
 def test_a_port_bound_by_something_else_is_refused_and_named(tmp_path: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -386,6 +394,7 @@ def test_a_port_bound_by_something_else_is_refused_and_named(tmp_path: Path) -> 
     assert f"pid {os.getpid()}" in str(err.value)  # the owner, when the system lets us see it
 
 
+@pytest.mark.integration
 def test_a_server_killed_during_the_wait_is_reported(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path, "--shards", "4", "--shard-seconds", "0.3", "--hang-at-shard", "2")
     server = ModelServer(spec)
@@ -403,6 +412,7 @@ def test_a_server_killed_during_the_wait_is_reported(tmp_path: Path) -> None:
     assert_gone(server.launcher, spec.port)
 
 
+@pytest.mark.integration
 def test_a_child_keeping_the_port_after_its_parent_exits_is_named_and_ended(tmp_path: Path) -> None:
     """The main process binds, leaves a child holding the port (in its own session, deaf to SIGTERM,
     so neither the group kill nor SIGTERM reaches it) and exits. The crash names the port and the
@@ -426,6 +436,7 @@ def test_a_child_keeping_the_port_after_its_parent_exits_is_named_and_ended(tmp_
     assert_gone(server.launcher, spec.port)
 
 
+@pytest.mark.integration
 def test_a_start_past_the_deadline_fails_with_the_last_progress(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path, "--shards", "2", "--hang-at-shard", "1", startup_timeout_s=2.0)
     server = ModelServer(spec)
@@ -438,6 +449,7 @@ def test_a_start_past_the_deadline_fails_with_the_last_progress(tmp_path: Path) 
     assert_gone(server.launcher, spec.port)
 
 
+@pytest.mark.integration
 def test_a_server_echoing_another_nonce_is_rejected(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path, "--report-weight-version", "run-someone-else")
     server = ModelServer(spec)
@@ -448,6 +460,7 @@ def test_a_server_echoing_another_nonce_is_rejected(tmp_path: Path) -> None:
     assert_gone(server.launcher, spec.port)
 
 
+@pytest.mark.integration
 def test_a_fatal_startup_line_fails_even_if_the_process_lingers(tmp_path: Path) -> None:
     line = "Initialization failed. warmup error: AssertionError: res=<Response [502]>"
     spec = fake_spec(tmp_path, "--fatal-line", line)
@@ -456,12 +469,14 @@ def test_a_fatal_startup_line_fails_even_if_the_process_lingers(tmp_path: Path) 
     assert "cause: [" in str(err.value) and line in str(err.value)
 
 
+@pytest.mark.integration
 def test_old_servers_without_health_generate_use_health(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path, "--no-health-generate")
     with ModelServer(spec) as server:
         assert server.health_endpoint == "/health"
 
 
+@pytest.mark.integration
 def test_a_stubborn_server_is_killed_with_its_group_and_its_segments_swept(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     spec = fake_spec(tmp_path, "--ignore-sigterm", "--child", "--shm-dir", str(shm), grace_s=0.5)
@@ -479,6 +494,7 @@ def test_a_stubborn_server_is_killed_with_its_group_and_its_segments_swept(tmp_p
     assert_gone(server.launcher, spec.port)
 
 
+@pytest.mark.integration
 def test_a_failing_canary_fails_the_launch_and_tears_down(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path)
 
@@ -492,6 +508,7 @@ def test_a_failing_canary_fails_the_launch_and_tears_down(tmp_path: Path) -> Non
     assert_gone(server.launcher, spec.port)
 
 
+@pytest.mark.integration
 def test_a_server_dying_under_its_canary_is_a_crash_after_ready(tmp_path: Path) -> None:
     """The canary's request failed because the server died: that says nothing about its hidden states.
     The launch reports the crash, marked `after_ready` (the extraction worker restarts such a server)."""
@@ -511,6 +528,7 @@ def test_a_server_dying_under_its_canary_is_a_crash_after_ready(tmp_path: Path) 
     assert_gone(server.launcher, spec.port)
 
 
+@pytest.mark.integration
 def test_keyboard_interrupt_during_the_wait_tears_down(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path, "--shards", "3", "--hang-at-shard", "2")
     server = ModelServer(spec)
@@ -526,6 +544,7 @@ def test_keyboard_interrupt_during_the_wait_tears_down(tmp_path: Path) -> None:
     assert_gone(server.launcher, spec.port)
 
 
+@pytest.mark.integration
 def test_check_alive_reports_a_crash_while_serving(tmp_path: Path) -> None:
     spec = fake_spec(tmp_path)
     with ModelServer(spec) as server:
@@ -552,6 +571,7 @@ with server:
 """
 
 
+@pytest.mark.integration
 def test_sigterm_to_the_orchestrator_tears_the_server_down(tmp_path: Path) -> None:
     """A cancelled flow run gets SIGTERM; the server, in its own session, must not outlive it."""
     root = str(Path(__file__).resolve().parents[1])
@@ -581,6 +601,7 @@ with server:
 """
 
 
+@pytest.mark.integration
 def test_a_server_left_by_a_killed_run_is_ended_by_the_next_launch(tmp_path: Path) -> None:
     """kill -9 of the orchestrator skips every teardown: its server (in its own session) keeps the port.
     The next launch on that port finds it marked as launched by a process that is gone, ends it, and

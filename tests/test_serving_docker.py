@@ -121,6 +121,7 @@ def engine_or_reason() -> str | None:
     return None
 
 
+@pytest.mark.integration
 def test_without_an_engine_the_launch_fails_before_any_wait(tmp_path: Path) -> None:
     reason = engine_or_reason()
     if reason is None:

@@ -13,7 +13,7 @@ from aerie.serving import ModelServer, ProcessLauncher, ServerConfig, port_is_fr
 from aerie.serving.launcher import live_group_members
 from tests.fake_servers.scenarios import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # a reference server process
 
 
 def refserver_available() -> bool:

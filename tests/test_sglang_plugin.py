@@ -102,6 +102,7 @@ def test_version_check():
         check_sglang_version(None, environ={})
 
 
+@pytest.mark.integration
 def test_launcher_refuses_to_start_without_the_pinned_sglang(tmp_path):
     # A real process: the entrypoint exits 2 with the reason before anything is launched.
     proc = subprocess.run(
@@ -241,6 +242,7 @@ def test_aux_capture_resolves_to_inputs_of_2_n2_n3_on_both_conventions():
 # ---- plugin registration ------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_entry_point_is_found_and_loads_install_in_a_child_process(tmp_path):
     site = register_plugin(tmp_path / "site")
     dump_dir = tmp_path / "dumps"

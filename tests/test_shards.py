@@ -157,7 +157,7 @@ def test_fp8_is_half_the_bytes_of_bf16(tmp_path, samples):
 )
 def test_fp8_bytes_per_token_against_bf16_layouts(hidden, vocab, vs_own, vs_peers):
     """fp8 against aerie's own bf16 shards and against the bf16 that SpecForge stores (int64 ids and
-    int64 loss mask beside the states: 16 bytes a token, ../shared/research/eagle3-anchors.md)."""
+    int64 loss mask beside the states: 16 bytes a token)."""
     fp8 = bytes_per_token("fp8", hidden, vocab)
     assert fp8 == 4 * hidden + 4 + (2 if vocab <= 65536 else 4) + 1
     assert round(fp8 / bytes_per_token("bf16", hidden, vocab), 5) == vs_own

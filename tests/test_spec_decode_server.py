@@ -14,6 +14,8 @@ from aerie.evaluate.spec_decode import greedy_reference
 from tests.evaluate_support import random_drafter
 from tests.refserver_support import launch, wait_ready
 
+pytestmark = pytest.mark.integration  # a reference server process
+
 MAX_NEW = 10
 
 

@@ -34,7 +34,8 @@ class Interrupted(Exception):
     """Raised by a progress callback to cut a transfer short."""
 
 
-@pytest.fixture(params=["local", "s3"])
+# The S3 store runs against a moto server: those cases are integration tests.
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.integration)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArtifactStore:
     if request.param == "local":
         return open_store(str(tmp_path / "artifacts"))
@@ -235,6 +236,7 @@ def test_upload_cancelled_by_progress_callback_leaves_nothing(store: ArtifactSto
     assert_nothing_left(store, "run/keep.bin", b"version 1")
 
 
+@pytest.mark.integration
 def test_s3_connection_lost_mid_upload_leaves_nothing(s3_config: StoreConfig, big_file: Path) -> None:
     """Part 2 never gets through (the connection drops on every attempt): retries run out, the
     multipart upload is aborted, and the error says which object and what to check. The first time,
@@ -379,6 +381,7 @@ def test_open_store_picks_the_backend(tmp_path: Path) -> None:
 # -- S3 only: what a LocalStore cannot get wrong ----------------------------------------------------
 
 
+@pytest.mark.integration
 def test_s3_dead_endpoint_is_a_clear_error(s3_server: StoreConfig, tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     store = S3Store(
@@ -401,6 +404,7 @@ def test_s3_dead_endpoint_is_a_clear_error(s3_server: StoreConfig, tmp_path: Pat
         assert os.environ["AWS_ACCESS_KEY_ID"] not in message
 
 
+@pytest.mark.integration
 def test_s3_missing_bucket_is_named(s3_server: StoreConfig) -> None:
     store = S3Store(s3_server.model_copy(update={"uri": "s3://no-such-aerie-bucket/p"}))
     with pytest.raises(StoreError, match="bucket 'no-such-aerie-bucket' does not exist"):
@@ -409,6 +413,7 @@ def test_s3_missing_bucket_is_named(s3_server: StoreConfig) -> None:
         store.put_bytes("run/manifest.json", b"{}")
 
 
+@pytest.mark.integration
 def test_s3_sweeps_uploads_a_killed_process_left(s3_config: StoreConfig) -> None:
     store = S3Store(s3_config)
     client = raw_client(s3_config)
@@ -424,6 +429,7 @@ def test_s3_sweeps_uploads_a_killed_process_left(s3_config: StoreConfig) -> None
     assert not store.exists("run/shard.bin")
 
 
+@pytest.mark.integration
 def test_s3_source_changed_during_upload_is_refused(s3_config: StoreConfig, tmp_path: Path) -> None:
     """The sha256 is computed before the upload starts (S3 metadata is fixed at its start); a file
     still being written meanwhile would get a digest that does not describe it."""
@@ -442,6 +448,7 @@ def test_s3_source_changed_during_upload_is_refused(s3_config: StoreConfig, tmp_
     assert not store.exists("run/growing.bin")
 
 
+@pytest.mark.integration
 def test_s3_object_replaced_during_download_is_refused(s3_config: StoreConfig, tmp_path: Path) -> None:
     """Ranged GETs are pinned to the ETag whose sha256 was read: a writer replacing the object
     between two parts makes the download fail instead of mixing two objects."""
@@ -462,6 +469,7 @@ def test_s3_object_replaced_during_download_is_refused(s3_config: StoreConfig, t
     assert replaced and not dest.exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_an_unreachable_store_is_an_error_never_not_cached(s3_server: StoreConfig) -> None:
     """The cache probe (`StageDir.manifest`) with the default retry settings: an endpoint where nothing
     listens raises, naming endpoint and bucket, instead of answering "not cached"."""
@@ -475,6 +483,7 @@ def test_an_unreachable_store_is_an_error_never_not_cached(s3_server: StoreConfi
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in message
 
 
+@pytest.mark.integration
 def test_an_endpoint_that_accepts_and_never_answers_fails_on_first_contact(s3_server: StoreConfig) -> None:
     with socket.socket() as silent:  # the kernel accepts connections into the backlog; nobody reads
         silent.bind(("127.0.0.1", 0))

@@ -466,6 +466,7 @@ def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
     assert again.cache_hit and again.key == result.key and again.figures == result.figures
 
 
+@pytest.mark.integration
 def test_stage_on_s3_downloads_shards_and_uploads_everything(tiny, tmp_path, s3_config: StoreConfig) -> None:
     """An S3 store (a real moto server): shards are downloaded once into the cache, results go back to S3."""
     target, train, held = tiny
@@ -584,6 +585,7 @@ def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_co
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_torchrun_workers_train_with_ddp(tiny, tmp_path) -> None:
     """num_gpus=2 on a CPU host: two gloo ranks under torchrun, records tailed, checkpoints uploaded."""
     target, train, held = tiny

@@ -23,6 +23,8 @@ from aerie.train.config import TrainConfig
 from tests.conftest import free_port
 from tests.extract_support import corpus_rows, write_corpus
 
+pytestmark = pytest.mark.integration  # a reference server process
+
 
 @pytest.mark.slow
 def test_train_on_embedded_default_shards(tmp_path, smollm2):

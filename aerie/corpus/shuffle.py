@@ -1,6 +1,6 @@
 """Deterministic split and shuffle by content hash, done as an external shuffle in bounded memory.
 
-Every conversation's place follows from its content hash and the seed alone: a keyed hash decides
+Every conversation's place follows from its content hash and the split seed alone: a keyed hash decides
 train or eval, another gives its shuffle key. Adding data therefore moves no existing conversation
 to the other split and keeps the relative order of the old ones. Output shard b of a split holds the
 keys in [b, b+1) / n_buckets of the key range, so the shards concatenated are sorted by key: a global

@@ -1,6 +1,6 @@
 """The extraction canary: one real corpus sample proves the server writes the right hidden states.
 
-HTTP 200 proves nothing about hidden states (the seed's lesson). After readiness, before any shard is
+HTTP 200 proves nothing about hidden states. After readiness, before any shard is
 written, the canary extracts one sample and checks:
 
 - the dump exists, with `aux_hidden [T, 3H]`, `last_hidden [T, H]`, a float dtype, finite values and

@@ -1,6 +1,6 @@
 """Disk preflight: refuse, with the numbers, before launching anything.
 
-The seed's run wrote 924 GB of hidden states for 10K samples and freed disk by hand. Here the bytes are
+An extraction can write hundreds of GB of hidden states (924 GB for 10K long samples). Here the bytes are
 estimated up front from the corpus token count and the target's hidden size, and compared with the
 free space of every filesystem the stage writes to: the local work dir (dumps in flight and shards
 until uploaded) and, for a local artifact store, the store's filesystem (the uploaded shards).

@@ -1,4 +1,4 @@
-"""The dump contract shared by every extraction server (issue 6).
+"""The dump contract shared by every extraction server.
 
 For a `/generate` request with rid R and `max_new_tokens: 0` the server writes
 `<dump_dir>/R.safetensors` holding `input_ids [T]` (int32), `aux_hidden [T, kH]` and

@@ -1,6 +1,6 @@
 """Packed prefill: many sequences in ONE forward row, no padding, each attending only to itself.
 
-Extraction throughput is set by how few wasted FLOPs a batch carries (issue 6: packed full batches
+Extraction throughput is set by how few wasted FLOPs a batch carries (packed full batches
 run ~4x faster than padded length-sorted ones on an H200). The sequences of a batch are concatenated
 into a single row `[1, sum(T_i)]` with positions restarting at 0 per sequence; every projection and
 MLP then runs on real tokens only. Attention must not cross sequences, so the model runs with a

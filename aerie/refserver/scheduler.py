@@ -13,7 +13,7 @@ owns the model (no locks around torch state, no interleaved KV caches) and loops
 slow extraction says whether the forward, the copies, the dump writers or the feed sets its pace.
 
 `last_progress` records when a model step last completed: `/health` is healthy when any step
-completes after the probe started, the signal SGLang uses (research/sglang.md §2.2).
+completes after the probe started, the signal SGLang uses.
 """
 
 from __future__ import annotations

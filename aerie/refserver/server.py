@@ -332,7 +332,7 @@ class _DrainingServer:
             body = {"text": "The capital city of France is"}
         body["sampling_params"] = {"temperature": 0, "max_new_tokens": 8}
         # trust_env=False: a proxy from the environment must not intercept a request to ourselves
-        # (SGLang issue #9814: warm-up 502s through http_proxy).
+        # (SGLang's warm-up answered 502 through an http_proxy).
         async with httpx.AsyncClient(trust_env=False, timeout=600) as client:
             reply = await client.post(f"http://{host}:{args.port}/generate", json=body)
         if reply.status_code != 200:

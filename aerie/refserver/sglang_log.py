@@ -1,6 +1,6 @@
 """Startup and serving log lines in SGLang's exact format.
 
-aerie's readiness probe turns SGLang's startup lines into progress (research/sglang.md §3). The
+aerie's readiness probe turns SGLang's startup lines into progress. The
 reference server prints the same lines, in the same format, so that parser is exercised for real:
 `[2026-01-01 00:00:00] Load weight begin. avail mem=...`, the tqdm shard bar with SGLang's
 `BAR_FORMAT`, `KV Cache is allocated...`, uvicorn's lines, `The server is fired up and ready to roll!`.

@@ -2,7 +2,7 @@
 
 Why it exists: `BatchedDecoder` keeps transformers' DynamicCache, which copies every layer's whole
 cache when a request joins (left pad + concatenate) or leaves (index select), and grows it by
-concatenation at every step. (The capstone's generation on an H200, ~1.5K tokens/s, was mostly lost
+concatenation at every step. (The `smollm2-gpu` preset's generation on an H200, ~1.5K tokens/s, was mostly lost
 to cuDNN attention plans, since kept off: `aerie.targets.avoid_cudnn_attention`; the copies and the
 per-admission cost came next.) Here:
 

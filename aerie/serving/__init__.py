@@ -4,7 +4,7 @@
     with ModelServer(spec, progress=progress, canary=canary) as server:
         ...  # server.url, server.info
 
-See `aerie.serving.server` for how each fault of the seed's wait loop is handled.
+See `aerie.serving.server` for how each fault of a bash wait loop is handled.
 """
 
 from aerie.serving.config import ServerConfig

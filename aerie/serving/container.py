@@ -1,6 +1,6 @@
 """`DockerLauncher`: the server as a container (SGLang's official image plus aerie's plugin).
 
-The request mirrors SGLang's documented `docker run` (research/sglang.md §1.3): GPUs through a device
+The request mirrors SGLang's documented `docker run`: GPUs through a device
 request, `--shm-size`, `--ipc=host`, the HTTP port published on the host, the HF cache and the dump dir
 mounted. The container gets a unique name and an `aerie.run=<nonce>` label so a leftover one can be
 found and removed; its logs are streamed by a thread into the same log file the process launcher
@@ -135,7 +135,7 @@ class DockerLauncher(Launcher):
             self._check_interpreter(spec)
 
     def _check_interpreter(self, spec: ServerSpec) -> None:
-        """The seed's `No module named sglang.launch_server`, caught inside the image before the launch."""
+        """A `No module named sglang.launch_server`, caught inside the image before the launch."""
         errors = _errors()
         assert spec.interpreter is not None and spec.module is not None and spec.image is not None
         request = run_kwargs(spec)

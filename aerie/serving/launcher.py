@@ -115,7 +115,7 @@ def check_interpreter(
 ) -> str:
     """Prove that `python` exists and can import `module`; return the interpreter's sys.executable.
 
-    The seed launched `/usr/bin/python3 -m sglang.launch_server`, which died at once with
+    A bash wait loop that launched `/usr/bin/python3 -m sglang.launch_server` died at once with
     `No module named sglang.launch_server` while its wait loop polled on for minutes. Here that is a
     `ServerLaunchError` before any wait, naming the interpreter and the module.
     """
@@ -153,7 +153,7 @@ def check_interpreter(
 class ProcessLauncher(Launcher):
     """The server as a local process in its own session, so its whole process group can be killed.
 
-    SGLang's schedulers can be reparented away from the launcher (research/sglang.md §2.6), so a walk
+    SGLang's schedulers can be reparented away from the launcher, so a walk
     of the launcher's children misses them; `killpg` of the session's group does not.
     """
 

@@ -1,6 +1,6 @@
 """What answers on a port: the free-port check, health and identity probes over HTTP.
 
-The seed's loop took "curl /health said 200" as "my server is up". Here the port must be free before
+A bash wait loop takes "curl /health said 200" as "my server is up". Here the port must be free before
 the launch (SGLang binds HTTP only after loading, so a stale server would otherwise answer for the
 whole load), health means `/health_generate` 200, and identity means `/server_info` echoes the nonce
 this launch passed as `--weight-version`.

@@ -4,9 +4,9 @@
         client = httpx.Client(base_url=server.url)
         ...
 
-Each fault of the seed's wait loop has its answer here:
+Each fault of a bash wait loop (poll `/health` until it answers) has its answer here:
 
-| seed (bash loop, research/sglang.md and seed/) | here |
+| bash wait loop | here |
 |---|---|
 | wrong interpreter: dies at once, loop polls on | `ServerLaunchError` from the preflight, before any wait |
 | a stale server answers `/health` 200 | the port must be free before the launch (`PortInUseError`) |

@@ -140,7 +140,7 @@ def startup_deadline(
 
     reference: 120 s + size / 200 MB/s (SmolLM2-135M, 270 MB: ~121 s; the fixed part covers the torch
     import and warm-up on a busy 2-core machine). sglang: 600 s + size / 200 MB/s (Kimi-K2.5 INT4,
-    ~595 GB: ~56 min; the seed's 15-minute loop would have given up on such a load). Unknown size
+    ~595 GB: ~56 min; a fixed 15-minute wait would have given up on such a load). Unknown size
     (a hub id not on local disk): one hour. `ServerConfig.startup_timeout_s` overrides all of this.
     """
     if size_bytes is None:

@@ -1,7 +1,7 @@
 """Turn a starting server's log into progress and fatal errors, reading the file as it grows.
 
 SGLang (and aerie's reference server, which copies its format) prints startup stages as log lines
-and tqdm bars that redraw with `\\r` (research/sglang.md §3). `LogTail` reads the new bytes of the log
+and tqdm bars that redraw with `\\r` (SGLang's startup log). `LogTail` reads the new bytes of the log
 file and splits them on both `\\r` and `\\n`; `StartupLog` maps each piece to a fraction of the start,
 so a 40-minute load of a 1T-parameter model shows where it is instead of "Waiting... 600s".
 """
@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-# Weights of the stages in the whole start (research/sglang.md §3, "suggested progress weights"):
+# Weights of the stages in the whole start (their share of a typical start):
 # shards 5-80 %, KV cache 85 %, CUDA graphs 86-95 %, HTTP up 97 %, fired up 99 % (100 % is reserved
 # for the moment aerie has verified health and identity).
 _SHARDS = re.compile(

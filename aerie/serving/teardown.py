@@ -1,8 +1,8 @@
 """What a killed server leaves behind, and how to clear it: its port, `/dev/shm` segments, dump files.
 
 SGLang is torn down with SIGKILL (`kill_process_tree`, PDEATHSIG), which skips every Python-level
-unlink, so `/dev/shm` fills until the next scheduler dies with SIGBUS (research/sglang.md §2.6). SGLang
-sweeps only in its CI; the seed cleared it by hand. Segments named after their creator's pid are
+unlink, so `/dev/shm` fills until the next scheduler dies with SIGBUS. SGLang
+sweeps only in its CI; otherwise it is cleared by hand. Segments named after their creator's pid are
 safe to remove once that pid is dead; those are the only ones swept here.
 """
 

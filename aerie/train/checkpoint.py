@@ -7,7 +7,7 @@ A checkpoint is a directory written to a temp name and renamed, so a half-writte
     step-00000500/trainer.pt          TrainState, scheduler, RNG states, run and drafter config
     step-00000500/trainer.json        the same facts, readable
 
-The data position is the step itself: the epoch plans are a pure function of the seed (see data.py).
+The data position is the step itself: the epoch plans are a pure function of the training seed (see data.py).
 The stage uploads finished directories to the store and points `checkpoints/latest.json` at the newest.
 """
 
@@ -44,7 +44,7 @@ class TrainState:
     best_step: int = -1
     # Wall seconds spent reaching `step`, summed over every run that contributed (each run's start-up
     # included; steps redone after a resume count in the run that redid them): a training that spans
-    # several budgeted calls reports its whole time, not the last call's.
+    # several budgeted runs reports its whole time, not the last run's.
     elapsed_s: float = 0.0
     runs: int = 1
 

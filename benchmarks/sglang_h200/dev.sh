@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device side: rebuild SGLang 0.5.23's set from the carried parts, check it, run the measurements.
+# Device side: rebuild SGLang 0.5.23's set from the copied parts, check it, run the measurements.
 #   bash dev.sh install   (in /tmp/parts: S.tgz scripts+aerie+corpus, G.* the GGUF, A.* SGLang's set as tar.zst parts)
 #   bash dev.sh extract OUT | serve OUT
 set -u
@@ -46,17 +46,17 @@ PY
   echo "install done in $(( $(date +%s) - t0 )) s"
   ;;
 extract)
-  OUT=$2; shift 2
-  timeout 560 python3 /tmp/small/scripts/sgl_extract.py --out $OUT --corpus /tmp/small/corpus.npz \
-    --sglang-args "--dtype bfloat16 --attention-backend fa3 --max-prefill-tokens 65536 --disable-cuda-graph --mem-fraction-static 0.7 --log-level info" "$@" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tee $OUT/extract.log
-  ls /tmp/aerie-servers/ 2>/dev/null && tail -n 60 /tmp/aerie-servers/*.log > $OUT/servers-tail.log 2>/dev/null
+  out=$2; shift 2
+  timeout 560 python3 /tmp/small/scripts/sgl_extract.py --out $out --corpus /tmp/small/corpus.npz \
+    --sglang-args "--dtype bfloat16 --attention-backend fa3 --max-prefill-tokens 65536 --disable-cuda-graph --mem-fraction-static 0.7 --log-level info" "$@" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tee $out/extract.log
+  ls /tmp/aerie-servers/ 2>/dev/null && tail -n 60 /tmp/aerie-servers/*.log > $out/servers-tail.log 2>/dev/null
   ;;
 serve)
-  OUT=$2; shift 2
+  out=$2; shift 2
   M=$(ls -d /tmp/aerie-cache/targets/smollm2-135m-instruct-*/ | head -1)
   D=/tmp/drafter-trained; [ -f $D/config.json ] || D=/tmp/small/drafter-test
   echo "model $M drafter $D"
-  timeout 560 python3 /tmp/small/scripts/sgl_serve.py --out $OUT --model $M --drafter $D --prompts /tmp/small/prompts.json \
-    --sglang-args "--dtype bfloat16 --attention-backend fa3 --mem-fraction-static 0.6 --cuda-graph-max-bs-decode 32 --max-running-requests 64 --log-level info" "$@" 2>&1 | tee $OUT/serve.log
+  timeout 560 python3 /tmp/small/scripts/sgl_serve.py --out $out --model $M --drafter $D --prompts /tmp/small/prompts.json \
+    --sglang-args "--dtype bfloat16 --attention-backend fa3 --mem-fraction-static 0.6 --cuda-graph-max-bs-decode 32 --max-running-requests 64 --log-level info" "$@" 2>&1 | tee $out/serve.log
   ;;
 esac

@@ -69,7 +69,7 @@ def fake_spec(
 def start_stale_server(
     port: int, log_path: Path, weight_version: str = "run-stale"
 ) -> subprocess.Popen[bytes]:
-    """A server already answering on `port` (the one the seed forgot to kill); returns once it is up."""
+    """A server already answering on `port` (one a bash wait loop forgot to kill); returns once it is up."""
     proc = subprocess.Popen(
         fake_command(port, weight_version, "--shard-seconds", "0", "--warmup-seconds", "0"),
         cwd=TESTS_DIR,

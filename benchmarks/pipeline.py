@@ -1,14 +1,14 @@
-"""The capstone record: one pipeline run's figures, read from its stage manifests.
+"""The pipeline record: one end-to-end run's figures, read from its stage manifests.
 
     .venv/bin/python -m tools.gpuhost restore --home /tmp/h .stage/state
-    .venv/bin/python benchmarks/capstone.py --home /tmp/h --run smollm2-gpu \
+    .venv/bin/python benchmarks/pipeline.py --home /tmp/h --run smollm2-gpu \
         --machine "one NVIDIA H200 ..." --command "how the stages were run" [--note TEXT ...]
 
 The stages ran on the GPU host (`python -m tools.gpuhost run`, docs/gpu-host.md), which packs their
 manifests out; nothing here measures anything. Every figure is copied from a manifest the stage
 wrote, with each stage's own wall time (`seconds`), so the record cannot drift from what ran. Writes
-benchmarks/results/h200-pipeline.json and copies the evaluate and deploy reports and the plots into
-benchmarks/results/h200/.
+benchmarks/results/pipeline-h200.json and copies the evaluate and deploy reports and the plots into
+benchmarks/results/pipeline-h200/.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def newest_manifests(home: Path, run: str) -> dict[str, Path]:
 def stage_record(stage: str, m: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"key": m["key"], "wall_s": m.get("seconds"), "figures": m.get("figures", {})}
     if stage == "train":
-        # A training that spanned several budgeted calls: its wall time over all of them (manifests
-        # since session 7 carry it; the manifest's `seconds` is the last call's share).
+        # A training that spanned several budgeted runs: its wall time over all of them (newer manifests
+        # carry it; the manifest's `seconds` is the last run's share).
         out["wall_s"] = m["training"].get("wall_s") or out["wall_s"]
         out["last_run_s"] = m.get("seconds")
         out["best"] = m.get("best")
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--machine", required=True)
     ap.add_argument("--command", required=True, help="how the stages were run, for the record")
     ap.add_argument("--note", action="append", default=[])
-    ap.add_argument("--out", default=str(RESULTS / "h200-pipeline.json"))
+    ap.add_argument("--out", default=str(RESULTS / "pipeline-h200.json"))
     args = ap.parse_args()
 
     home = Path(args.home)
@@ -89,7 +89,7 @@ def main() -> None:
     walls_text = ", ".join(f"{s} {v['wall_s']:.0f} s" for s, v in stages.items())
     print(f"wrote {args.out}: {walls_text}")
 
-    figures_dir = RESULTS / "h200"
+    figures_dir = RESULTS / "pipeline-h200"
     figures_dir.mkdir(exist_ok=True)
     for stage, names in REPORTS.items():
         if stage not in manifests:
