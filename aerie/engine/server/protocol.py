@@ -163,8 +163,6 @@ class ChatCompletionBody(BaseModel):
 
     def to_params(self, *, max_new_tokens_cap: int) -> SamplingParams:
         _check_neutral(self.model_dump(), "request")
-        if self.stream:
-            raise RequestError("stream=true is not supported by the aerie reference server")
         if self.logprobs:
             raise RequestError("logprobs=true is not supported by the aerie reference server")
         wanted = self.max_completion_tokens or self.max_tokens or max_new_tokens_cap

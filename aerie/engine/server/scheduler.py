@@ -287,6 +287,15 @@ class Scheduler:
                 done.future.set_result(result)
         # Every request still running, and every one that just finished, produced one token.
         self.stats.generated_tokens += len(self._running) + len(finished)
+        self._stream()
+
+    def _stream(self) -> None:
+        """Hand each streamed request that is still running its tokens so far."""
+        if not any(item.request.stream is not None for item in self._running.values()):
+            return
+        for request, output_ids, meta in self.backend.partial():
+            if request.stream is not None:
+                request.stream(output_ids, meta)
 
     def _run_extraction(self, batch: list[_ExtractItem]) -> None:
         assert self.capture is not None

@@ -114,6 +114,14 @@ class SpeculativeBackend:
         dropped = [self.requests.pop(seq) for seq in self.decoder.abort_all() if seq in self.requests]
         return dropped + self.plain.abort_all()
 
+    def partial(self) -> list[tuple[GenRequest, list[int], dict[str, Any]]]:
+        spec = [
+            (self.requests[row.seq], list(row.generated), {"spec_verify_ct": row.verify_ct})
+            for row in self.decoder.rows
+            if row.seq in self.requests
+        ]
+        return spec + self.plain.partial()
+
     def _stops(self, request: GenRequest) -> frozenset[int]:
         p = request.params
         return frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos)
