@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from aerie.draft.export import export_drafter
+from aerie.engine.speculative.decoder import greedy_reference
 from aerie.evaluate.prompts import chat_prompt_ids
-from aerie.evaluate.spec_decode import greedy_reference
 from tests.evaluate_support import random_drafter
 from tests.refserver_support import launch, wait_ready
 

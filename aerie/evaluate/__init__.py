@@ -2,13 +2,10 @@
 
 Stage entry point: `run(cfg, store=..., run_name=..., target=..., drafter=..., corpus=...)` (stage
 `evaluate`; `entry.EVALUATE` in the pipeline). Serving the drafter is the deploy stage (`aerie.deploy`).
-Attributes load lazily so that importing the config does not pull in torch or transformers.
+Attributes load lazily so that importing the config does not pull in torch or transformers. The
+speculative decoder and its proposers live in `aerie.engine.speculative`.
 
     config.py         EvaluateConfig
-    spec_decode.py    SpecDecoder: batched greedy speculative decoding, acceptance accounting
-    prompt_lookup.py  the training-free n-gram proposer
-    eagle.py          the EAGLE-3 drafter as a batched proposer
-    spec_backend.py   the reference server's speculative mode (create_backend seam)
     prompts.py        MT-Bench and held-out prompts as token ids
     stage.py          run(): the offline evaluation stage
     entry.py          EVALUATE: the stage in the pipeline
@@ -21,10 +18,10 @@ from typing import Any
 
 _EXPORTS = {
     "run": "aerie.evaluate.stage",
-    "SpecDecoder": "aerie.evaluate.spec_decode",
-    "SpecStats": "aerie.evaluate.spec_decode",
-    "PromptLookupProposer": "aerie.evaluate.prompt_lookup",
-    "EagleProposer": "aerie.evaluate.eagle",
+    "SpecDecoder": "aerie.engine.speculative.decoder",
+    "SpecStats": "aerie.engine.speculative.decoder",
+    "PromptLookupProposer": "aerie.engine.speculative.prompt_lookup",
+    "EagleProposer": "aerie.engine.speculative.eagle",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,8 +4,8 @@
 (decode) and never looks inside. `BatchedDecoder` is the plain implementation: greedy or sampled
 decoding of a left-padded batch with a KV cache, where requests join a running batch between steps
 (their caches are left-padded to a common length and concatenated) and leave it as soon as they
-finish — continuous batching without paged memory. `aerie.evaluate.spec_decode` may provide an
-EAGLE-3 backend with the same interface (see `aerie.refserver.server.build_backend`).
+finish — continuous batching without paged memory. `aerie.engine.speculative.decoder` may provide an
+EAGLE-3 backend with the same interface (see `aerie.engine.server.lifecycle.build_backend`).
 
 Correctness rule (tested): a greedy request gives the same tokens in a batch as alone. Left padding
 with an attention mask and per-row positions (cumsum of the mask) makes padded rows exact up to

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from aerie.evaluate.eagle import EagleProposer
-from aerie.evaluate.spec_decode import SpecDecoder, SpecOutput
-from aerie.refserver.generation import BatchedDecoder, GenRequest, GenResult
+from aerie.engine.generation import BatchedDecoder, GenRequest, GenResult
+from aerie.engine.speculative.decoder import SpecDecoder, SpecOutput
+from aerie.engine.speculative.eagle import EagleProposer
 
 DEFAULT_NUM_STEPS = 3
 
@@ -27,7 +27,7 @@ def speculative_fits(request: GenRequest) -> bool:
 
 
 class SpeculativeBackend:
-    """`aerie.refserver.generation.GenerationBackend` with speculative decoding for greedy requests."""
+    """`aerie.engine.generation.GenerationBackend` with speculative decoding for greedy requests."""
 
     def __init__(
         self,

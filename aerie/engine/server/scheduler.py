@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from aerie.refserver.dump import write_dump
-from aerie.refserver.extraction import HiddenStateCapture, PackCapture
-from aerie.refserver.generation import GenerationBackend, GenRequest, GenResult
-from aerie.refserver.trace import PackTrace
+from aerie.engine.generation import GenerationBackend, GenRequest, GenResult
+from aerie.engine.server.dump import write_dump
+from aerie.engine.server.extraction import HiddenStateCapture, PackCapture
+from aerie.engine.server.trace import PackTrace
 
-logger = logging.getLogger("aerie.refserver")
+logger = logging.getLogger("aerie.engine")
 
 
 @dataclass

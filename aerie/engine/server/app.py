@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 import aerie
-from aerie.refserver.args import RefServerArgs, launch_command
-from aerie.refserver.dump import check_rid
-from aerie.refserver.generation import GenRequest, GenResult, SamplingParams
-from aerie.refserver.loader import LoadedModel
-from aerie.refserver.protocol import (
+from aerie.engine.generation import GenRequest, GenResult, SamplingParams
+from aerie.engine.server.args import RefServerArgs, launch_command
+from aerie.engine.server.dump import check_rid
+from aerie.engine.server.loader import LoadedModel
+from aerie.engine.server.protocol import (
     ChatCompletionBody,
     GenerateBody,
     RequestError,
@@ -39,8 +39,8 @@ from aerie.refserver.protocol import (
     error_body,
     validation_message,
 )
-from aerie.refserver.scheduler import Scheduler
-from aerie.refserver.sglang_log import logger
+from aerie.engine.server.scheduler import Scheduler
+from aerie.engine.server.sglang_log import logger
 
 Status = Literal["Starting", "Up", "Draining"]
 HEALTH_RID_PREFIX = "HEALTH_CHECK_"

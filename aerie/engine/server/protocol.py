@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from aerie.refserver.generation import SamplingParams
+from aerie.engine.generation import SamplingParams
 
 # Parameters SGLang accepts whose only supported value here is the neutral one.
 _NEUTRAL: dict[str, Any] = {
