@@ -202,14 +202,31 @@ def test_benchmark_summary_figures():
     from aerie.deploy.bench import RequestRecord, summarize
 
     records = [
-        RequestRecord(index=0, latency_s=1.0, completion_tokens=11, spec_verify_ct=4, output_ids=[]),
-        RequestRecord(index=1, latency_s=3.0, completion_tokens=21, spec_verify_ct=6, output_ids=[]),
+        RequestRecord(0, 1.0, 11, 4, [], ttft_s=0.5, itl_s=[0.05] * 10),
+        RequestRecord(1, 3.0, 21, 6, [], ttft_s=1.0, itl_s=[0.1] * 20),
     ]
-    level = summarize("speculative", 2, records, wall_s=4.0, ttft={0: 0.5, 1: 1.0})
+    level = summarize("speculative", 2, records, wall_s=4.0)
     assert level.output_tokens == 32 and level.output_tokens_per_s == 8.0
     assert level.accept_length == 32 / 10  # Σ completion / Σ verify, as SpecForge's benchmark
-    assert level.itl_p50_s == pytest.approx((0.05 + 0.1) / 2)  # (1.0-0.5)/10 and (3.0-1.0)/20
+    assert level.itl_p50_s == pytest.approx(0.1) and level.itl_p99_s == pytest.approx(0.1)  # per token
     assert level.ttft_p50_s == pytest.approx(0.75)
     # A server that reports no spec_verify_ct has no acceptance length.
-    plain = [RequestRecord(0, 1.0, 5, None, []), RequestRecord(1, 1.0, 5, None, [])]
-    assert summarize("baseline", 1, plain, 2.0, None).accept_length is None
+    plain = [RequestRecord(0, 1.0, 5, None, [], 0.2), RequestRecord(1, 1.0, 5, None, [], 0.2)]
+    assert summarize("baseline", 1, plain, 2.0).accept_length is None
+
+
+def test_streamed_chunks_time_each_token():
+    """A chunk's gap is shared by the tokens it brings (a speculative step brings several); the ids
+    add up whether the server sends them whole or only the new ones."""
+    from aerie.deploy.bench import _Stream
+
+    whole, new_only = _Stream(0, started=10.0), _Stream(0, started=10.0)
+    for now, ids, count, verify in [(10.5, [7], 1, 0), (10.7, [7, 8, 9], 3, 1), (11.0, [7, 8, 9, 4], 4, 2)]:
+        meta = {"completion_tokens": count, "spec_verify_ct": verify}
+        whole.add({"output_ids": ids, "meta_info": meta}, now)
+        new_only.add({"output_ids": ids[len(new_only.output_ids) :], "meta_info": meta}, now)
+    for stream in (whole, new_only):
+        record = stream.record(latency_s=1.0)
+        assert record.output_ids == [7, 8, 9, 4] and record.completion_tokens == 4
+        assert record.ttft_s == pytest.approx(0.5) and record.spec_verify_ct == 2
+        assert record.itl_s == pytest.approx([0.1, 0.1, 0.3])

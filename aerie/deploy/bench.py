@@ -1,15 +1,19 @@
-"""An async serving benchmark for SGLang's `/generate` (and the reference server, which speaks it).
+"""An async, streaming serving benchmark for SGLang's `/generate` (and the reference server, which
+speaks it).
 
 Per concurrency level the same prompts (token ids, greedy, fixed `max_new_tokens`) are sent with at
-most `concurrency` requests in flight:
+most `concurrency` requests in flight, each with `"stream": true`: the server answers with server-sent
+events, one `data: {...}` chunk per decoding step (`meta_info.completion_tokens` counts the tokens so
+far), then `data: [DONE]`. Each chunk's arrival is timed on the client:
 
     output tokens/s   Σ completion tokens / wall time of the level
-    latency           per request, send to full reply
-    TTFT              neither server streams `/generate` here, so time to first token is measured as the
-                      latency of the same prompt with max_new_tokens=1, at the same concurrency
-    ITL               per request (latency - TTFT) / (completion tokens - 1)
-    accept length     Σ completion_tokens / Σ spec_verify_ct from meta_info (SpecForge's formula);
-                      None for a server without speculation
+    latency           per request, send to the last chunk
+    TTFT              per request, send to the first chunk that carries a token
+    ITL               the gap between two chunks, shared by the tokens the later one carries (a
+                      speculative step delivers several at once); p50 and p99 over every token of
+                      the level after each request's first
+    accept length     Σ completion_tokens / Σ spec_verify_ct from the last chunk's meta_info
+                      (SpecForge's formula); None for a server without speculation
 
 Requests that fail are errors, not slow samples: a level with any failure raises `EvaluationError`
 naming the first one, since its throughput would not be comparable.
@@ -18,10 +22,11 @@ naming the first one, since its throughput would not be comparable.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -29,9 +34,7 @@ import httpx
 from aerie.errors import EvaluationError
 from aerie.progress import ProgressFn, no_progress
 
-TTFT_METHOD = (
-    "latency of a max_new_tokens=1 request for the same prompt at the same concurrency (no streaming)"
-)
+TTFT_METHOD = "arrival of the first streamed chunk carrying a token (/generate with stream=true)"
 
 
 @dataclass
@@ -41,6 +44,9 @@ class RequestRecord:
     completion_tokens: int
     spec_verify_ct: int | None
     output_ids: list[int]
+    ttft_s: float | None = None
+    # Per token after the first: the gap before the chunk that brought it, divided by its tokens.
+    itl_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -55,7 +61,9 @@ class LevelResult:
     latency_p90_s: float
     ttft_p50_s: float | None
     ttft_p90_s: float | None
+    ttft_p99_s: float | None
     itl_p50_s: float | None
+    itl_p99_s: float | None
     accept_length: float | None
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,32 +81,87 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(ordered, n=100, method="inclusive")[int(q) - 1]
 
 
+class _Stream:
+    """One request's chunks as they arrive: tokens so far, their arrival gaps, the last meta_info."""
+
+    def __init__(self, index: int, started: float) -> None:
+        self.index, self.started = index, started
+        self.output_ids: list[int] = []
+        self.meta: dict[str, Any] = {}
+        self.ttft_s: float | None = None
+        self.itl_s: list[float] = []
+        self.last_arrival = started
+
+    def add(self, chunk: dict[str, Any], now: float) -> None:
+        meta = chunk.get("meta_info") or {}
+        ids = [int(t) for t in chunk.get("output_ids") or []]
+        count = int(meta.get("completion_tokens", len(self.output_ids) + len(ids)))
+        # SGLang sends the ids so far, or only the new ones (--stream-output): either adds up to count.
+        self.output_ids = ids if len(ids) == count else self.output_ids + ids
+        new = count - int(self.meta.get("completion_tokens", 0))
+        self.meta = meta
+        if new <= 0:
+            return
+        if self.ttft_s is None:  # tokens beside the first in its chunk came with it
+            self.ttft_s = now - self.started
+            self.itl_s += [0.0] * (new - 1)
+        else:
+            self.itl_s += [(now - self.last_arrival) / new] * new
+        self.last_arrival = now
+
+    def record(self, latency_s: float) -> RequestRecord:
+        verify = self.meta.get("spec_verify_ct")
+        return RequestRecord(
+            index=self.index,
+            latency_s=latency_s,
+            completion_tokens=int(self.meta.get("completion_tokens", len(self.output_ids))),
+            spec_verify_ct=int(verify) if verify is not None else None,
+            output_ids=self.output_ids,
+            ttft_s=self.ttft_s,
+            itl_s=self.itl_s,
+        )
+
+
 async def _generate(
     client: httpx.AsyncClient, prompt: list[int], max_new_tokens: int, index: int
 ) -> RequestRecord:
-    body = {"input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
+        "stream": True,
+    }
+    where = f"request {index} to {client.base_url}/generate"
     started = time.perf_counter()
+    stream = _Stream(index, started)
     try:
-        response = await client.post("/generate", json=body)
+        async with client.stream("POST", "/generate", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                raise EvaluationError(f"{where}: HTTP {response.status_code}: {text[:300]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                stream.add(_chunk(data, where), time.perf_counter())
     except httpx.HTTPError as exc:
-        raise EvaluationError(f"request {index} to {client.base_url}/generate failed: {exc!r}") from exc
-    latency = time.perf_counter() - started
-    if response.status_code != 200:
-        raise EvaluationError(
-            f"request {index} to {client.base_url}/generate: HTTP {response.status_code}: {response.text[:300]}"
-        )
-    reply = response.json()
-    item = reply[0] if isinstance(reply, list) else reply
-    meta = item.get("meta_info", {})
-    ids = item.get("output_ids") or []
-    verify = meta.get("spec_verify_ct")
-    return RequestRecord(
-        index=index,
-        latency_s=latency,
-        completion_tokens=int(meta.get("completion_tokens", len(ids))),
-        spec_verify_ct=int(verify) if verify is not None else None,
-        output_ids=[int(t) for t in ids],
-    )
+        raise EvaluationError(f"{where} failed: {exc!r}") from exc
+    if stream.ttft_s is None:
+        raise EvaluationError(f"{where}: the stream ended without a token")
+    return stream.record(time.perf_counter() - started)
+
+
+def _chunk(data: str, where: str) -> dict[str, Any]:
+    try:
+        chunk = json.loads(data)
+    except ValueError as exc:
+        raise EvaluationError(f"{where}: a streamed chunk is not JSON: {data[:200]!r}") from exc
+    if not isinstance(chunk, dict):
+        raise EvaluationError(f"{where}: a streamed chunk is not a JSON object: {data[:200]!r}")
+    if "error" in chunk:
+        raise EvaluationError(f"{where}: the server reported an error mid-stream: {chunk['error']}")
+    return chunk
 
 
 async def _level(
@@ -115,27 +178,17 @@ async def _level(
     return list(records), time.perf_counter() - started
 
 
-def summarize(
-    server: str,
-    concurrency: int,
-    records: list[RequestRecord],
-    wall_s: float,
-    ttft: dict[int, float] | None,
-) -> LevelResult:
-    """One level's figures from its request records (and the TTFT probes by prompt index)."""
+def summarize(server: str, concurrency: int, records: list[RequestRecord], wall_s: float) -> LevelResult:
+    """One level's figures from its request records."""
     tokens = sum(r.completion_tokens for r in records)
     latencies = [r.latency_s for r in records]
-    itl = [
-        (r.latency_s - ttft[r.index]) / (r.completion_tokens - 1)
-        for r in records
-        if ttft is not None and r.index in ttft and r.completion_tokens > 1
-    ]
+    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+    itl = [gap for r in records for gap in r.itl_s]
     verify = [r.spec_verify_ct for r in records]
     accept = None
     if verify and all(v is not None for v in verify):
         total_verify = sum(v for v in verify if v is not None)
         accept = tokens / total_verify if total_verify else None
-    ttfts = list(ttft.values()) if ttft else []
     return LevelResult(
         server=server,
         concurrency=concurrency,
@@ -147,7 +200,9 @@ def summarize(
         latency_p90_s=_percentile(latencies, 90),
         ttft_p50_s=_percentile(ttfts, 50) if ttfts else None,
         ttft_p90_s=_percentile(ttfts, 90) if ttfts else None,
+        ttft_p99_s=_percentile(ttfts, 99) if ttfts else None,
         itl_p50_s=_percentile(itl, 50) if itl else None,
+        itl_p99_s=_percentile(itl, 99) if itl else None,
         accept_length=accept,
     )
 
@@ -161,7 +216,6 @@ async def benchmark_async(
     *,
     warmup: int = 2,
     timeout_s: float = 600.0,
-    measure_ttft: bool = True,
     progress: ProgressFn = no_progress,
 ) -> tuple[list[LevelResult], dict[int, list[list[int]]]]:
     """Every level in order; returns the results and, per level, each prompt's output ids (so the
@@ -181,16 +235,9 @@ async def benchmark_async(
             progress(0.0, f"{server}: warm-up")
             await _level(client, list(prompts[:warmup]), warmup, min(8, max_new_tokens))
         for i, level in enumerate(concurrency):
-            ttft: dict[int, float] | None = None
-            if measure_ttft:
-                progress(i / len(concurrency), f"{server}: TTFT probes at concurrency {level}")
-                probes, _ = await _level(client, prompts, level, 1)
-                ttft = {r.index: r.latency_s for r in probes}
-            progress(
-                (i + 0.5) / len(concurrency), f"{server}: {len(prompts)} requests at concurrency {level}"
-            )
+            progress(i / len(concurrency), f"{server}: {len(prompts)} requests at concurrency {level}")
             records, wall = await _level(client, prompts, level, max_new_tokens)
-            results.append(summarize(server, level, records, wall, ttft))
+            results.append(summarize(server, level, records, wall))
             outputs[level] = [r.output_ids for r in sorted(records, key=lambda r: r.index)]
             progress(
                 (i + 1) / len(concurrency),

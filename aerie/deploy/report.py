@@ -15,6 +15,7 @@ def benchmark_table(rows: list[dict[str, Any]]) -> list[str]:
         "output tok/s",
         "TTFT p50 ms",
         "ITL p50 ms",
+        "ITL p99 ms",
         "latency p50 s",
         "accept length",
         "speed-up",
@@ -26,6 +27,7 @@ def benchmark_table(rows: list[dict[str, Any]]) -> list[str]:
             r["output_tokens_per_s"],
             _ms(r["ttft_p50_s"]),
             _ms(r["itl_p50_s"]),
+            _ms(r.get("itl_p99_s")),
             r["latency_p50_s"],
             r.get("accept_length"),
             r.get("speedup"),
@@ -49,7 +51,8 @@ def deployment_markdown(report: dict[str, Any]) -> str:
         f"Baseline server: `{report['servers']['baseline']['command']}`",
         "",
         f"Same {report['num_prompts']} prompts per level, greedy, max {report['max_new_tokens']} new tokens. "
-        f"TTFT: {report['ttft_method']}. ITL = (latency - TTFT) / (output tokens - 1). "
+        f"TTFT: {report['ttft_method']}. ITL: the gap between streamed chunks, shared by the tokens "
+        "the later one carries. "
         "Accept length = Σ completion tokens / Σ spec_verify_ct from the server's meta_info.",
         "",
         *benchmark_table(report["rows"]),
