@@ -83,8 +83,9 @@ def default_hardware(cfg: PipelineConfig) -> str:
     return "h200" if on_cuda else "cpu"
 
 
-def make_plan(cfg: PipelineConfig, hardware_name: str | None = None) -> Plan:
-    """Everything `aerie plan` prints; `refusals` holds what cannot fit (raise them with `check`)."""
+def make_plan(cfg: PipelineConfig, hardware_name: str | None = None, *, fixed: bool = True) -> Plan:
+    """Everything `aerie plan` prints; `refusals` holds what cannot fit (raise them with `check`).
+    `fixed` False leaves the CPU stages' fixed seconds out (their calibration)."""
     hw = hardware(hardware_name or default_hardware(cfg))
     target = target_facts(cfg.target)
     size = sizes.estimate(cfg, target)
@@ -94,7 +95,7 @@ def make_plan(cfg: PipelineConfig, hardware_name: str | None = None) -> Plan:
         hardware=hw,
         sizes=size,
         cost=api_cost(cfg.generate.endpoint, size),
-        stages=throughput.estimate(cfg, target, size, hw),
+        stages=throughput.estimate(cfg, target, size, hw, fixed),
         disk=disk.estimate(cfg, target, size),
     )
     plan.refusals = [*_context(cfg, target), *_gpu_memory(cfg, target, hw), *_disk(plan)]

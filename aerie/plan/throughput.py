@@ -66,13 +66,16 @@ def prefill_flops_per_token(target: TargetFacts, seq_len: int) -> float:
 class Model:
     """The rates of one hardware, measured or scaled from the H200's, and the notes saying which."""
 
-    def __init__(self, cfg: PipelineConfig, target: TargetFacts, hw: Hardware) -> None:
+    def __init__(
+        self, cfg: PipelineConfig, target: TargetFacts, hw: Hardware, use_fixed: bool = True
+    ) -> None:
         self.cfg, self.target, self.hw = cfg, target, hw
         measured = rates(hw.name)
         self.scaled = measured is None
         self.rates: dict[str, Rate] = measured if measured is not None else rates("h200") or {}
         self.base = hardware("h200")
         self.same_target = target.name == MEASURED_TARGET
+        self.use_fixed = use_fixed
 
     def rate(self, key: str, bound: str, notes: list[str], cites: list[str]) -> float:
         """A measured rate; on unmeasured hardware the H200's, scaled by `bound` ('flops' or 'bandwidth')."""
@@ -89,6 +92,8 @@ class Model:
         """A stage's fixed seconds (start-up, loading): CPU from the calibration run, GPUs from the
         measured server start-up."""
         fixed = self.rates.get(f"fixed_{stage}_s")
+        if not self.use_fixed:
+            return 0.0
         if self.hw.gpu or fixed is None:
             return gpu_seconds
         cites.append(fixed.cite())
@@ -114,8 +119,12 @@ class Model:
         return max(0.0, wall - tokens / steady)
 
 
-def estimate(cfg: PipelineConfig, target: TargetFacts, sizes: Sizes, hw: Hardware) -> list[StageEstimate]:
-    model = Model(cfg, target, hw)
+def estimate(
+    cfg: PipelineConfig, target: TargetFacts, sizes: Sizes, hw: Hardware, use_fixed: bool = True
+) -> list[StageEstimate]:
+    """Every stage's estimate; `use_fixed` False leaves out the CPU stages' fixed seconds (what their
+    calibration subtracts from a measured run)."""
+    model = Model(cfg, target, hw, use_fixed)
     out = [
         _generate(model, sizes),
         _merge(model, sizes),
@@ -192,14 +201,14 @@ def _merge(m: Model, sizes: Sizes) -> StageEstimate:
     if m.hw.gpu:
         notes.append("the corpus build's fixed seconds as on the 2-core CPU (tokenizer load, Parquet writes)")
     busy = sizes.corpus_tokens / 1e6 * per_mtok.value / workers
-    return StageEstimate(
-        "merge",
-        fixed + busy,
-        0,
-        f"{fixed:.0f} s + {sizes.corpus_tokens:,} tokens x {per_mtok.value} CPU-s/M / {workers} workers",
-        cites,
-        notes,
+    h200 = rates("h200") or {}
+    serial = sizes.corpus_tokens * h200["merge_parent_cpu_s"].value / h200["merge_bench_tokens"].value
+    cites.append(h200["merge_parent_cpu_s"].cite())
+    formula = (
+        f"{fixed:.0f} s + {sizes.corpus_tokens:,} tokens x {per_mtok.value} CPU-s/M / {workers} workers "
+        f"+ {serial:.1f} s serial"
     )
+    return StageEstimate("merge", fixed + busy + serial, 0, formula, cites, notes)
 
 
 def _extract(m: Model, sizes: Sizes) -> StageEstimate:
@@ -324,7 +333,8 @@ def _evaluate(m: Model, sizes: Sizes) -> StageEstimate:
         lookup = m.rate("evaluate_prompt_lookup_tokens_per_s", "bandwidth", notes, cites)
         rate = 2 / (1 / eagle + 1 / lookup)
         notes.append("one prompt at a time (the record's batch size), the proposers' mean rate")
-        fixed = m.fixed("evaluate", 0.0, notes, cites)
+        fixed = m.fixed("generate", 0.0, notes, cites)
+        notes.append("loading the target and drafter on CPU taken as long as the generation server's start")
     elif m.same_target:
         # The measured stage: one pass of 80 MT-Bench prompts at 384 new tokens, batches of 32.
         bench_start = m.measured_start(cites)
@@ -362,7 +372,7 @@ def _deploy(m: Model, sizes: Sizes) -> StageEstimate:
     warmup = d.warmup_requests * d.max_new_tokens
     if not m.hw.gpu:
         steps = m.rate("decode_steps_per_s", "bandwidth", notes, cites)
-        start = m.fixed("deploy", 0.0, notes, cites) / 2
+        start = m.fixed("generate", 0.0, notes, cites)
     elif m.same_target:
         steps = m.rate("decode_eager_steps_per_s", "bandwidth", notes, cites)
         start = m.server_start(notes, cites)
