@@ -45,6 +45,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from aerie.plan import check, make_plan
+    from aerie.plan.render import table
+
+    plan = make_plan(load_config(args.preset, args.overrides), args.hardware)
+    print(table(plan))
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan.record(), indent=2))
+    check(plan)
+    return 0
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from aerie.evaluate.standalone import evaluate_drafter, prompt_set_for_file, summary_lines
     from aerie.progress import terminal_progress
@@ -89,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--until", choices=STAGE_NAMES, help="stop after this stage (implies --no-prefect)")
     run.set_defaults(func=_cmd_run)
+    plan = sub.add_parser(
+        "plan", help="what a run will cost (tokens, dollars, GPU time, disk) before it starts"
+    )
+    plan.add_argument("preset", help=f"a preset ({', '.join(PRESETS)}) or a YAML file")
+    plan.add_argument("overrides", nargs="*", help="key=value, e.g. train.epochs=2")
+    plan.add_argument(
+        "--hardware", help="h200, h100, a100, b200 or cpu (default: h200 when a stage runs on CUDA)"
+    )
+    plan.add_argument("--json", help="also write the plan to this file")
+    plan.set_defaults(func=_cmd_plan)
     evaluate = sub.add_parser(
         "evaluate", help="measure a drafter directory's acceptance on prompt files, without a pipeline run"
     )

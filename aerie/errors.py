@@ -30,6 +30,10 @@ there: ``aerie.diskspace.writing``)::
     │   └── CanaryError             the canary sample proved hidden states are wrong or missing
     ├── TrainingError               the drafter trainer
     ├── EvaluationError             speculative decoding, benchmarks, promotion
+    ├── PlanError                   `aerie plan` refuses a run that cannot fit (says by how much)
+    │   ├── NotEnoughDiskError      a filesystem too small for what the run writes there
+    │   ├── GpuMemoryError          the target (or a training step) larger than the GPUs' memory
+    │   └── ContextLengthError      a sequence length beyond the target's context
     └── HostSetupError              preparing the offline GPU host: wheel download, install, the
                                     environment check, the host's config (`tools.gpuhost`)
 """
@@ -143,6 +147,22 @@ class TrainingError(AerieError):
 
 class EvaluationError(AerieError):
     """Evaluation, benchmarking or promotion failed."""
+
+
+class PlanError(AerieError):
+    """The plan shows the run cannot fit."""
+
+
+class NotEnoughDiskError(PlanError):
+    """A filesystem is smaller than what the run writes there."""
+
+
+class GpuMemoryError(PlanError):
+    """The target's weights, or a training step, do not fit the GPUs' memory at this parallelism."""
+
+
+class ContextLengthError(PlanError):
+    """A configured sequence length is beyond the target's context."""
 
 
 class HostSetupError(AerieError):

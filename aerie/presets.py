@@ -8,6 +8,7 @@ base() ── smollm2_local()   embedded default: SmolLM2-135M on CPU, the whole
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import date
 
 from aerie.config import PipelineConfig, apply_overrides, load_yaml
 from aerie.datasets import SourceSpec
@@ -153,6 +154,10 @@ def kimi_k25_8gpu() -> PipelineConfig:
         concurrency=128,
         requests_per_minute=1200,
         title="aerie",
+        # OpenRouter's list price for moonshotai/kimi-k2.5 (USD per million tokens) on that date.
+        price_input_per_mtok=0.60,
+        price_output_per_mtok=3.00,
+        prices_date=date(2026, 1, 27),
     )
     cfg.generate.datasets = _sharegpt(SamplingParams(temperature=0.6, max_tokens=4096))
     cfg.generate.max_parallel_datasets = 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import date
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -72,12 +73,30 @@ class EndpointConfig(StrictModel):
         None,
         description="OpenRouter provider routing (order, allow_fallbacks, quantizations...), passed through.",
     )
+    price_input_per_mtok: float | None = Field(
+        None, ge=0, description="US dollars per million prompt tokens (for `aerie plan`); None = unknown."
+    )
+    price_output_per_mtok: float | None = Field(
+        None, ge=0, description="US dollars per million completion tokens (for `aerie plan`); None = unknown."
+    )
+    prices_date: date | None = Field(
+        None, description="When the prices were taken (prices change; the plan prints the date)."
+    )
     launch_args: list[str] = Field(
         default_factory=list,
         description="With base_url None: reference-server flags for the generation server only, after "
         "server.extra_args (e.g. --cuda-graphs, which the deploy stage's servers must not get: its "
         "speculative backend has no graphs, so only its baseline would be sped up).",
     )
+
+    @model_validator(mode="after")
+    def _prices_are_dated(self) -> EndpointConfig:
+        priced = self.price_input_per_mtok is not None or self.price_output_per_mtok is not None
+        if priced and self.prices_date is None:
+            raise ValueError(
+                "price_input_per_mtok/price_output_per_mtok are set without prices_date: say when"
+            )
+        return self
 
     @model_validator(mode="after")
     def _launch_args_need_a_launch(self) -> EndpointConfig:

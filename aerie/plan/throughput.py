@@ -1,0 +1,394 @@
+"""Seconds per stage, from throughput models whose rates are measured (`data/calibration.json`, each
+figure naming its benchmark record) on the preset's hardware; hardware without measurements scales the
+H200's rates by datasheet FLOP/s (compute-bound stages) or memory bandwidth (decode-bound ones), and a
+target larger than the measured one is modelled from its FLOPs per token. Every figure that is not
+measured is an assumption, and each estimate lists the ones it used."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from aerie.config import PipelineConfig
+from aerie.plan.facts import Hardware, Rate, TargetFacts, hardware, rates
+from aerie.plan.sizes import Sizes
+
+# Assumptions, printed with every estimate that uses them.
+API_TOKENS_PER_S = 40.0  # one OpenRouter stream's output speed for a large MoE model
+API_FIRST_TOKEN_S = 1.5  # its time to first token
+MOE_PREFILL_MFU = 0.30  # share of peak FLOP/s a tensor-parallel MoE prefill reaches
+MULTI_GPU_EFFICIENCY = 0.9  # data-parallel training across the GPUs of one host
+SERVER_START_S = 60.0  # a large-model server's fixed start-up beyond reading its weights
+WEIGHT_READ_BYTES_PER_S = 2e9  # a large checkpoint read from local NVMe (page cache cold)
+HOST_CORES = {"cpu": 2}  # the corpus build's cores; GPU hosts: 16
+MEASURED_TARGET = "smollm2-135m-instruct"  # the target the H200 and CPU rates were measured with
+
+
+@dataclass
+class StageEstimate:
+    stage: str
+    seconds: float
+    gpus: int
+    formula: str
+    calibrated_by: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_seconds(self) -> float:
+        return self.seconds * self.gpus
+
+
+def train_flops_per_token(
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    draft_vocab: int,
+    seq_len: int,
+    ttt: int,
+) -> float:
+    """Forward+backward FLOPs per trained token (the formula benchmarks/train.py reports MFU with):
+    6 x matmul parameters per TTT step (fc once), plus attention over ~seq/2 causal keys."""
+    layer = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    layer += 3 * hidden * intermediate + hidden * draft_vocab
+    fc = 3 * hidden * hidden
+    attention = sum(4 * heads * head_dim * ((seq_len + 1) / 2 + k) for k in range(ttt))
+    return 3 * (2 * (fc + ttt * layer) + attention)
+
+
+def prefill_flops_per_token(target: TargetFacts, seq_len: int) -> float:
+    """2 x active parameters, plus attention over ~seq/2 keys in every layer."""
+    attention = 4 * target.num_layers * target.num_attention_heads * target.head_dim * seq_len / 2
+    return 2 * target.active_params + attention
+
+
+class Model:
+    """The rates of one hardware, measured or scaled from the H200's, and the notes saying which."""
+
+    def __init__(
+        self, cfg: PipelineConfig, target: TargetFacts, hw: Hardware, use_fixed: bool = True
+    ) -> None:
+        self.cfg, self.target, self.hw = cfg, target, hw
+        measured = rates(hw.name)
+        self.scaled = measured is None
+        self.rates: dict[str, Rate] = measured if measured is not None else rates("h200") or {}
+        self.base = hardware("h200")
+        self.same_target = target.name == MEASURED_TARGET
+        self.use_fixed = use_fixed
+
+    def rate(self, key: str, bound: str, notes: list[str], cites: list[str]) -> float:
+        """A measured rate; on unmeasured hardware the H200's, scaled by `bound` ('flops' or 'bandwidth')."""
+        r = self.rates[key]
+        cites.append(r.cite())
+        if not self.scaled:
+            return r.value
+        attr = "peak_flops" if bound == "flops" else "memory_bandwidth"
+        factor = getattr(self.hw, attr) / getattr(self.base, attr)
+        notes.append(f"{self.hw.name} has no measurements: the H200's rate scaled by {attr} x{factor:.2f}")
+        return r.value * factor
+
+    def fixed(self, stage: str, gpu_seconds: float, notes: list[str], cites: list[str]) -> float:
+        """A stage's fixed seconds (start-up, loading): CPU from the calibration run, GPUs from the
+        measured server start-up."""
+        fixed = self.rates.get(f"fixed_{stage}_s")
+        if not self.use_fixed:
+            return 0.0
+        if self.hw.gpu or fixed is None:
+            return gpu_seconds
+        cites.append(fixed.cite())
+        return fixed.value
+
+    def server_start(self, notes: list[str], cites: list[str]) -> float:
+        """Seconds from launch to ready for the target's server."""
+        if not self.same_target:
+            read = self.target.weight_bytes / WEIGHT_READ_BYTES_PER_S
+            notes.append(
+                f"server start: {self.target.weight_bytes / 1e9:.0f} GB of weights read at "
+                f"{WEIGHT_READ_BYTES_PER_S / 1e9:.0f} GB/s + {SERVER_START_S:.0f} s"
+            )
+            return read + SERVER_START_S
+        return self.measured_start(cites)
+
+    def measured_start(self, cites: list[str]) -> float:
+        """The measured target's server start-up on the H200: extraction's wall time less its steady part."""
+        wall = self.rates["extract_fp8_server_wall_s"].value
+        tokens = self.rates["extract_fp8_server_tokens"].value
+        steady = self.rates["extract_fp8_server_tokens_per_s"].value
+        cites.append("server start-up: extraction wall time less its steady tokens/s (extract-h200.json)")
+        return max(0.0, wall - tokens / steady)
+
+
+def estimate(
+    cfg: PipelineConfig, target: TargetFacts, sizes: Sizes, hw: Hardware, use_fixed: bool = True
+) -> list[StageEstimate]:
+    """Every stage's estimate; `use_fixed` False leaves out the CPU stages' fixed seconds (what their
+    calibration subtracts from a measured run)."""
+    model = Model(cfg, target, hw, use_fixed)
+    out = [
+        _generate(model, sizes),
+        _merge(model, sizes),
+        _extract(model, sizes),
+        _train(model, sizes),
+        _evaluate(model, sizes),
+    ]
+    if cfg.deploy.enabled:
+        out.append(_deploy(model, sizes))
+    return out
+
+
+def _generate(m: Model, sizes: Sizes) -> StageEstimate:
+    cfg, notes, cites = m.cfg, [], []  # type: ignore[var-annotated]
+    endpoint = cfg.generate.endpoint
+    waves = math.ceil(len(cfg.generate.datasets) / cfg.generate.max_parallel_datasets)
+    if endpoint.base_url is not None:
+        turns = max(1, sizes.turns)
+        per_turn = sizes.completion_tokens / turns
+        latency = API_FIRST_TOKEN_S + per_turn / API_TOKENS_PER_S
+        by_concurrency = turns * latency / endpoint.concurrency
+        by_limit = turns / (endpoint.requests_per_minute / 60) if endpoint.requests_per_minute else 0.0
+        notes.append(
+            f"an API stream: {API_FIRST_TOKEN_S} s to the first token, then {API_TOKENS_PER_S:.0f} tokens/s; "
+            f"{endpoint.concurrency} in flight"
+            + (
+                f", at most {endpoint.requests_per_minute:.0f} requests/min"
+                if endpoint.requests_per_minute
+                else ""
+            )
+        )
+        seconds = max(by_concurrency, by_limit)
+        return StageEstimate(
+            "generate",
+            seconds,
+            0,
+            f"{turns:,} requests x {latency:.1f} s / {endpoint.concurrency} in flight",
+            cites,
+            notes,
+        )
+    if m.hw.gpu:
+        graphs = "--cuda-graphs" in endpoint.launch_args
+        if graphs:
+            decode = m.rate("decode_graphs_tokens_per_s", "bandwidth", notes, cites)
+        else:
+            steps = m.rate("decode_eager_steps_per_s", "bandwidth", notes, cites)
+            decode = steps * endpoint.concurrency
+            notes.append(f"eager decoding: {endpoint.concurrency} sequences advance per step")
+        prefill = m.rate("prefill_tokens_per_s", "flops", notes, cites)
+        start = m.server_start(notes, cites)
+    else:
+        decode = m.rate("decode_tokens_per_s", "bandwidth", notes, cites)
+        prefill = m.rate("extract_tokens_per_s", "flops", notes, cites)
+        start = m.fixed("generate", 0.0, notes, cites)
+    seconds = waves * start + sizes.completion_tokens / decode + sizes.prompt_tokens / prefill
+    formula = (
+        f"{start:.0f} s start + {sizes.completion_tokens:,} completion tokens / {decode:,.0f}/s "
+        f"+ {sizes.prompt_tokens:,} prompt tokens / {prefill:,.0f}/s"
+    )
+    return StageEstimate("generate", seconds, cfg.server.tp_size if m.hw.gpu else 0, formula, cites, notes)
+
+
+def _merge(m: Model, sizes: Sizes) -> StageEstimate:
+    notes: list[str] = []
+    cites: list[str] = []
+    per_mtok = m.rates["merge_cpu_s_per_mtok"]
+    cites.append(per_mtok.cite())
+    cores = HOST_CORES.get(m.hw.name, 16)
+    workers = max(1, min(m.cfg.corpus.num_workers, cores))
+    cpu_fixed = rates("cpu") or {}
+    fixed = m.fixed(
+        "merge", cpu_fixed["fixed_merge_s"].value if "fixed_merge_s" in cpu_fixed else 0.0, notes, cites
+    )
+    if m.hw.gpu:
+        notes.append("the corpus build's fixed seconds as on the 2-core CPU (tokenizer load, Parquet writes)")
+    busy = sizes.corpus_tokens / 1e6 * per_mtok.value / workers
+    h200 = rates("h200") or {}
+    serial = sizes.corpus_tokens * h200["merge_parent_cpu_s"].value / h200["merge_bench_tokens"].value
+    cites.append(h200["merge_parent_cpu_s"].cite())
+    formula = (
+        f"{fixed:.0f} s + {sizes.corpus_tokens:,} tokens x {per_mtok.value} CPU-s/M / {workers} workers "
+        f"+ {serial:.1f} s serial"
+    )
+    return StageEstimate("merge", fixed + busy + serial, 0, formula, cites, notes)
+
+
+def _extract(m: Model, sizes: Sizes) -> StageEstimate:
+    cfg, notes, cites = m.cfg, [], []  # type: ignore[var-annotated]
+    tokens = sizes.corpus_tokens
+    servers = cfg.extract.num_servers * (cfg.extract.num_slices if cfg.extract.slice_deployment else 1)
+    gpus = servers * cfg.server.tp_size if m.hw.gpu else 0
+    if not m.hw.gpu:
+        rate = m.rate("extract_tokens_per_s", "flops", notes, cites)
+        start = m.fixed("extract", 0.0, notes, cites)
+    elif m.same_target:
+        fp8_server = cfg.extract.storage_dtype == "fp8" and cfg.extract.quantize_on_server
+        rate = m.rate(
+            "extract_fp8_server_tokens_per_s" if fp8_server else "extract_bf16_tokens_per_s",
+            "flops",
+            notes,
+            cites,
+        )
+        if cfg.extract.storage_dtype == "fp8" and not fp8_server:
+            notes.append("fp8 quantized by the client: taken at the bf16 pipeline's rate (not measured)")
+        rate *= servers
+        start = m.server_start(notes, cites)
+    else:
+        flops = prefill_flops_per_token(m.target, cfg.corpus.max_length)
+        compute = gpus * m.hw.peak_flops * MOE_PREFILL_MFU / flops
+        from aerie.plan.disk import shard_bytes_per_token
+
+        disk = (
+            m.rate("disk_write_bytes_per_s", "bandwidth", notes, cites)
+            if not m.scaled
+            else m.rates["disk_write_bytes_per_s"].value
+        )
+        write = disk / shard_bytes_per_token(
+            cfg.extract.storage_dtype, m.target.hidden_size, m.target.vocab_size
+        )
+        rate = min(compute, write)
+        notes.append(
+            f"prefill at {MOE_PREFILL_MFU:.0%} of {gpus} x {m.hw.peak_flops / 1e12:.0f} TFLOP/s over "
+            f"{flops / 1e9:.0f} GFLOP/token = {compute:,.0f} tokens/s; shard writes at the disk's rate = "
+            f"{write:,.0f} tokens/s; the slower bounds"
+        )
+        start = m.server_start(notes, cites)
+    seconds = start + tokens / rate
+    return StageEstimate(
+        "extract", seconds, gpus, f"{start:.0f} s start + {tokens:,} tokens / {rate:,.0f}/s", cites, notes
+    )
+
+
+def _draft_flops(m: Model, seq_len: int) -> float:
+    t, train = m.target, m.cfg.train
+    return train_flops_per_token(
+        t.hidden_size,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.head_dim,
+        train.draft_intermediate_size or t.intermediate_size,
+        min(train.draft_vocab_size, t.vocab_size),
+        seq_len,
+        train.ttt_length,
+    )
+
+
+def _train(m: Model, sizes: Sizes) -> StageEstimate:
+    cfg, notes, cites = m.cfg, [], []  # type: ignore[var-annotated]
+    tokens = sizes.train_tokens
+    gpus = cfg.train.num_gpus if m.hw.gpu else 0
+    # Sequences average about half the cap: attention is counted at max_length / 2.
+    flops = _draft_flops(m, cfg.train.max_length // 2)
+    if not m.hw.gpu:
+        achieved = m.rate("train_flops_per_s", "flops", notes, cites)
+        rate = achieved / flops
+        fixed = m.fixed("train", 0.0, notes, cites)
+    elif m.same_target:
+        loop = m.rates["train_loop_s"].value
+        rate = m.rate("train_tokens", "flops", notes, cites) / loop
+        cites.append(m.rates["train_loop_s"].cite())
+        fixed = m.rates["train_stage_s"].value - loop
+    else:
+        bench_seq = int(m.rates["train_bench_seq_len"].value)
+        achieved = m.rate("train_kimi_tokens_per_s", "flops", notes, cites) * _kimi_bench_flops(bench_seq)
+        rate = achieved / flops * max(1, gpus) * (MULTI_GPU_EFFICIENCY if gpus > 1 else 1.0)
+        notes.append(
+            f"the measured Kimi-sized drafter step's achieved FLOP/s over this config's {flops / 1e9:.1f} GFLOP/token"
+            + (f", {gpus} GPUs at {MULTI_GPU_EFFICIENCY:.0%} scaling" if gpus > 1 else "")
+        )
+        fixed = SERVER_START_S
+    seconds = fixed + tokens / rate
+    return StageEstimate(
+        "train", seconds, gpus, f"{fixed:.0f} s + {tokens:,} tokens / {rate:,.0f}/s", cites, notes
+    )
+
+
+def _kimi_bench_flops(seq_len: int) -> float:
+    """FLOPs per token of the Kimi-sized drafter benchmarks/train.py measured (its CONFIGS['kimi-k2.5'])."""
+    return train_flops_per_token(7168, 56, 8, 128, 18432, 32000, seq_len, 7)
+
+
+def _eval_passes(cfg: PipelineConfig, sizes: Sizes) -> tuple[int, float]:
+    """(prompt-passes, tokens per prompt): every prompt is decoded once per proposer, chain length and
+    temperature; an answer is as long as the generation's mean answer, capped at max_new_tokens."""
+    from aerie.datasets import load_mtbench
+
+    ev = cfg.evaluate
+    prompts = 0
+    for s in ev.prompt_sets():
+        if s.kind == "mtbench":
+            prompts += min(s.limit or len(load_mtbench()), len(load_mtbench()))
+        else:
+            prompts += s.limit or ev.heldout_samples
+    passes = len(ev.proposers) * len(ev.num_steps) * len(ev.temperatures)
+    mean_answer = sizes.completion_tokens / max(1, sizes.turns)
+    return prompts * passes, min(ev.max_new_tokens, mean_answer) if mean_answer else ev.max_new_tokens
+
+
+def _evaluate(m: Model, sizes: Sizes) -> StageEstimate:
+    cfg, notes, cites = m.cfg, [], []  # type: ignore[var-annotated]
+    prompt_passes, per_prompt = _eval_passes(cfg, sizes)
+    tokens = prompt_passes * per_prompt
+    gpus = 1 if m.hw.gpu else 0
+    if not m.hw.gpu:
+        eagle = m.rate("evaluate_eagle3_tokens_per_s", "bandwidth", notes, cites)
+        lookup = m.rate("evaluate_prompt_lookup_tokens_per_s", "bandwidth", notes, cites)
+        rate = 2 / (1 / eagle + 1 / lookup)
+        notes.append("one prompt at a time (the record's batch size), the proposers' mean rate")
+        fixed = m.fixed("generate", 0.0, notes, cites)
+        notes.append("loading the target and drafter on CPU taken as long as the generation server's start")
+    elif m.same_target:
+        # The measured stage: one pass of 80 MT-Bench prompts at 384 new tokens, batches of 32.
+        bench_start = m.measured_start(cites)
+        one_pass = m.rate("evaluate_pass_s", "bandwidth", notes, cites)
+        bench_tokens = 80 * min(384, per_prompt)
+        rate = bench_tokens / max(1.0, one_pass - bench_start) * cfg.evaluate.batch_size / 32
+        notes.append("loading the target and drafter taken as long as a server start; batches scale the rate")
+        fixed = bench_start
+    else:
+        steps = _weight_bound_steps(m, notes)
+        rate = steps * cfg.evaluate.batch_size
+        fixed = m.server_start(notes, cites)
+    seconds = fixed + tokens / rate
+    return StageEstimate(
+        "evaluate",
+        seconds,
+        gpus,
+        f"{fixed:.0f} s + {prompt_passes:,} prompt-passes x {per_prompt:.0f} tokens / {rate:,.1f}/s",
+        cites,
+        notes,
+    )
+
+
+def _weight_bound_steps(m: Model, notes: list[str]) -> float:
+    """Decode steps/s of a large target served over server.tp_size GPUs: bound by reading its weights."""
+    per_gpu = m.target.weight_bytes / m.cfg.server.tp_size
+    notes.append(f"decode steps at half the rate of reading {per_gpu / 1e9:.0f} GB of weights per GPU")
+    return 0.5 * m.hw.memory_bandwidth / per_gpu
+
+
+def _deploy(m: Model, sizes: Sizes) -> StageEstimate:
+    cfg, notes, cites = m.cfg, [], []  # type: ignore[var-annotated]
+    d = cfg.deploy
+    steps_per_level = sum(math.ceil(d.num_prompts / c) * d.max_new_tokens for c in d.concurrency)
+    warmup = d.warmup_requests * d.max_new_tokens
+    if not m.hw.gpu:
+        steps = m.rate("decode_steps_per_s", "bandwidth", notes, cites)
+        start = m.fixed("generate", 0.0, notes, cites)
+    elif m.same_target:
+        steps = m.rate("decode_eager_steps_per_s", "bandwidth", notes, cites)
+        start = m.server_start(notes, cites)
+    else:
+        steps = _weight_bound_steps(m, notes)
+        start = m.server_start(notes, cites)
+    notes.append(
+        "the speculative server taken as fast as the baseline (its speed-up is what deploy measures)"
+    )
+    per_server = start + (steps_per_level + warmup) / steps
+    gpus = cfg.server.tp_size if m.hw.gpu else 0
+    return StageEstimate(
+        "deploy",
+        2 * per_server,
+        gpus,
+        f"2 servers x ({start:.0f} s start + {steps_per_level + warmup:,} decode steps / {steps:.1f}/s)",
+        cites,
+        notes,
+    )

@@ -1,0 +1,152 @@
+"""`aerie plan`: sizes from the real datasets, rates from the benchmark records, and each refusal.
+
+No server runs: the planner reads the datasets, the target's config and the recorded rates only."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aerie.cli import main
+from aerie.errors import ConfigError, ContextLengthError, GpuMemoryError, NotEnoughDiskError
+from aerie.plan import check, make_plan
+from aerie.plan.disk import drafter_params, dumps_in_flight_bytes, shard_bytes_per_token
+from aerie.plan.facts import calibration_entries, target_facts
+from aerie.plan.render import table
+from aerie.presets import load_config
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+# A Kimi plan over the first 50 ShareGPT conversations: the whole source takes a pass the tests skip.
+KIMI_SMALL = ["generate.datasets.0.num_samples=50"]
+
+
+def _at(record: object, path: str) -> object:
+    for part in path.split("/"):
+        record = record[int(part)] if isinstance(record, list) else record[part]  # type: ignore[index]
+    return record
+
+
+@pytest.mark.parametrize(
+    ("hardware", "key"), [(hw, key) for hw, rates in calibration_entries().items() for key in rates]
+)
+def test_every_calibration_figure_is_its_records(hardware: str, key: str) -> None:
+    entry = calibration_entries()[hardware][key]
+    record = json.loads((RESULTS / entry["source"]).read_text())
+    assert _at(record, entry["path"]) == entry["value"], f"{hardware}.{key} differs from {entry['source']}"
+
+
+def test_shard_and_dump_bytes_follow_the_extractor() -> None:
+    from aerie.extract import preflight, shards
+
+    cfg = load_config("kimi-k2.5-8gpu", KIMI_SMALL)
+    kimi = target_facts(cfg.target)
+    for storage in ("bf16", "fp8"):
+        for vocab in (49152, 163840):
+            assert shard_bytes_per_token(storage, 7168, vocab) == shards.bytes_per_token(storage, 7168, vocab)
+    assert dumps_in_flight_bytes(cfg, kimi) == preflight.dumps_in_flight_bytes(
+        cfg.extract, kimi.hidden_size, kimi.vocab_size
+    )
+
+
+def test_drafter_parameters_match_a_real_checkpoint(smollm2) -> None:
+    import torch
+
+    from aerie.draft.model import DraftConfig, Eagle3Drafter
+
+    cfg = load_config("smollm2-local", [])
+    facts = target_facts(cfg.target)
+    draft = DraftConfig(
+        hidden_size=facts.hidden_size,
+        intermediate_size=facts.intermediate_size,
+        num_attention_heads=facts.num_attention_heads,
+        num_key_value_heads=facts.num_key_value_heads,
+        head_dim=facts.head_dim,
+        vocab_size=facts.vocab_size,
+        draft_vocab_size=cfg.train.draft_vocab_size,
+        rope_theta=smollm2.rope_theta,
+        max_position_embeddings=smollm2.max_position_embeddings,
+        aux_layer_ids=tuple(smollm2.aux_layers_output),
+    )
+    model = Eagle3Drafter(draft, torch.zeros(facts.vocab_size, facts.hidden_size))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad and p.dim() == 2)
+    assert drafter_params(cfg, facts) == pytest.approx(trainable, rel=0.01)
+
+
+def test_sizes_come_from_the_dataset_and_the_sampling() -> None:
+    plan = check(make_plan(load_config("smollm2-local", [])))
+    (sharegpt,) = plan.sizes.datasets
+    assert sharegpt.conversations == 24 and sharegpt.turns == 24  # num_samples 24, max_turns 1
+    assert 0 < sharegpt.completion_tokens <= 24 * 64  # capped at max_tokens per answer
+    assert plan.sizes.corpus_tokens <= 24 * 256  # corpus.max_length
+    longer = make_plan(load_config("smollm2-local", ["generate.datasets.0.sampling.max_tokens=128"]))
+    assert longer.sizes.datasets[0].completion_tokens > sharegpt.completion_tokens
+    assert plan.hardware.name == "cpu" and plan.gpu_seconds == 0
+
+
+def test_kimi_plan_prices_the_api_tokens_with_their_date() -> None:
+    plan = make_plan(load_config("kimi-k2.5-8gpu", KIMI_SMALL))
+    s = plan.sizes
+    assert plan.cost.total_usd == pytest.approx(
+        s.prompt_tokens / 1e6 * 0.60 + s.completion_tokens / 1e6 * 3.00
+    )
+    text = table(plan)
+    assert "2026-01-27" in text and "GPU time" in text and "S3:" in text
+    assert plan.stage("extract").gpus == 8  # type: ignore[union-attr]
+
+
+def test_a_price_needs_its_date() -> None:
+    with pytest.raises(ConfigError, match="prices_date"):
+        load_config("kimi-k2.5-8gpu", ["generate.endpoint.prices_date=null"])
+
+
+def test_refuses_a_sequence_beyond_the_target_context() -> None:
+    plan = make_plan(load_config("smollm2-local", ["corpus.max_length=16384"]))
+    with pytest.raises(ContextLengthError, match=r"corpus.max_length = 16,384.*context of 8,192"):
+        check(plan)
+
+
+def test_refuses_a_target_larger_than_its_gpus() -> None:
+    plan = make_plan(load_config("kimi-k2.5-8gpu", [*KIMI_SMALL, "server.tp_size=2"]))
+    with pytest.raises(GpuMemoryError, match=r"server.tp_size 2 = 298 GB per GPU.*server.tp_size=5"):
+        check(plan)
+
+
+def test_refuses_a_training_step_larger_than_the_gpu() -> None:
+    cfg = load_config(
+        "smollm2-local", ["server.device=cuda", "train.device=cuda", "train.batch_tokens=262144"]
+    )
+    with pytest.raises(GpuMemoryError, match=r"train.batch_tokens 262,144: a step needs about 240 GiB"):
+        check(make_plan(cfg))
+    assert check(
+        make_plan(cfg.model_copy(update={"train": cfg.train.model_copy(update={"batch_tokens": 32768})}))
+    )
+
+
+def test_refuses_a_store_on_a_filesystem_too_small(tmp_path: Path) -> None:
+    cfg = load_config("smollm2-local", [f"store.uri={tmp_path / 'store'}"])
+    per_checkpoint = 12 * drafter_params(cfg, target_facts(cfg.target))
+    keep = shutil.disk_usage(tmp_path).free // per_checkpoint + 2  # the checkpoints alone overflow it
+    plan = make_plan(
+        load_config("smollm2-local", [f"store.uri={tmp_path / 'store'}", f"train.keep_checkpoints={keep}"])
+    )
+    with pytest.raises(NotEnoughDiskError, match=rf"{tmp_path / 'store'}.*checkpoints .* free \(short by"):
+        check(plan)
+
+
+def test_unmeasured_hardware_prints_how_it_was_scaled() -> None:
+    plan = make_plan(load_config("smollm2-local", ["server.device=cuda", "train.device=cuda"]), "a100")
+    assert "a100 has no measurements: the H200's rate scaled by peak_flops x0.32" in table(plan)
+
+
+def test_cli_prints_the_plan_and_exits_2_on_a_refusal(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["plan", "smollm2-local", "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "GPU time" in out and "disk (at its fullest)" in out
+    assert json.loads((tmp_path / "plan.json").read_text())["stages"][0]["stage"] == "generate"
+    assert main(["plan", "smollm2-local", "train.max_length=9000"]) == 2
+    assert "train.max_length = 9,000" in capsys.readouterr().err
