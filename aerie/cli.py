@@ -1,16 +1,18 @@
-"""The `aerie` command: presets, config inspection, and running the pipeline."""
+"""The `aerie` command's library half: presets, config inspection, evaluation and running the pipeline
+in this process. The `aerie` command itself is `flows.cli`, which adds the run through Prefect; here,
+without Prefect, `run` runs the stages in this process."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from aerie.config import to_yaml
+from aerie.config import PipelineConfig, to_yaml
 from aerie.errors import AerieError, ConfigError
-from aerie.pipeline import STAGES
+from aerie.pipeline import STAGE_NAMES
 from aerie.presets import PRESETS, load_config
 from aerie.progress import close_terminal_bars
 
@@ -27,16 +29,19 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+# Runs the pipeline through an orchestrator and returns its summary (`flows.cli` passes Prefect's).
+FlowRunner = Callable[[PipelineConfig], str]
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides)
-    if args.no_prefect or args.until:
-        from aerie.pipeline import run_pipeline as run_stages
-
-        print(run_stages(cfg, until=args.until).table())
+    run_flow: FlowRunner | None = args.run_flow
+    if run_flow is not None and not (args.no_prefect or args.until):
+        print(run_flow(cfg))
         return 0
-    from flows.pipeline import run_pipeline  # Prefect is imported only when a run is asked for
+    from aerie.pipeline import run_pipeline
 
-    print(run_pipeline(cfg))
+    print(run_pipeline(cfg, until=args.until).table())
     return 0
 
 
@@ -94,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--no-prefect", action="store_true", help="run the stages in this process without Prefect (GPU hosts)"
     )
-    run.add_argument("--until", choices=STAGES, help="stop after this stage (implies --no-prefect)")
+    run.add_argument("--until", choices=STAGE_NAMES, help="stop after this stage (implies --no-prefect)")
     run.set_defaults(func=_cmd_run)
     plan = sub.add_parser(
         "plan", help="what a run will cost (tokens, dollars, GPU time, disk) before it starts"
@@ -143,8 +148,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, run_flow: FlowRunner | None = None) -> int:
+    """The command line; `run_flow`, when given, runs `aerie run` (without --no-prefect or --until)."""
     args = parse_args(argv)
+    args.run_flow = run_flow
     try:
         return int(args.func(args))
     except AerieError as exc:

@@ -12,8 +12,9 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from aerie.configbase import StrictModel
 from aerie.corpus.config import CorpusConfig
+from aerie.deploy.config import DeployConfig
 from aerie.errors import ConfigError
-from aerie.evaluate.config import DeployConfig, EvaluateConfig
+from aerie.evaluate.config import EvaluateConfig
 from aerie.extract.config import ExtractConfig, server_quantization_problem
 from aerie.generate.config import GenerateConfig
 from aerie.serving.config import ALL_LAUNCHES, ServerConfig, flag_conflict, launcher_problem

@@ -1,33 +1,38 @@
-"""The whole pipeline without Prefect: stages in order, each fed its upstream results.
+"""The pipeline: the only ordered list of stages, and the one composer that runs them.
 
     generate-<dataset> (one per dataset) ─┐
                                           ├─> merge ─> extract ─> train ─> evaluate ─> deploy
     (the target, resolved once) ──────────┘
 
-`flows/pipeline.py` composes the same stages as Prefect subflows; this module is what a GPU host
-without a Prefect server runs (`aerie run PRESET --no-prefect [--until STAGE]`), and what the summary
-is built from. Every stage caches on its manifest, so a re-run resumes where the last one stopped.
+Each stage keeps the contract of `aerie.stage`; `compose` runs them in order, each fed the results
+before it. `run_pipeline` runs them in this process (`aerie run PRESET --no-prefect [--until STAGE]`,
+what a GPU host without a Prefect server runs); `flows.pipeline` passes the same list through one
+Prefect subflow per stage. Every stage caches on its manifest, so a re-run resumes where the last one
+stopped.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from aerie.config import PipelineConfig
+from aerie.corpus.entry import MERGE
+from aerie.deploy.entry import DEPLOY
 from aerie.errors import ConfigError
+from aerie.evaluate.entry import EVALUATE
+from aerie.extract.entry import EXTRACT
+from aerie.generate.entry import GENERATE, generation_pending
 from aerie.manifest import StageResult
-from aerie.progress import ProgressFn, terminal_progress
+from aerie.progress import ProgressFactory, terminal_progress
+from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import ArtifactStore, open_store
-from aerie.targets import TargetInfo, resolve_target
+from aerie.targets import resolve_target
+from aerie.train.entry import TRAIN
 
-STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
-
-ProgressFactory = Callable[[str], ProgressFn]
+STAGES: tuple[Stage, ...] = (GENERATE, MERGE, EXTRACT, TRAIN, EVALUATE, DEPLOY)
+STAGE_NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)
 
 
 @dataclass
@@ -81,25 +86,49 @@ def _shares(tree: dict[str, object], prefix: str = "") -> list[tuple[str, float]
     return found
 
 
-@contextlib.contextmanager
-def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str]:
-    """The endpoint generation talks to: the configured one, or the reference server serving the
-    target itself for the duration of generation (the embedded default)."""
-    if cfg.generate.endpoint.base_url:
-        yield cfg.generate.endpoint.base_url
-        return
-    from aerie.serving import ModelServer, spec_for
+def planned(cfg: PipelineConfig, until: str | None = None) -> list[Stage]:
+    """The stages a run runs, in order: all of them, or up to and including `until`; a disabled stage
+    (`deploy.enabled: false`) is left out."""
+    if until is not None and until not in STAGE_NAMES:
+        raise ConfigError(f"unknown stage {until!r}; stages: {', '.join(STAGE_NAMES)}")
+    wanted = STAGES[: STAGE_NAMES.index(until) + 1] if until else STAGES
+    return [stage for stage in wanted if stage.enabled(cfg)]
 
-    server_cfg = cfg.server.model_copy(update={"backend": "reference", "launcher": "process"})
-    spec = spec_for(
-        server_cfg,
-        model_path=target.path,
-        mode="serve",
-        extra_args=cfg.generate.endpoint.launch_args,
-        trust_remote_code=target.trust_remote_code,
-    )
-    with ModelServer(spec) as server:
-        yield f"{server.url}/v1"
+
+StepFn = Callable[[Stage, StageContext, Upstream], list[StageResult]]
+
+
+def compose(
+    cfg: PipelineConfig, ctx: StageContext, step: StepFn, *, until: str | None = None
+) -> list[StageResult]:
+    """Every planned stage in order, each fed the results before it. `step` runs one stage: here
+    `stage.run` itself, under Prefect a subflow (`flows.pipeline`). Its results are every run's."""
+    stages = planned(cfg, until)
+    upstream = Upstream()
+    results: list[StageResult] = []
+    for i, stage in enumerate(stages):
+        stage_ctx = replace(ctx, rebuild_missing=rebuild_missing(cfg, ctx, stages, i, upstream))
+        # The one place every stage of every run passes through.
+        done = step(stage, stage_ctx, upstream)
+        results += done
+        upstream = upstream.plus(stage.name, done)
+    return results
+
+
+def rebuild_missing(
+    cfg: PipelineConfig, ctx: StageContext, stages: Sequence[Stage], i: int, upstream: Upstream
+) -> bool:
+    """Whether stage `i` makes a finished output whole again where part of it is gone (extraction's
+    shards, `ExtractStage.needs`): yes when this run stops at it or the stage after it has work to do.
+    Evaluation and deployment read the drafter, never the shards, so a GPU host that got a finished
+    drafter back without its shards (they never travel, `tools.gpuhost`) evaluates and deploys it
+    straight away."""
+    if i + 1 == len(stages):
+        return True
+    finished = stages[i].cached(cfg, ctx, upstream)
+    if finished is None:  # not done yet: it runs anyway
+        return True
+    return stages[i + 1].needs(cfg, ctx, upstream.plus(stages[i].name, finished))
 
 
 def run_pipeline(
@@ -110,124 +139,13 @@ def run_pipeline(
     store: ArtifactStore | None = None,
 ) -> PipelineReport:
     """Run every stage in order (or up to and including `until`); each resumes from its manifest."""
-    # Stage modules are imported when their stage runs: `--until merge` on a CPU host needs no trainer.
-    from aerie.generate.stage import run_all as generate_all
-
-    if until is not None and until not in STAGES:
-        raise ConfigError(f"unknown stage {until!r}; stages: {', '.join(STAGES)}")
-    wanted = STAGES[: STAGES.index(until) + 1] if until else STAGES
+    planned(cfg, until)  # an unknown stage fails before anything starts
     started = time.monotonic()
     store = store or open_store(cfg.store)
     check_secrets(cfg, store)
-    target = resolve_target(cfg.target)
-    report = PipelineReport(config=cfg)
-    common: dict[str, Any] = {"store": store, "run_name": cfg.run, "target": target}
-
-    def step(name: str, call: Callable[[], StageResult]) -> StageResult | None:
-        if name not in wanted:
-            return None
-        result = call()
-        report.results.append(result)
-        return result
-
-    generated = generate_all(
-        cfg.generate,
-        store=store,
-        run_name=cfg.run,
-        endpoint=lambda: generation_endpoint(cfg, target),
-        progress=progress,
-    )
-    report.results.extend(generated)
-    corpus = step(
-        "merge",
-        lambda: _stage("aerie.corpus.stage").run(
-            cfg.corpus, inputs=generated, progress=progress("merge"), **common
-        ),
-    )
-    shards = step(
-        "extract",
-        lambda: _stage("aerie.extract.stage").run(
-            cfg.extract,
-            corpus=_ok(corpus),
-            server=cfg.server,
-            progress=progress("extract"),
-            rebuild_missing=shards_needed(cfg, wanted, _ok(corpus), **common),
-            **common,
-        ),
-    )
-    drafter = step(
-        "train",
-        lambda: _stage("aerie.train.stage").run(
-            cfg.train, shards=_ok(shards), corpus=_ok(corpus), progress=progress("train"), **common
-        ),
-    )
-    evaluation = step(
-        "evaluate",
-        lambda: _stage("aerie.evaluate.stage").run(
-            cfg.evaluate, drafter=_ok(drafter), corpus=_ok(corpus), progress=progress("evaluate"), **common
-        ),
-    )
-    if cfg.deploy.enabled:
-        step(
-            "deploy",
-            lambda: _stage("aerie.evaluate.deploy").deploy(
-                cfg.deploy,
-                drafter=_ok(drafter),
-                evaluation=_ok(evaluation),
-                server=cfg.server,
-                progress=progress("deploy"),
-                **common,
-            ),
-        )
-    report.seconds = time.monotonic() - started
-    return report
-
-
-def shards_needed(
-    cfg: PipelineConfig,
-    wanted: Sequence[str],
-    corpus: StageResult,
-    *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
-) -> bool:
-    """Whether this run needs the hidden-state shards on hand, so that a finished extraction whose
-    shards are gone makes them again (`extract.run(rebuild_missing=True)`): yes when it stops at
-    extraction or its training has to run. Evaluation and deployment read the drafter, never the
-    shards, so a GPU host that got a finished drafter back without its shards (they never travel,
-    `tools.gpuhost`) evaluates and deploys it straight away."""
-    if "train" not in wanted:
-        return True
-    from aerie.extract import stage as extract_stage
-    from aerie.train import stage as train_stage  # torch: only where training is part of the run
-
-    probe = extract_stage.stage_dir(cfg.extract, store, run_name, target, corpus, cfg.server).cached_result()
-    if probe is None:  # not extracted yet: the extraction runs anyway
-        return True
-    return train_stage.stage_dir(cfg.train, store, run_name, target, probe, corpus).cached_result() is None
-
-
-def _stage(module: str) -> Any:
-    return importlib.import_module(module)
-
-
-def _ok(result: StageResult | None) -> StageResult:
-    # Stages run in order, so an upstream result is present whenever a downstream stage runs.
-    assert result is not None
-    return result
-
-
-def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
-    """True when some dataset still needs the target (so an embedded endpoint must be launched)."""
-    from aerie.generate.stage import key_of, stage_name
-    from aerie.manifest import StageDir
-
-    return any(
-        spec.regenerate
-        and StageDir(store, cfg.run, stage_name(spec), key_of(cfg.generate, spec)).manifest() is None
-        for spec in cfg.generate.datasets
-    )
+    ctx = StageContext(store=store, run=cfg.run, target=resolve_target(cfg.target), progress=progress)
+    results = compose(cfg, ctx, lambda stage, ctx, upstream: stage.run(cfg, ctx, upstream), until=until)
+    return PipelineReport(config=cfg, results=results, seconds=time.monotonic() - started)
 
 
 def missing_secrets(cfg: PipelineConfig, store: ArtifactStore) -> list[str]:

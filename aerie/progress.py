@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 ProgressFn = Callable[[float, str], None]
+# A ProgressFn per result name (`merge`, `generate-sharegpt`): one bar or artifact each.
+ProgressFactory = Callable[[str], ProgressFn]
 
 
 def no_progress(fraction: float, message: str) -> None:

@@ -33,11 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 from hardware import hardware_name  # noqa: E402
 
-from aerie.refserver import packed  # noqa: E402
-from aerie.refserver.extraction import HiddenStateCapture  # noqa: E402
-from aerie.refserver.generation import BatchedDecoder, GenRequest, SamplingParams  # noqa: E402
-from aerie.refserver.loader import load_model  # noqa: E402
-from aerie.refserver.slots import SlotDecoder  # noqa: E402
+from aerie.engine.generation import BatchedDecoder, GenRequest, SamplingParams  # noqa: E402
+from aerie.engine.server import packed  # noqa: E402
+from aerie.engine.server.extraction import HiddenStateCapture  # noqa: E402
+from aerie.engine.server.loader import load_model  # noqa: E402
+from aerie.engine.server.slots import SlotDecoder  # noqa: E402
 from aerie.targets import resolve_target  # noqa: E402
 
 BACKENDS: dict[str, tuple[type[BatchedDecoder], dict[str, Any]]] = {

@@ -38,11 +38,11 @@ import torch
 
 from aerie.draft.export import load_drafter
 from aerie.draft.vocab import counts_from_frame, coverage_by_size
+from aerie.engine.speculative.decoder import SpecDecoder, SpecStats
+from aerie.engine.speculative.eagle import EagleProposer
 from aerie.evaluate.diagnose import diagnose
-from aerie.evaluate.eagle import EagleProposer
 from aerie.evaluate.prompts import EvalPrompt, mtbench_prompts
 from aerie.evaluate.report import acceptance_by_group
-from aerie.evaluate.spec_decode import SpecDecoder, SpecStats
 from aerie.fp8 import dequantize_fp8, quantize_fp8
 from aerie.targets import resolve_target
 

@@ -36,7 +36,7 @@ client, `sys.setswitchinterval`, instead of Python's 5,000), e.g.
 `--pipelines bf16,fp8,fp8+server,fp8+server+sync,fp8+server+w4+r8,fp8+server+p1`. `--corpus` runs it all
 on a merge stage's train rows instead of the synthetic corpus. `--trace-dir D` has every pipeline's
 server profile a few packs (`--trace-packs`, after the warm-up and the first ones) into `D/<variant>/`:
-where its device waits between kernels (`aerie.refserver.trace`); the profiler slows those packs, so
+where its device waits between kernels (`aerie.engine.server.trace`); the profiler slows those packs, so
 the traced run's rate is not a figure.
 
 efficiency = pipeline tokens/s / min(bare forward tokens/s, write bytes/s / shard bytes per token),
@@ -74,13 +74,13 @@ from hardware import hardware_name
 from safetensors.torch import save_file
 
 from aerie.corpus.stage import ROW_GROUP
+from aerie.engine.server.extraction import SYNC_COPY_ENV
 from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
 from aerie.extract.shards import HiddenSample, ShardInfo, ShardWriter, Storage
 from aerie.extract.stage import dump_root
 from aerie.extract.stage import run as run_extract
 from aerie.manifest import StageDir, StageResult, stage_key
-from aerie.refserver.extraction import SYNC_COPY_ENV
 from aerie.serving import ServerConfig
 from aerie.store import ArtifactStore, LocalStore
 from aerie.targets import TargetInfo, resolve_target
@@ -153,9 +153,9 @@ def bare_forward(
     target: TargetInfo, device: str, sequences: list[list[int]], pack_tokens: list[int], max_packs: int = 3
 ) -> dict[str, Any]:
     """tokens/s of the packed forward with capture, per pack size (whole packs only)."""
-    from aerie.refserver import packed
-    from aerie.refserver.extraction import HiddenStateCapture
-    from aerie.refserver.loader import load_model
+    from aerie.engine.server import packed
+    from aerie.engine.server.extraction import HiddenStateCapture
+    from aerie.engine.server.loader import load_model
 
     loaded = load_model(target.path, device, "auto", skip_tokenizer=True)
     packed.register()
@@ -373,9 +373,9 @@ def dump_roundtrip(
     rename) then the client's `read_dumps` (memory-mapped: the bytes are copied later, into the shard)
     and unlink, in tmpfs and in the work dir. Each pipeline token
     crosses it once, so its rate bounds the pipeline from above."""
+    from aerie.engine.server.dump import write_dump
+    from aerie.engine.server.extraction import Capture
     from aerie.extract.client import read_dumps
-    from aerie.refserver.dump import write_dump
-    from aerie.refserver.extraction import Capture
 
     caps = [
         Capture(
@@ -487,7 +487,7 @@ def pipeline(
         "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
         "wall_s": round(wall, 1),
         # Seconds and shares of the steady wall: the client's critical path and the server's phases
-        # (aerie.extract.phases; the server's are aerie.refserver.scheduler.PhaseClock's).
+        # (aerie.extract.phases; the server's are aerie.engine.server.scheduler.PhaseClock's).
         "phases": f.get("phases"),
     }
 
@@ -543,7 +543,7 @@ def parse_variant(variant: str, args: argparse.Namespace) -> Variant:
 def match_server_threads(device: str) -> int:
     """Use the torch thread count the reference server uses, so 'same machine' means same threads
     (on a shared CPU, 2 threads can be slower than the server's 1)."""
-    from aerie.refserver.args import cpu_threads
+    from aerie.engine.server.args import cpu_threads
 
     if not device.startswith("cuda"):
         torch.set_num_threads(cpu_threads(0))
@@ -613,7 +613,7 @@ def main() -> None:
     ap.add_argument(
         "--trace-dir",
         default=None,
-        help="profile packs of every pipeline's server (aerie.refserver.trace) into DIR/<variant>/",
+        help="profile packs of every pipeline's server (aerie.engine.server.trace) into DIR/<variant>/",
     )
     ap.add_argument("--trace-packs", default="10:4", help="SKIP:COUNT packs to profile (with --trace-dir)")
     ap.add_argument(

@@ -4,7 +4,7 @@ In process (same model, same sequences, same run):
   - packed:  the server's extraction forward (one row, segment-causal attention, capture hooks)
   - padded:  length-sorted, right-padded batches with a padding mask (the usual HF batching)
   - single:  one sequence per forward (the peers' offline style, before any file writing)
-Over HTTP against a real `python -m aerie.refserver` process:
+Over HTTP against a real `python -m aerie.engine` process:
   - extract: /generate prefill-only requests (many sequences each, 2 in flight) incl. dump writes
   - chat:    /v1/chat/completions, 1 request at a time vs N concurrent (the batching loop)
 
@@ -37,9 +37,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from aerie.refserver import packed  # noqa: E402
-from aerie.refserver.extraction import HiddenStateCapture  # noqa: E402
-from aerie.refserver.loader import load_model  # noqa: E402
+from aerie.engine.server import packed  # noqa: E402
+from aerie.engine.server.extraction import HiddenStateCapture  # noqa: E402
+from aerie.engine.server.loader import load_model  # noqa: E402
 from aerie.targets import resolve_target  # noqa: E402
 
 CHAT_PROMPTS = [
@@ -168,7 +168,7 @@ def _start_server(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "aerie.refserver", "--model-path", model_path, "--port", str(port)]
+    cmd = [sys.executable, "-m", "aerie.engine", "--model-path", model_path, "--port", str(port)]
     cmd += ["--device", args.device, "--mode", mode, "--max-batch-tokens", str(args.batch_tokens)]
     if mode == "extract":
         cmd += ["--dump-dir", str(work / "dumps")]

@@ -5,7 +5,7 @@ decoder with prompt lookup and (given `--drafter DIR`) an EAGLE-3 drafter, at ea
     python benchmarks/spec_decode.py --device cuda --prompts 80 --max-new-tokens 256 \\
         --drafter artifacts/smollm2-gpu/train/<key>/drafter
 
-Every configuration decodes the same prompts with `aerie.evaluate.spec_decode.SpecDecoder` (batch
+Every configuration decodes the same prompts with `aerie.engine.speculative.decoder.SpecDecoder` (batch
 `--batch-size`, default 1: the latency setting where speculation pays). The baseline is the same
 decoder with no proposer (one target forward per token), so the speed-up measures speculation, not
 implementation differences; `transformers`' own `generate()` is timed too, for scale. Outputs are
@@ -28,9 +28,9 @@ import psutil
 import torch
 from hardware import hardware_name
 
-from aerie.evaluate.prompt_lookup import PromptLookupProposer
+from aerie.engine.speculative.decoder import NoProposer, Proposer, SpecDecoder, SpecStats, greedy_reference
+from aerie.engine.speculative.prompt_lookup import PromptLookupProposer
 from aerie.evaluate.prompts import mtbench_prompts
-from aerie.evaluate.spec_decode import NoProposer, Proposer, SpecDecoder, SpecStats, greedy_reference
 from aerie.targets import resolve_dtype, resolve_target
 
 RESULTS = Path(__file__).parent / "results"
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     proposers: list[tuple[str, Any, list[int] | None]] = [("prompt_lookup", PromptLookupProposer, None)]
     if args.drafter:
         from aerie.draft.export import load_drafter
-        from aerie.evaluate.eagle import EagleProposer
+        from aerie.engine.speculative.eagle import EagleProposer
 
         drafter = load_drafter(args.drafter, target, device=args.device, dtype=dtype)
         eagle_layers = EagleProposer(drafter).aux_layers

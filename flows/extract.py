@@ -1,11 +1,9 @@
-"""Prefect flow of the extraction stage: preflight -> (launch + readiness -> canary -> extract ->
-teardown, always) -> summary.
+"""The extraction stage under Prefect, and its fan-out over hosts.
 
-Thin on purpose: the library's `aerie.extract.stage` does the work. The preflight is its own task so
-a disk shortage fails in seconds, visibly, before any server starts. The extraction task owns the
-servers (it launches, restarts and always tears them down itself); its retry resumes from the shards
-already uploaded (`progress.json`). Both are cached across runs on the corpus manifest digest and the
-configs (`flows.stagecache`), and the library's own manifest makes a re-run a hit even without Prefect.
+On one host `aerie.extract` does the work through the generic stage subflow (`flows.stage`, with
+`POLICY`): the disk preflight runs first inside the stage, so a shortage fails in seconds, before any
+server starts, and is not retried; the task owns the servers (it launches, restarts and always tears
+them down itself) and its retry resumes from the shards already uploaded (`progress.json`).
 
 Fan-out over hosts: with `extract.slice_deployment` set (e.g. "extract-slice/gpu", prefect.yaml),
 `extract_flow` starts one `extract_slice_flow` run per unfinished slice of `extract.num_slices` through
@@ -27,111 +25,40 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel
 
+from aerie.config import PipelineConfig
 from aerie.errors import ConfigError, ExtractionError, PreflightError
 from aerie.extract import slices
-from aerie.extract import stage as extract_stage
 from aerie.extract.config import ExtractConfig
+from aerie.extract.entry import EXTRACT
 from aerie.extract.preflight import human_bytes
-from aerie.manifest import StageResult
+from aerie.manifest import StageDir, StageResult
 from aerie.serving.config import ServerConfig
-from aerie.store import ArtifactStore, StoreConfig, open_store
+from aerie.stage import StageContext, Upstream
+from aerie.store import StoreConfig, open_store
 from aerie.targets import TargetInfo
+from flows.policy import StagePolicy
 from flows.reporting import artifact_key, notify_failure, prefect_progress, stage_table
 from flows.retrying import retry_unless
-from flows.stagecache import run_cached, stage_cache_key
-
-SLICE_POLL_S = 5.0  # how often the parent looks at its slice runs
 
 
-@task(name="extract-preflight")
-def preflight_task(
-    cfg: ExtractConfig,
-    store_cfg: StoreConfig,
-    run_name: str,
-    target: TargetInfo,
-    corpus: StageResult,
-    server: ServerConfig,
-) -> dict[str, Any]:
-    """Corpus token counts and free disk; raises PreflightError (never retried) when short. Nothing to
-    check when the stage already completed."""
-    store = open_store(store_cfg)
-    if extract_stage.stage_dir(cfg, store, run_name, target, corpus, server).manifest() is not None:
-        return {"cached": True, "tokens": 0, "filesystems": []}
-    plan = extract_stage.plan(
-        cfg, store=store, run_name=run_name, target=target, corpus=corpus, server=server
+def _summary(result: StageResult) -> str:
+    f = result.figures
+    return (
+        f"extract: {f.get('tokens', 0):,} tokens in {f.get('shards', 0)} shards "
+        f"({f.get('storage_dtype')}, {human_bytes(f.get('bytes', 0))})"
     )
-    return plan.preflight.record()
 
 
-@task(
-    name="extract-hidden-states",
-    cache_key_fn=stage_cache_key,
-    persist_result=True,
+POLICY = StagePolicy(
+    task="extract-hidden-states",
+    title="hidden-state extraction",
+    summary=_summary,
     retries=1,
-    retry_delay_seconds=30,
+    retry_delay_s=30,
+    # A dead server or a store hiccup may pass in 30 s; a disk shortage or a bad config does not.
+    not_retried=(PreflightError, ConfigError),
 )
-def extract_task(
-    cfg: ExtractConfig,
-    store_cfg: StoreConfig,
-    run_name: str,
-    target: TargetInfo,
-    corpus: StageResult,
-    server: ServerConfig,
-    rebuild_missing: bool = False,
-) -> StageResult:
-    progress = prefect_progress(artifact_key(run_name, "extract"), "hidden-state extraction")
-    return extract_stage.run(
-        cfg,
-        store=open_store(store_cfg),
-        run_name=run_name,
-        target=target,
-        corpus=corpus,
-        server=server,
-        progress=progress,
-        rebuild_missing=rebuild_missing,
-    )
-
-
-@flow(name="extract", on_failure=[notify_failure], on_crashed=[notify_failure])
-def extract_flow(
-    cfg: ExtractConfig,
-    store_cfg: StoreConfig,
-    run_name: str,
-    target: TargetInfo,
-    corpus: StageResult,
-    server: ServerConfig,
-    rebuild_missing: bool = False,
-) -> StageResult:
-    """Extract the corpus's hidden states into shards; returns the stage result (a pointer). With
-    `rebuild_missing` (the run needs the shards, `aerie.pipeline.shards_needed`) a finished extraction
-    whose shards are gone makes them again: the task skips Prefect's cache and the library checks the
-    store."""
-    store = open_store(store_cfg)
-    params: dict[str, Any] = {
-        "cfg": cfg,
-        "store_cfg": store_cfg,
-        "run_name": run_name,
-        "target": target,
-        "corpus": corpus,
-        "server": server,
-    }
-    if cfg.slice_deployment:
-        result = _fan_out(cfg, store, params, rebuild_missing)
-    else:
-        report = preflight_task(**params)
-        need = sum(fs["need"] for fs in report["filesystems"])
-        get_run_logger().info(
-            "extraction preflight: %s tokens, %s needed on disk", f"{report['tokens']:,}", human_bytes(need)
-        )
-        stage_task = extract_task.with_options(refresh_cache=True) if rebuild_missing else extract_task
-        result = run_cached(stage_task, store, **params, rebuild_missing=rebuild_missing)
-    figures = result.figures
-    stage_table(
-        result,
-        f"extract: {figures.get('tokens', 0):,} tokens in {figures.get('shards', 0)} shards "
-        f"({figures.get('storage_dtype')}, {human_bytes(figures.get('bytes', 0))})",
-    )
-    return result
+SLICE_POLL_S = 5.0  # how often the parent looks at its slice runs
 
 
 # ---- one slice per host, and the fan-out over a deployment of it ------------------------------------
@@ -143,8 +70,7 @@ def slice_target_task(target: TargetInfo) -> TargetInfo:
     return slices.local_target(target)
 
 
-# A dead server or a store hiccup may pass in 30 s; a disk shortage or a bad config does not.
-_worth_retrying = retry_unless(PreflightError, ConfigError)
+_worth_retrying = retry_unless(*POLICY.not_retried)
 
 
 @task(
@@ -223,19 +149,31 @@ def assemble_task(
     )
 
 
-def _fan_out(
-    cfg: ExtractConfig, store: ArtifactStore, params: dict[str, Any], rebuild_missing: bool
+@flow(name="extract", on_failure=[notify_failure], on_crashed=[notify_failure])
+def extract_flow(
+    cfg: PipelineConfig, target: TargetInfo, upstream: Upstream, rebuild_missing: bool = False
 ) -> StageResult:
-    """Run every unfinished slice through `cfg.slice_deployment` at once, wait, then assemble. With
+    """Run every unfinished slice through `extract.slice_deployment` at once, wait, then assemble. With
     `rebuild_missing`, the slices that lost shards count as unfinished (`slices.forget_missing`)."""
-    stage = extract_stage.stage_dir(
-        cfg, store, params["run_name"], params["target"], params["corpus"], params["server"]
-    )
-    if rebuild_missing and (missing := slices.forget_missing(stage, cfg.num_slices)):
+    store = open_store(cfg.store)
+    stage = EXTRACT.stage_dir(cfg, StageContext(store=store, run=cfg.run, target=target), upstream)
+    n = cfg.extract.num_slices
+    if rebuild_missing and (missing := slices.forget_missing(stage, n)):
         get_run_logger().warning("extraction: %d shards are gone; their slices run again", len(missing))
-    cached = stage.cached_result()
-    if cached is not None:
-        return cached
+    params: dict[str, Any] = {
+        "cfg": cfg.extract,
+        "store_cfg": cfg.store,
+        "run_name": cfg.run,
+        "target": target,
+        "corpus": upstream.corpus,
+        "server": cfg.server,
+    }
+    result = stage.cached_result() or _run_slices(cfg.extract, stage, params)
+    stage_table(result, _summary(result))
+    return result
+
+
+def _run_slices(cfg: ExtractConfig, stage: StageDir, params: dict[str, Any]) -> StageResult:
     n = cfg.num_slices
     pending = [k for k in range(n) if slices.read_record(stage, k, n) is None]
     logger = get_run_logger()

@@ -15,7 +15,6 @@ under `generate-all` in the UI.
 from __future__ import annotations
 
 import contextvars
-import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,11 +25,11 @@ from prefect.context import TaskRunContext
 from aerie.errors import ConfigError, DataError, EndpointAuthError, EndpointError, EndpointRequestError
 from aerie.generate import stage as generate_stage
 from aerie.generate.config import DatasetSpec, GenerateConfig
-from aerie.manifest import StageResult, canonical_json
+from aerie.manifest import StageResult
 from aerie.store import StoreConfig, open_store
 from flows.reporting import artifact_key, notify_failure, prefect_progress, stage_table
 from flows.retrying import retry_unless
-from flows.stagecache import run_cached
+from flows.stagecache import cache_key, run_cached
 
 # A missing or malformed source fails the same way on every attempt (DataError covers both).
 NOT_RETRIED = (EndpointAuthError, EndpointRequestError, ConfigError, DataError)
@@ -43,11 +42,9 @@ _worth_retrying = retry_unless(*NOT_RETRIED)
 
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     """The library's own stage key (what decides the output), plus where the output lives."""
-    cfg: GenerateConfig = parameters["cfg"]
     spec: DatasetSpec = parameters["spec"]
-    store_cfg: StoreConfig = parameters["store_cfg"]
-    payload = [store_cfg.uri, parameters["run_name"], generate_stage.key_of(cfg, spec)]
-    return f"aerie-generate-{spec.name}-{hashlib.sha256(canonical_json(payload)).hexdigest()[:24]}"
+    key = generate_stage.key_of(parameters["cfg"], spec)
+    return cache_key(f"generate-{spec.name}", parameters["store_cfg"].uri, parameters["run_name"], key)
 
 
 @task(

@@ -2,10 +2,13 @@
 
     generate-all (a subflow per dataset) -> merge -> extract -> train -> evaluate -> deploy
 
-Each stage returns the URI of its manifest (a `StageResult`), never data; each is cached across runs
-(see `flows.stagecache`), so re-running a finished pipeline costs seconds and changing a training
-parameter re-runs only training and what follows. A failing stage fails the flow (subflow calls
-raise), and the `on_failure`/`on_crashed` hooks post to the configured webhook.
+The stages, their order and what each is fed are the library's (`aerie.pipeline.compose`); this flow
+runs each as a subflow: generation as a subflow per dataset (`flows.generate`), extraction over hosts
+when `extract.slice_deployment` is set (`flows.extract`), every other stage through the one generic
+stage subflow (`flows.stage`). Each stage returns the URI of its manifest (a `StageResult`), never
+data; each is cached across runs, so re-running a finished pipeline costs seconds and changing a
+training parameter re-runs only training and what follows. A failing stage fails the flow (subflow
+calls raise), and the `on_failure`/`on_crashed` hooks post to the configured webhook.
 """
 
 from __future__ import annotations
@@ -17,26 +20,18 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from aerie.config import PipelineConfig, apply_overrides
+from aerie.extract.entry import EXTRACT
+from aerie.generate.entry import GENERATE, generation_endpoint
 from aerie.manifest import StageResult
-from aerie.pipeline import (
-    STAGES,
-    PipelineReport,
-    check_secrets,
-    figure_text,
-    generation_endpoint,
-    generation_pending,
-    shards_needed,
-)
+from aerie.pipeline import PipelineReport, check_secrets, compose, figure_text
 from aerie.presets import get_preset
+from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import open_store
 from aerie.targets import TargetConfig, TargetInfo, resolve_target
-from flows.deploy import deploy_flow
-from flows.evaluate import evaluate_flow
 from flows.extract import extract_flow
 from flows.generate import generate_all
-from flows.merge import merge_corpus
 from flows.reporting import artifact_key, notify_failure
-from flows.train import train_flow
+from flows.stage import run_stage
 
 
 def pipeline_config(
@@ -68,23 +63,25 @@ def eagle3_pipeline(
     cfg = pipeline_config(preset, overrides, config)
     store = open_store(cfg.store)
     check_secrets(cfg, store)
-    target = resolve_target_task(cfg.target)
-    store_cfg, run = cfg.store, cfg.run
+    ctx = StageContext(store=store, run=cfg.run, target=resolve_target_task(cfg.target))
 
-    # The embedded default generates with the target itself: launch it only when a dataset needs it.
-    launch = cfg.generate.endpoint.base_url is None and generation_pending(cfg, store)
-    with generation_endpoint(cfg, target) if launch else contextlib.nullcontext(None) as base_url:
-        generated = generate_all(cfg.generate, store_cfg, run, base_url)
-    corpus = merge_corpus(cfg.corpus, store_cfg, run, target, generated)
-    needed = shards_needed(cfg, STAGES, corpus, store=store, run_name=run, target=target)
-    shards = extract_flow(cfg.extract, store_cfg, run, target, corpus, cfg.server, needed)
-    drafter = train_flow(cfg.train, store_cfg, run, target, shards, corpus)
-    evaluation = evaluate_flow(cfg.evaluate, store_cfg, run, target, drafter, corpus)
-    results = [*generated, corpus, shards, drafter, evaluation]
-    if cfg.deploy.enabled:
-        results.append(deploy_flow(cfg.deploy, store_cfg, run, target, drafter, evaluation, cfg.server))
+    def step(stage: Stage, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+        if stage is GENERATE:
+            return _generate(cfg, ctx)
+        if stage is EXTRACT and cfg.extract.slice_deployment:
+            return [extract_flow(cfg, ctx.target, upstream, ctx.rebuild_missing)]
+        return [run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing)]
+
+    results = compose(cfg, ctx, step)
     _summarize(cfg, results)
     return results
+
+
+def _generate(cfg: PipelineConfig, ctx: StageContext) -> list[StageResult]:
+    # The embedded default generates with the target itself: launch it only when a dataset needs it.
+    launch = cfg.generate.endpoint.base_url is None and GENERATE.needs(cfg, ctx, Upstream())
+    with generation_endpoint(cfg, ctx.target) if launch else contextlib.nullcontext(None) as base_url:
+        return generate_all(cfg.generate, cfg.store, cfg.run, base_url)
 
 
 def _summarize(cfg: PipelineConfig, results: list[StageResult]) -> None:

@@ -1,10 +1,9 @@
 """Prefect-level caching of stages across runs.
 
-A stage task's cache key is built from what decides its output: the stage's config section, the
-digests of its upstream manifests (never their timing fields), the run name, the store root and
-aerie's version. The library's own manifests make a re-run cheap even without this cache; with it,
-a finished stage is not even entered. A cache hit whose manifest has since been deleted from the
-store is detected by `verified` and the stage re-runs.
+A stage task's cache key is the library's own stage key (`Stage.key`: what decides the output, aerie's
+version included) plus where the output lives (store root, run name). The library's manifests make a
+re-run cheap even without this cache; with it, a finished stage is not even entered. A cache hit whose
+manifest has since been deleted from the store is detected by `verified` and the stage re-runs.
 """
 
 from __future__ import annotations
@@ -13,36 +12,13 @@ import hashlib
 import time
 from typing import Any
 
-from prefect.context import TaskRunContext
-from pydantic import BaseModel
-
-import aerie
 from aerie.manifest import StageResult, canonical_json
 from aerie.store import ArtifactStore
 
-# Parameters that do not change a stage's output (callbacks, endpoints of a server launched for the run).
-IGNORED = frozenset({"progress", "base_url"})
 
-
-def _digestable(value: Any) -> Any:
-    if isinstance(value, StageResult):
-        return value.manifest_sha256
-    if isinstance(value, list | tuple):
-        return [_digestable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _digestable(v) for k, v in sorted(value.items())}
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
-    return value
-
-
-def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    payload = {
-        "task": context.task.name,
-        "aerie": aerie.__version__,
-        "params": {k: _digestable(v) for k, v in sorted(parameters.items()) if k not in IGNORED},
-    }
-    return f"aerie-{context.task.name}-{hashlib.sha256(canonical_json(payload)).hexdigest()[:24]}"
+def cache_key(task_name: str, store_uri: str, run_name: str, stage_key: str) -> str:
+    digest = hashlib.sha256(canonical_json([store_uri, run_name, stage_key])).hexdigest()[:24]
+    return f"aerie-{task_name}-{digest}"
 
 
 def verified(store: ArtifactStore, result: StageResult) -> bool:

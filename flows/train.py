@@ -1,10 +1,8 @@
-"""Prefect flow of the train stage: train (or resume) the drafter -> figures, per-step metrics, plots.
+"""The train stage under Prefect: train (or resume) the drafter -> figures, per-step metrics, plots.
 
-Thin on purpose: `aerie.train.stage.run` does the work — in this process on one device, or as torchrun
-workers when `num_gpus > 1`. The training task's retry resumes from the newest checkpoint in the store,
-so a crash costs at most `checkpoint_every` steps. The task is cached across runs on the extract and
-corpus manifest digests and the training config (`flows.stagecache`); the stage's own manifest makes a
-re-run a hit even without Prefect.
+`aerie.train` does the work, through the generic stage subflow (`flows.stage`): in the task's process
+on one device, or as torchrun workers when `num_gpus > 1`. A retry resumes from the newest checkpoint
+in the store, so a crash costs at most `checkpoint_every` steps.
 """
 
 from __future__ import annotations
@@ -13,49 +11,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 
 from aerie.manifest import StageResult, load_manifest
-from aerie.store import StoreConfig, open_store
-from aerie.targets import TargetInfo
-from aerie.train import stage as train_stage
-from aerie.train.config import TrainConfig
-from flows.reporting import artifact_key, image_artifact, notify_failure, prefect_progress, stage_table
-from flows.stagecache import run_cached, stage_cache_key
+from aerie.store import ArtifactStore
+from flows.policy import StagePolicy
+from flows.reporting import artifact_key, image_artifact
 
 
-@task(
-    name="train-drafter",
-    cache_key_fn=stage_cache_key,
-    persist_result=True,
-    retries=1,
-    retry_delay_seconds=30,
-)
-def train_task(
-    cfg: TrainConfig,
-    store_cfg: StoreConfig,
-    run_name: str,
-    target: TargetInfo,
-    shards: StageResult,
-    corpus: StageResult,
-) -> StageResult:
-    progress = prefect_progress(artifact_key(run_name, "train"), "drafter training")
-    return train_stage.run(
-        cfg,
-        store=open_store(store_cfg),
-        run_name=run_name,
-        target=target,
-        shards=shards,
-        corpus=corpus,
-        progress=progress,
-    )
-
-
-@task(name="train-report", retries=2, retry_delay_seconds=5)
-def report_task(result: StageResult, store_cfg: StoreConfig) -> None:
+def report(result: StageResult, store: ArtifactStore) -> None:
     """Per-TTT-step metrics of the final evaluation as a table; the loss and accuracy plots as images."""
-    store = open_store(store_cfg)
     manifest = load_manifest(store, result.prefix)
     final = manifest.get("final", {})
     create_table_artifact(
@@ -90,33 +55,20 @@ def _at(values: list[Any], k: int) -> Any:
     return values[k] if k < len(values) else None
 
 
-@flow(name="train", on_failure=[notify_failure], on_crashed=[notify_failure])
-def train_flow(
-    cfg: TrainConfig,
-    store_cfg: StoreConfig,
-    run_name: str,
-    target: TargetInfo,
-    shards: StageResult,
-    corpus: StageResult,
-) -> StageResult:
-    """Train the EAGLE-3 drafter on the extracted shards; returns the stage result (a pointer)."""
-    store = open_store(store_cfg)
-    result = run_cached(
-        train_task,
-        store,
-        cfg=cfg,
-        store_cfg=store_cfg,
-        run_name=run_name,
-        target=target,
-        shards=shards,
-        corpus=corpus,
-    )
+def _summary(result: StageResult) -> str:
     f = result.figures
-    stage_table(
-        result,
+    return (
         f"train: best step {f.get('best_step')} of {f.get('steps')}, held-out acceptance length "
         f"{f.get('accept_length_rounds')} in rounds ({f.get('accept_length')} per position), "
-        f"vocab coverage {f.get('vocab_coverage')}",
+        f"vocab coverage {f.get('vocab_coverage')}"
     )
-    report_task(result, store_cfg)
-    return result
+
+
+POLICY = StagePolicy(
+    task="train-drafter",
+    title="drafter training",
+    summary=_summary,
+    retries=1,
+    retry_delay_s=30,
+    report=report,
+)

@@ -41,11 +41,11 @@ class RefServer:
 
 
 def launch(model_path: str, tmp: Path, *args: str) -> RefServer:
-    """Start `python -m aerie.refserver` on a free port, stdout+stderr to a log file (no waiting)."""
+    """Start `python -m aerie.engine` on a free port, stdout+stderr to a log file (no waiting)."""
     port = free_port()
     log_path = tmp / f"refserver-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "aerie.refserver", "--model-path", model_path, "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "aerie.engine", "--model-path", model_path, "--port", str(port), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     return RefServer(proc, port, log_path)

@@ -11,10 +11,14 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 
+from aerie.config import PipelineConfig
 from aerie.corpus.config import CorpusConfig
 from aerie.errors import SchemaError
+from aerie.manifest import StageResult
+from aerie.stage import Upstream
 from aerie.store import LocalStore, StoreConfig
-from flows.merge import merge_corpus
+from aerie.targets import TargetInfo
+from flows.stage import run_stage
 from tests.corpus_support import generated_result, msg
 
 pytest_plugins = ("tests.prefect_support",)
@@ -31,6 +35,13 @@ async def _task_runs(name: str) -> list[int]:
     async with get_client() as client:
         runs = await client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=name)))
         return [r.run_count for r in runs]
+
+
+def merge_corpus(
+    cfg: CorpusConfig, store_cfg: StoreConfig, run: str, target: TargetInfo, inputs: list[StageResult]
+) -> StageResult:
+    pipeline = PipelineConfig(run=run, store=store_cfg, corpus=cfg)
+    return run_stage("merge", pipeline, target, Upstream().plus("generate", inputs))
 
 
 def test_merge_flow_reports_and_caches(tmp_path: Path, smollm2):

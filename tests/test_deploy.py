@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from aerie.deploy.config import DeployConfig
+from aerie.deploy.stage import decide_promotion, deploy, server_specs
 from aerie.errors import ConfigError, EvaluationError
-from aerie.evaluate.config import DeployConfig
-from aerie.evaluate.deploy import decide_promotion, deploy, server_specs
 from aerie.manifest import StageDir, load_manifest
 from aerie.serving import ServerConfig
 from aerie.store import LocalStore
@@ -199,7 +199,7 @@ def test_deploy_with_sglang_in_docker(tmp_path, smollm2):
 
 
 def test_benchmark_summary_figures():
-    from aerie.evaluate.bench import RequestRecord, summarize
+    from aerie.deploy.bench import RequestRecord, summarize
 
     records = [
         RequestRecord(index=0, latency_s=1.0, completion_tokens=11, spec_verify_ct=4, output_ids=[]),

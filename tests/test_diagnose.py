@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 from aerie.draft.export import draft_config_for
 from aerie.draft.model import Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
+from aerie.engine.speculative.decoder import SpecDecoder, SpecStats, greedy_reference
+from aerie.engine.speculative.eagle import EagleProposer, hidden_state_indices
 from aerie.evaluate.diagnose import diagnose
-from aerie.evaluate.eagle import EagleProposer, hidden_state_indices
-from aerie.evaluate.spec_decode import SpecDecoder, SpecStats, greedy_reference
 from aerie.extract.shards import HiddenSample
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch

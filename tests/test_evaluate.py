@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from aerie.datasets import load_mtbench
+from aerie.engine.speculative.decoder import SpecDecoder
 from aerie.errors import EvaluationError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.prompts import spread_over_categories
-from aerie.evaluate.spec_decode import SpecDecoder
 from aerie.evaluate.stage import run
 from aerie.manifest import StageDir, load_manifest
 from aerie.store import LocalStore

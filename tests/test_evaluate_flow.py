@@ -9,11 +9,12 @@ import pytest
 import torch
 from prefect.client.orchestration import get_client
 
-from aerie.evaluate.config import DeployConfig, EvaluateConfig
-from aerie.serving import ServerConfig
+from aerie.config import PipelineConfig
+from aerie.deploy.config import DeployConfig
+from aerie.evaluate.config import EvaluateConfig
+from aerie.stage import Upstream
 from aerie.store import LocalStore, StoreConfig
-from flows.deploy import deploy_flow
-from flows.evaluate import evaluate_flow
+from flows.stage import run_stage
 from tests.evaluate_support import corpus_result, train_result
 
 pytest_plugins = ("tests.prefect_support",)
@@ -29,35 +30,35 @@ async def _artifacts() -> dict[str, str]:
 def test_evaluate_flow_reports_and_caches(tmp_path, smollm2):
     torch.set_num_threads(1)
     store = LocalStore(tmp_path / "store")
-    params = {
-        "cfg": EvaluateConfig(
+    cfg = PipelineConfig(
+        run="flow",
+        store=StoreConfig(uri=store.root),
+        evaluate=EvaluateConfig(
             num_steps=[2], max_new_tokens=6, mtbench_questions=2, heldout_samples=1, device="cpu"
         ),
-        "store_cfg": StoreConfig(uri=store.root),
-        "run_name": "flow",
-        "target": smollm2,
-        "drafter": train_result(store, "flow", smollm2, tmp_path),
-        "corpus": corpus_result(store, "flow", smollm2, n=6),
-    }
-    first = evaluate_flow(**params)
+    )
+    upstream = Upstream(
+        results={
+            "merge": [corpus_result(store, "flow", smollm2, n=6)],
+            "train": [train_result(store, "flow", smollm2, tmp_path)],
+        }
+    )
+    first = run_stage("evaluate", cfg, smollm2, upstream)
     assert not first.cache_hit and first.figures["prompts_mtbench"] == 2
     artifacts = asyncio.run(_artifacts())
     assert artifacts["flow-evaluate"] == "progress"
     assert artifacts["evaluate-report"] == "markdown"
     assert artifacts["evaluate-acceptance"] == "markdown"  # the PNG embedded as a data URI
     assert artifacts["evaluate-figures"] == "table"
-    again = evaluate_flow(**params)
+    again = run_stage("evaluate", cfg, smollm2, upstream)
     assert again.key == first.key and again.figures == first.figures
     assert again.cache_hit and again.original_seconds == first.seconds
 
     # A disabled deployment is a recorded no-op (no server is started).
-    skipped = deploy_flow(
-        cfg=DeployConfig(enabled=False),
-        store_cfg=params["store_cfg"],
-        run_name="flow",
-        target=smollm2,
-        drafter=params["drafter"],
-        evaluation=first,
-        server=ServerConfig(),
+    skipped = run_stage(
+        "deploy",
+        cfg.model_copy(update={"deploy": DeployConfig(enabled=False)}),
+        smollm2,
+        upstream.plus("evaluate", [first]),
     )
     assert skipped.figures == {"deployed": False}

@@ -1,4 +1,4 @@
-"""The extraction flow under a real Prefect test server: a disk shortage fails in the preflight task
+"""The extraction flow under a real Prefect test server: a disk shortage fails in the stage's preflight
 before any server starts; a small corpus goes through a real reference server into shards, with the
 figures table and progress artifact, and the second flow run is a cache hit."""
 
@@ -9,11 +9,13 @@ import asyncio
 import pytest
 from prefect.client.orchestration import get_client
 
+from aerie.config import PipelineConfig
 from aerie.errors import PreflightError
 from aerie.extract.config import ExtractConfig
 from aerie.serving import ServerConfig
+from aerie.stage import Upstream
 from aerie.store import StoreConfig, open_store
-from flows.extract import extract_flow
+from flows.stage import run_stage
 from tests.conftest import free_port
 from tests.extract_support import corpus_rows, write_corpus
 
@@ -33,15 +35,11 @@ def test_flow_refuses_in_preflight_without_launching(tmp_path, smollm2, corpus):
     store_cfg, result = corpus
     port = free_port()
     cfg = ExtractConfig(work_dir=str(tmp_path / "work"), disk_margin=1e12)
+    pipeline = PipelineConfig(
+        run="f", store=store_cfg, extract=cfg, server=ServerConfig(device="cpu", port=port)
+    )
     with pytest.raises(PreflightError, match="not enough disk for extraction"):
-        extract_flow(
-            cfg=cfg,
-            store_cfg=store_cfg,
-            run_name="f",
-            target=smollm2,
-            corpus=result,
-            server=ServerConfig(device="cpu", port=port),
-        )
+        run_stage("extract", pipeline, smollm2, Upstream().plus("merge", [result]))
     assert not list((tmp_path / "work").rglob("*.log"))  # no server log: nothing was launched
 
 
@@ -73,15 +71,14 @@ async def _artifact_keys() -> set[str]:
 @pytest.mark.slow
 def test_flow_extracts_and_caches(tmp_path, smollm2, corpus):
     store_cfg, result = corpus
-    params = {
-        "cfg": ExtractConfig(work_dir=str(tmp_path / "work"), shard_bytes=1 << 20, batch_tokens=256),
-        "store_cfg": store_cfg,
-        "run_name": "f",
-        "target": smollm2,
-        "corpus": result,
-        "server": ServerConfig(device="cpu", port=free_port()),
-    }
-    first = extract_flow(**params)
+    cfg = PipelineConfig(
+        run="f",
+        store=store_cfg,
+        extract=ExtractConfig(work_dir=str(tmp_path / "work"), shard_bytes=1 << 20, batch_tokens=256),
+        server=ServerConfig(device="cpu", port=free_port()),
+    )
+    upstream = Upstream().plus("merge", [result])
+    first = run_stage("extract", cfg, smollm2, upstream)
     assert not first.cache_hit
     assert first.figures["tokens"] == result.figures["tokens"] and first.figures["canary_passed"]
     _check_phases(first.figures["phases"])
@@ -90,5 +87,5 @@ def test_flow_extracts_and_caches(tmp_path, smollm2, corpus):
     assert "max_prefill_tokens=256," in log.read_text()
     keys = asyncio.run(_artifact_keys())
     assert "f-extract" in keys and "extract-figures" in keys
-    second = extract_flow(**params)
+    second = run_stage("extract", cfg, smollm2, upstream)
     assert second.manifest_sha256 == first.manifest_sha256

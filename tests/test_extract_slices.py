@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from prefect.client.orchestration import get_client
 
+from aerie.config import PipelineConfig
 from aerie.errors import ExtractionError
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import slice_bounds
@@ -28,10 +29,11 @@ from aerie.extract.phases import PhaseTotals
 from aerie.extract.resume import ProgressFile
 from aerie.extract.slices import SliceMissingError, SliceRecord, assemble, record_name, run_slice
 from aerie.extract.stage import run
-from aerie.manifest import load_manifest
+from aerie.manifest import StageResult, load_manifest
 from aerie.serving import ServerConfig
+from aerie.stage import Upstream
 from aerie.store import LocalStore, StoreConfig, open_store
-from flows.extract import extract_flow
+from flows.extract import extract_flow as fan_out_flow
 from tests.extract_support import corpus_rows, write_corpus
 from tests.processes import free_port_pair
 from tests.test_extract_server import check_commit_path
@@ -178,12 +180,13 @@ def test_extract_flow_fans_out_over_the_slice_deployment(prefect_api, tmp_path, 
     store_cfg = StoreConfig(uri=str(tmp_path / "store"))
     store = open_store(store_cfg)
     splits, corpus = _corpus(store, smollm2.load_tokenizer(), 8)
-    params = {
-        "store_cfg": store_cfg,
-        "target": smollm2,
-        "corpus": corpus,
-        "server": ServerConfig(backend="reference", device="cpu", port=free_port_pair()),
-    }
+    server = ServerConfig(backend="reference", device="cpu", port=free_port_pair())
+    upstream = Upstream().plus("merge", [corpus])
+
+    def extract_flow(cfg: ExtractConfig, run_name: str) -> StageResult:
+        pipeline = PipelineConfig(run=run_name, store=store_cfg, extract=cfg, server=server)
+        return fan_out_flow(pipeline, smollm2, upstream)
+
     fan_out = {"num_slices": 2, "slice_deployment": "extract-slice/local"}
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
@@ -198,11 +201,11 @@ def test_extract_flow_fans_out_over_the_slice_deployment(prefect_api, tmp_path, 
     try:
         # A slice that cannot run (its host's disk preflight refuses): the parent names it and its run.
         with pytest.raises(ExtractionError, match=r"slice 0 of 2 \(flow run 'short-slice-0-of-2', ") as err:
-            extract_flow(cfg=_cfg(tmp_path, disk_margin=1e12, **fan_out), run_name="short", **params)
+            extract_flow(cfg=_cfg(tmp_path, disk_margin=1e12, **fan_out), run_name="short")
         assert "slice 1 of 2 (flow run 'short-slice-1-of-2'" in str(err.value)
         assert "not enough disk" in str(err.value)
 
-        result = extract_flow(cfg=_cfg(tmp_path, **fan_out), run_name="s", **params)
+        result = extract_flow(cfg=_cfg(tmp_path, **fan_out), run_name="s")
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(timeout=60)

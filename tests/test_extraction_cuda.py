@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from aerie.engine.server.args import default_aux_layers
+from aerie.engine.server.extraction import SYNC_COPY_ENV, HiddenStateCapture
 from aerie.fp8 import quantize_fp8
-from aerie.refserver.args import default_aux_layers
-from aerie.refserver.extraction import SYNC_COPY_ENV, HiddenStateCapture
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,8 +22,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def gpu_model(smollm2: Any) -> Any:
-    from aerie.refserver import packed
-    from aerie.refserver.loader import load_model
+    from aerie.engine.server import packed
+    from aerie.engine.server.loader import load_model
 
     packed.register()
     return load_model(smollm2.path, "cuda", "bfloat16", skip_tokenizer=False)

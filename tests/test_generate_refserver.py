@@ -65,7 +65,7 @@ def test_the_launched_generation_server_gets_the_endpoints_launch_args(smollm2) 
 
     from aerie.config import apply_overrides
     from aerie.errors import ConfigError
-    from aerie.pipeline import generation_endpoint
+    from aerie.generate.entry import generation_endpoint
     from aerie.presets import smollm2_local
     from tests.conftest import free_port
 

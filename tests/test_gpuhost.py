@@ -216,7 +216,7 @@ def test_pack_out_takes_stages_whole_and_leaves_shards_behind(tmp_path: Path) ->
     restored, kept = gpuhost.restore(fresh, [out])
     got = {p.relative_to(fresh.root).as_posix() for p in fresh.root.rglob("*") if p.is_file()}
     # Every finished stage comes back restorable, so a fresh host takes it as a cache hit: the extraction
-    # as its manifest alone (later keys are made of it; `aerie.pipeline.shards_needed` extracts again
+    # as its manifest alone (later keys are made of it; `aerie.pipeline.rebuild_missing` extracts again
     # only for a stage that reads shards), the training without its checkpoints.
     assert got == {
         "store/r/extract/k4/manifest.json",
@@ -248,12 +248,12 @@ def test_pack_out_takes_stages_whole_and_leaves_shards_behind(tmp_path: Path) ->
 def _pipeline_ready() -> bool:
     # aerie.pipeline imports these when it runs; until they exist, `run` cannot get past its imports.
     return all(
-        importlib.util.find_spec(m) is not None for m in ("aerie.evaluate.stage", "aerie.evaluate.deploy")
+        importlib.util.find_spec(m) is not None for m in ("aerie.evaluate.stage", "aerie.deploy.stage")
     )
 
 
 needs_pipeline = pytest.mark.skipif(
-    not _pipeline_ready(), reason="aerie.evaluate.stage/deploy not written yet"
+    not _pipeline_ready(), reason="aerie.evaluate.stage or aerie.deploy.stage not written yet"
 )
 
 

@@ -381,3 +381,51 @@ def test_seeded_sampling_is_reproducible(server: RefServer) -> None:
     )
     assert first.status_code == 200, first.text
     assert first.json()["choices"][0]["message"] == second.json()["choices"][0]["message"]
+
+
+def _events(server: RefServer, path: str, body: dict) -> list[dict | str]:
+    """The server-sent events of a streamed request, in order ("[DONE]" as a string)."""
+    events: list[dict | str] = []
+    with httpx.stream("POST", server.url + path, json=body, timeout=120) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_generate_streams_a_chunk_per_step_and_ends_with_the_whole_reply(server: RefServer) -> None:
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    whole = _generate(server, body).json()
+    events = _events(server, "/generate", {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if isinstance(e, dict)]
+    counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+    assert counts == list(range(1, len(counts) + 1))  # one new token per plain decoding step
+    assert all(len(c["output_ids"]) == c["meta_info"]["completion_tokens"] for c in chunks)
+    assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    batch = _generate(server, {"input_ids": [[1, 2], [3, 4]], "stream": True})
+    assert batch.status_code == 400 and "one input" in batch.json()["message"]
+
+
+def test_chat_streams_openai_chunks_that_add_up_to_the_answer(server: RefServer) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stop": [", 5"],
+    }
+    whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    events = _events(server, "/v1/chat/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if isinstance(e, dict)]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert len(chunks) > 3  # the text came in pieces, not at the end
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == whole["usage"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from aerie.refserver.args import ArgsError, RefServerArgs, parse_args
+from aerie.engine.server.args import ArgsError, RefServerArgs, parse_args
 from tests.refserver_support import ROOT, RefServer, launch, port_free, port_open
 
 NONCE = "run-lifecycle-0123"
@@ -206,17 +206,19 @@ def test_args_round_trip_and_checks(smollm2, tmp_path: Path) -> None:
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "aerie.refserver", *args]
+    cmd = [sys.executable, "-m", "aerie.engine", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
 def _spec_backend_exists() -> bool:
-    if importlib.util.find_spec("aerie.evaluate.spec_decode") is None:
+    if importlib.util.find_spec("aerie.engine.speculative.decoder") is None:
         return False
-    return callable(getattr(importlib.import_module("aerie.evaluate.spec_decode"), "create_backend", None))
+    return callable(
+        getattr(importlib.import_module("aerie.engine.speculative.decoder"), "create_backend", None)
+    )
 
 
-@pytest.mark.skipif(_spec_backend_exists(), reason="aerie.evaluate.spec_decode.create_backend exists")
+@pytest.mark.skipif(_spec_backend_exists(), reason="aerie.engine.speculative.decoder.create_backend exists")
 def test_speculative_flags_fail_clearly_until_the_backend_exists(smollm2, tmp_path: Path) -> None:
     done = _run_cli(
         "--model-path", smollm2.path, "--speculative-algorithm", "EAGLE3",

@@ -10,17 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from aerie.refserver.dump import check_rid, write_dump
-from aerie.refserver.extraction import Capture
-from aerie.refserver.generation import (
+from aerie.engine.generation import (
     GenRequest,
     GenResult,
     RunToCompletionBackend,
     SamplingParams,
     _filtered_probs,
 )
-from aerie.refserver.packed import make_pack, plan_packs
-from aerie.refserver.scheduler import Scheduler
+from aerie.engine.server.dump import check_rid, write_dump
+from aerie.engine.server.extraction import Capture
+from aerie.engine.server.packed import make_pack, plan_packs
+from aerie.engine.server.scheduler import Scheduler
 
 
 def test_plan_packs_respects_the_budget_and_keeps_order() -> None:
@@ -134,7 +134,7 @@ def test_a_float32_model_never_reaches_the_half_only_varlen_kernel(monkeypatch) 
     """The packed backend is chosen per process on the first model's probe (a bf16 server on CUDA picks
     varlen); a float32 model in the same process takes the segment loop instead of failing in the kernel
     (seen on an H200: "FlashAttention only support fp16 and bf16 data type")."""
-    from aerie.refserver import packed
+    from aerie.engine.server import packed
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 12, 8, generator=g) for _ in range(3))
@@ -149,7 +149,7 @@ def test_a_float32_model_never_reaches_the_half_only_varlen_kernel(monkeypatch) 
 def test_trace_summary_counts_busy_time_and_gaps_per_stream() -> None:
     """Two streams: kernels overlapping on one (counted once), a 30 us and a 5 us gap (only gaps of
     20 us and more are waiting), a copy alone on the other."""
-    from aerie.refserver.trace import summarize
+    from aerie.engine.server.trace import summarize
 
     def span(ts: float, dur: float, name: str, tid: int, cat: str = "kernel") -> dict:
         return {"ph": "X", "ts": ts, "dur": dur, "name": name, "tid": tid, "cat": cat}
@@ -177,7 +177,7 @@ def test_trace_summary_counts_busy_time_and_gaps_per_stream() -> None:
 
 @pytest.mark.parametrize("spec", ["3", "a:b", "-1:2", "2:0"])
 def test_trace_packs_must_be_skip_colon_count(spec: str) -> None:
-    from aerie.refserver.args import parse_packs
+    from aerie.engine.server.args import parse_packs
 
     with pytest.raises(ValueError, match="--trace-packs"):
         parse_packs(spec)

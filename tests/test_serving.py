@@ -69,7 +69,7 @@ def assert_gone(launcher: ProcessLauncher, port: int) -> None:
 
 
 def test_a_target_that_needs_its_own_code_is_launched_trusting_it(tmp_path: Path) -> None:
-    from aerie.refserver.args import parse_args
+    from aerie.engine.server.args import parse_args
 
     model = tmp_path / "model"
     model.mkdir()
@@ -91,11 +91,11 @@ def test_reference_spec_passes_the_nonce_and_the_extraction_mode(tmp_path: Path)
     spec = spec_for(cfg, model_path=str(model), mode="extract", dump_dir=tmp_path / "dumps", nonce="abc")
 
     assert spec.command == [
-        "/opt/venv/bin/python", "-m", "aerie.refserver", "--model-path", str(model), "--port", "31234",
+        "/opt/venv/bin/python", "-m", "aerie.engine", "--model-path", str(model), "--port", "31234",
         "--host", "127.0.0.1", "--weight-version", "run-abc", "--mode", "extract",
         "--dump-dir", str((tmp_path / "dumps").resolve()), "--device", "cpu",
     ]  # fmt: skip
-    assert spec.module == "aerie.refserver" and spec.interpreter == "/opt/venv/bin/python"
+    assert spec.module == "aerie.engine" and spec.interpreter == "/opt/venv/bin/python"
     assert spec.weight_version == "run-abc" and spec.url == "http://127.0.0.1:31234"
     assert spec.image is None
     # 1000 bytes of weights: the deadline is the fixed part plus 1000 B at 200 MB/s.
@@ -295,7 +295,7 @@ def test_the_system_python_without_sglang_is_named_with_its_module() -> None:
 @pytest.mark.integration
 def test_missing_interpreter_and_a_working_one() -> None:
     with pytest.raises(ServerLaunchError, match=r"interpreter '/nonexistent/bin/python' not found"):
-        check_interpreter("/nonexistent/bin/python", "aerie.refserver")
+        check_interpreter("/nonexistent/bin/python", "aerie.engine")
     assert check_interpreter(sys.executable, "http.server") == sys.executable
 
 

@@ -17,10 +17,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]  # a reference server p
 
 
 def refserver_available() -> bool:
-    return importlib.util.find_spec("aerie.refserver.__main__") is not None
+    return importlib.util.find_spec("aerie.engine.__main__") is not None
 
 
-@pytest.mark.skipif(not refserver_available(), reason="aerie.refserver has no __main__ yet")
+@pytest.mark.skipif(not refserver_available(), reason="aerie.engine has no __main__ yet")
 def test_reference_server_reaches_ready_and_goes_away(smollm2, tmp_path: Path) -> None:
     cfg = ServerConfig(port=free_port(), device="cpu", grace_s=15.0, shm_dir=str(tmp_path / "shm"))
     spec = spec_for(cfg, model_path=smollm2.path, log_path=tmp_path / "refserver.log")

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from aerie.refserver import packed
-from aerie.refserver.decode_graphs import DecodeGraphs, pad_width, plan_widths
-from aerie.refserver.generation import BatchedDecoder, GenRequest, GenResult, SamplingParams
-from aerie.refserver.slots import KVSlots, SlotDecoder, supports
+from aerie.engine.generation import BatchedDecoder, GenRequest, GenResult, SamplingParams
+from aerie.engine.server import packed
+from aerie.engine.server.decode_graphs import DecodeGraphs, pad_width, plan_widths
+from aerie.engine.server.slots import KVSlots, SlotDecoder, supports
 
 PROMPTS = [
     "The capital of France is",
@@ -31,7 +31,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def loaded(smollm2: Any) -> Any:
-    from aerie.refserver.loader import load_model
+    from aerie.engine.server.loader import load_model
 
     packed.register()
     return load_model(smollm2.path, "cpu", "float32", skip_tokenizer=False)
@@ -293,7 +293,7 @@ def test_a_failed_capture_or_a_wrong_replay_leaves_decoding_eager_and_exact(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (none on the dev machine)")
 def test_cuda_graphs_capture_across_a_cache_growth_and_decode_like_the_static_step(smollm2: Any) -> None:
-    from aerie.refserver.loader import load_model
+    from aerie.engine.server.loader import load_model
 
     packed.register()
     gpu = load_model(smollm2.path, "cuda", "float32", skip_tokenizer=False)

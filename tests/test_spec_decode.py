@@ -14,10 +14,9 @@ from torch import Tensor
 from aerie.draft.export import draft_config_for
 from aerie.draft.model import DraftKVCache, Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
-from aerie.evaluate import eagle, spec_decode
-from aerie.evaluate.eagle import EagleProposer
-from aerie.evaluate.prompt_lookup import PromptLookupProposer
-from aerie.evaluate.spec_decode import (
+from aerie.engine.speculative import decoder as spec_decode
+from aerie.engine.speculative import eagle
+from aerie.engine.speculative.decoder import (
     NoProposer,
     SpecDecoder,
     SpecStats,
@@ -25,6 +24,8 @@ from aerie.evaluate.spec_decode import (
     compaction_index,
     greedy_reference,
 )
+from aerie.engine.speculative.eagle import EagleProposer
+from aerie.engine.speculative.prompt_lookup import PromptLookupProposer
 
 MAX_NEW = 13  # = 1 + 3 * (3 + 1): a perfect 3-step proposer fills every round exactly
 TEXTS = (

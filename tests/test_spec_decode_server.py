@@ -4,13 +4,15 @@ fields; sampled requests are still served (by the plain decoder)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
 
 from aerie.draft.export import export_drafter
+from aerie.engine.speculative.decoder import greedy_reference
 from aerie.evaluate.prompts import chat_prompt_ids
-from aerie.evaluate.spec_decode import greedy_reference
 from tests.evaluate_support import random_drafter
 from tests.refserver_support import launch, wait_ready
 
@@ -103,3 +105,23 @@ def test_sampled_requests_are_served_by_the_plain_decoder(spec_server):
     meta = reply.json()["meta_info"]
     assert meta["completion_tokens"] == 5
     assert "spec_verify_ct" not in meta
+
+
+def test_a_streamed_generation_counts_its_verify_steps_as_it_goes(spec_server, smollm2, target_model):
+    """Each chunk is a verify round: the tokens it accepted (one or more) and spec_verify_ct so far; the
+    last chunk is the whole greedy reply."""
+    tok = smollm2.load_tokenizer()
+    text = "Count: 1, 2, 3, 4, 5,"
+    body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW}, "stream": True}
+    chunks = []
+    with httpx.stream("POST", spec_server.url + "/generate", json=body, timeout=300) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[len("data: ") :]))
+    expected = greedy_reference(target_model, list(tok(text).input_ids), MAX_NEW, smollm2.eos_token_ids)
+    assert chunks[-1]["output_ids"] == expected
+    verify = [c["meta_info"]["spec_verify_ct"] for c in chunks]
+    counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+    assert verify == sorted(verify) and counts == sorted(set(counts))  # each chunk brought new tokens
+    assert all(c["output_ids"] == expected[: c["meta_info"]["completion_tokens"]] for c in chunks)

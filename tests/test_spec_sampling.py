@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from aerie.evaluate import spec_decode
-from aerie.evaluate.spec_decode import SpecDecoder, SpecStats, accept_sampled
+from aerie.engine.speculative import decoder as spec_decode
+from aerie.engine.speculative.decoder import SpecDecoder, SpecStats, accept_sampled
 
 VOCAB = 4
 NEW_TOKENS = 4

@@ -118,8 +118,8 @@ def test_the_client_names_a_dump_it_cannot_read_and_keeps_it(tmp_path: Path) -> 
 def test_a_server_dump_maps_with_every_tensor_aligned(tmp_path: Path) -> None:
     """The reference server's fp8 dump (int32 ids, fp8 codes, E8M0 scale bytes) as the client maps it:
     the same values, each tensor starting at a multiple of its element size."""
-    from aerie.refserver.dump import write_dump
-    from aerie.refserver.extraction import Capture
+    from aerie.engine.server.dump import write_dump
+    from aerie.engine.server.extraction import Capture
 
     t, h = 5, 6
     cap = Capture(

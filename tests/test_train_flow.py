@@ -9,9 +9,11 @@ import pytest
 import torch
 from prefect.client.orchestration import get_client
 
+from aerie.config import PipelineConfig
+from aerie.stage import Upstream
 from aerie.store import StoreConfig
 from aerie.train.config import TrainConfig
-from flows.train import train_flow
+from flows.stage import run_stage
 from tests.train_support import make_samples, make_upstream, tiny_target
 
 pytest_plugins = ("tests.prefect_support",)
@@ -33,8 +35,10 @@ def test_flow_trains_reports_and_caches(tmp_path):
         make_samples(model, target, n=4, prompt=6, response=26),
         make_samples(model, target, n=1, prompt=6, response=26, seed=1),
     )
-    params = {
-        "cfg": TrainConfig(
+    cfg = PipelineConfig(
+        run="flow",
+        store=StoreConfig(uri=up.store.root),
+        train=TrainConfig(
             draft_vocab_size=128,
             ttt_length=2,
             epochs=4,
@@ -44,18 +48,14 @@ def test_flow_trains_reports_and_caches(tmp_path):
             checkpoint_every=4,
             device="cpu",
         ),  # fmt: skip
-        "store_cfg": StoreConfig(uri=up.store.root),
-        "run_name": "flow",
-        "target": target,
-        "shards": up.shards,
-        "corpus": up.corpus,
-    }
-    first = train_flow(**params)
+    )
+    upstream = Upstream().plus("merge", [up.corpus]).plus("extract", [up.shards])
+    first = run_stage("train", cfg, target, upstream)
     assert not first.cache_hit and first.figures["steps"] == 8
     assert up.store.exists(f"{first.prefix}/drafter/model.safetensors")
     artifacts = asyncio.run(_artifacts())
     assert artifacts["flow-train"] == "progress"
     assert artifacts["train-figures"] == "table" and artifacts["train-steps"] == "table"
     assert artifacts["train-loss"] == "markdown" and artifacts["train-accuracy"] == "markdown"
-    second = train_flow(**params)
+    second = run_stage("train", cfg, target, upstream)
     assert second.manifest_sha256 == first.manifest_sha256

@@ -1,19 +1,14 @@
-"""Evaluate and deploy a trained drafter: lossless speculative decoding, acceptance, serving benchmark.
+"""Evaluate a trained drafter offline: lossless speculative decoding and its acceptance.
 
-Stage entry points: `run(cfg, store=..., run_name=..., target=..., drafter=..., corpus=...)` (stage
-`evaluate`) and `deploy(cfg, store=..., run_name=..., target=..., drafter=..., evaluation=...,
-server=...)` (stage `deploy`). Attributes load lazily so that importing the config does not pull in
-torch or transformers.
+Stage entry point: `run(cfg, store=..., run_name=..., target=..., drafter=..., corpus=...)` (stage
+`evaluate`; `entry.EVALUATE` in the pipeline). Serving the drafter is the deploy stage (`aerie.deploy`).
+Attributes load lazily so that importing the config does not pull in torch or transformers. The
+speculative decoder and its proposers live in `aerie.engine.speculative`.
 
-    config.py         EvaluateConfig, DeployConfig
-    spec_decode.py    SpecDecoder: batched greedy speculative decoding, acceptance accounting
-    prompt_lookup.py  the training-free n-gram proposer
-    eagle.py          the EAGLE-3 drafter as a batched proposer
-    spec_backend.py   the reference server's speculative mode (create_backend seam)
+    config.py         EvaluateConfig
     prompts.py        MT-Bench and held-out prompts as token ids
     stage.py          run(): the offline evaluation stage
-    bench.py          async /generate benchmark client (tokens/s, TTFT, ITL, accept length)
-    deploy.py         deploy(): baseline vs speculative server, promotion
+    entry.py          EVALUATE: the stage in the pipeline
     report.py         markdown tables, acceptance plot
 """
 
@@ -23,13 +18,10 @@ from typing import Any
 
 _EXPORTS = {
     "run": "aerie.evaluate.stage",
-    "deploy": "aerie.evaluate.deploy",
-    "decide_promotion": "aerie.evaluate.deploy",
-    "SpecDecoder": "aerie.evaluate.spec_decode",
-    "SpecStats": "aerie.evaluate.spec_decode",
-    "PromptLookupProposer": "aerie.evaluate.prompt_lookup",
-    "EagleProposer": "aerie.evaluate.eagle",
-    "benchmark": "aerie.evaluate.bench",
+    "SpecDecoder": "aerie.engine.speculative.decoder",
+    "SpecStats": "aerie.engine.speculative.decoder",
+    "PromptLookupProposer": "aerie.engine.speculative.prompt_lookup",
+    "EagleProposer": "aerie.engine.speculative.eagle",
 }
 
 __all__ = sorted(_EXPORTS)

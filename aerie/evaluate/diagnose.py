@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from aerie.evaluate.eagle import hidden_state_indices
+from aerie.engine.speculative.eagle import hidden_state_indices
 from aerie.train.objective import simulate_rounds
 
 if TYPE_CHECKING:

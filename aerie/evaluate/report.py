@@ -30,7 +30,7 @@ def _num(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(_num(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
     return lines
@@ -51,7 +51,7 @@ def acceptance_table(results: list[dict[str, Any]]) -> list[str]:
             r["sequences"] for r in results if (r["dataset"], proposer_label(r)) == (dataset, proposer)
         )
         rows.append([dataset, proposer, str(prompts), *cells])
-    return _table(["dataset", "proposer", "prompts", *[f"{k} steps" for k in steps]], rows)
+    return markdown_table(["dataset", "proposer", "prompts", *[f"{k} steps" for k in steps]], rows)
 
 
 def acceptance_by_group(per_prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -87,7 +87,7 @@ def group_table(by_group: list[dict[str, Any]]) -> list[str]:
             for g in groups
         ]
         lines += [f"### {dataset}", ""]
-        lines += _table(["group", "prompts", *[f"{p} k{k}" for p, k in columns]], body) + [""]
+        lines += markdown_table(["group", "prompts", *[f"{p} k{k}" for p, k in columns]], body) + [""]
     return lines
 
 
@@ -98,7 +98,7 @@ def conditional_table(results: list[dict[str, Any]]) -> list[str]:
     for r in results:
         cond = list(r["conditional_acceptance"]) + [None] * (width - len(r["conditional_acceptance"]))
         rows.append([r["dataset"], proposer_label(r), str(r["num_steps"]), *cond])
-    return _table(["dataset", "proposer", "steps", *[f"pos {j + 1}" for j in range(width)]], rows)
+    return markdown_table(["dataset", "proposer", "steps", *[f"pos {j + 1}" for j in range(width)]], rows)
 
 
 def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[str, Any]]) -> list[str]:
@@ -146,7 +146,7 @@ def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[s
         "The vocabulary bound is the simulated figure had every answer token outside the draft vocabulary "
         "been drafted right: the most a larger draft vocabulary could give back.",
         "",
-        *_table(
+        *markdown_table(
             [
                 "dataset",
                 "steps",
@@ -254,57 +254,3 @@ def plot_acceptance(results: list[dict[str, Any]], path: Path) -> Path:
         fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def benchmark_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The deployment benchmark: one row per server and concurrency level."""
-    header = [
-        "server",
-        "concurrency",
-        "output tok/s",
-        "TTFT p50 ms",
-        "ITL p50 ms",
-        "latency p50 s",
-        "accept length",
-        "speed-up",
-    ]
-    body = [
-        [
-            r["server"],
-            str(r["concurrency"]),
-            r["output_tokens_per_s"],
-            _ms(r["ttft_p50_s"]),
-            _ms(r["itl_p50_s"]),
-            r["latency_p50_s"],
-            r.get("accept_length"),
-            r.get("speedup"),
-        ]
-        for r in rows
-    ]
-    return _table(header, body)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000.0
-
-
-def deployment_markdown(report: dict[str, Any]) -> str:
-    decision = report["promotion"]
-    lines = [
-        f"# Deployment benchmark: {report['target']['name']}",
-        "",
-        f"Speculative server: `{report['servers']['speculative']['command']}`",
-        "",
-        f"Baseline server: `{report['servers']['baseline']['command']}`",
-        "",
-        f"Same {report['num_prompts']} prompts per level, greedy, max {report['max_new_tokens']} new tokens. "
-        f"TTFT: {report['ttft_method']}. ITL = (latency - TTFT) / (output tokens - 1). "
-        "Accept length = Σ completion tokens / Σ spec_verify_ct from the server's meta_info.",
-        "",
-        *benchmark_table(report["rows"]),
-        "",
-        f"**Promotion: {'promoted' if decision['promoted'] else 'not promoted'}** — {decision['reason']}",
-    ]
-    if decision.get("promoted_prefix"):
-        lines.append(f"\nPromoted drafter: `{decision['promoted_prefix']}`")
-    return "\n".join(lines) + "\n"

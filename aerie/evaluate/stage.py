@@ -32,7 +32,7 @@ from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
-    from aerie.evaluate.spec_decode import Proposer
+    from aerie.engine.speculative.decoder import Proposer
 
 STAGE = "evaluate"
 
@@ -275,12 +275,12 @@ def make_proposer(
 ) -> tuple[Proposer, list[int] | None]:
     """A fresh proposer and the target hidden states it reads (HF hidden_states indices)."""
     if name == "eagle3":
-        from aerie.evaluate.eagle import EagleProposer
+        from aerie.engine.speculative.eagle import EagleProposer
 
         eagle = EagleProposer(loaded["drafter"])
         return eagle, eagle.aux_layers
     if name == "prompt_lookup":
-        from aerie.evaluate.prompt_lookup import PromptLookupProposer
+        from aerie.engine.speculative.prompt_lookup import PromptLookupProposer
 
         return PromptLookupProposer(cfg.prompt_lookup.max_ngram, cfg.prompt_lookup.min_ngram), None
     raise EvaluationError(f"unknown proposer {name!r} (eagle3 or prompt_lookup)")
@@ -300,7 +300,7 @@ def measure_setting(
     temperature); the stats and a row per prompt. A sampled batch draws from a seed of its own
     (dataset, setting and first prompt), so a resumed evaluation measures what an unbroken one would."""
     k, temperature = setting
-    from aerie.evaluate.spec_decode import SpecDecoder, SpecStats
+    from aerie.engine.speculative.decoder import SpecDecoder, SpecStats
 
     stats = SpecStats(k)
     rows: list[dict[str, Any]] = []

@@ -8,7 +8,7 @@ carries no dump info; the file name is known from the rid anyway); the client wa
 ids against the corpus, and deletes it, so the dump dir lists only what is in flight (the pages of a
 mapped dump live on until its shard is written: `aerie.extract.preflight.dumps_in_flight_bytes`).
 A dump may hold the model dtype or, from a reference server run with `--dump-dtype fp8`, fp8 codes
-with their scales (`aerie.refserver.dump`): the sample then carries them to the shard writer as they are.
+with their scales (`aerie.engine.server.dump`): the sample then carries them to the shard writer as they are.
 """
 
 from __future__ import annotations

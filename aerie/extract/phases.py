@@ -18,7 +18,7 @@ its final drain. So the client phases plus `other` (the remainder) are exactly t
 
 The server's side is the reference server's `PhaseClock` (`/server_info` `internal_states[0]`
 `extract_phases_s`), read when each pump starts and ends; its deltas cover the same windows. Servers
-that do not report it (SGLang) leave `server` None. See `aerie.refserver.scheduler.PhaseClock` for
+that do not report it (SGLang) leave `server` None. See `aerie.engine.server.scheduler.PhaseClock` for
 what each server phase means; the dump writers' sums can exceed the wall (several threads).
 
 `commit_path` says which part of the commit path (`aerie.extract.commit.ShardCommitter`, then the

@@ -277,7 +277,7 @@ def run(
     whose shards are not all in the store is returned as it is unless `rebuild_missing`: then the
     missing shards are extracted again (the same bytes: shards depend only on the corpus order and
     the config) and the manifest is written anew. The pipeline asks for that only when a stage that
-    reads the shards has to run (`aerie.pipeline.shards_needed`)."""
+    reads the shards has to run (`aerie.pipeline.rebuild_missing`)."""
     check_server_quantization(cfg, server)
     stage = stage_dir(cfg, store, run_name, target, corpus, server)
     from aerie.extract import slices  # builds on this module

@@ -18,7 +18,7 @@ from typing import Literal
 from aerie.errors import ConfigError
 from aerie.serving.config import ServerConfig
 
-REFERENCE_MODULE = "aerie.refserver"
+REFERENCE_MODULE = "aerie.engine"
 CONTAINER_HF_CACHE = "/root/.cache/huggingface"
 
 # The deadline derived from the model size (see `startup_deadline`): a fixed part for what does not

@@ -70,7 +70,7 @@ def run(
     progress: ProgressFn = no_progress,
 ) -> StageResult:
     """Train (or resume, or return the cached result of) the drafter for `target` on `shards`."""
-    sd = stage_dir(cfg, store, run_name, target, shards, corpus)
+    sd = StageDir(store, run_name, STAGE, key_of(cfg, target, shards, corpus))
     if (cached := sd.cached_result()) is not None:
         return cached
 
@@ -115,19 +115,12 @@ def run(
     return result
 
 
-def stage_dir(
-    cfg: TrainConfig,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
-    shards: StageResult,
-    corpus: StageResult,
-) -> StageDir:
-    """Where this training's manifest, drafter and checkpoints live; `.cached_result()` says whether
-    it is done without touching the shards (the pipeline asks before it needs them)."""
+def key_of(cfg: TrainConfig, target: TargetInfo, shards: StageResult, corpus: StageResult) -> str:
+    """The stage key: the training config but its execution knobs, the upstream manifest digests and
+    the target's revision. Computed without touching the shards (the pipeline asks whether training
+    is done before it needs them)."""
     keyed = cfg.model_dump(mode="json", exclude=_NOT_KEYED)
-    key = stage_key(STAGE, keyed, [shards.manifest_sha256, corpus.manifest_sha256, target.revision])
-    return StageDir(store, run_name, STAGE, key)
+    return stage_key(STAGE, keyed, [shards.manifest_sha256, corpus.manifest_sha256, target.revision])
 
 
 def _check_extract(extract: dict[str, Any], target: TargetInfo) -> None:

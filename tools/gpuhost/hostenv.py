@@ -30,7 +30,7 @@ IMPORT_CHECK = {
     "boto3": "boto3",
     "prefect": "prefect",
 }
-AERIE_IMPORT_CHECK = ("aerie.config", "aerie.pipeline", "aerie.refserver.app")
+AERIE_IMPORT_CHECK = ("aerie.config", "aerie.pipeline", "aerie.engine.server.app")
 
 
 def gpuhost_command(*args: str) -> list[str]:

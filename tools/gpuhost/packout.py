@@ -64,7 +64,7 @@ def _travelling(stage: str) -> Callable[[str], bool] | None:
     """Which files of a finished stage travel (None: all). Never the hidden-state shards, cheaper to
     re-extract than to move: an extraction travels as its manifest alone, which later stages' keys
     are made of, and the pipeline extracts again only if a stage that reads shards has to run
-    (`aerie.pipeline.shards_needed`). Never training checkpoints either: the drafter is the result."""
+    (`aerie.pipeline.rebuild_missing`). Never training checkpoints either: the drafter is the result."""
     if stage == "extract":
         return lambda rel: rel == "manifest.json"
     if stage == "train":

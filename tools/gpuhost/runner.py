@@ -153,6 +153,6 @@ def pipeline(args: argparse.Namespace) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _exit)
-    from aerie.cli import main
+    from flows.cli import main
 
     return main(["run", args.config] + ([] if args.prefect else ["--until", args.until]))

@@ -4,8 +4,8 @@
 (decode) and never looks inside. `BatchedDecoder` is the plain implementation: greedy or sampled
 decoding of a left-padded batch with a KV cache, where requests join a running batch between steps
 (their caches are left-padded to a common length and concatenated) and leave it as soon as they
-finish — continuous batching without paged memory. `aerie.evaluate.spec_decode` may provide an
-EAGLE-3 backend with the same interface (see `aerie.refserver.server.build_backend`).
+finish — continuous batching without paged memory. `aerie.engine.speculative.decoder` may provide an
+EAGLE-3 backend with the same interface (see `aerie.engine.server.lifecycle.build_backend`).
 
 Correctness rule (tested): a greedy request gives the same tokens in a batch as alone. Left padding
 with an attention mask and per-row positions (cumsum of the mask) makes padded rows exact up to
@@ -45,11 +45,17 @@ class SamplingParams:
         return self.temperature < 1e-5 or self.top_k == 1
 
 
+# Called on the model thread after each step a streamed request took part in: its tokens so far and
+# the meta_info fields that come with them (a speculative backend's spec_verify_ct so far).
+TokenSink = Callable[[list[int], dict[str, Any]], None]
+
+
 @dataclass(frozen=True)
 class GenRequest:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    stream: TokenSink | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -84,6 +90,10 @@ class GenerationBackend(Protocol):
 
     def abort_all(self) -> list[GenRequest]:
         """Drop every running request (after a failed step); return them."""
+        ...
+
+    def partial(self) -> list[tuple[GenRequest, list[int], dict[str, Any]]]:
+        """Every running request with its tokens so far and their meta_info fields (for streaming)."""
         ...
 
 
@@ -132,6 +142,9 @@ class BatchedDecoder:
     @property
     def num_running(self) -> int:
         return len(self.rows)
+
+    def partial(self) -> list[tuple[GenRequest, list[int], dict[str, Any]]]:
+        return [(row.request, list(row.output_ids), {}) for row in self.rows]
 
     def can_admit(self, request: GenRequest, admitting: int, admitting_tokens: int) -> bool:
         if self.num_running + admitting >= self.max_running:
@@ -371,3 +384,6 @@ class RunToCompletionBackend:
 
     def abort_all(self) -> list[GenRequest]:
         return []
+
+    def partial(self) -> list[tuple[GenRequest, list[int], dict[str, Any]]]:
+        return []  # a request's tokens come all at once, with its result

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from aerie.engine.server.packed import Pack, choose_backend, make_pack, packed_attention
 from aerie.fp8 import quantize_fp8
-from aerie.refserver.packed import Pack, choose_backend, make_pack, packed_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -12,7 +12,7 @@ Per sequence, the drafter's cache holds one entry per committed position t, comp
 
 The drafter's decoder layer is `aerie.draft.model`'s, unchanged; only attention is supplied here, so
 that a batch of sequences with different lengths shares one forward: keys live in a [B, S] slot grid
-where a row's padding slots are holes a mask hides (as in `aerie.evaluate.spec_decode.TargetCache`).
+where a row's padding slots are holes a mask hides (as in `aerie.engine.speculative.decoder.TargetCache`).
 `Eagle3Drafter.step` (one sequence) is the reference this batched forward is tested against.
 """
 
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aerie.engine.speculative.decoder import compaction_index
 from aerie.errors import EvaluationError
-from aerie.evaluate.spec_decode import compaction_index
 
 if TYPE_CHECKING:
     from aerie.draft.model import DraftConfig, Eagle3Drafter

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from aerie.evaluate.eagle import EagleProposer
-from aerie.evaluate.spec_decode import SpecDecoder, SpecOutput
-from aerie.refserver.generation import BatchedDecoder, GenRequest, GenResult
+from aerie.engine.generation import BatchedDecoder, GenRequest, GenResult
+from aerie.engine.speculative.decoder import SpecDecoder, SpecOutput
+from aerie.engine.speculative.eagle import EagleProposer
 
 DEFAULT_NUM_STEPS = 3
 
@@ -27,7 +27,7 @@ def speculative_fits(request: GenRequest) -> bool:
 
 
 class SpeculativeBackend:
-    """`aerie.refserver.generation.GenerationBackend` with speculative decoding for greedy requests."""
+    """`aerie.engine.generation.GenerationBackend` with speculative decoding for greedy requests."""
 
     def __init__(
         self,
@@ -113,6 +113,14 @@ class SpeculativeBackend:
     def abort_all(self) -> list[GenRequest]:
         dropped = [self.requests.pop(seq) for seq in self.decoder.abort_all() if seq in self.requests]
         return dropped + self.plain.abort_all()
+
+    def partial(self) -> list[tuple[GenRequest, list[int], dict[str, Any]]]:
+        spec = [
+            (self.requests[row.seq], list(row.generated), {"spec_verify_ct": row.verify_ct})
+            for row in self.decoder.rows
+            if row.seq in self.requests
+        ]
+        return spec + self.plain.partial()
 
     def _stops(self, request: GenRequest) -> frozenset[int]:
         p = request.params

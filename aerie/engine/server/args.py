@@ -40,7 +40,7 @@ class RefServerArgs:
     max_running_requests: int = 64
     dump_writers: int = 2
     gil_switch_us: int = 0
-    trace_packs: str | None = None  # "SKIP:COUNT" (aerie.refserver.trace)
+    trace_packs: str | None = None  # "SKIP:COUNT" (aerie.engine.server.trace)
     trace_dir: str | None = None
     dump_dtype: Literal["model", "fp8"] = "model"
     decode_backend: Literal["auto", "slots", "batched"] = "auto"
@@ -99,7 +99,7 @@ class RefServerArgs:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m aerie.refserver",
+        prog="python -m aerie.engine",
         description="aerie's reference model server: the SGLang HTTP subset aerie uses, on transformers.",
         allow_abbrev=False,
     )
@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SKIP:COUNT",
         help="Extraction: profile packs SKIP..SKIP+COUNT-1 (torch.profiler, every thread and the device) "
         "into --trace-dir: a Chrome trace, the ops by self time, and each device stream's busy time and "
-        "gaps (aerie.refserver.trace).",
+        "gaps (aerie.engine.server.trace).",
     )
     p.add_argument("--trace-dir", default=None, help="Where --trace-packs writes.")
     p.add_argument(
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--skip-server-warmup", action="store_true", help="Mark the server up without a warm-up.")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    spec = p.add_argument_group("speculative decoding (served by aerie.evaluate.spec_decode)")
+    spec = p.add_argument_group("speculative decoding (served by aerie.engine.speculative.decoder)")
     spec.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3"])
     spec.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None)
     spec.add_argument("--speculative-num-steps", type=int, default=None)
@@ -371,4 +371,4 @@ def cpu_threads(requested: int) -> int:
 
 def launch_command(argv: Sequence[str]) -> str:
     """The launch command for /server_info. No flag of this server carries a secret, so none is redacted."""
-    return shlex.join(["python", "-m", "aerie.refserver", *argv])
+    return shlex.join(["python", "-m", "aerie.engine", *argv])

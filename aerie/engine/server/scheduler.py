@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from aerie.refserver.dump import write_dump
-from aerie.refserver.extraction import HiddenStateCapture, PackCapture
-from aerie.refserver.generation import GenerationBackend, GenRequest, GenResult
-from aerie.refserver.trace import PackTrace
+from aerie.engine.generation import GenerationBackend, GenRequest, GenResult
+from aerie.engine.server.dump import write_dump
+from aerie.engine.server.extraction import HiddenStateCapture, PackCapture
+from aerie.engine.server.trace import PackTrace
 
-logger = logging.getLogger("aerie.refserver")
+logger = logging.getLogger("aerie.engine")
 
 
 @dataclass
@@ -287,6 +287,15 @@ class Scheduler:
                 done.future.set_result(result)
         # Every request still running, and every one that just finished, produced one token.
         self.stats.generated_tokens += len(self._running) + len(finished)
+        self._stream()
+
+    def _stream(self) -> None:
+        """Hand each streamed request that is still running its tokens so far."""
+        if not any(item.request.stream is not None for item in self._running.values()):
+            return
+        for request, output_ids, meta in self.backend.partial():
+            if request.stream is not None:
+                request.stream(output_ids, meta)
 
     def _run_extraction(self, batch: list[_ExtractItem]) -> None:
         assert self.capture is not None

@@ -633,9 +633,9 @@ def greedy_reference(
 
 
 def create_backend(loaded: Any, args: Any) -> Any:
-    """The reference server's speculative seam (`aerie.refserver.server.build_backend`): a
+    """The reference server's speculative seam (`aerie.engine.server.lifecycle.build_backend`): a
     `GenerationBackend` serving greedy requests through this decoder with the EAGLE-3 drafter of
-    `--speculative-draft-model-path`. See `aerie.evaluate.spec_backend`."""
-    from aerie.evaluate.spec_backend import SpeculativeBackend
+    `--speculative-draft-model-path`. See `aerie.engine.speculative.backend`."""
+    from aerie.engine.speculative.backend import SpeculativeBackend
 
     return SpeculativeBackend.from_server(loaded, args)

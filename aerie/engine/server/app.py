@@ -6,31 +6,32 @@
 | `/ready` | 200 iff Up (a flag, no generation) |
 | `/server_info` (`/get_server_info`) | args, `weight_version`, `launch_command`, `version`, resolved device/dtype/aux layers, status, pid; `internal_states[0]`: counters and `extract_phases_s` (`scheduler.PhaseClock`) |
 | `/model_info` (`/get_model_info`), `/v1/models` | model facts; 200 as soon as the port is open (not readiness signals) |
-| `/generate` | SGLang body; `max_new_tokens: 0` = prefill only; in extract mode that writes `<rid>.safetensors` |
-| `/v1/chat/completions` | OpenAI body, chat template from the tokenizer; concurrent requests share batches |
+| `/generate` | SGLang body; `max_new_tokens: 0` = prefill only; in extract mode that writes `<rid>.safetensors`; `stream: true` (one input): server-sent events, a chunk per decoding step, then `data: [DONE]` |
+| `/v1/chat/completions` | OpenAI body, chat template from the tokenizer; concurrent requests share batches; `stream: true`: OpenAI's `chat.completion.chunk` events |
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 import aerie
-from aerie.refserver.args import RefServerArgs, launch_command
-from aerie.refserver.dump import check_rid
-from aerie.refserver.generation import GenRequest, GenResult, SamplingParams
-from aerie.refserver.loader import LoadedModel
-from aerie.refserver.protocol import (
+from aerie.engine.generation import GenRequest, GenResult, SamplingParams
+from aerie.engine.server.args import RefServerArgs, launch_command
+from aerie.engine.server.dump import check_rid
+from aerie.engine.server.loader import LoadedModel
+from aerie.engine.server.protocol import (
     ChatCompletionBody,
     GenerateBody,
     RequestError,
@@ -38,8 +39,8 @@ from aerie.refserver.protocol import (
     error_body,
     validation_message,
 )
-from aerie.refserver.scheduler import Scheduler
-from aerie.refserver.sglang_log import logger
+from aerie.engine.server.scheduler import Scheduler
+from aerie.engine.server.sglang_log import logger
 
 Status = Literal["Starting", "Up", "Draining"]
 HEALTH_RID_PREFIX = "HEALTH_CHECK_"
@@ -235,11 +236,11 @@ async def _generate(state: ServerState, payload: Any) -> Response:
         body = GenerateBody.model_validate(payload)
     except ValidationError as exc:
         raise RequestError(validation_message(exc, "")) from exc
-    if body.stream:
-        raise RequestError("stream=true is not supported by the aerie reference server")
     if any(body.return_logprob if isinstance(body.return_logprob, list) else [body.return_logprob]):
         raise RequestError("return_logprob is not supported by the aerie reference server")
     batch, items = _generate_items(state, body)
+    if body.stream:
+        return _generate_stream(state, batch, items)
     started = time.monotonic()
     state.scheduler.phases.add(request_parse=time.perf_counter() - parse_began)
     results = await _run_items(state, items)
@@ -249,6 +250,84 @@ async def _generate(state: ServerState, payload: Any) -> Response:
     response = JSONResponse(out if batch else out[0])
     state.scheduler.phases.add(reply_build=time.perf_counter() - reply_began)
     return response
+
+
+def _generate_stream(state: ServerState, batch: bool, items: list[_Item]) -> Response:
+    """`/generate` with `stream: true`: SGLang's server-sent events, one chunk per decoding step with
+    the tokens (and `meta_info`) so far, the finished reply last, then `data: [DONE]`."""
+    if batch or items[0].params.max_new_tokens == 0:
+        raise RequestError("stream=true takes one input that generates (max_new_tokens > 0)")
+    item = items[0]
+    started = time.monotonic()
+
+    async def events() -> AsyncIterator[bytes]:
+        async for update in _token_stream(state, GenRequest(item.rid, item.input_ids, item.params)):
+            if isinstance(update, GenResult):
+                yield _event(_generate_reply(state, item, update, time.monotonic() - started))
+            else:
+                yield _event(_partial_reply(state, item, *update))
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(_guarded_events(state, events()), media_type="text/event-stream")
+
+
+async def _token_stream(
+    state: ServerState, request: GenRequest
+) -> AsyncIterator[tuple[list[int], dict[str, Any]] | GenResult]:
+    """A generation as the model thread makes it: (tokens so far, meta so far) after each step that
+    added tokens, then its GenResult."""
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue[tuple[list[int], dict[str, Any]]] = asyncio.Queue()
+
+    def sink(output_ids: list[int], meta: dict[str, Any]) -> None:
+        loop.call_soon_threadsafe(updates.put_nowait, (output_ids, meta))
+
+    result = asyncio.wrap_future(state.scheduler.submit_generations([replace(request, stream=sink)])[0])
+    sent = 0
+    while not result.done():
+        update = asyncio.ensure_future(updates.get())
+        waiting: set[asyncio.Future[Any]] = {update, result}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not update.done():
+            update.cancel()
+        elif len(update.result()[0]) > sent and not result.done():
+            sent = len(update.result()[0])
+            yield update.result()
+    yield result.result()
+
+
+async def _guarded_events(state: ServerState, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Count the stream in flight (SIGTERM waits for it); an error after the 200 went out can only be
+    a last chunk, as SGLang sends it."""
+    with state.track():
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # the model failed mid-stream
+            logger.exception("a streamed generation failed")
+            yield _event({"error": {"message": f"{type(exc).__name__}: {exc}"}})
+            yield b"data: [DONE]\n\n"
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def _partial_reply(
+    state: ServerState, item: _Item, output_ids: list[int], meta: dict[str, Any]
+) -> dict[str, Any]:
+    """A streamed chunk: the tokens so far (SGLang sends them whole, as its text)."""
+    info = {
+        "id": item.rid,
+        "prompt_tokens": len(item.input_ids),
+        "completion_tokens": len(output_ids),
+        "finish_reason": None,
+        **meta,
+    }
+    reply: dict[str, Any] = {"output_ids": output_ids, "meta_info": info}
+    if state.loaded.tokenizer is not None:
+        reply = {"text": _text(state, output_ids, None), **reply}
+    return reply
 
 
 def _generate_items(state: ServerState, body: GenerateBody) -> tuple[bool, list[_Item]]:
@@ -418,8 +497,9 @@ async def _chat(state: ServerState, payload: Any) -> Response:
         )
     params = body.to_params(max_new_tokens_cap=state.loaded.context_len - len(ids))
     request = GenRequest(f"chatcmpl-{uuid.uuid4().hex}", ids, params)
+    if body.stream:
+        return _chat_stream(state, request)
     result = await asyncio.wrap_future(state.scheduler.submit_generations([request])[0])
-    reason = "stop" if result.finish_reason["type"] == "stop" else "length"
     choice = {
         "index": 0,
         "message": {
@@ -428,13 +508,8 @@ async def _chat(state: ServerState, payload: Any) -> Response:
             "reasoning_content": None,
         },
         "logprobs": None,
-        "finish_reason": reason,
+        "finish_reason": _chat_finish(result),
         "matched_stop": result.finish_reason.get("matched"),
-    }
-    usage = {
-        "prompt_tokens": len(ids),
-        "completion_tokens": len(result.output_ids),
-        "total_tokens": len(ids) + len(result.output_ids),
     }
     reply: dict[str, Any] = {
         "id": request.rid,
@@ -442,10 +517,55 @@ async def _chat(state: ServerState, payload: Any) -> Response:
         "created": int(time.time()),
         "model": state.served_model_name,
         "choices": [choice],
-        "usage": usage,
+        **_chat_usage(result),
     }
-    if result.meta:
-        # Speculative mode: spec_verify_ct, spec_accept_length, ... as in /generate's meta_info, so a
-        # chat client can measure acceptance too (an extension; OpenAI clients ignore unknown keys).
-        reply["meta_info"] = dict(result.meta)
     return JSONResponse(reply)
+
+
+def _chat_finish(result: GenResult) -> str:
+    return "stop" if result.finish_reason["type"] == "stop" else "length"
+
+
+def _chat_usage(result: GenResult) -> dict[str, Any]:
+    prompt, completion = len(result.request.input_ids), len(result.output_ids)
+    usage = {
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+    }
+    # Speculative mode: spec_verify_ct, spec_accept_length, ... as in /generate's meta_info, so a chat
+    # client can measure acceptance too (an extension; OpenAI clients ignore unknown keys).
+    return {**usage, "meta_info": dict(result.meta)} if result.meta else usage
+
+
+def _chat_stream(state: ServerState, request: GenRequest) -> Response:
+    """OpenAI's streamed chat: `chat.completion.chunk` events with the new text of each step, the
+    finish reason and usage last, then `data: [DONE]`. Text that may still turn into a stop string
+    (the last characters, as long as the longest one) or into a wider character waits a step."""
+    created, hold = int(time.time()), max((len(s) for s in request.params.stop), default=0)
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        head = {"id": request.rid, "object": "chat.completion.chunk", "created": created}
+        return _event({**head, "model": state.served_model_name, "choices": [choice], **extra})
+
+    async def events() -> AsyncIterator[bytes]:
+        yield chunk({"role": "assistant", "content": ""})
+        sent = ""
+        async for update in _token_stream(state, request):
+            if isinstance(update, GenResult):
+                rest = _text(state, update.output_ids, update)[len(sent) :]
+                if rest:
+                    yield chunk({"content": rest})
+                yield chunk({}, _chat_finish(update), **_chat_usage(update))
+            else:
+                text = _text(state, update[0], None)
+                ready = text[: len(text) - hold].rstrip("\ufffd")
+                if len(ready) > len(sent):
+                    yield chunk({"content": ready[len(sent) :]})
+                    sent = ready
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(_guarded_events(state, events()), media_type="text/event-stream")

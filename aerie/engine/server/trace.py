@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from aerie.refserver.sglang_log import logger
+from aerie.engine.server.sglang_log import logger
 
 GAP_US = 20.0  # shorter gaps between kernels are launch latency, not waiting
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aerie.engine.server.sglang_log import avail_mem_gb, logger, shard_bar
 from aerie.errors import TargetError
-from aerie.refserver.sglang_log import avail_mem_gb, logger, shard_bar
 from aerie.targets import avoid_cudnn_attention
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from aerie.refserver.generation import SamplingParams
+from aerie.engine.generation import SamplingParams
 
 # Parameters SGLang accepts whose only supported value here is the neutral one.
 _NEUTRAL: dict[str, Any] = {
@@ -163,8 +163,6 @@ class ChatCompletionBody(BaseModel):
 
     def to_params(self, *, max_new_tokens_cap: int) -> SamplingParams:
         _check_neutral(self.model_dump(), "request")
-        if self.stream:
-            raise RequestError("stream=true is not supported by the aerie reference server")
         if self.logprobs:
             raise RequestError("logprobs=true is not supported by the aerie reference server")
         wanted = self.max_completion_tokens or self.max_tokens or max_new_tokens_cap

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-logger = logging.getLogger("aerie.refserver")
+logger = logging.getLogger("aerie.engine")
 
 # SGLang's scheduler format (utils/common.py) and its tqdm bar format for loading shards.
 LOG_FORMAT = "[%(asctime)s] %(message)s"

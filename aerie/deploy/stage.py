@@ -8,7 +8,7 @@ The servers are launched one after the other on the configured port through `aer
 (readiness, launch nonce, teardown), so they never compete for the device: SGLang (docker or process)
 with `--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR --speculative-num-steps K
 --speculative-eagle-topk 1 --speculative-num-draft-tokens K+1`, or the reference server with the
-same flags it supports. The benchmark client is `aerie.evaluate.bench` against `/generate`.
+same flags it supports. The benchmark client is `aerie.deploy.bench` against `/generate`.
 
 Promotion: the speed-up (speculative output tokens/s over the baseline's) at the deciding concurrency
 level (`promote_concurrency`, default the lowest benchmarked: speculative decoding pays at low batch,
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aerie.deploy.bench import TTFT_METHOD, LevelResult, benchmark
+from aerie.deploy.config import DeployConfig
+from aerie.deploy.report import deployment_markdown
 from aerie.errors import EvaluationError
-from aerie.evaluate.bench import TTFT_METHOD, LevelResult, benchmark
-from aerie.evaluate.config import DeployConfig
 from aerie.evaluate.drafter_files import drafter_keys, fetch_drafter
 from aerie.evaluate.prompts import mtbench_prompts
-from aerie.evaluate.report import deployment_markdown
 from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ModelServer, ServerConfig, ServerSpec, SpeculativeArgs, spec_for

@@ -1,4 +1,4 @@
-"""`python -m aerie.refserver`: load, bind, warm up, serve, drain — in SGLang's order.
+"""`python -m aerie.engine`: load, bind, warm up, serve, drain — in SGLang's order.
 
 1. Check the arguments (a bad flag fails in a second, before any loading).
 2. Load the weights, printing SGLang's load lines and shard bar; decide the packed-attention kernel.
@@ -25,8 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from aerie.errors import TargetError
-from aerie.refserver.args import (
+from aerie.engine.server.args import (
     ArgsError,
     RefServerArgs,
     check_aux_layers,
@@ -35,10 +34,11 @@ from aerie.refserver.args import (
     parse_args,
     parse_packs,
 )
-from aerie.refserver.sglang_log import READY_LINE, avail_mem_gb, logger, setup_logging, uvicorn_log_config
-from aerie.refserver.trace import PackTrace
+from aerie.engine.server.sglang_log import READY_LINE, avail_mem_gb, logger, setup_logging, uvicorn_log_config
+from aerie.engine.server.trace import PackTrace
+from aerie.errors import TargetError
 
-SPEC_DECODE_MODULE = "aerie.evaluate.spec_decode"
+SPEC_DECODE_MODULE = "aerie.engine.speculative.decoder"
 
 
 class SpeculativeUnavailable(ArgsError):
@@ -100,11 +100,11 @@ def _spec_decode_module() -> Any:
 def _start(args: RefServerArgs) -> Any:
     import torch
 
-    from aerie.refserver import packed, slots
-    from aerie.refserver.app import ServerState
-    from aerie.refserver.extraction import HiddenStateCapture
-    from aerie.refserver.loader import load_model
-    from aerie.refserver.scheduler import Scheduler
+    from aerie.engine.server import packed, slots
+    from aerie.engine.server.app import ServerState
+    from aerie.engine.server.extraction import HiddenStateCapture
+    from aerie.engine.server.loader import load_model
+    from aerie.engine.server.scheduler import Scheduler
 
     torch.set_num_threads(cpu_threads(args.cpu_threads))
     if args.random_seed is not None:
@@ -159,11 +159,11 @@ def _start(args: RefServerArgs) -> Any:
 def build_backend(args: RefServerArgs, loaded: Any) -> Any:
     """The generation backend: EAGLE-3 speculative decoding when asked for, else plain batched decoding.
 
-    Seam for the evaluation stage: `aerie.evaluate.spec_decode.create_backend(loaded, args)` returns an
-    object implementing `aerie.refserver.generation.GenerationBackend`.
+    Seam for the evaluation stage: `aerie.engine.speculative.decoder.create_backend(loaded, args)` returns an
+    object implementing `aerie.engine.generation.GenerationBackend`.
     """
-    from aerie.refserver import slots
-    from aerie.refserver.generation import BatchedDecoder
+    from aerie.engine.generation import BatchedDecoder
+    from aerie.engine.server import slots
 
     if args.speculative_algorithm:
         return _spec_decode_module().create_backend(loaded, args)
@@ -215,7 +215,7 @@ def _log_memory_plan(args: RefServerArgs, loaded: Any) -> None:
 def _serve(state: Any) -> int:
     import uvicorn
 
-    from aerie.refserver.app import create_app
+    from aerie.engine.server.app import create_app
 
     args = state.args
     config = uvicorn.Config(

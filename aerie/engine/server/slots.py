@@ -11,7 +11,7 @@ per-admission cost came next.) Here:
   the survivors beyond the new end move into the holes (only those rows are copied), so attention
   reads a view of the buffers and never a gathered copy;
 - joining requests are prefilled together in ONE packed forward (no padding; segment-causal
-  attention from `aerie.refserver.packed`, the same kernels as extraction) whose K/V are scattered
+  attention from `aerie.engine.server.packed`, the same kernels as extraction) whose K/V are scattered
   straight into their rows;
 - a decoding step writes each row's new K/V at that row's own position and attends over
   `[:B, :, :longest]` with a per-row length mask (grouped-query heads are batched, not repeated).
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from aerie.refserver import packed
-from aerie.refserver.decode_graphs import CudaGraphRunner, DecodeGraphs
-from aerie.refserver.generation import BatchedDecoder, GenRequest, GenResult
+from aerie.engine.generation import BatchedDecoder, GenRequest, GenResult
+from aerie.engine.server import packed
+from aerie.engine.server.decode_graphs import CudaGraphRunner, DecodeGraphs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -42,7 +42,7 @@ _LENGTH_QUANTUM = 256  # cache length grows in multiples of this, at least doubl
 
 # attend(layer index, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq * D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# cuda: decoding steps replayed as CUDA graphs (aerie.refserver.decode_graphs); static: the same
+# cuda: decoding steps replayed as CUDA graphs (aerie.engine.server.decode_graphs); static: the same
 # static-shape step run eagerly (the CPU tests)
 GraphMode = Literal["off", "static", "cuda"]
 

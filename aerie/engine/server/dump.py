@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from aerie.diskspace import writing
+from aerie.engine.server.extraction import Capture
 from aerie.errors import ExtractionError
-from aerie.refserver.extraction import Capture
 from aerie.tensorfile import layout, whole, write_all
 
 # A rid becomes a file name: keep it to one safe path component.

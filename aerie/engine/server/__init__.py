@@ -1,6 +1,6 @@
 """aerie's reference model server: the SGLang HTTP subset aerie uses, on transformers.
 
-Run it as ``python -m aerie.refserver --model-path DIR`` (CPU or CUDA). It exists so that every
+Run it as ``python -m aerie.engine --model-path DIR`` (CPU or CUDA). It exists so that every
 client of a model server (generation, extraction, readiness, teardown, canary) runs for real without
 a GPU or Docker, and so that small targets can be served and extracted on one GPU without SGLang.
 

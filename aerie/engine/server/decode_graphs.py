@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from aerie.refserver.sglang_log import logger
+from aerie.engine.server.sglang_log import logger
 
 if TYPE_CHECKING:
-    from aerie.refserver.slots import KVSlots
+    from aerie.engine.server.slots import KVSlots
 
 # decode(ids [R], positions [R], rows [R], width) -> logits [R, V]: one token per row over the
 # first `width` cache positions

@@ -1,0 +1,48 @@
+"""The extraction stage in the pipeline (`aerie.stage` contract): the corpus through the target's
+server into hidden-state shards. The work itself is `aerie.extract.stage` (one host) or
+`aerie.extract.slices` (a slice per host), imported when it runs (torch)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aerie.manifest import StageResult
+from aerie.stage import Stage, StageContext, Upstream
+
+if TYPE_CHECKING:
+    from aerie.config import PipelineConfig
+
+
+class ExtractStage(Stage):
+    name = "extract"
+
+    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+        from aerie.extract.stage import extract_key
+
+        return extract_key(cfg.extract, cfg.server, ctx.target, upstream.corpus)
+
+    def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
+        """No manifest yet, or (with `ctx.rebuild_missing`) a manifest whose shards are not all in the
+        store: a manifest travels without its shards (`tools.gpuhost` never moves hidden states)."""
+        from aerie.extract.stage import missing_shards
+
+        cached = self.cached(cfg, ctx, upstream)
+        if cached is None:
+            return True
+        return ctx.rebuild_missing and bool(missing_shards(ctx.store, cached[0]))
+
+    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+        from aerie.extract.stage import run
+
+        return [
+            run(
+                cfg.extract,
+                corpus=upstream.corpus,
+                server=cfg.server,
+                rebuild_missing=ctx.rebuild_missing,
+                **ctx.args(self.name),
+            )
+        ]
+
+
+EXTRACT = ExtractStage()

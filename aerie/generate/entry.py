@@ -1,0 +1,90 @@
+"""The generation stage in the pipeline (`aerie.stage` contract): every dataset of `generate.datasets`,
+one result each, with the embedded endpoint (the reference server serving the target) launched only
+when some dataset still has to be generated. The work itself is `aerie.generate.stage`, imported when
+it runs (httpx, Polars)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from aerie.manifest import StageResult, stage_key
+from aerie.stage import Stage, StageContext, Upstream
+from aerie.store import ArtifactStore
+from aerie.targets import TargetInfo
+
+if TYPE_CHECKING:
+    from aerie.config import PipelineConfig
+
+
+@contextlib.contextmanager
+def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str]:
+    """The endpoint generation talks to: the configured one, or the reference server serving the
+    target itself for the duration of generation (the embedded default)."""
+    if cfg.generate.endpoint.base_url:
+        yield cfg.generate.endpoint.base_url
+        return
+    from aerie.serving import ModelServer, spec_for
+
+    server_cfg = cfg.server.model_copy(update={"backend": "reference", "launcher": "process"})
+    spec = spec_for(
+        server_cfg,
+        model_path=target.path,
+        mode="serve",
+        extra_args=cfg.generate.endpoint.launch_args,
+        trust_remote_code=target.trust_remote_code,
+    )
+    with ModelServer(spec) as server:
+        yield f"{server.url}/v1"
+
+
+def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
+    """True when some dataset still needs the target (so an embedded endpoint must be launched, and a
+    remote one needs its key)."""
+    from aerie.generate.stage import key_of, stage_name
+    from aerie.manifest import StageDir
+
+    return any(
+        spec.regenerate
+        and StageDir(store, cfg.run, stage_name(spec), key_of(cfg.generate, spec)).manifest() is None
+        for spec in cfg.generate.datasets
+    )
+
+
+class GenerateStage(Stage):
+    name = "generate"
+
+    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+        """The datasets' own keys together (each dataset's result lives under its own key)."""
+        from aerie.generate.stage import key_of
+
+        return stage_key(self.name, [key_of(cfg.generate, spec) for spec in cfg.generate.datasets])
+
+    def cached(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult] | None:
+        from aerie.generate.stage import key_of, stage_name
+        from aerie.manifest import StageDir
+
+        found = [
+            StageDir(ctx.store, ctx.run, stage_name(spec), key_of(cfg.generate, spec)).cached_result()
+            for spec in cfg.generate.datasets
+        ]
+        return None if any(r is None for r in found) else [r for r in found if r is not None]
+
+    def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
+        """Work for the target: a dataset taken as it is (`regenerate: false`) costs no endpoint."""
+        return generation_pending(cfg, ctx.store)
+
+    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+        from aerie.generate.stage import run_all
+
+        return run_all(
+            cfg.generate,
+            store=ctx.store,
+            run_name=ctx.run,
+            endpoint=lambda: generation_endpoint(cfg, ctx.target),
+            progress=ctx.progress,
+        )
+
+
+GENERATE = GenerateStage()

@@ -1,0 +1,139 @@
+"""The typed contract every pipeline stage keeps, and the context it runs in.
+
+A stage is one object (each stage package exports one: `aerie.generate.entry.GENERATE`, ...) with a
+`name` and three methods over the whole `PipelineConfig`, a `StageContext` (where and for what it runs)
+and its `Upstream` (the results of the stages before it in this run):
+
+    key(cfg, ctx, upstream) -> str                    what decides its output: `<run>/<name>/<key>/`
+    needs(cfg, ctx, upstream) -> bool                 whether it has work to do (else `run` is a cache hit)
+    run(cfg, ctx, upstream) -> list[StageResult]      do it, or return what an earlier run made
+
+`run` returns a list because generation makes one result per dataset; every other stage makes one.
+The composers call nothing else of a stage: `aerie.pipeline.compose` (the only ordered list of stages)
+runs them in this process or, through `flows.pipeline`, as Prefect subflows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, TypedDict
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from aerie.errors import ConfigError
+from aerie.manifest import StageDir, StageResult
+from aerie.progress import ProgressFactory, ProgressFn, no_progress
+from aerie.store import ArtifactStore
+from aerie.targets import TargetInfo
+
+if TYPE_CHECKING:  # the config imports every stage's config; a stage needs only its type
+    from aerie.config import PipelineConfig
+
+
+def _no_progress(name: str) -> ProgressFn:
+    return no_progress
+
+
+class StageArgs(TypedDict):
+    """The keyword arguments every stage function of the library takes (`aerie.corpus.stage.run`, ...)."""
+
+    store: ArtifactStore
+    run_name: str
+    target: TargetInfo
+    progress: ProgressFn
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Where a stage runs and for what: the same for every stage of a run, but for `rebuild_missing`,
+    which the composer decides per stage."""
+
+    store: ArtifactStore
+    run: str
+    target: TargetInfo
+    progress: ProgressFactory = field(default=_no_progress)
+    # Make a finished output whole again where part of it is gone (extraction's shards, which never
+    # travel with a run's manifests): the composer asks for it when the next stage reads that output.
+    rebuild_missing: bool = False
+
+    def args(self, name: str) -> StageArgs:
+        """What a stage function is called with, its progress reporting under `name`."""
+        return StageArgs(
+            store=self.store, run_name=self.run, target=self.target, progress=self.progress(name)
+        )
+
+
+class Upstream(BaseModel):
+    """The results of the stages run before, by stage name (serializable: Prefect passes it between
+    flows)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    results: dict[str, list[StageResult]] = Field(default_factory=dict)
+
+    def plus(self, stage: str, results: list[StageResult]) -> Upstream:
+        return Upstream(results={**self.results, stage: list(results)})
+
+    def all_of(self, stage: str) -> list[StageResult]:
+        if stage not in self.results:
+            raise ConfigError(
+                f"no result of stage {stage!r} upstream (have: {', '.join(self.results) or 'none'}): "
+                "a stage runs after the stages it reads"
+            )
+        return self.results[stage]
+
+    def one(self, stage: str) -> StageResult:
+        (result,) = self.all_of(stage)
+        return result
+
+    @property
+    def generated(self) -> list[StageResult]:
+        return self.all_of("generate")
+
+    @property
+    def corpus(self) -> StageResult:
+        return self.one("merge")
+
+    @property
+    def shards(self) -> StageResult:
+        return self.one("extract")
+
+    @property
+    def drafter(self) -> StageResult:
+        return self.one("train")
+
+    @property
+    def evaluation(self) -> StageResult:
+        return self.one("evaluate")
+
+
+class Stage(ABC):
+    """One stage of the pipeline. Subclasses set `name` and define `key` and `run`; `needs` is "no
+    manifest yet" unless a stage knows better."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+        """What decides the output (config, upstream manifest digests, aerie's version), hashed."""
+
+    @abstractmethod
+    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+        """Do the stage's work, or return the cached result; resumes what an interrupted run left."""
+
+    def enabled(self, cfg: PipelineConfig) -> bool:
+        """False leaves the stage out of the run (no result at all)."""
+        return True
+
+    def stage_dir(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> StageDir:
+        """Where the output lives in the store."""
+        return StageDir(ctx.store, ctx.run, self.name, self.key(cfg, ctx, upstream))
+
+    def cached(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult] | None:
+        """What an earlier run finished (its manifest), or None."""
+        result = self.stage_dir(cfg, ctx, upstream).cached_result()
+        return None if result is None else [result]
+
+    def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
+        return self.cached(cfg, ctx, upstream) is None

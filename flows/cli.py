@@ -1,0 +1,25 @@
+"""The `aerie` command: the library's commands (`aerie.cli`), with `aerie run PRESET` through the
+Prefect flow (`--no-prefect` or `--until` run the stages in this process, as the library does)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from aerie import cli
+from aerie.config import PipelineConfig
+
+
+def run_flow(cfg: PipelineConfig) -> str:
+    """The pipeline flow, locally (an ephemeral Prefect API unless PREFECT_API_URL is set)."""
+    from flows.pipeline import run_pipeline  # Prefect is imported only when a run is asked for
+
+    return run_pipeline(cfg)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.main(argv, run_flow=run_flow)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""How Prefect runs one stage: its task's name and retries, and what it shows in the UI. Each stage's
+flow module defines one (`flows.merge.POLICY`, ...); `flows.stage` applies them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aerie.manifest import StageResult
+from aerie.store import ArtifactStore
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    task: str  # the stage task's name in the UI (and its cache key's prefix)
+    title: str  # the progress artifact's description
+    summary: Callable[[StageResult], str]  # the figures table's description
+    retries: int = 0
+    retry_delay_s: float = 0.0
+    # Failures a retry cannot fix (a bad config, bad data, a disk too small): never retried.
+    not_retried: tuple[type[BaseException], ...] = ()
+    # Artifacts beyond the figures table (report tables, plots), from the stage's output in the store.
+    report: Callable[[StageResult, ArtifactStore], None] | None = None
