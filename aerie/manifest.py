@@ -131,9 +131,9 @@ class StageDir:
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
-    """The digest downstream keys are built from. Timing fields are left out so a re-run that
-    produced the same outputs gives the same digest."""
-    stable = {k: v for k, v in manifest.items() if k not in ("created_unix", "seconds")}
+    """The digest downstream keys are built from. Timing fields (and the plan's estimate beside them,
+    `aerie.plan.track`) are left out so a re-run that produced the same outputs gives the same digest."""
+    stable = {k: v for k, v in manifest.items() if k not in ("created_unix", "seconds", "plan")}
     return hashlib.sha256(canonical_json(stable)).hexdigest()
 
 

@@ -25,6 +25,8 @@ from aerie.evaluate.entry import EVALUATE
 from aerie.extract.entry import EXTRACT
 from aerie.generate.entry import GENERATE, generation_pending
 from aerie.manifest import StageResult
+from aerie.plan import track
+from aerie.plan.plan import Plan
 from aerie.progress import ProgressFactory, terminal_progress
 from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import ArtifactStore, open_store
@@ -42,6 +44,7 @@ class PipelineReport:
     config: PipelineConfig
     results: list[StageResult] = field(default_factory=list)
     seconds: float = 0.0
+    gpu_seconds: float | None = None  # over every call (`aerie.plan.track.gpu_seconds`)
 
     def table(self) -> str:
         """The one summary `make run` ends with: stage, time, cache hit, key figures, artifact path."""
@@ -58,6 +61,10 @@ class PipelineReport:
                 )
                 lines.append(f"{'':22s} {'':>8s} {'':>6s}  {figures}")
             lines.append(f"{'':22s} {'':>8s} {'':>6s}  {r.manifest_uri}")
+        if self.gpu_seconds is not None:
+            lines.append(
+                f"GPU time over every call: {self.gpu_seconds:.1f} s (estimates: figures estimate_s)"
+            )
         return "\n".join(lines)
 
 
@@ -99,7 +106,12 @@ StepFn = Callable[[Stage, StageContext, Upstream], list[StageResult]]
 
 
 def compose(
-    cfg: PipelineConfig, ctx: StageContext, step: StepFn, *, until: str | None = None
+    cfg: PipelineConfig,
+    ctx: StageContext,
+    step: StepFn,
+    *,
+    until: str | None = None,
+    plan: Plan | None = None,
 ) -> list[StageResult]:
     """Every planned stage in order, each fed the results before it. `step` runs one stage: here
     `stage.run` itself, under Prefect a subflow (`flows.pipeline`). Its results are every run's."""
@@ -108,8 +120,9 @@ def compose(
     results: list[StageResult] = []
     for i, stage in enumerate(stages):
         stage_ctx = replace(ctx, rebuild_missing=rebuild_missing(cfg, ctx, stages, i, upstream))
-        # The one place every stage of every run passes through.
-        done = step(stage, stage_ctx, upstream)
+        # The one place every stage of every run passes through: its estimate before, the actual after.
+        track.before(plan, stage.name)
+        done = track.after(plan, ctx.store, stage.name, step(stage, stage_ctx, upstream))
         results += done
         upstream = upstream.plus(stage.name, done)
     return results
@@ -144,8 +157,16 @@ def run_pipeline(
     store = store or open_store(cfg.store)
     check_secrets(cfg, store)
     ctx = StageContext(store=store, run=cfg.run, target=resolve_target(cfg.target), progress=progress)
-    results = compose(cfg, ctx, lambda stage, ctx, upstream: stage.run(cfg, ctx, upstream), until=until)
-    return PipelineReport(config=cfg, results=results, seconds=time.monotonic() - started)
+    plan = track.plan_for(cfg)
+    results = compose(
+        cfg, ctx, lambda stage, ctx, upstream: stage.run(cfg, ctx, upstream), until=until, plan=plan
+    )
+    return PipelineReport(
+        config=cfg,
+        results=results,
+        seconds=time.monotonic() - started,
+        gpu_seconds=track.gpu_seconds(plan, store, results),
+    )
 
 
 def missing_secrets(cfg: PipelineConfig, store: ArtifactStore) -> list[str]:

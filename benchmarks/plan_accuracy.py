@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from datetime import datetime, timezone
@@ -35,6 +36,7 @@ from aerie.plan.plan import Plan
 from aerie.presets import load_config
 
 RESULTS = Path(__file__).parent / "results"
+MACHINE = f"{platform.machine()} VM, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
 # The overrides that make the preset what the H200 record ran: greedy evaluation only (the record
 # predates evaluate.temperatures).
@@ -129,7 +131,7 @@ def calibrate(store: Path, out: Path) -> None:
             }
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.node() and 'VM'} Python {platform.python_version()}",
+        "machine": MACHINE,
         "command": "python benchmarks/plan_accuracy.py --calibrate " + str(store),
         "run": "aerie run smollm2-local --no-prefect --until train " + " ".join(CALIBRATION_OVERRIDES),
         "stages": stages,
@@ -155,7 +157,7 @@ def main() -> None:
         table += rows("smollm2-local", local, store_actuals(args.local_store, "smollm2-local"))
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} VM, Python {platform.python_version()} (plans need no GPU)",
+        "machine": MACHINE + " (plans need no GPU)",
         "command": "python " + " ".join(sys.argv),
         "calibration": (__doc__ or "").split("What calibrates what")[1].split("    python")[0].strip(),
         "within_25_percent": sum(abs(r["error"]) <= 0.25 for r in table),

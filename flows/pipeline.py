@@ -24,6 +24,8 @@ from aerie.extract.entry import EXTRACT
 from aerie.generate.entry import GENERATE, generation_endpoint
 from aerie.manifest import StageResult
 from aerie.pipeline import PipelineReport, check_secrets, compose, figure_text
+from aerie.plan import track
+from aerie.plan.render import table
 from aerie.presets import get_preset
 from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import open_store
@@ -64,6 +66,11 @@ def eagle3_pipeline(
     store = open_store(cfg.store)
     check_secrets(cfg, store)
     ctx = StageContext(store=store, run=cfg.run, target=resolve_target_task(cfg.target))
+    plan = track.plan_for(cfg)
+    if plan is not None:
+        create_markdown_artifact(
+            f"```\n{table(plan)}\n```", key=artifact_key(cfg.run, "plan"), description="plan"
+        )
 
     def step(stage: Stage, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         if stage is GENERATE:
@@ -72,8 +79,8 @@ def eagle3_pipeline(
             return [extract_flow(cfg, ctx.target, upstream, ctx.rebuild_missing)]
         return [run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing)]
 
-    results = compose(cfg, ctx, step)
-    _summarize(cfg, results)
+    results = compose(cfg, ctx, step, plan=plan)
+    _summarize(cfg, results, track.gpu_seconds(plan, store, results))
     return results
 
 
@@ -84,8 +91,10 @@ def _generate(cfg: PipelineConfig, ctx: StageContext) -> list[StageResult]:
         return generate_all(cfg.generate, cfg.store, cfg.run, base_url)
 
 
-def _summarize(cfg: PipelineConfig, results: list[StageResult]) -> None:
-    report = PipelineReport(config=cfg, results=results, seconds=sum(r.seconds for r in results))
+def _summarize(cfg: PipelineConfig, results: list[StageResult], gpu_seconds: float | None) -> None:
+    report = PipelineReport(
+        config=cfg, results=results, seconds=sum(r.seconds for r in results), gpu_seconds=gpu_seconds
+    )
     # One line in the log, the table in the artifacts: `aerie run` prints the table itself, once.
     get_run_logger().info(
         "pipeline %s: %d stages in %.1f s; the summary is the artifact %s",
@@ -100,6 +109,7 @@ def _summarize(cfg: PipelineConfig, results: list[StageResult]) -> None:
             "seconds": round(r.seconds, 1),
             "cache": "hit" if r.cache_hit else "run",
             "seconds when it ran": None if r.original_seconds is None else round(r.original_seconds, 1),
+            "estimate s": r.figures.get("estimate_s"),
             "figures": ", ".join(f"{k}={figure_text(v)}" for k, v in r.figures.items()),
             "manifest": r.manifest_uri,
         }
@@ -116,5 +126,8 @@ def _summarize(cfg: PipelineConfig, results: list[StageResult]) -> None:
 def run_pipeline(cfg: PipelineConfig) -> str:
     """Run the flow locally (ephemeral Prefect API unless PREFECT_API_URL is set); return the summary."""
     results = eagle3_pipeline(preset=cfg.preset, config=cfg)
-    report = PipelineReport(config=cfg, results=results, seconds=sum(r.seconds for r in results))
+    gpu_seconds = track.gpu_seconds(track.plan_for(cfg), open_store(cfg.store), results)
+    report = PipelineReport(
+        config=cfg, results=results, seconds=sum(r.seconds for r in results), gpu_seconds=gpu_seconds
+    )
     return report.table()

@@ -150,3 +150,25 @@ def test_cli_prints_the_plan_and_exits_2_on_a_refusal(
     assert json.loads((tmp_path / "plan.json").read_text())["stages"][0]["stage"] == "generate"
     assert main(["plan", "smollm2-local", "train.max_length=9000"]) == 2
     assert "train.max_length = 9,000" in capsys.readouterr().err
+
+
+def test_the_actual_sits_beside_its_estimate_and_a_slow_stage_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aerie.manifest import StageDir, load_manifest, manifest_digest
+    from aerie.plan import track
+    from aerie.store import open_store
+
+    store = open_store(str(tmp_path / "store"))
+    result = StageDir(store, "r", "merge", "k").finish({"figures": {"records": 3}})
+    plan = make_plan(load_config("smollm2-local", []))
+    estimate = plan.stage("merge").seconds  # type: ignore[union-attr]
+    slow = result.model_copy(update={"seconds": 3 * estimate})
+    with caplog.at_level("WARNING", logger="aerie.plan"):
+        (annotated,) = track.after(plan, store, "merge", [slow])
+    assert "more than 2x its estimate" in caplog.text
+    assert annotated.figures["estimate_s"] == round(estimate, 1)
+    manifest = load_manifest(store, result.prefix)
+    assert manifest["plan"]["actual_s"] == round(3 * estimate, 1)
+    assert manifest_digest(manifest) == result.manifest_sha256  # downstream keys are unchanged
+    assert track.gpu_seconds(plan, store, [annotated]) == 0.0  # merge uses no GPU
