@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Case-insensitive patterns.
 PATTERNS = [
-    r"\bsession[ _-]?\d",  # session 4, session4, session-4
+    r"\bsession[ _-]?\d",  # a numbered session, with or without a separator
     r"\bsessions\b",
     r"\b(this|that|next|earlier|previous|later|last) session\b",  # not a process's or an HTTP session
     r"\bleases?\b",
-    r"\bcalls?[ _-]?#?\d",  # call 13, call13, calls 1-3
-    r"\bissues?[ _-]?#?\d",  # issue 22, issue #22
+    r"\bcalls?[ _-]?#?\d",  # a numbered call, with or without a space or #
+    r"\bissues?[ _-]?#?\d",  # a numbered issue, likewise
     r"capstone",
     r"(?<![a-z])the[ _]seeds?(?![a-z])",  # the starting code (also in names); a random seed is "its seed"
     r"\b(seed|research)/",  # the starting code's and the research notes' folders
@@ -36,8 +36,8 @@ PATTERNS = [
 ]
 # Case-sensitive patterns.
 EXACT = [
-    # "host K", "hosts K and L": the word in any case, the letter a capital A-L exactly (so "host a" in
-    # prose does not trip); in a name, "host-k" or "host_k".
+    # A lettered host: the word in any case, then one capital A-L (a lower-case letter in prose does not
+    # trip); in a name, the word joined to a lower-case letter by a dash or an underscore.
     r"\b[Hh][Oo][Ss][Tt][Ss]?[ _-][A-L]\b",
     r"\bhost[-_][a-l]\b",
     r"\$OUT\b",  # one test machine's output folder (a script's own `$out` is fine)
