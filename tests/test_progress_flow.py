@@ -30,7 +30,6 @@ def progress_probe() -> str:
 
 
 async def _messages(run_id: str) -> list[str]:
-    APILogWorker.drain_all()  # the run's logs reach the server in the background
     async with get_client() as client:
         logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
         return [log.message for log in logs]
@@ -38,6 +37,9 @@ async def _messages(run_id: str) -> list[str]:
 
 def test_progress_lines_carry_the_eta_and_do_not_wait_for_the_next_decile():
     run_id = progress_probe()
+    # The run's logs reach the server in the background; drained outside an event loop, where drain_all
+    # waits (inside one it only returns a coroutine).
+    APILogWorker.drain_all()
     lines = [m for m in asyncio.run(_messages(run_id)) if m.startswith("probing:")]
     assert len(lines) == 4, lines  # every update was due (log_every_s=0), not only each 10%
     assert "left; step 0.02" in lines[1] and lines[1].startswith("probing: 2.0% in ")
