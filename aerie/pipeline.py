@@ -95,7 +95,7 @@ def _shares(tree: dict[str, object], prefix: str = "") -> list[tuple[str, float]
 
 def planned(cfg: PipelineConfig, until: str | None = None) -> list[Stage]:
     """The stages a run runs, in order: all of them, or up to and including `until`; a disabled stage
-    (`deploy.enabled: false`) is left out."""
+    (`evaluate.enabled`, `deploy.enabled` false) is left out."""
     if until is not None and until not in STAGE_NAMES:
         raise ConfigError(f"unknown stage {until!r}; stages: {', '.join(STAGE_NAMES)}")
     wanted = STAGES[: STAGE_NAMES.index(until) + 1] if until else STAGES

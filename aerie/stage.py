@@ -104,8 +104,9 @@ class Upstream(BaseModel):
         return self.one("train")
 
     @property
-    def evaluation(self) -> StageResult:
-        return self.one("evaluate")
+    def evaluation(self) -> StageResult | None:
+        """None where the evaluate stage is disabled (`evaluate.enabled: false`)."""
+        return self.one("evaluate") if "evaluate" in self.results else None
 
 
 class Stage(ABC):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from aerie.deploy.config import DeployConfig
-from aerie.deploy.stage import decide_promotion, deploy, server_specs
+from aerie.deploy.stage import decide_promotion, deploy, key_of, promote, server_specs
 from aerie.errors import ConfigError, EvaluationError
 from aerie.manifest import StageDir, load_manifest
 from aerie.serving import ServerConfig
@@ -145,6 +145,25 @@ def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smo
     assert store.exists("r/promoted/report.md") and store.exists("r/promoted/evaluation-report.md")
     assert load_manifest(store, result.prefix)["figures"]["promoted"] is True
     assert seen[-1] == 1.0
+
+
+def test_a_run_without_offline_evaluation_still_keys_and_promotes(tmp_path, smollm2):
+    """`evaluate.enabled: false` (a target no one GPU holds): deploy keys on the drafter alone and the
+    promoted directory holds the drafter and the deployment report, with no evaluation pointer."""
+    from aerie.pipeline import planned
+    from aerie.presets import load_config
+
+    assert "evaluate" not in [s.name for s in planned(load_config("kimi-k2.5-8gpu", []))]
+    store = LocalStore(tmp_path / "store")
+    drafter = train_result(store, "r", smollm2, tmp_path)
+    evaluation = StageDir(store, "r", "evaluate", "e").finish({"figures": {}})
+    cfg, server = DeployConfig(), ServerConfig()
+    assert key_of(cfg, server, smollm2, drafter, None) != key_of(cfg, server, smollm2, drafter, evaluation)
+    report = {"promotion": {"speedup": 1.2, "concurrency": 1}}
+    prefix = promote(store, "r", drafter, None, report, "# deployment\n")
+    assert json.loads(store.get_bytes(f"{prefix}/promotion.json"))["evaluation"] is None
+    assert store.exists(f"{prefix}/drafter/model.safetensors") and store.exists(f"{prefix}/report.md")
+    assert not store.exists(f"{prefix}/evaluation-report.md")
 
 
 def _sglang_unavailable() -> str | None:

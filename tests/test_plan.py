@@ -97,6 +97,14 @@ def test_kimi_plan_prices_the_api_tokens_with_their_date() -> None:
     assert plan.stage("extract").gpus == 8  # type: ignore[union-attr]
 
 
+def test_kimi_is_evaluated_served_since_no_one_gpu_holds_it() -> None:
+    served = make_plan(load_config("kimi-k2.5-8gpu", KIMI_SMALL))
+    assert served.stage("evaluate") is None and served.stage("deploy") is not None
+    offline = make_plan(load_config("kimi-k2.5-8gpu", [*KIMI_SMALL, "evaluate.enabled=true"]))
+    with pytest.raises(GpuMemoryError, match=r"the offline evaluator loads moonshotai/Kimi-K2.5 on one GPU"):
+        check(offline)
+
+
 def test_a_price_needs_its_date() -> None:
     with pytest.raises(ConfigError, match="prices_date"):
         load_config("kimi-k2.5-8gpu", ["generate.endpoint.prices_date=null"])

@@ -110,13 +110,22 @@ def decide_promotion(rows: list[dict[str, Any]], cfg: DeployConfig) -> Promotion
 
 
 def key_of(
-    cfg: DeployConfig, server: ServerConfig, target: TargetInfo, drafter: StageResult, evaluation: StageResult
+    cfg: DeployConfig,
+    server: ServerConfig,
+    target: TargetInfo,
+    drafter: StageResult,
+    evaluation: StageResult | None,
 ) -> str:
     keyed = {
         "deploy": cfg.model_dump(mode="json"),
         "server": server.model_dump(mode="json", exclude=_SERVER_NOT_KEYED),
     }
-    return stage_key(STAGE, keyed, [drafter.manifest_sha256, evaluation.manifest_sha256, target.revision])
+    upstream = [
+        drafter.manifest_sha256,
+        *([evaluation.manifest_sha256] if evaluation else []),
+        target.revision,
+    ]
+    return stage_key(STAGE, keyed, upstream)
 
 
 def deploy(
@@ -126,7 +135,7 @@ def deploy(
     run_name: str,
     target: TargetInfo,
     drafter: StageResult,
-    evaluation: StageResult,
+    evaluation: StageResult | None,
     server: ServerConfig,
     progress: ProgressFn = no_progress,
 ) -> StageResult:
@@ -158,7 +167,7 @@ def deploy(
     body: dict[str, Any] = {
         "target": {"name": target.name, "revision": target.revision},
         "drafter": f"{drafter.prefix}/drafter",
-        "evaluation": evaluation.prefix,
+        "evaluation": evaluation.prefix if evaluation else None,
         "backend": server.backend,
         "servers": {name: {"command": spec.describe()} for name, spec in specs.items()},
         "num_prompts": cfg.num_prompts,
@@ -229,7 +238,7 @@ def promote(
     store: ArtifactStore,
     run_name: str,
     drafter: StageResult,
-    evaluation: StageResult,
+    evaluation: StageResult | None,
     report: dict[str, Any],
     markdown: str,
 ) -> str:
@@ -243,18 +252,24 @@ def promote(
             store.put_file(f"{prefix}/drafter/{name}", local)
     store.put_bytes(f"{prefix}/report.json", json.dumps(report, indent=2).encode())
     store.put_bytes(f"{prefix}/report.md", markdown.encode())
-    for name in ("report.md", "report.json", "acceptance.png"):
-        key = f"{evaluation.prefix}/{name}"
-        if store.exists(key):
-            store.put_bytes(f"{prefix}/evaluation-{name}", store.get_bytes(key))
+    if evaluation is not None:
+        _copy_evaluation(store, evaluation, prefix)
     pointer = {
         "drafter": f"{drafter.prefix}/drafter",
-        "evaluation": evaluation.prefix,
+        "evaluation": evaluation.prefix if evaluation else None,
         "speedup": report["promotion"]["speedup"],
         "concurrency": report["promotion"]["concurrency"],
     }
     store.put_bytes(f"{prefix}/promotion.json", json.dumps(pointer, indent=2).encode())
     return prefix
+
+
+def _copy_evaluation(store: ArtifactStore, evaluation: StageResult, prefix: str) -> None:
+    """The offline evaluation's reports beside the promoted drafter."""
+    for name in ("report.md", "report.json", "acceptance.png"):
+        key = f"{evaluation.prefix}/{name}"
+        if store.exists(key):
+            store.put_bytes(f"{prefix}/evaluation-{name}", store.get_bytes(key))
 
 
 def _figures(rows: list[dict[str, Any]], decision: Promotion, same: dict[str, int]) -> dict[str, Any]:

@@ -62,6 +62,11 @@ class PromptSet(StrictModel):
 class EvaluateConfig(StrictModel):
     """Offline speculative decoding with the target and the trained drafter."""
 
+    enabled: bool = Field(
+        True,
+        description="Run the offline evaluation. It loads the target in process on one device, so a target "
+        "larger than one GPU is measured served instead (the deploy stage, with the server's tensor parallelism).",
+    )
     num_steps: list[Annotated[int, Field(ge=1)]] = Field(
         default_factory=lambda: [3, 7], min_length=1, description="Draft chain lengths to evaluate (>= 1)."
     )

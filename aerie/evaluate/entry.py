@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 class EvaluateStage(Stage):
     name = "evaluate"
 
+    def enabled(self, cfg: PipelineConfig) -> bool:
+        return cfg.evaluate.enabled
+
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
         from aerie.evaluate.stage import key_of
 

@@ -144,7 +144,7 @@ def _gpu_memory(cfg: PipelineConfig, target: TargetFacts, hw: Hardware) -> list[
                 f"{hw.memory_bytes / 1e9:,.0f} GB); set server.tp_size={need} or more"
             )
         )
-    if cfg.evaluate.device == "cuda" and target.weight_bytes > usable:
+    if cfg.evaluate.enabled and cfg.evaluate.device == "cuda" and target.weight_bytes > usable:
         problems.append(
             GpuMemoryError(
                 f"evaluate.device cuda: the offline evaluator loads {target.name} on one GPU, "

@@ -130,8 +130,9 @@ def estimate(
         _merge(model, sizes),
         _extract(model, sizes),
         _train(model, sizes),
-        _evaluate(model, sizes),
     ]
+    if cfg.evaluate.enabled:
+        out.append(_evaluate(model, sizes))
     if cfg.deploy.enabled:
         out.append(_deploy(model, sizes))
     return out
