@@ -77,11 +77,13 @@ from aerie.corpus.stage import ROW_GROUP
 from aerie.engine.server.extraction import SYNC_COPY_ENV
 from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
-from aerie.extract.shards import HiddenSample, ShardInfo, ShardWriter, Storage
-from aerie.extract.stage import dump_root
+from aerie.extract.plan import dump_root
 from aerie.extract.stage import run as run_extract
 from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.serving import ServerConfig
+from aerie.shards.format import HiddenSample, ShardInfo
+from aerie.shards.schema import Storage
+from aerie.shards.writer import ShardWriter
 from aerie.store import ArtifactStore, LocalStore
 from aerie.targets import TargetInfo, resolve_target
 from aerie.tensorfile import layout, open_direct, whole, write_all, write_direct

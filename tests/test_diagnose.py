@@ -19,7 +19,7 @@ from aerie.draft.target_weights import load_embedding
 from aerie.engine.speculative.decoder import SpecDecoder, SpecStats, greedy_reference
 from aerie.engine.speculative.eagle import EagleProposer, hidden_state_indices
 from aerie.evaluate.diagnose import diagnose
-from aerie.extract.shards import HiddenSample
+from aerie.shards.format import HiddenSample
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
 from aerie.train.distributed import DistInfo

@@ -11,18 +11,20 @@ import pytest
 import torch
 
 from aerie.errors import CanaryError, ExtractionError, IntegrityError, PreflightError
-from aerie.extract import preflight, stage
+from aerie.extract import plan, preflight, stage
 from aerie.extract.canary import ExtractionCanary, _dequantized, compare_layers, reference_hidden_states
 from aerie.extract.client import make_batches, to_sample
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import Row, open_split, slice_bounds
 from aerie.extract.phases import PhaseTotals, RequestTiming
 from aerie.extract.resume import ClosedShard, ProgressFile
-from aerie.extract.shards import HiddenSample, ShardWriter, bytes_per_token
 from aerie.extract.uploads import Uploader
 from aerie.fp8 import quantize_fp8
 from aerie.hostlock import HostLock
 from aerie.serving import ServerConfig
+from aerie.shards.format import HiddenSample
+from aerie.shards.schema import bytes_per_token
+from aerie.shards.writer import ShardWriter
 from aerie.store import LocalStore
 from tests.conftest import free_port
 from tests.extract_support import corpus_rows, write_corpus
@@ -184,7 +186,7 @@ def test_a_second_process_on_the_same_slice_is_refused_before_any_server_starts(
     corpus = write_corpus(store, "t", {"train": corpus_rows(smollm2.load_tokenizer(), 4)}, rows_per_shard=4)
     cfg = ExtractConfig(work_dir=str(tmp_path / "work"), splits=["train"])
     server = ServerConfig(backend="reference", device="cpu", port=free_port())
-    p = stage.plan(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
+    p = plan.plan(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
     held = rf"another process \(pid {os.getpid()}\) is extracting {p.stage.prefix} with servers s0-s0"
     with HostLock(p.work / ".lock-s0-s0"), pytest.raises(ExtractionError, match=held):
         stage.run(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
@@ -304,7 +306,7 @@ def test_canary_catches_a_pre_norm_last_hidden(smollm2, reference):
 
 
 def test_dumps_go_to_tmpfs_when_it_has_room(tmp_path):
-    from aerie.extract.stage import dump_root
+    from aerie.extract.plan import dump_root
 
     cfg = ExtractConfig(batch_tokens=1024, requests_in_flight=2)
     work = tmp_path / "work"
@@ -326,7 +328,8 @@ def test_dumps_go_to_tmpfs_when_it_has_room(tmp_path):
 def test_server_quantization_is_refused_where_it_cannot_apply():
     from aerie.config import apply_overrides
     from aerie.errors import ConfigError
-    from aerie.extract.stage import _server_args, check_server_quantization
+    from aerie.extract.fleet import _server_args
+    from aerie.extract.plan import check_server_quantization
     from aerie.presets import get_preset
     from aerie.serving import ServerConfig
 

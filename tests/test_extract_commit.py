@@ -19,8 +19,11 @@ import torch
 from aerie.errors import ExtractionError
 from aerie.extract.commit import ShardCommitter, default_workers
 from aerie.extract.config import ExtractConfig
-from aerie.extract.shards import HiddenSample, ShardInfo, ShardReader, ShardWriter, bytes_per_token
 from aerie.fp8 import quantize_fp8
+from aerie.shards.format import HiddenSample, ShardInfo
+from aerie.shards.reader import ShardReader
+from aerie.shards.schema import bytes_per_token
+from aerie.shards.writer import ShardWriter
 
 H = 32
 

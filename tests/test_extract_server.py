@@ -26,10 +26,10 @@ from aerie.extract.canary import reference_hidden_states
 from aerie.extract.config import ExtractConfig
 from aerie.extract.phases import COMMIT_PATH
 from aerie.extract.resume import ProgressFile
-from aerie.extract.shards import ShardReader
 from aerie.extract.stage import run
 from aerie.manifest import load_manifest
 from aerie.serving import ServerConfig
+from aerie.shards.reader import ShardReader
 from aerie.store import LocalStore
 from tests.extract_support import corpus_rows, write_corpus
 from tests.processes import free_port_pair

@@ -39,7 +39,8 @@ def test_every_calibration_figure_is_its_records(hardware: str, key: str) -> Non
 
 
 def test_shard_and_dump_bytes_follow_the_extractor() -> None:
-    from aerie.extract import preflight, shards
+    from aerie.extract import preflight
+    from aerie.shards import schema as shards
 
     cfg = load_config("kimi-k2.5-8gpu", KIMI_SMALL)
     kimi = target_facts(cfg.target)

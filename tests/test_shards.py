@@ -13,15 +13,11 @@ from safetensors.torch import save_file
 
 from aerie import tensorfile
 from aerie.errors import DataError, ExtractionError
-from aerie.extract.shards import (
-    HiddenSample,
-    ShardReader,
-    ShardWriter,
-    bytes_per_token,
-    dequantize_fp8,
-    quantize_fp8,
-)
-from aerie.fp8 import pow2, scale_values
+from aerie.fp8 import dequantize_fp8, pow2, quantize_fp8, scale_values
+from aerie.shards.format import HiddenSample
+from aerie.shards.reader import ShardReader
+from aerie.shards.schema import bytes_per_token
+from aerie.shards.writer import ShardWriter
 
 H = 64
 

@@ -11,8 +11,9 @@ import polars as pl
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from aerie.extract.shards import HiddenSample, ShardWriter
 from aerie.manifest import StageDir, StageResult
+from aerie.shards.format import HiddenSample
+from aerie.shards.writer import ShardWriter
 from aerie.store import ArtifactStore, LocalStore
 from aerie.targets import TargetInfo, resolve_target
 

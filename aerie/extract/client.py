@@ -26,13 +26,13 @@ import torch
 from aerie.errors import ExtractionError
 from aerie.extract.corpus_rows import Row
 from aerie.extract.phases import SERVER_PHASES_KEY, RequestTiming
-from aerie.extract.shards import HiddenSample
 from aerie.sglang_plugin.dumps import (
     PLUGIN_ERROR_FILE,
     check_dump,
     dump_path,
     error_path,
 )
+from aerie.shards.format import HiddenSample
 from aerie.tensorfile import load_mapped
 
 DUMP_POLL_S = 0.01

@@ -45,14 +45,9 @@ import torch
 
 from aerie.errors import ExtractionError
 from aerie.extract.phases import COMMITTER_STEPS
-from aerie.extract.shards import (
-    EncodedRows,
-    HiddenSample,
-    SealedShard,
-    ShardInfo,
-    ShardWriter,
-    WrittenShard,
-)
+from aerie.shards.files import WrittenShard
+from aerie.shards.format import HiddenSample, ShardInfo
+from aerie.shards.writer import EncodedRows, SealedShard, ShardWriter
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ class ExtractStage(Stage):
     name = "extract"
 
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
-        from aerie.extract.stage import extract_key
+        from aerie.extract.plan import extract_key
 
         return extract_key(cfg.extract, cfg.server, ctx.target, upstream.corpus)
 
     def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
         """No manifest yet, or (with `ctx.rebuild_missing`) a manifest whose shards are not all in the
         store: a manifest travels without its shards (`tools.gpuhost` never moves hidden states)."""
-        from aerie.extract.stage import missing_shards
+        from aerie.shards.keys import missing_shards
 
         cached = self.cached(cfg, ctx, upstream)
         if cached is None:

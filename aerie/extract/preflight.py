@@ -17,7 +17,7 @@ from typing import Any
 from aerie.diskspace import existing_parent
 from aerie.errors import PreflightError
 from aerie.extract.config import ExtractConfig
-from aerie.extract.shards import bytes_per_token
+from aerie.shards.schema import bytes_per_token
 
 # A dump holds input_ids int32 + aux [3H] + last [H] in the server's dtype (bf16: 2 bytes).
 DUMP_ELEMENT_BYTES = 2

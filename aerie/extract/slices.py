@@ -23,15 +23,18 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 
 from aerie.errors import ConfigError, ExtractionError, StoreError, TargetError
-from aerie.extract import stage as extract_stage
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import SplitFiles, open_split
+from aerie.extract.fleet import extract
 from aerie.extract.phases import PhaseTotals
+from aerie.extract.plan import Plan, plan, stage_dir, work_dir
 from aerie.extract.resume import ClosedShard
+from aerie.extract.stage_manifest import manifest_body
 from aerie.extract.worker import SliceResult
 from aerie.manifest import MANIFEST, StageDir, StageResult
 from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ServerConfig
+from aerie.shards.keys import missing_shards
 from aerie.store import ArtifactStore
 from aerie.targets import TargetConfig, TargetInfo, resolve_target
 
@@ -96,7 +99,7 @@ def forget_missing(stage: StageDir, num_slices: int) -> list[str]:
     cached = stage.cached_result()
     if cached is None:
         return []
-    missing = extract_stage.missing_shards(stage.store, cached)
+    missing = missing_shards(stage.store, cached)
     if not missing:
         return []
     lost = set(missing)
@@ -124,14 +127,14 @@ def run_slice(
     n = cfg.num_slices
     if not 0 <= slice_index < n:
         raise ConfigError(f"extract slice index {slice_index} is outside 0..{n - 1} (extract.num_slices={n})")
-    stage = extract_stage.stage_dir(cfg, store, run_name, target, corpus, server)
+    stage = stage_dir(cfg, store, run_name, target, corpus, server)
     done = read_record(stage, slice_index, n)
     if done is not None:
         progress(1.0, f"slice {slice_index} of {n}: already done")
         return done
     began = time.monotonic()
     progress(0.0, f"slice {slice_index} of {n}: reading the corpus, disk preflight")
-    p = extract_stage.plan(
+    p = plan(
         cfg,
         store=store,
         run_name=run_name,
@@ -140,9 +143,7 @@ def run_slice(
         server=server,
         slice_index=slice_index,
     )
-    results, canary = extract_stage.extract(
-        cfg, p, store=store, target=target, server=server, progress=progress
-    )
+    results, canary = extract(cfg, p, store=store, target=target, server=server, progress=progress)
     _check_complete(p, results, slice_index, n)
     record = SliceRecord(
         slice=slice_index,
@@ -166,7 +167,7 @@ def run_slice(
     return record
 
 
-def _check_complete(p: extract_stage.Plan, results: list[SliceResult], slice_index: int, n: int) -> None:
+def _check_complete(p: Plan, results: list[SliceResult], slice_index: int, n: int) -> None:
     """Each server's shards chain over exactly its row range of every split (else no record)."""
     for i, result in enumerate(results):
         for split, ranges in p.bounds.items():
@@ -196,7 +197,7 @@ def assemble(
 ) -> StageResult:
     """Write the stage manifest from the slice records (`SliceMissingError` naming the unfinished
     slices; `ExtractionError` unless the shards hold exactly the corpus). A cache hit once written."""
-    stage = extract_stage.stage_dir(cfg, store, run_name, target, corpus, server)
+    stage = stage_dir(cfg, store, run_name, target, corpus, server)
     cached = stage.cached_result()
     if cached is not None:
         progress(1.0, "cached")
@@ -211,12 +212,12 @@ def assemble(
             "slices (extract_slice_flow, or aerie.extract.slices.run_slice) first"
         )
     done = [r for r in records if r is not None]
-    work = extract_stage.work_dir(cfg, run_name, stage.key)
+    work = work_dir(cfg, run_name, stage.key)
     splits: dict[str, SplitFiles] = {
         s: open_split(store, corpus.prefix, s, work / "corpus") for s in cfg.splits
     }
     canary = next((r.canary for r in done if r.canary is not None), None)
-    manifest = extract_stage.manifest_body(
+    manifest = manifest_body(
         cfg,
         target,
         corpus,

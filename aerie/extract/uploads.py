@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from aerie.errors import IntegrityError, StoreError
 from aerie.extract.resume import ClosedShard, ProgressFile
-from aerie.extract.shards import ShardInfo
+from aerie.shards.format import ShardInfo
 from aerie.store import ArtifactStore
 
 log = logging.getLogger(__name__)

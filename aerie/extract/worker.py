@@ -28,9 +28,10 @@ from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import SplitFiles
 from aerie.extract.phases import PhaseTotals, RequestTiming
 from aerie.extract.resume import ClosedShard, ProgressFile
-from aerie.extract.shards import HiddenSample, ShardInfo, ShardWriter
 from aerie.extract.uploads import Uploader
 from aerie.serving import ModelServer
+from aerie.shards.format import HiddenSample, ShardInfo
+from aerie.shards.writer import ShardWriter
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Bytes per location: the tmpfs dumps in flight, the local shards, the checkpoints and everything else
 in the store, against the free space of each local filesystem; S3 bytes and requests for a remote store.
-The shard and dump sizes follow `aerie.extract.shards` and `aerie.extract.preflight` (the same formulas
+The shard and dump sizes follow `aerie.shards.schema` and `aerie.extract.preflight` (the same formulas
 without importing torch; tests/test_plan.py checks they agree)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MIB = 1 << 20
 
 
 def shard_bytes_per_token(storage: str, hidden_size: int, vocab_size: int | None) -> int:
-    """`aerie.extract.shards.bytes_per_token`: hidden states, ids (uint16 when the vocabulary fits) and a mask."""
+    """`aerie.shards.schema.bytes_per_token`: hidden states, ids (uint16 when the vocabulary fits) and a mask."""
     ids_and_mask = (2 if vocab_size is not None and vocab_size <= 1 << 16 else 4) + 1
     if storage == "bf16":
         return 4 * hidden_size * 2 + ids_and_mask

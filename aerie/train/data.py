@@ -10,7 +10,7 @@ The epoch plan is a pure function of (sample lengths, seed, epoch, batch_tokens,
 position is just the global batch index: DDP rank r takes batches r, r+W, r+2W, ... and a resumed run
 starts at `step * W + r` without replaying anything.
 
-Shards are read with the extract stage's `ShardReader` (layout in aerie/extract/shards.py); fp8 codes
+Shards are read with `aerie.shards.reader.ShardReader` (layout in `aerie.shards`); fp8 codes
 and their per-token scales travel to the device as they are and are dequantized there.
 """
 
@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from aerie.errors import DataError
-from aerie.extract.shards import ShardReader
 from aerie.fp8 import dequantize_fp8
 from aerie.progress import ProgressFn, no_progress
+from aerie.shards.reader import ShardReader
 from aerie.store import ArtifactStore
 
 PAD_DOC = -1

@@ -37,10 +37,10 @@ from aerie.draft.model import Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
 from aerie.draft.vocab import VocabMap, build_vocab_map, load_token_counts
 from aerie.errors import DataError, ObjectNotFoundError, TrainingError
-from aerie.extract.stage import shard_keys
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.settings import get_settings
+from aerie.shards.keys import shard_keys
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo, resolve_device
 from aerie.train.checkpoint import FILES

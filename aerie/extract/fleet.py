@@ -1,0 +1,238 @@
+"""Running the planned servers of one host (`aerie.extract.plan.Plan`): one thread per server (its
+`SliceWorker`: launch, canary, batches, shards, restarts), the shards uploaded in the background, and
+everything torn down whatever happens. One process at a time extracts a host's slice (`HostLock`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from aerie.errors import ExtractionError, StoreError
+from aerie.extract.canary import ExtractionCanary, fits_in_memory, pick_sample
+from aerie.extract.config import ExtractConfig
+from aerie.extract.corpus_rows import SplitFiles
+from aerie.extract.plan import SHM_DUMPS, Plan
+from aerie.extract.resume import ProgressFile
+from aerie.extract.uploads import Uploader
+from aerie.extract.worker import SliceResult, SliceWorker, TokenMeter
+from aerie.hostlock import HeldElsewhere, HostLock
+from aerie.progress import ProgressFn, no_progress
+from aerie.serving import ModelServer, ServerConfig, spec_for
+from aerie.store import ArtifactStore
+from aerie.targets import TargetInfo
+
+log = logging.getLogger(__name__)
+
+
+def extract(
+    cfg: ExtractConfig,
+    p: Plan,
+    *,
+    store: ArtifactStore,
+    target: TargetInfo,
+    server: ServerConfig,
+    progress: ProgressFn = no_progress,
+) -> tuple[list[SliceResult], ExtractionCanary]:
+    """Run the planned servers (threads), upload their shards, tear everything down (always). One
+    process at a time per slice on a host (`ExtractionError` naming the other's pid)."""
+    with _slice_lock(p):
+        # Read the resume state again under the lock: a process that held it may have closed shards
+        # since this plan read it.
+        p = replace(p, progress_file=ProgressFile(p.progress_file.store, p.progress_file.key))
+        return _extract(cfg, p, store=store, target=target, server=server, progress=progress)
+
+
+@contextlib.contextmanager
+def _slice_lock(p: Plan) -> Iterator[None]:
+    """A second process extracting these servers' rows would wipe their dump dirs as its servers start,
+    and race them for the progress object: refuse it."""
+    servers = f"s{p.servers.start}-s{p.servers.stop - 1}"
+    lock = HostLock(p.work / f".lock-{servers}")
+    try:
+        lock.acquire()
+    except HeldElsewhere as exc:
+        raise ExtractionError(
+            f"another process (pid {exc.holder}) is extracting {p.stage.prefix} with servers {servers} on "
+            f"this host (lock {exc.path}); wait for it or stop it"
+        ) from exc
+    except OSError as exc:
+        raise ExtractionError(f"cannot create the extraction lock in {p.work}: {exc}") from exc
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _extract(
+    cfg: ExtractConfig,
+    p: Plan,
+    *,
+    store: ArtifactStore,
+    target: TargetInfo,
+    server: ServerConfig,
+    progress: ProgressFn,
+) -> tuple[list[SliceResult], ExtractionCanary]:
+    stage, work, splits, progress_file = p.stage, p.work, p.splits, p.progress_file
+    canary = _make_canary(cfg, target, splits)
+    uploader = Uploader(
+        store,
+        stage.prefix,
+        progress_file,
+        delete_local=cfg.delete_local_after_upload,
+        max_pending=2 * len(p.servers),
+        reread=cfg.reread_shards,
+    )
+    done_tokens = sum(s.tokens for s in progress_file.shards)
+    meter = TokenMeter(p.tokens, done_tokens, progress)
+    stop = threading.Event()
+
+    def start_server(k: int, attempt: int) -> ModelServer:
+        dump_dir = p.dumps / f"s{k}"
+        spec = spec_for(
+            _server_cfg(server, k, k - p.servers.start, len(p.servers)),
+            model_path=target.path,
+            mode="extract",
+            name=f"extract-s{k}" + (f"-r{attempt}" if attempt else ""),
+            dump_dir=dump_dir,
+            clean_dump_dir=True,
+            log_path=work / "logs" / f"server-s{k}-{attempt}.log",
+            extra_args=_server_args(server, cfg),
+            trust_remote_code=target.trust_remote_code,
+        )
+        dump_dir.mkdir(parents=True, exist_ok=True)
+
+        def server_progress(fraction: float, message: str) -> None:
+            progress(meter.done / meter.total, f"server s{k}: {message}")
+
+        srv = ModelServer(spec, progress=server_progress, canary=canary)
+        srv.start()
+        return srv
+
+    workers = [
+        SliceWorker(
+            k,
+            cfg=cfg,
+            splits=splits,
+            bounds={s: b[i] for s, b in p.bounds.items()},
+            prefix=stage.prefix,
+            local_dir=work / "shards",
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            progress_file=progress_file,
+            uploader=uploader,
+            start_server=start_server,
+            meter=meter,
+            stop=stop,
+            quantize_device=_quantize_device(cfg),
+        )
+        for i, k in enumerate(p.servers)
+    ]
+    failed = False
+    try:
+        results = _run_workers(workers, stop)
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        # Even on failure, let the closed shards finish uploading: the progress file then records
+        # them and the re-run resumes after them.
+        try:
+            uploader.wait()
+        except StoreError:
+            if not failed:
+                raise
+            log.exception("a shard upload failed while the extraction was failing")
+        finally:
+            uploader.close()
+            if p.dumps != work / "dumps":
+                _remove_dump_root(p.dumps)  # tmpfs is memory
+    meter.add(0, force=True)
+    return results, canary
+
+
+def _make_canary(cfg: ExtractConfig, target: TargetInfo, splits: dict[str, SplitFiles]) -> ExtractionCanary:
+    first = next(sf for sf in splits.values() if sf.total_rows)
+    rows = []
+    for row in first.iter_rows(0, 64):
+        rows.append(row)
+    reference = cfg.canary_reference == "always" or (
+        cfg.canary_reference == "auto" and fits_in_memory(target)
+    )
+    return ExtractionCanary(
+        target, pick_sample(rows), reference=reference, rtol=cfg.canary_rtol, timeout_s=cfg.dump_timeout_s
+    )
+
+
+def _run_workers(workers: list[SliceWorker], stop: threading.Event) -> list[SliceResult]:
+    """Run every slice in its own thread; the first failure stops the others (between batches) and
+    is raised once all have torn their servers down."""
+    if len(workers) == 1:
+        return [workers[0].run()]
+    errors: list[BaseException] = []
+
+    def guarded(w: SliceWorker) -> SliceResult:
+        try:
+            return w.run()
+        except BaseException as exc:
+            errors.append(exc)
+            stop.set()
+            raise
+
+    with ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="aerie-extract") as pool:
+        futures = [pool.submit(guarded, w) for w in workers]
+        for f in futures:
+            f.exception()
+    if errors:
+        first = next((e for e in errors if "another slice failed" not in str(e)), errors[0])
+        raise first
+    return [f.result() for f in futures]
+
+
+def _server_args(server: ServerConfig, cfg: ExtractConfig) -> list[str]:
+    """Flags the stage adds to the reference server's command line (none for SGLang).
+
+    One request, one packed forward: the reference server packs waiting sequences up to its
+    `--max-batch-tokens` (16,384 by default), which split the preset's 65,536-token requests into four
+    smaller forwards (on the H200: 489K tokens/s at 16K-token packs, 613K at 64K). A value the server
+    config already sets is kept. With `quantize_on_server`, `--dump-dtype fp8`: the server quantizes
+    each pack on its device and the dumps hold the shards' fp8 codes and scales."""
+    if server.backend != "reference":
+        return []
+    args = [] if "--max-batch-tokens" in server.extra_args else ["--max-batch-tokens", str(cfg.batch_tokens)]
+    if cfg.quantize_on_server and cfg.storage_dtype == "fp8":
+        args += ["--dump-dtype", "fp8"]
+    return args
+
+
+def _server_cfg(server: ServerConfig, index: int, local: int, num_local: int) -> ServerConfig:
+    """Server `index` (global) of a fan-out: its own port (by global index, so slices sharing a host
+    never collide) and, when one host runs several, its own GPU group (by its index on this host)."""
+    env = dict(server.env)
+    if num_local > 1 and server.device != "cpu" and "CUDA_VISIBLE_DEVICES" not in env:
+        first = local * server.tp_size
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(server.tp_size))
+    return server.model_copy(update={"port": server.port + index, "env": env})
+
+
+def _quantize_device(cfg: ExtractConfig) -> str:
+    # auto = cpu: the commit pool's threads scale with the cores, while per-sample GPU quantization
+    # (what auto meant before) waits on transfers and on the server's forward passes sharing the GPU.
+    return "cpu" if cfg.quantize_device == "auto" else cfg.quantize_device
+
+
+def _remove_dump_root(root: Path) -> None:
+    """Remove a tmpfs dump root and the parents it left empty (run dir, aerie-extract)."""
+    shutil.rmtree(root, ignore_errors=True)
+    if root.parent.parent != SHM_DUMPS:
+        return
+    for parent in (root.parent, SHM_DUMPS):
+        try:
+            parent.rmdir()
+        except OSError:
+            break
