@@ -32,10 +32,13 @@ run: setup
 	$(VENV)/bin/aerie run smollm2-local $(ARGS)
 
 # The word check: no tracked file speaks of how aerie was built (scripts/check_words.py lists the words).
+# The layering: import-linter's contracts (pyproject.toml) and no import circle among modules or packages.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/check_words.py
+	$(VENV)/bin/lint-imports
+	$(PY) scripts/import_circles.py
 
 typecheck: setup
 	$(VENV)/bin/mypy

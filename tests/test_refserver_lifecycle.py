@@ -211,14 +211,14 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _spec_backend_exists() -> bool:
-    if importlib.util.find_spec("aerie.engine.speculative.decoder") is None:
+    if importlib.util.find_spec("aerie.engine.speculative.backend") is None:
         return False
     return callable(
-        getattr(importlib.import_module("aerie.engine.speculative.decoder"), "create_backend", None)
+        getattr(importlib.import_module("aerie.engine.speculative.backend"), "create_backend", None)
     )
 
 
-@pytest.mark.skipif(_spec_backend_exists(), reason="aerie.engine.speculative.decoder.create_backend exists")
+@pytest.mark.skipif(_spec_backend_exists(), reason="aerie.engine.speculative.backend.create_backend exists")
 def test_speculative_flags_fail_clearly_until_the_backend_exists(smollm2, tmp_path: Path) -> None:
     done = _run_cli(
         "--model-path", smollm2.path, "--speculative-algorithm", "EAGLE3",

@@ -23,7 +23,8 @@ from typing import IO, Any
 import polars as pl
 
 from aerie.corpus.config import EXECUTION_FIELDS, CorpusConfig
-from aerie.corpus.encoding import EncodeOptions, encoder_pool
+from aerie.corpus.encoding import EncodeOptions
+from aerie.corpus.pool import encoder_pool
 from aerie.corpus.schema import CORPUS, task_frame
 from aerie.corpus.shuffle import SPLITS, Layout, Spill, dedupe_and_order
 from aerie.corpus.stats import SplitStats, TokenCounter, describe, length_histogram

@@ -34,7 +34,7 @@ def initialize(payload: bytes) -> None:
 
 
 def encode(batch: bytes) -> Any:
-    """One batch (Arrow IPC bytes of a Polars frame, see `encoding.to_ipc`) -> `BatchResult`."""
+    """One batch (Arrow IPC bytes of a Polars frame, see `pool.to_ipc`) -> `BatchResult`."""
     if _ENCODER is None:
         raise RuntimeError("tokenization worker used before its initializer ran")
     import io

@@ -38,7 +38,7 @@ from aerie.engine.server.sglang_log import READY_LINE, avail_mem_gb, logger, set
 from aerie.engine.server.trace import PackTrace
 from aerie.errors import TargetError
 
-SPEC_DECODE_MODULE = "aerie.engine.speculative.decoder"
+SPEC_DECODE_MODULE = "aerie.engine.speculative.backend"
 
 
 class SpeculativeUnavailable(ArgsError):
@@ -159,7 +159,7 @@ def _start(args: RefServerArgs) -> Any:
 def build_backend(args: RefServerArgs, loaded: Any) -> Any:
     """The generation backend: EAGLE-3 speculative decoding when asked for, else plain batched decoding.
 
-    Seam for the evaluation stage: `aerie.engine.speculative.decoder.create_backend(loaded, args)` returns an
+    Seam for the evaluation stage: `aerie.engine.speculative.backend.create_backend(loaded, args)` returns an
     object implementing `aerie.engine.generation.GenerationBackend`.
     """
     from aerie.engine.generation import BatchedDecoder

@@ -140,3 +140,10 @@ class SpeculativeBackend:
             "spec_draft_token_num": sum(out.reached),
         }
         return GenResult(request, list(out.output_ids), reason, meta)
+
+
+def create_backend(loaded: Any, args: Any) -> Any:
+    """The reference server's speculative seam (`aerie.engine.server.lifecycle.build_backend`): a
+    `GenerationBackend` serving greedy requests through `SpecDecoder` with the EAGLE-3 drafter of
+    `--speculative-draft-model-path`."""
+    return SpeculativeBackend.from_server(loaded, args)

@@ -630,12 +630,3 @@ def greedy_reference(
         pad_token_id=int(list(eos_token_ids)[0]),
     )
     return [int(t) for t in out[0, ids.shape[1] :].tolist()]
-
-
-def create_backend(loaded: Any, args: Any) -> Any:
-    """The reference server's speculative seam (`aerie.engine.server.lifecycle.build_backend`): a
-    `GenerationBackend` serving greedy requests through this decoder with the EAGLE-3 drafter of
-    `--speculative-draft-model-path`. See `aerie.engine.speculative.backend`."""
-    from aerie.engine.speculative.backend import SpeculativeBackend
-
-    return SpeculativeBackend.from_server(loaded, args)
