@@ -8,9 +8,40 @@ from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
 
+DrafterFamily = Literal["eagle3", "dflash"]
+
+
+class DFlashTrainConfig(StrictModel):
+    """The DFlash block drafter: a block of mask tokens after an anchor, all predicted in one forward."""
+
+    block_size: int = Field(
+        8, ge=2, le=64, description="Tokens per block: the anchor and block_size - 1 positions drafted."
+    )
+    num_layers: int = Field(1, ge=1, le=8, description="Draft decoder layers.")
+    num_target_layers: int = Field(
+        5, ge=1, le=16, description="Target layers captured for the context features (evenly spaced)."
+    )
+    anchors_per_sequence: int = Field(
+        512, ge=1, description="Anchors sampled per document of a packed row (fewer when it is shorter)."
+    )
+    mask_token_id: int | None = Field(
+        None,
+        ge=0,
+        description="Token id filling the block after the anchor; None = the target's last vocabulary id "
+        "(a rare token: its frozen embedding only has to mark the unknown positions).",
+    )
+    loss_decay: float = Field(
+        4.0, gt=0, description="Block position j (1..block_size-1) weighs exp(-(j - 1) / loss_decay)."
+    )
+
 
 class TrainConfig(StrictModel):
-    """Train an EAGLE-3 drafter on extracted hidden states."""
+    """Train a drafter (EAGLE-3, or the DFlash block drafter) on extracted hidden states."""
+
+    drafter: DrafterFamily = Field(
+        "eagle3", description="Drafter family (aerie.families): eagle3 chains, dflash blocks."
+    )
+    dflash: DFlashTrainConfig = Field(default_factory=DFlashTrainConfig)
 
     draft_vocab_size: int = Field(32000, ge=16, description="Draft vocabulary size (capped at the target's).")
     draft_intermediate_size: int | None = Field(
