@@ -273,3 +273,43 @@ def test_dflash_proposer_drafts_what_the_drafter_predicts(tiny) -> None:
     assert proposer.caches[0].length == 6 and proposer.last_token[0] == 8
     with pytest.raises(EvaluationError):
         proposer.advance([0], [[9]], [torch.randn(1, 3 * target.hidden_size)])
+
+
+def test_a_drafter_trained_on_an_answer_drafts_it_back(tiny) -> None:
+    """Training and serving agree on the alignment: a drafter fitted by `block_loss` on one target
+    answer gets its drafts accepted when the evaluator decodes that prompt again."""
+    target, model = tiny
+    torch.manual_seed(0)
+    drafter = tiny_drafter(target, scale=0.02).float().train()
+    prompt = torch.randint(0, target.vocab_size, (6,), generator=torch.Generator().manual_seed(5)).tolist()
+    answer = greedy_reference(model, prompt, 30, [0])
+    ids = torch.tensor([prompt + answer])
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    proposer = DFlashProposer(drafter)
+    t = ids.shape[1]
+    batch = Batch(
+        input_ids=ids[0],
+        loss_mask=torch.arange(t) >= len(prompt),
+        positions=torch.arange(t),
+        doc_ids=torch.zeros(t, dtype=torch.int32),
+        aux_hidden=torch.cat([hs[i][0] for i in proposer.aux_layers], dim=-1),
+        last_hidden=hs[-1][0],
+        tokens=t,
+    )
+    teacher = Teacher(
+        load_lm_head(target), torch.arange(target.vocab_size), torch.ones(target.vocab_size, dtype=torch.bool)
+    )
+    anchors = sample_anchors(batch, 512, drafter.config.block_size, torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss, _stats = block_loss(drafter, teacher, batch, anchors, loss_decay=4.0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    drafter.eval()
+    decoder = SpecDecoder(model, proposer, num_steps=7, eos_token_ids=[0], aux_layers=proposer.aux_layers)
+    (out,) = decoder.generate([prompt], 30)
+    assert out.output_ids == answer
+    # An untrained drafter gets about 1.0 (no draft accepted); the fitted one about 2.7 at 150 steps.
+    assert out.spec_accept_length > 2.0, (out.spec_accept_length, out.accepted)
