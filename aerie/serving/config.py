@@ -33,6 +33,9 @@ class ServerConfig(StrictModel):
     tp_size: int = Field(1, ge=1, description="Tensor parallel size (SGLang).")
     gpus: int = Field(-1, description="GPUs given to the container (-1 = all).")
     shm_size: str = Field("32g", description="Container /dev/shm size.")
+    memory_limit: str | None = Field(
+        None, description="Container memory limit (docker's units: 2g, 512m); an OOM kill is reported as one."
+    )
     hf_cache: str | None = Field(
         "~/.cache/huggingface",
         description="Host HF cache mounted into the container at /root/.cache/huggingface (None = none).",
@@ -114,11 +117,20 @@ def flag_conflict(where: str, args: list[str], launches: frozenset[Launch] | set
     return None
 
 
+WORKER_IMAGE = "aerie/worker-cpu:latest"
+
+
+def is_sglang_image(image: str) -> bool:
+    """An SGLang image (lmsysorg/sglang, aerie/sglang-extract...) has SGLang but not aerie's own server."""
+    return "sglang" in image.rsplit("/", 1)[-1]
+
+
 def launcher_problem(cfg: ServerConfig) -> str | None:
     """Why this launcher cannot run this backend, or None (checked at load; `spec_for` checks again)."""
-    if cfg.launcher == "docker" and cfg.backend != "sglang":
+    if cfg.launcher == "docker" and cfg.backend != "sglang" and is_sglang_image(cfg.image):
         return (
             f"server.launcher 'docker' runs SGLang, not server.backend {cfg.backend!r}: the reference "
-            "server runs as a process (set server.backend 'sglang', or server.launcher 'process')"
+            f"server runs as a process, or in an image with aerie (server.image '{WORKER_IMAGE}'); "
+            "or set server.backend 'sglang'"
         )
     return None

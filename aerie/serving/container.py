@@ -2,9 +2,11 @@
 
 The request mirrors SGLang's documented `docker run`: GPUs through a device
 request, `--shm-size`, `--ipc=host`, the HTTP port published on the host, the HF cache and the dump dir
-mounted. The container gets a unique name and an `aerie.run=<nonce>` label so a leftover one can be
-found and removed; its logs are streamed by a thread into the same log file the process launcher
-writes, and its state comes from the engine.
+mounted. The container gets a unique name and aerie's labels (`aerie.run=<nonce>`, `aerie.server`, and
+`aerie.owner=<host>:<pid>` of the process that started it), so a container left by a killed pipeline is
+found and removed, and only aerie's containers ever are; its logs are streamed by a thread into the same
+log file the process launcher writes, and its state comes from the engine. Images are never pulled:
+aerie's are built locally (`make images`), so a missing one is an error naming the build.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ import importlib
 import logging
 import os
 import re
+import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+import psutil
 
 from aerie.errors import ServerError, ServerLaunchError
 from aerie.serving.launcher import _FIND_SPEC, Launcher, StopResult
@@ -26,6 +32,10 @@ log = logging.getLogger(__name__)
 
 LABEL_RUN = "aerie.run"
 LABEL_SERVER = "aerie.server"
+LABEL_OWNER = "aerie.owner"
+BUILD_HINT = (
+    "build it with `make images` (docker/build-images.sh), or docker build -f docker/<recipe> for another"
+)
 # Passed through from aerie's environment when set (gated models); never logged.
 PASSTHROUGH_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
@@ -65,7 +75,7 @@ def run_kwargs(spec: ServerSpec) -> dict[str, Any]:
         "image": spec.image,
         "command": list(spec.command),
         "name": container_name(spec),
-        "labels": {LABEL_RUN: spec.nonce, LABEL_SERVER: spec.name},
+        "labels": {LABEL_RUN: spec.nonce, LABEL_SERVER: spec.name, LABEL_OWNER: owner_label()},
         "detach": True,
         "environment": container_env(spec),
         # The server listens on spec.port inside; publish it on the host address the spec names only.
@@ -83,9 +93,46 @@ def run_kwargs(spec: ServerSpec) -> dict[str, Any]:
         # Moot with ipc_mode=host (the host's /dev/shm is used) but kept, as SGLang's docs do, so a
         # spec without host IPC still gets a large enough /dev/shm for NCCL.
         kwargs["shm_size"] = spec.shm_size
+    if spec.memory_limit:
+        kwargs["mem_limit"] = spec.memory_limit
+        kwargs["memswap_limit"] = spec.memory_limit  # no swap beyond it: the limit is the limit
     if spec.gpus is not None and spec.gpus != 0:
         kwargs["device_requests"] = [DeviceRequest(count=spec.gpus, capabilities=[["gpu"]])]
     return kwargs
+
+
+def owner_label() -> str:
+    """`<host>:<pid>` of this process: a container whose owner on this host is dead is a leftover."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_is_dead(labels: dict[str, str]) -> bool:
+    """Whether the aerie process that started a container is gone (only known for this host's pids)."""
+    host, _, pid = labels.get(LABEL_OWNER, "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    return not psutil.pid_exists(int(pid))
+
+
+def published_ports(container: Any) -> set[int]:
+    """Host ports a container publishes (from its port bindings; `--network host` publishes none)."""
+    bindings = container.attrs.get("HostConfig", {}).get("PortBindings") or {}
+    ports: set[int] = set()
+    for binds in bindings.values():
+        for bind in binds or []:
+            if str(bind.get("HostPort", "")).isdigit():
+                ports.add(int(bind["HostPort"]))
+    return ports
+
+
+def foreign_files(root: Path, uid: int, gid: int) -> bool:
+    """Whether anything under `root` belongs to someone other than uid:gid."""
+    for path in root.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            st = path.lstat()
+            if st.st_uid != uid or st.st_gid != gid:
+                return True
+    return False
 
 
 def docker_client() -> Any:
@@ -108,6 +155,8 @@ class DockerLauncher(Launcher):
         self._container: Any | None = None
         self._log_thread: threading.Thread | None = None
         self._stopped: StopResult | None = None
+        self._oom = False
+        self._spec: ServerSpec | None = None
 
     @property
     def client(self) -> Any:
@@ -125,14 +174,43 @@ class DockerLauncher(Launcher):
             raise ServerLaunchError(f"server {spec.name}: the docker launcher needs an image")
         try:
             self.client.images.get(spec.image)
-        except errors.ImageNotFound:
-            log.info("pulling %s (not present on the engine)", spec.image)
-            try:
-                self.client.images.pull(spec.image)
-            except errors.APIError as exc:
-                raise ServerLaunchError(f"cannot pull image {spec.image}: {exc}") from exc
+        except errors.ImageNotFound as exc:
+            raise ServerLaunchError(
+                f"image {spec.image} is not on this Docker engine and aerie never pulls: {BUILD_HINT}"
+            ) from exc
         if spec.interpreter and spec.module:
             self._check_interpreter(spec)
+
+    def clear_port(self, spec: ServerSpec) -> None:
+        self._remove_leftovers()
+        self._refuse_port_holder(spec)
+
+    def _remove_leftovers(self) -> None:
+        """Remove aerie's server containers whose owning process is dead (a killed pipeline's)."""
+        errors = _errors()
+        for container in self.client.containers.list(all=True, filters={"label": LABEL_SERVER}):
+            if owner_is_dead(container.labels):
+                log.warning(
+                    "removing %s: a server container left by aerie process %s, which is gone",
+                    container.name,
+                    container.labels.get(LABEL_OWNER),
+                )
+                with contextlib.suppress(errors.NotFound):
+                    container.remove(force=True)
+
+    def _refuse_port_holder(self, spec: ServerSpec) -> None:
+        """A running container that publishes the port would take this server's place: refuse, naming it."""
+        for container in self.client.containers.list(filters={"status": "running"}):
+            if spec.port in published_ports(container):
+                whose = (
+                    f"aerie's, started by {container.labels[LABEL_OWNER]}"
+                    if LABEL_OWNER in container.labels
+                    else "not aerie's"
+                )
+                raise ServerLaunchError(
+                    f"server {spec.name}: port {spec.port} is published by container {container.name} "
+                    f"({whose}); stop it (docker rm -f {container.name}) or set server.port"
+                )
 
     def _check_interpreter(self, spec: ServerSpec) -> None:
         """A `No module named sglang.launch_server`, caught inside the image before the launch."""
@@ -147,6 +225,7 @@ class DockerLauncher(Launcher):
                 environment=request["environment"],
                 volumes=request["volumes"],  # the module may come from a mounted dir
                 working_dir=request.get("working_dir"),
+                labels={**request["labels"], LABEL_SERVER: f"{spec.name}-check"},
                 remove=True,
                 stdout=True,
                 stderr=True,
@@ -163,6 +242,7 @@ class DockerLauncher(Launcher):
 
     def start(self, spec: ServerSpec) -> None:
         errors = _errors()
+        self._spec = spec
         if self._container is not None:
             raise ServerError(f"server {spec.name} was already started ({self.describe()})")
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -208,10 +288,19 @@ class DockerLauncher(Launcher):
         return None
 
     def oom_killed(self) -> bool:
+        if self._stopped is not None:
+            return self._oom
         try:
             return bool(self._state().get("OOMKilled"))
         except Exception:
             return False
+
+    def describe_end(self, code: int | None) -> str:
+        if code is not None and self.oom_killed():
+            limit = self._spec.memory_limit if self._spec is not None else None
+            at = f" at its memory limit of {limit} (server.memory_limit)" if limit else ""
+            return f"killed by the kernel's OOM killer{at} (exit code {code})"
+        return super().describe_end(code)
 
     def describe(self) -> str:
         if self._container is None:
@@ -229,11 +318,13 @@ class DockerLauncher(Launcher):
         try:
             # The engine sends SIGTERM, waits `timeout`, then SIGKILLs every process of the container.
             self._container.stop(timeout=max(1, int(round(grace_s))))
-            code = int(self._state().get("ExitCode", -1))
+            state = self._state()
+            code, self._oom = int(state.get("ExitCode", -1)), bool(state.get("OOMKilled"))
         except errors.NotFound:
             pass
         except errors.APIError as exc:
             log.warning("stopping %s failed (%s); removing it by force", self.describe(), exc)
+        self._give_back_dump_files()
         with contextlib.suppress(errors.NotFound):
             self._container.remove(force=True)
         if self._log_thread is not None:
@@ -241,6 +332,32 @@ class DockerLauncher(Launcher):
         killed = code == 137 and grace_s > 0
         self._stopped = StopResult(code, killed, time.monotonic() - began)
         return self._stopped
+
+    def _give_back_dump_files(self) -> None:
+        """Files the server wrote as root into the bind-mounted dump dir get the dir's owner, so the
+        client can delete them: one short container of the same image chowns them (only if needed)."""
+        spec = self._spec
+        if spec is None or spec.image is None or spec.dump_dir is None or not spec.dump_dir.is_dir():
+            return
+        owner = spec.dump_dir.stat()
+        if not foreign_files(spec.dump_dir, owner.st_uid, owner.st_gid):
+            return
+        dump = str(spec.dump_dir)
+        try:
+            self.client.containers.run(
+                spec.image,
+                entrypoint=["chown", "-R", f"{owner.st_uid}:{owner.st_gid}", dump],
+                command=[],
+                volumes={dump: {"bind": dump, "mode": "rw"}},
+                labels={
+                    LABEL_SERVER: f"{spec.name}-chown",
+                    LABEL_OWNER: owner_label(),
+                    LABEL_RUN: spec.nonce,
+                },
+                remove=True,
+            )
+        except Exception as exc:  # teardown goes on; the message says what is left to do
+            log.warning("could not give %s's files back to uid %d: %s", dump, owner.st_uid, exc)
 
     def shares_shm(self) -> bool:
         """Another running container with host IPC may own segments whose pids mean nothing here."""

@@ -98,6 +98,13 @@ class Launcher(ABC):
         """Whether another server may be using the same `/dev/shm` right now (blocks a sweep)."""
         return False
 
+    def clear_port(self, spec: ServerSpec) -> None:
+        """Before the port check: end this launcher's own leftovers, refuse a holder it can name."""
+
+    def describe_end(self, code: int | None) -> str:
+        """How the server ended, for messages; a container also knows whether the OOM killer did it."""
+        return describe_exit(code)
+
 
 def _resolve_executable(program: str, env: dict[str, str]) -> str | None:
     if os.sep in program:

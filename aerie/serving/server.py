@@ -198,6 +198,7 @@ class ModelServer:
         self.progress(0.0, f"checking port {spec.port}")
         if self.launcher.host_pids:
             self._end_orphans()
+        self.launcher.clear_port(spec)
         ensure_port_free(spec.host, spec.port)
         self.progress(0.0, "checking the launch")
         self.launcher.preflight(spec)
@@ -419,7 +420,11 @@ class ModelServer:
         self._tail.drain()
         lines = self._last_lines()
         cause = self._startup.fatal or error_summary(lines) or "no error line in the log"
-        status = describe_exit(code) if code is not None else "reported a fatal error and has not exited"
+        status = (
+            self.launcher.describe_end(code)
+            if code is not None
+            else "reported a fatal error and has not exited"
+        )
         head = (
             f"{self.spec.name} ({self.launcher.describe()}) {status} {time.monotonic() - began:.1f} s into "
             f"its start, at: {self._startup.message} ({self._startup.fraction:.0%}).\n"
@@ -467,7 +472,7 @@ class ModelServer:
             self._tail.drain()
             lines = self._last_lines()
             head = (
-                f"{self.spec.name} ({self.launcher.describe()}) exited while serving: {describe_exit(code)}.\n"
+                f"{self.spec.name} ({self.launcher.describe()}) exited while serving: {self.launcher.describe_end(code)}.\n"
                 f"cause: {error_summary(lines) or 'no error line in the log'}{self._leftovers()}"
             )
             log.error("%s", head)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from aerie.errors import ConfigError
-from aerie.serving.config import ServerConfig
+from aerie.serving.config import WORKER_IMAGE, ServerConfig, is_sglang_image
 
 REFERENCE_MODULE = "aerie.engine"
 CONTAINER_HF_CACHE = "/root/.cache/huggingface"
@@ -82,6 +82,7 @@ class ServerSpec:
     # docker only
     gpus: int | None = None  # None = no GPU request, -1 = all
     shm_size: str | None = None
+    memory_limit: str | None = None  # the container's memory (and swap) limit; None = the host's
     ipc_mode: str | None = "host"
     volumes: dict[str, str] = field(default_factory=dict)  # host path -> container path
     read_only_volumes: frozenset[str] = frozenset()  # host paths mounted read-only
@@ -234,9 +235,20 @@ def spec_for(
     server_env = {**cfg.env, **(env or {})}
 
     if cfg.backend == "reference":
-        if docker:
-            raise ConfigError("server.launcher=docker runs SGLang; the reference server runs as a process")
-        command = _reference_command(cfg, python, model_path, weight_version, mode, dump)
+        if docker and is_sglang_image(cfg.image):
+            raise ConfigError(
+                "server.launcher=docker runs SGLang; the reference server runs as a process "
+                f"(or in aerie's worker image: server.image={WORKER_IMAGE})"
+            )
+        # In a container the server must listen on every interface for the published port to reach it.
+        command = _reference_command(
+            cfg.model_copy(update={"host": "0.0.0.0"}) if docker else cfg,
+            python,
+            model_path,
+            weight_version,
+            mode,
+            dump,
+        )
         if speculative is not None:
             if speculative.eagle_topk is not None or speculative.num_draft_tokens is not None:
                 raise ConfigError(
@@ -289,6 +301,7 @@ def spec_for(
         shm_dir=Path(cfg.shm_dir),
         gpus=cfg.gpus if docker else None,
         shm_size=cfg.shm_size if docker else None,
+        memory_limit=cfg.memory_limit if docker else None,
         volumes=volumes,
         read_only_volumes=frozenset(read_only),
     )

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Build aerie's images with no registry (`make images`):
+#   aerie/base:bookworm   Debian bookworm from a debootstrap root filesystem (cached as a tarball)
+#   aerie/worker-cpu      aerie + Prefect + prefect-docker + CPU torch, from a local wheelhouse
+# Each image carries `aerie.image` and `aerie.input-digest` labels; an image whose digest matches its
+# inputs is left as it is, so an unchanged rebuild does nothing.
+#   AERIE_CACHE   cache root (default ~/.cache/aerie): rootfs/ tarballs and wheelhouse/
+#   IMAGES        which images (default "base worker-cpu")
+#   DOCKER_TESTS=0  skip (no engine wanted)
+set -euo pipefail
+
+if [ "${DOCKER_TESTS:-1}" = "0" ]; then
+  echo "images: DOCKER_TESTS=0, nothing built"
+  exit 0
+fi
+
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cache="${AERIE_CACHE:-$HOME/.cache/aerie}"
+wheelhouse="$cache/wheelhouse"
+lock="$repo/docker/worker-cpu.lock"
+images="${IMAGES:-base worker-cpu}"
+# The legacy builder: Debian's engine has no BuildKit front end here, and it builds with --network host.
+export DOCKER_BUILDKIT=0
+
+# The root filesystem's recipe; its hash names the cached tarball, so a changed recipe makes a new one.
+SUITE=bookworm
+MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+INCLUDE=python3,python3-venv,ca-certificates,procps
+ROOTFS_RECIPE="debootstrap --variant=minbase --include=$INCLUDE $SUITE $MIRROR"
+
+sha() { sha256sum | cut -c1-16; }
+label_of() { docker image inspect "$1" --format "{{ index .Config.Labels \"aerie.input-digest\" }}" 2>/dev/null || true; }
+# A build's output only when it fails (it is long, and the legacy builder warns on every call).
+quietly() {
+  local out
+  out="$("$@" 2>&1)" || { echo "$out" | grep -v -e '^DEPRECATED' -e 'BuildKit' -e 'environment-variable' >&2; return 1; }
+}
+seconds_since() { echo "$(( $(date +%s) - $1 ))"; }
+
+rootfs_tarball() {
+  local key tarball root began
+  key="$(printf '%s' "$ROOTFS_RECIPE" | sha256sum | cut -c1-12)"
+  tarball="$cache/rootfs/$SUITE-$key.tar"
+  if [ -f "$tarball" ]; then echo "$tarball"; return; fi
+  command -v debootstrap >/dev/null 2>&1 || {
+    [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1 \
+      || { echo "images: debootstrap is needed to make the root filesystem (apt-get install debootstrap)" >&2; exit 1; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null >&2
+  }
+  mkdir -p "$cache/rootfs"
+  root="$(mktemp -d "$cache/rootfs/make.XXXXXX")"
+  began=$(date +%s)
+  echo "images: making the $SUITE root filesystem ($ROOTFS_RECIPE)" >&2
+  # shellcheck disable=SC2086
+  debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$root" "$MIRROR" >"$cache/rootfs/debootstrap.log" 2>&1 \
+    || { echo "images: debootstrap failed; see $cache/rootfs/debootstrap.log" >&2; rm -rf "$root"; exit 1; }
+  rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+  tar --numeric-owner -C "$root" -cf "$tarball.part" .
+  mv "$tarball.part" "$tarball"
+  rm -rf "$root"
+  echo "images: root filesystem made in $(seconds_since "$began") s: $tarball" >&2
+  echo "$tarball"
+}
+
+build_base() {
+  local tarball digest ctx
+  tarball="$(rootfs_tarball)"
+  digest="$( { basename "$tarball"; cat "$repo/docker/base.Dockerfile"; } | sha)"
+  if [ "$(label_of aerie/base:bookworm)" = "$digest" ]; then
+    echo "images: aerie/base:bookworm is up to date ($digest)"; return
+  fi
+  ctx="$(mktemp -d)"
+  ln "$tarball" "$ctx/rootfs.tar" 2>/dev/null || cp "$tarball" "$ctx/rootfs.tar"
+  quietly docker build -f "$repo/docker/base.Dockerfile" -t aerie/base:bookworm \
+    --label aerie.image=base --label aerie.input-digest="$digest" "$ctx"
+  rm -rf "$ctx"
+  echo "images: built aerie/base:bookworm ($digest)"
+}
+
+# Every wheel the lock names, downloaded once (with pip's own configuration: index, find-links).
+fill_wheelhouse() {
+  local missing=()
+  mkdir -p "$wheelhouse"
+  while IFS= read -r line; do
+    case "$line" in ''|\#*) continue ;; esac
+    local name="${line%%==*}" version="${line##*==}"
+    name="$(echo "$name" | tr 'A-Z-.' 'a-z__')"
+    compgen -G "$wheelhouse/${name}-${version}-*.whl" >/dev/null \
+      || compgen -G "$wheelhouse/${name}-${version}+*.whl" >/dev/null || missing+=("$line")
+  done < "$lock"
+  if [ "${#missing[@]}" -gt 0 ]; then
+    echo "images: downloading ${#missing[@]} wheels into $wheelhouse"
+    "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: -d "$wheelhouse" "${missing[@]}"
+  fi
+}
+
+# The worker's inputs: its recipe, the lock, aerie's tracked sources and the base image it builds on.
+worker_digest() {
+  {
+    cat "$repo/docker/worker-cpu.Dockerfile" "$lock" "$repo/.dockerignore"
+    docker image inspect aerie/base:bookworm --format '{{.Id}}'
+    cd "$repo" && git ls-files -co --exclude-standard -- aerie flows deployments pyproject.toml README.md prefect.yaml \
+      | grep -v -e '__pycache__' -e '\.pyc$' | LC_ALL=C sort | while IFS= read -r f; do [ -f "$f" ] && { echo "$f"; cat "$f"; }; done
+  } | sha
+}
+
+build_worker() {
+  local digest port began
+  wheel_server=""
+  digest="$(worker_digest)"
+  if [ "$(label_of aerie/worker-cpu:latest)" = "$digest" ]; then
+    echo "images: aerie/worker-cpu is up to date ($digest)"; return
+  fi
+  fill_wheelhouse
+  port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  python3 -m http.server --bind 127.0.0.1 "$port" --directory "$wheelhouse" >/dev/null 2>&1 &
+  wheel_server=$!
+  trap 'kill "$wheel_server" 2>/dev/null || true' EXIT
+  began=$(date +%s)
+  quietly docker build --network host -f "$repo/docker/worker-cpu.Dockerfile" -t aerie/worker-cpu:latest \
+    --build-arg WHEELS="http://127.0.0.1:$port/" \
+    --label aerie.image=worker-cpu --label aerie.input-digest="$digest" "$repo"
+  kill "$wheel_server" 2>/dev/null || true
+  # The image it replaced, now untagged: only aerie's own dangling images are pruned.
+  docker image prune -f --filter label=aerie.image=worker-cpu >/dev/null
+  echo "images: built aerie/worker-cpu ($digest) in $(seconds_since "$began") s"
+}
+
+docker info >/dev/null 2>&1 || { echo "images: no Docker engine answers; run \`make docker-engine\` first" >&2; exit 1; }
+for image in $images; do
+  case "$image" in
+    base) build_base ;;
+    worker-cpu) build_worker ;;
+    *) echo "images: unknown image $image (base, worker-cpu)" >&2; exit 1 ;;
+  esac
+done
