@@ -99,7 +99,9 @@ class Launcher(ABC):
         return False
 
     def clear_port(self, spec: ServerSpec) -> None:
-        """Before the port check: end this launcher's own leftovers, refuse a holder it can name."""
+        """Before the port check: end this launcher's own leftovers, refuse a holder it can name.
+        A process launcher has neither (its orphans are ended by `ModelServer`)."""
+        return None
 
     def describe_end(self, code: int | None) -> str:
         """How the server ended, for messages; a container also knows whether the OOM killer did it."""
