@@ -313,3 +313,19 @@ def test_a_drafter_trained_on_an_answer_drafts_it_back(tiny) -> None:
     assert out.output_ids == answer
     # An untrained drafter gets about 1.0 (no draft accepted); the fitted one about 2.7 at 150 steps.
     assert out.spec_accept_length > 2.0, (out.spec_accept_length, out.accepted)
+
+
+def test_the_family_fields_leave_eagle3_stage_keys_as_they_were() -> None:
+    from aerie.manifest import StageResult
+    from aerie.train import stage
+
+    cfg = TrainConfig()
+    up = StageResult.model_construct(manifest_sha256="a" * 64)
+    target = TargetInfo.model_construct(revision="r")
+    before = cfg.model_dump(mode="json", exclude=stage._NOT_KEYED)
+    before.pop("drafter")
+    before.pop("dflash")
+    assert stage.key_of(cfg, target, up, up) == stage.stage_key(
+        stage.STAGE, before, ["a" * 64, "a" * 64, "r"]
+    )
+    assert stage.key_of(TrainConfig(drafter="dflash"), target, up, up) != stage.key_of(cfg, target, up, up)

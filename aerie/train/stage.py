@@ -70,6 +70,10 @@ def run(
     progress: ProgressFn = no_progress,
 ) -> StageResult:
     """Train (or resume, or return the cached result of) the drafter for `target` on `shards`."""
+    if cfg.drafter != "eagle3":
+        # Refused rather than silently training EAGLE-3: the shards hold EAGLE-3's three layers and the
+        # loop is the TTT one; the DFlash parts (aerie.families) are not wired into the stages.
+        raise TrainingError(f"the train stage trains eagle3 drafters only, train.drafter is {cfg.drafter!r}")
     sd = StageDir(store, run_name, STAGE, key_of(cfg, target, shards, corpus))
     if (cached := sd.cached_result()) is not None:
         return cached
@@ -120,6 +124,9 @@ def key_of(cfg: TrainConfig, target: TargetInfo, shards: StageResult, corpus: St
     the target's revision. Computed without touching the shards (the pipeline asks whether training
     is done before it needs them)."""
     keyed = cfg.model_dump(mode="json", exclude=_NOT_KEYED)
+    if cfg.drafter == "eagle3":  # the family fields came later: an EAGLE-3 run keeps the key it had
+        keyed.pop("drafter")
+        keyed.pop("dflash")
     return stage_key(STAGE, keyed, [shards.manifest_sha256, corpus.manifest_sha256, target.revision])
 
 
