@@ -208,7 +208,11 @@ def test_extract_flow_fans_out_over_the_slice_deployment(prefect_api, tmp_path, 
         result = extract_flow(cfg=_cfg(tmp_path, **fan_out), run_name="s")
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(timeout=60)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a loaded machine: the worker's shutdown is not under test
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=30)
     assert result.figures["tokens"] == sum(len(r["input_ids"]) for rs in splits.values() for r in rs)
     manifest = load_manifest(store, result.prefix)
     assert manifest["server"]["num_slices"] == 2 and [s["servers"] for s in manifest["slices"]] == [[0], [1]]
