@@ -94,14 +94,40 @@ fill_wheelhouse() {
   fi
 }
 
-# The worker's inputs: its recipe, the lock, aerie's tracked sources and the base image it builds on.
+# The worker's inputs: its recipe, the lock, aerie's tracked sources and the base image it builds on (not
+# README.md: the image gets a stub in its place, so a doc edit does not rebuild it).
 worker_digest() {
   {
     cat "$repo/docker/worker-cpu.Dockerfile" "$lock" "$repo/.dockerignore"
     docker image inspect aerie/base:bookworm --format '{{.Id}}'
-    cd "$repo" && git ls-files -co --exclude-standard -- aerie flows deployments pyproject.toml README.md prefect.yaml \
+    cd "$repo" && git ls-files -co --exclude-standard -- aerie flows deployments pyproject.toml prefect.yaml \
       | grep -v -e '__pycache__' -e '\.pyc$' | LC_ALL=C sort | while IFS= read -r f; do [ -f "$f" ] && { echo "$f"; cat "$f"; }; done
   } | sha
+}
+
+# The wheel server's port is a build argument, and a build argument that changes misses the layer cache
+# of every RUN after it: a fixed port keeps the dependency layer cached across builds. Only when that
+# port is taken does the build take a free one (and reinstall every wheel).
+WHEEL_PORT="${AERIE_WHEEL_PORT:-38517}"
+wheel_port() {
+  python3 - "$WHEEL_PORT" <<'PY'
+import socket, sys
+fixed = int(sys.argv[1])
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", fixed))
+except OSError:
+    s.bind(("127.0.0.1", 0))
+    print(f"images: port {fixed} is taken; the wheel server takes {s.getsockname()[1]} and the dependency layer is rebuilt", file=sys.stderr)
+print(s.getsockname()[1])
+PY
+}
+wait_for_wheels() {
+  for _ in $(seq 1 50); do
+    python3 -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:$1/', timeout=1)" 2>/dev/null && return
+    sleep 0.1
+  done
+  echo "images: the wheel server on port $1 did not answer" >&2; exit 1
 }
 
 build_worker() {
@@ -112,10 +138,11 @@ build_worker() {
     echo "images: aerie/worker-cpu is up to date ($digest)"; return
   fi
   fill_wheelhouse
-  port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  port="$(wheel_port)"
   python3 -m http.server --bind 127.0.0.1 "$port" --directory "$wheelhouse" >/dev/null 2>&1 &
   wheel_server=$!
   trap 'kill "$wheel_server" 2>/dev/null || true' EXIT
+  wait_for_wheels "$port"
   began=$(date +%s)
   quietly docker build --network host -f "$repo/docker/worker-cpu.Dockerfile" -t aerie/worker-cpu:latest \
     --build-arg WHEELS="http://127.0.0.1:$port/" \
