@@ -1,0 +1,89 @@
+"""The extract stage with `server.launcher=docker`: the embedded target's corpus goes through the reference
+server running in aerie's worker image (built locally by `make images`, never pulled) into shards. The
+dump dir is a bind mount the container writes as root; the canary checks the container's hidden states
+against the host's transformers forward; nothing of aerie's is left on the engine afterwards."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from aerie.extract.canary import reference_hidden_states
+from aerie.extract.config import ExtractConfig
+from aerie.extract.stage import run as extract
+from aerie.manifest import load_manifest
+from aerie.serving import ServerConfig
+from aerie.serving.container import LABEL_SERVER
+from aerie.shards.reader import ShardReader
+from aerie.store import LocalStore
+from tests.conftest import free_port
+from tests.docker_support import WORKER_IMAGE, engine, require_image
+from tests.extract_support import corpus_rows, write_corpus
+
+pytestmark = [pytest.mark.docker, pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def client() -> Any:
+    found = engine()
+    require_image(found, WORKER_IMAGE)
+    return found
+
+
+def servers_of(client: Any, name: str) -> list[Any]:
+    return client.containers.list(all=True, filters={"label": f"{LABEL_SERVER}={name}"})
+
+
+def test_extract_stage_with_the_reference_server_in_the_worker_image(
+    client: Any, tmp_path, smollm2, caplog
+) -> None:
+    caplog.set_level(logging.INFO, logger="aerie.serving.container")
+    store = LocalStore(tmp_path / "store")
+    rows = corpus_rows(smollm2.load_tokenizer(), 6, seed=7)
+    corpus = write_corpus(store, "dock", {"train": rows[:5], "eval": rows[5:]})
+    work = tmp_path / "work"
+    server = ServerConfig(
+        backend="reference",
+        launcher="docker",
+        image=WORKER_IMAGE,
+        device="cpu",
+        gpus=0,
+        hf_cache=None,
+        port=free_port(),
+        memory_limit="4g",
+    )
+    cfg = ExtractConfig(
+        work_dir=str(work), dump_dir=str(work / "dumps"), shard_bytes=1 << 20, batch_tokens=256
+    )
+    result = extract(cfg, store=store, run_name="dock", target=smollm2, corpus=corpus, server=server)
+
+    assert result.figures["tokens"] == corpus.figures["tokens"] and result.figures["canary_passed"]
+    manifest = load_manifest(store, result.prefix)
+    assert manifest["layers"] == {"input_of_layer": [2, 15, 27], "output_of_layer": [1, 14, 26]}
+    samples = {}
+    for split, split_rows in (("train", rows[:5]), ("eval", rows[5:])):
+        ids = []
+        for entry in manifest["splits"][split]["shards"]:
+            path = store.local_path(f"{result.prefix}/{entry['path']}")
+            assert path is not None
+            for sample in ShardReader(path, dtype=torch.float32):
+                ids.append(sample.id)
+                samples[sample.id] = sample
+        assert ids == [r["id"] for r in split_rows]
+    # The hidden states computed in the container are the target's (storage rounding aside).
+    probe = rows[5]
+    hs = reference_hidden_states(smollm2, probe["input_ids"])
+    want = torch.cat([hs[i] for i in (2, 15, 27)], -1)
+    got = samples[probe["id"]].aux_hidden
+    assert float(((got - want).abs().amax(-1) / want.abs().amax(-1)).max()) < 0.08
+
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("started extract-s0: ")]
+    assert len(started) == 1 and "container aerie-extract-s0-" in started[0]  # a container, not a process
+    (log,) = work.rglob("server-s0-0.log")
+    assert "max_prefill_tokens=256," in log.read_text()  # the container's own log reached the host file
+    assert servers_of(client, "extract-s0") == []  # the container is gone
+    dumps = [p for p in (work / "dumps").rglob("*") if p.is_file()]
+    assert dumps == []  # the client deleted every dump the container wrote (as root)
