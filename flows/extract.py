@@ -29,7 +29,7 @@ from aerie.config import PipelineConfig
 from aerie.errors import ConfigError, ExtractionError, PreflightError
 from aerie.extract import slices
 from aerie.extract.config import ExtractConfig
-from aerie.extract.entry import EXTRACT
+from aerie.extract.entry import EXTRACT, extract_config
 from aerie.extract.preflight import human_bytes
 from aerie.manifest import StageDir, StageResult
 from aerie.serving.config import ServerConfig
@@ -157,18 +157,19 @@ def extract_flow(
     `rebuild_missing`, the slices that lost shards count as unfinished (`slices.forget_missing`)."""
     store = open_store(cfg.store)
     stage = EXTRACT.stage_dir(cfg, StageContext(store=store, run=cfg.run, target=target), upstream)
-    n = cfg.extract.num_slices
+    extract = extract_config(cfg, target)
+    n = extract.num_slices
     if rebuild_missing and (missing := slices.forget_missing(stage, n)):
         get_run_logger().warning("extraction: %d shards are gone; their slices run again", len(missing))
     params: dict[str, Any] = {
-        "cfg": cfg.extract,
+        "cfg": extract,
         "store_cfg": cfg.store,
         "run_name": cfg.run,
         "target": target,
         "corpus": upstream.corpus,
         "server": cfg.server,
     }
-    result = stage.cached_result() or _run_slices(cfg.extract, stage, params)
+    result = stage.cached_result() or _run_slices(extract, stage, params)
     stage_table(result, _summary(result))
     return result
 

@@ -3,13 +3,13 @@
 HTTP 200 proves nothing about hidden states. After readiness, before any shard is
 written, the canary extracts one sample and checks:
 
-- the dump exists, with `aux_hidden [T, 3H]`, `last_hidden [T, H]`, a float dtype, finite values and
+- the dump exists, with `aux_hidden [T, kH]` (k captured layers), `last_hidden [T, H]`, a float dtype, finite values and
   exactly the token ids sent;
 - `last_hidden` is the lm_head's input (after the final norm): the target's lm_head applied to the last
   position picks the token the server itself generates greedily (`max_new_tokens=1`). A pre-norm
   state gives other logits;
-- when the target fits in memory here, each aux block equals the residual stream entering layers
-  2, N//2, N-3 of a transformers forward (HF `hidden_states[i]`) within `canary_rtol`, and no *other*
+- when the target fits in memory here, each aux block equals the residual stream entering its layer
+  (EAGLE-3: 2, N//2, N-3; DFlash: its config's list, `extract.capture_layers`) of a transformers forward (HF `hidden_states[i]`) within `canary_rtol`, and no *other*
   layer matches it better. That catches the +-1 layer-id error that cost peers acceptance length.
 
 An fp8 dump (reference server, `--dump-dtype fp8`) is dequantized first and checked the same way, with
@@ -193,8 +193,11 @@ class ExtractionCanary:
         reference: bool,
         rtol: float,
         timeout_s: float = 120.0,
+        layers: list[int] | None = None,
     ) -> None:
         self.target = target
+        # HF hidden_states indices of the captured layers (input-of-layer); EAGLE-3's by default.
+        self.layers = list(layers) if layers is not None else target.aux_layers_input
         self.sample = sample
         self.reference = reference
         self.rtol = rtol
@@ -241,12 +244,12 @@ class ExtractionCanary:
     ) -> CanaryResult:
         """Every check on one extracted sample (the ids were already checked against the corpus).
         `fp8`: the states are an fp8 dump's, dequantized (the tolerances allow fp8's rounding)."""
-        t, h = len(self.sample.input_ids), self.target.hidden_size
+        t, h, k = len(self.sample.input_ids), self.target.hidden_size, len(self.layers)
         checks = []
-        if tuple(aux.shape) != (t, 3 * h) or tuple(last.shape) != (t, h):
+        if tuple(aux.shape) != (t, k * h) or tuple(last.shape) != (t, h):
             raise CanaryError(
                 f"canary dump shapes aux_hidden {list(aux.shape)}, last_hidden {list(last.shape)}; expected "
-                f"[{t}, {3 * h}] and [{t}, {h}] (3 captured layers of hidden size {h})"
+                f"[{t}, {k * h}] and [{t}, {h}] ({k} captured layers of hidden size {h})"
             )
         checks.append("shapes")
         if not aux.is_floating_point() or aux.dtype != last.dtype:
@@ -280,7 +283,7 @@ class ExtractionCanary:
                 if self._hidden is None:
                     self._hidden = reference_hidden_states(self.target, self.sample.input_ids)
             rtol = self.rtol + FP8_EXTRA_RTOL if fp8 else self.rtol
-            numeric = compare_layers(aux, last, self._hidden, self.target.aux_layers_input, rtol)
+            numeric = compare_layers(aux, last, self._hidden, self.layers, rtol)
             checks.append("aux layers match the reference forward")
         return CanaryResult(
             sample_id=self.sample.id,

@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
+from aerie.shards.schema import AUX_LAYERS
+from aerie.targets import TargetInfo
 
 SPLITS: tuple[Literal["train", "eval"], ...] = ("train", "eval")
 
@@ -118,6 +120,13 @@ class ExtractConfig(StrictModel):
     canary_rtol: float = Field(
         0.05, gt=0, description="Relative error allowed between server and reference hidden states."
     )
+    capture_layers: list[int] | None = Field(
+        None,
+        min_length=1,
+        description="Target layers the servers capture, output-of-layer ids (SGLang's convention). None = "
+        "the layers train.drafter's family names: EAGLE-3's three, or train.dflash.num_target_layers "
+        "spread over the target (the pipeline fills it in).",
+    )
 
     @model_validator(mode="after")
     def _server_quantization_needs_fp8_storage(self) -> ExtractConfig:
@@ -125,6 +134,19 @@ class ExtractConfig(StrictModel):
         if problem:
             raise ValueError(problem)
         return self
+
+    @property
+    def aux_layers(self) -> int:
+        """How many layers a token's captured states hold (the shards' and dumps' width, in H)."""
+        return len(self.capture_layers) if self.capture_layers is not None else AUX_LAYERS
+
+    def layers_output(self, target: TargetInfo) -> list[int]:
+        """The captured layers, output-of-layer ids: `capture_layers`, or EAGLE-3's."""
+        return list(self.capture_layers) if self.capture_layers is not None else target.aux_layers_output
+
+    def layers_input(self, target: TargetInfo) -> list[int]:
+        """The same layers as HF `hidden_states` indices (the residual stream entering layer id + 1)."""
+        return [i + 1 for i in self.layers_output(target)]
 
     def resolved_commit_buffer_tokens(self) -> int:
         """`commit_buffer_tokens`, or 4 batches: with one, on an H200 the pump spent half its time

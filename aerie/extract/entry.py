@@ -11,6 +11,17 @@ from aerie.stage import Stage, StageContext, Upstream
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
+    from aerie.extract.config import ExtractConfig
+    from aerie.targets import TargetInfo
+
+
+def extract_config(cfg: PipelineConfig, target: TargetInfo) -> ExtractConfig:
+    """`cfg.extract` with the layers to capture filled in from `train.drafter`'s family (unless set):
+    the shards hold what the drafter reads. An EAGLE-3 run's stays None (its key is unchanged)."""
+    ex = cfg.extract
+    if ex.capture_layers is not None or cfg.train.drafter == "eagle3":
+        return ex
+    return ex.model_copy(update={"capture_layers": cfg.train.capture_layers(target.num_layers)})
 
 
 class ExtractStage(Stage):
@@ -19,7 +30,7 @@ class ExtractStage(Stage):
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
         from aerie.extract.plan import extract_key
 
-        return extract_key(cfg.extract, cfg.server, ctx.target, upstream.corpus)
+        return extract_key(extract_config(cfg, ctx.target), cfg.server, ctx.target, upstream.corpus)
 
     def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
         """No manifest yet, or (with `ctx.rebuild_missing`) a manifest whose shards are not all in the
@@ -36,7 +47,7 @@ class ExtractStage(Stage):
 
         return [
             run(
-                cfg.extract,
+                extract_config(cfg, ctx.target),
                 corpus=upstream.corpus,
                 server=cfg.server,
                 rebuild_missing=ctx.rebuild_missing,

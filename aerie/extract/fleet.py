@@ -24,6 +24,7 @@ from aerie.extract.worker import SliceResult, SliceWorker, TokenMeter
 from aerie.hostlock import HeldElsewhere, HostLock
 from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ModelServer, ServerConfig, spec_for
+from aerie.sglang_plugin.capture import AUX_LAYERS_ENV
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
 
@@ -102,7 +103,8 @@ def _extract(
             dump_dir=dump_dir,
             clean_dump_dir=True,
             log_path=work / "logs" / f"server-s{k}-{attempt}.log",
-            extra_args=_server_args(server, cfg),
+            extra_args=_server_args(server, cfg, target),
+            env=_server_env(server, cfg, target),
             trust_remote_code=target.trust_remote_code,
         )
         dump_dir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +167,12 @@ def _make_canary(cfg: ExtractConfig, target: TargetInfo, splits: dict[str, Split
         cfg.canary_reference == "auto" and fits_in_memory(target)
     )
     return ExtractionCanary(
-        target, pick_sample(rows), reference=reference, rtol=cfg.canary_rtol, timeout_s=cfg.dump_timeout_s
+        target,
+        pick_sample(rows),
+        reference=reference,
+        rtol=cfg.canary_rtol,
+        timeout_s=cfg.dump_timeout_s,
+        layers=cfg.layers_input(target),
     )
 
 
@@ -194,20 +201,31 @@ def _run_workers(workers: list[SliceWorker], stop: threading.Event) -> list[Slic
     return [f.result() for f in futures]
 
 
-def _server_args(server: ServerConfig, cfg: ExtractConfig) -> list[str]:
+def _server_args(server: ServerConfig, cfg: ExtractConfig, target: TargetInfo) -> list[str]:
     """Flags the stage adds to the reference server's command line (none for SGLang).
 
     One request, one packed forward: the reference server packs waiting sequences up to its
     `--max-batch-tokens` (16,384 by default), which split the preset's 65,536-token requests into four
     smaller forwards (on the H200: 489K tokens/s at 16K-token packs, 613K at 64K). A value the server
     config already sets is kept. With `quantize_on_server`, `--dump-dtype fp8`: the server quantizes
-    each pack on its device and the dumps hold the shards' fp8 codes and scales."""
+    each pack on its device and the dumps hold the shards' fp8 codes and scales. Layers other than
+    EAGLE-3's (a DFlash drafter's): `--aux-layers`, in the server's input-of-layer convention."""
     if server.backend != "reference":
         return []
     args = [] if "--max-batch-tokens" in server.extra_args else ["--max-batch-tokens", str(cfg.batch_tokens)]
+    if cfg.layers_output(target) != target.aux_layers_output:
+        args += ["--aux-layers", *map(str, cfg.layers_input(target))]
     if cfg.quantize_on_server and cfg.storage_dtype == "fp8":
         args += ["--dump-dtype", "fp8"]
     return args
+
+
+def _server_env(server: ServerConfig, cfg: ExtractConfig, target: TargetInfo) -> dict[str, str]:
+    """SGLang's dump plugin reads layers other than EAGLE-3's from its environment (output-of-layer
+    ids, the convention of `set_eagle3_layers_to_capture`)."""
+    if server.backend == "reference" or cfg.layers_output(target) == target.aux_layers_output:
+        return {}
+    return {AUX_LAYERS_ENV: ",".join(map(str, cfg.layers_output(target)))}
 
 
 def _server_cfg(server: ServerConfig, index: int, local: int, num_local: int) -> ServerConfig:

@@ -3,7 +3,7 @@ the work and dump dirs, which servers this host runs and their row ranges, the t
 disk preflight (`PreflightError` before anything starts).
 
 The stage key covers what changes the shards' contents or layout (storage dtype, shard size, server
-count over all slices, splits), the server backend, the target and its revision and the corpus manifest
+count over all slices, splits, the captured layers when they are not EAGLE-3's), the server backend, the target and its revision and the corpus manifest
 digest; operational knobs (batch size, requests in flight, restarts, timeouts, work dir, commit workers and buffer,
 and where fp8 is quantized: `quantize_device`, `quantize_on_server`, one function on identical inputs,
 byte-identical shards) are left out, so changing them does not throw away uploaded shards on a re-run.
@@ -38,7 +38,7 @@ def extract_key(cfg: ExtractConfig, server: ServerConfig, target: TargetInfo, co
     # The shard layout is decided by the number of contiguous ranges, not by how many hosts run them:
     # 2 hosts x 1 server write exactly the shards of 1 host x 2 servers (and a 1-slice key is unchanged).
     extract["num_servers"] = total_servers(cfg)
-    config = {
+    config: dict[str, object] = {
         "extract": extract,
         # A new shard layout is a new extraction: a resume never mixes shards of two schemas.
         "shard_schema_version": SHARD_SCHEMA_VERSION,
@@ -46,6 +46,9 @@ def extract_key(cfg: ExtractConfig, server: ServerConfig, target: TargetInfo, co
         "target": target.name,
         "target_revision": target.revision,
     }
+    layers = cfg.layers_output(target)
+    if layers != target.aux_layers_output:  # other layers than EAGLE-3's: other shards (its keys stay)
+        config["capture_layers"] = layers
     return stage_key(STAGE, config, [corpus.manifest_sha256])
 
 

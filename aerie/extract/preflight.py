@@ -73,8 +73,10 @@ def dumps_in_flight_bytes(cfg: ExtractConfig, hidden_size: int, vocab_size: int 
     hashed (three). The client memory-maps the dumps (`aerie.tensorfile.load_mapped`) and a shard
     streams its samples from those mappings, so a dump's pages are freed only once its shard is written
     and hashed, not when the file is deleted."""
-    per_token = 4 + 4 * hidden_size * DUMP_ELEMENT_BYTES
-    shard_tokens = cfg.shard_bytes // bytes_per_token(cfg.storage_dtype, hidden_size, vocab_size)
+    per_token = 4 + (cfg.aux_layers + 1) * hidden_size * DUMP_ELEMENT_BYTES
+    shard_tokens = cfg.shard_bytes // bytes_per_token(
+        cfg.storage_dtype, hidden_size, vocab_size, cfg.aux_layers
+    )
     tokens = (
         (cfg.requests_in_flight + 1) * cfg.batch_tokens
         + cfg.resolved_commit_buffer_tokens()
@@ -96,7 +98,7 @@ def estimate(
 ) -> PreflightReport:
     """What the stage will write where (with `cfg.disk_margin`), and what is free there. `vocab_size`
     None counts int32 token ids (the larger of the two id widths a shard may use)."""
-    bpt = bytes_per_token(cfg.storage_dtype, hidden_size, vocab_size)
+    bpt = bytes_per_token(cfg.storage_dtype, hidden_size, vocab_size, cfg.aux_layers)
     shards_total = int(tokens * bpt * cfg.disk_margin)
     remaining = max(0, shards_total - already_uploaded_bytes)
     dumps = dumps_in_flight_bytes(cfg, hidden_size, vocab_size)

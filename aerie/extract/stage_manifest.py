@@ -61,7 +61,7 @@ def manifest_body(
             "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size,
         },
-        "layers": {"input_of_layer": target.aux_layers_input, "output_of_layer": target.aux_layers_output},
+        "layers": {"input_of_layer": cfg.layers_input(target), "output_of_layer": cfg.layers_output(target)},
         "storage_dtype": cfg.storage_dtype,
         "hidden_size": target.hidden_size,
         "shard_schema_version": SHARD_SCHEMA_VERSION,
@@ -76,7 +76,9 @@ def manifest_body(
             "tokens": tokens,
             "shards": len(shards),
             "bytes": nbytes,
-            "bytes_per_token": bytes_per_token(cfg.storage_dtype, target.hidden_size, target.vocab_size),
+            "bytes_per_token": bytes_per_token(
+                cfg.storage_dtype, target.hidden_size, target.vocab_size, cfg.aux_layers
+            ),
             "storage_dtype": cfg.storage_dtype,
             **{f"{split}_tokens": v["tokens"] for split, v in per_split.items()},
             "extracted_tokens_this_run": fresh_tokens,

@@ -155,6 +155,7 @@ class SliceWorker:
             first_index=index,
             quantize_device=self.quantize_device,
             direct_io=self.cfg.direct_io,
+            aux_layers=self.cfg.aux_layers,
         )
         committer = ShardCommitter(
             writer,

@@ -16,7 +16,7 @@ from aerie.diskspace import existing_parent
 from aerie.plan.facts import TargetFacts
 from aerie.plan.sizes import Sizes
 
-DUMP_ELEMENT_BYTES = 2  # a dump holds aux [3H] + last [H] in the server's dtype (bf16)
+DUMP_ELEMENT_BYTES = 2  # a dump holds aux [kH] + last [H] in the server's dtype (bf16)
 SHM = Path("/dev/shm")
 # The corpus's Parquet rows: int32 ids and a mask byte per token, about halved by compression; the
 # generation's conversations: the text, about 4 bytes per token.
@@ -25,21 +25,32 @@ TEXT_BYTES_PER_TOKEN = 4.0
 MIB = 1 << 20
 
 
-def shard_bytes_per_token(storage: str, hidden_size: int, vocab_size: int | None) -> int:
-    """`aerie.shards.schema.bytes_per_token`: hidden states, ids (uint16 when the vocabulary fits) and a mask."""
+def aux_layers(cfg: PipelineConfig, target: TargetFacts) -> int:
+    """Layers a token's captured states hold: `extract.capture_layers`, else what `train.drafter`'s
+    family reads (EAGLE-3: 3; DFlash: `train.dflash.num_target_layers`)."""
+    if cfg.extract.capture_layers is not None:
+        return len(cfg.extract.capture_layers)
+    return len(cfg.train.capture_layers(target.num_layers))
+
+
+def shard_bytes_per_token(storage: str, hidden_size: int, vocab_size: int | None, layers: int = 3) -> int:
+    """`aerie.shards.schema.bytes_per_token`: `layers` captured states and the last one, ids (uint16
+    when the vocabulary fits) and a mask."""
     ids_and_mask = (2 if vocab_size is not None and vocab_size <= 1 << 16 else 4) + 1
+    rows = layers + 1
     if storage == "bf16":
-        return 4 * hidden_size * 2 + ids_and_mask
-    return 4 * hidden_size + 4 + ids_and_mask  # fp8 and one E8M0 scale byte per row
+        return rows * hidden_size * 2 + ids_and_mask
+    return rows * hidden_size + rows + ids_and_mask  # fp8 and one E8M0 scale byte per row
 
 
 def dumps_in_flight_bytes(cfg: PipelineConfig, target: TargetFacts) -> int:
     """`aerie.extract.preflight.dumps_in_flight_bytes`: every request in flight, the batch being handed
     over, the commit buffer and three shards' samples, with the margin."""
     ex = cfg.extract
-    per_token = 4 + 4 * target.hidden_size * DUMP_ELEMENT_BYTES
+    layers = aux_layers(cfg, target)
+    per_token = 4 + (layers + 1) * target.hidden_size * DUMP_ELEMENT_BYTES
     shard_tokens = ex.shard_bytes // shard_bytes_per_token(
-        ex.storage_dtype, target.hidden_size, target.vocab_size
+        ex.storage_dtype, target.hidden_size, target.vocab_size, layers
     )
     tokens = (
         (ex.requests_in_flight + 1) * ex.batch_tokens + ex.resolved_commit_buffer_tokens() + 3 * shard_tokens
@@ -93,7 +104,9 @@ def estimate(cfg: PipelineConfig, target: TargetFacts, sizes: Sizes) -> DiskPlan
     from aerie.settings import get_settings
 
     ex = cfg.extract
-    bpt = shard_bytes_per_token(ex.storage_dtype, target.hidden_size, target.vocab_size)
+    bpt = shard_bytes_per_token(
+        ex.storage_dtype, target.hidden_size, target.vocab_size, aux_layers(cfg, target)
+    )
     shards = int(sizes.corpus_tokens * bpt)
     dumps = dumps_in_flight_bytes(cfg, target)
     local_shards = (

@@ -235,7 +235,7 @@ def _extract(m: Model, sizes: Sizes) -> StageEstimate:
     else:
         flops = prefill_flops_per_token(m.target, cfg.corpus.max_length)
         compute = gpus * m.hw.peak_flops * MOE_PREFILL_MFU / flops
-        from aerie.plan.disk import shard_bytes_per_token
+        from aerie.plan.disk import aux_layers, shard_bytes_per_token
 
         disk = (
             m.rate("disk_write_bytes_per_s", "bandwidth", notes, cites)
@@ -243,7 +243,7 @@ def _extract(m: Model, sizes: Sizes) -> StageEstimate:
             else m.rates["disk_write_bytes_per_s"].value
         )
         write = disk / shard_bytes_per_token(
-            cfg.extract.storage_dtype, m.target.hidden_size, m.target.vocab_size
+            cfg.extract.storage_dtype, m.target.hidden_size, m.target.vocab_size, aux_layers(cfg, m.target)
         )
         rate = min(compute, write)
         notes.append(

@@ -4,7 +4,8 @@ For a `/generate` request with rid R and `max_new_tokens: 0`, the server writes
 `<dump_dir>/R.safetensors` holding::
 
     input_ids   int32       [T]
-    aux_hidden  model dtype [T, 3H]  residual stream entering layers 2, N//2, N-3 (concatenated)
+    aux_hidden  model dtype [T, kH]  residual stream entering the k captured layers (concatenated;
+                                     EAGLE-3's 2, N//2, N-3 unless the server was told others)
     last_hidden model dtype [T, H]   after the final norm (the lm_head's input)
 
 atomically (a temp name in the same directory, then rename), so a file that exists is complete.
@@ -57,6 +58,13 @@ def _atomic_replace(tmp: Path, dest: Path) -> None:
     os.replace(tmp, dest)
 
 
+def _layers_wide(aux_hidden: torch.Tensor, last_hidden: torch.Tensor) -> bool:
+    """Whether `aux_hidden` [T, kH] holds a whole number k >= 1 of layers of `last_hidden`'s width H
+    (the shard writer checks k against the extraction's layer count)."""
+    h, width = int(last_hidden.shape[-1]), int(aux_hidden.shape[-1])
+    return aux_hidden.dim() == 2 and h > 0 and width >= h and width % h == 0
+
+
 def write_dump(
     dump_dir: str | os.PathLike[str],
     rid: str,
@@ -67,11 +75,7 @@ def write_dump(
     """Write one request's dump atomically; returns the reply's `meta_info.dump` body."""
     dest = dump_path(dump_dir, rid)
     t = int(input_ids.shape[0])
-    if (
-        aux_hidden.shape[0] != t
-        or last_hidden.shape[0] != t
-        or aux_hidden.shape[1] != 3 * last_hidden.shape[1]
-    ):
+    if aux_hidden.shape[0] != t or last_hidden.shape[0] != t or not _layers_wide(aux_hidden, last_hidden):
         raise ValueError(
             f"dump {rid}: shapes do not agree: input_ids {tuple(input_ids.shape)}, "
             f"aux_hidden {tuple(aux_hidden.shape)}, last_hidden {tuple(last_hidden.shape)}"
@@ -116,7 +120,8 @@ def check_dump(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str]) -
         raise ValueError(f"{path}: dump lacks {missing}")
     t = tensors["input_ids"].shape[0]
     h = tensors["last_hidden"].shape[-1]
-    if tuple(tensors["aux_hidden"].shape) != (t, 3 * h) or tuple(tensors["last_hidden"].shape) != (t, h):
+    aux, last = tensors["aux_hidden"], tensors["last_hidden"]
+    if aux.shape[0] != t or tuple(last.shape) != (t, h) or not _layers_wide(aux, last):
         raise ValueError(
             f"{path}: shapes do not agree: input_ids [{t}], aux_hidden {list(tensors['aux_hidden'].shape)}, "
             f"last_hidden {list(tensors['last_hidden'].shape)}"

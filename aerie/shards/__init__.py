@@ -7,15 +7,16 @@ hundred objects. One shard holds::
     offsets     int64        [S+1]   sample i is tokens offsets[i]:offsets[i+1]
     input_ids   uint16|int32 [N]     uint16 when the target's vocabulary fits in it
     loss_mask   uint8        [N]
-    aux_hidden  bf16|fp8     [N, 3H] residual stream entering the three captured layers, concatenated
+    aux_hidden  bf16|fp8     [N, kH] residual stream entering the k captured layers, concatenated
+                                     (EAGLE-3: k = 3; DFlash: its config's layer list)
     last_hidden bf16|fp8     [N, H]  after the final norm (the target lm_head's input)
-    aux_scale   uint8        [N, 3]  fp8 only: one power-of-two scale per token per captured layer
+    aux_scale   uint8        [N, k]  fp8 only: one power-of-two scale per token per captured layer
     last_scale  uint8        [N, 1]  fp8 only
 
 fp8 is float8_e4m3fn with a per-token (per layer) absmax scale: the residual stream's magnitude grows
 with depth and varies a lot between tokens (attention sinks), so one scale per tensor would crush the
 small ones. e4m3 keeps 3 mantissa bits: every element is within 2^-4 of its own magnitude. A scale is
-a power of two in one byte (E8M0), so a token costs 4H + 4 bytes of states against bf16's 8H. The
+a power of two in one byte (E8M0), so a token costs (k+1)(H + 1) bytes of states against bf16's 2(k+1)H. The
 scheme lives in `aerie.fp8`: the client quantizes with it, or the reference server already did
 (`extract.quantize_on_server`) and the writer stores its codes and scales as they are.
 

@@ -70,7 +70,7 @@ class ShardReader:
 
     def token_slice(self, start: int, end: int, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
         """Tokens [start, end) of the shard (across sample boundaries): input_ids int64, loss_mask
-        bool, aux_hidden [n, 3H], last_hidden [n, H] (plus aux_scale/last_scale when fp8 and not
+        bool, aux_hidden [n, kH], last_hidden [n, H] (plus aux_scale/last_scale when fp8 and not
         dequantized)."""
         if not 0 <= start <= end <= self.tokens:
             raise IndexError(

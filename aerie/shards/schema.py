@@ -14,6 +14,7 @@ Storage = Literal["bf16", "fp8"]
 # element size (the header is padded to 8 bytes, sizes of later tensors keep the alignment).
 TENSOR_ORDER = ("offsets", "aux_scale", "last_scale", "input_ids", "aux_hidden", "last_hidden", "loss_mask")
 
+AUX_LAYERS = 3  # EAGLE-3's captured layers; a DFlash extraction captures its own count
 SCALE_BYTES = 1  # an fp8 scale is a power of two in one byte (E8M0: `aerie.fp8.SCALE_DTYPE`)
 
 
@@ -23,9 +24,13 @@ def ids_bytes(vocab_size: int | None) -> int:
     return 2 if vocab_size is not None and vocab_size <= 1 << 16 else 4
 
 
-def bytes_per_token(storage: Storage, hidden_size: int, vocab_size: int | None = None) -> int:
-    """Bytes one token costs in a shard (offsets, 8 bytes per sample, are left out)."""
+def bytes_per_token(
+    storage: Storage, hidden_size: int, vocab_size: int | None = None, aux_layers: int = AUX_LAYERS
+) -> int:
+    """Bytes one token costs in a shard (offsets, 8 bytes per sample, are left out): `aux_layers`
+    captured layers and the last hidden state, each H wide."""
     ids_and_mask = ids_bytes(vocab_size) + 1
+    rows = aux_layers + 1
     if storage == "bf16":
-        return 4 * hidden_size * 2 + ids_and_mask
-    return 4 * hidden_size + (3 + 1) * SCALE_BYTES + ids_and_mask
+        return rows * hidden_size * 2 + ids_and_mask
+    return rows * hidden_size + rows * SCALE_BYTES + ids_and_mask

@@ -14,7 +14,14 @@ from aerie.errors import ExtractionError
 from aerie.fp8 import FP8_DTYPE, quantize_fp8
 from aerie.shards.files import WrittenShard, write_data
 from aerie.shards.format import HiddenSample, ShardInfo, ids_dtype
-from aerie.shards.schema import SHARD_SCHEMA_VERSION, STORAGE_DTYPES, TENSOR_ORDER, Storage, bytes_per_token
+from aerie.shards.schema import (
+    AUX_LAYERS,
+    SHARD_SCHEMA_VERSION,
+    STORAGE_DTYPES,
+    TENSOR_ORDER,
+    Storage,
+    bytes_per_token,
+)
 from aerie.tensorfile import TensorParts
 
 
@@ -29,9 +36,9 @@ class EncodedRows:
     scales. Rows are encoded independently (the fp8 scales are per token), so a sample encoded in
     row ranges gives the same bytes as encoded whole."""
 
-    aux: torch.Tensor  # [n, 3H]
+    aux: torch.Tensor  # [n, kH], k captured layers
     last: torch.Tensor  # [n, H]
-    aux_scale: torch.Tensor | None = None  # [n, 3] uint8 (E8M0), fp8 only
+    aux_scale: torch.Tensor | None = None  # [n, k] uint8 (E8M0), fp8 only
     last_scale: torch.Tensor | None = None  # [n, 1]
 
 
@@ -49,6 +56,7 @@ class SealedShard:
     hidden_size: int
     direct_io: bool = False  # write with O_DIRECT where the filesystem takes it
     ids_dtype: torch.dtype = torch.int32
+    aux_layers: int = AUX_LAYERS
 
     @property
     def tokens(self) -> int:
@@ -65,7 +73,8 @@ class SealedShard:
         chunks = dict(self.chunks, offsets=[offsets])
         h = self.hidden_size
         n = self.tokens
-        widths = {"aux_hidden": 3 * h, "last_hidden": h, "aux_scale": 3, "last_scale": 1}
+        k = self.aux_layers
+        widths = {"aux_hidden": k * h, "last_hidden": h, "aux_scale": k, "last_scale": 1}
         tensors: list[TensorParts] = []
         for key in TENSOR_ORDER:
             parts = chunks[key]
@@ -122,7 +131,8 @@ class ShardWriter:
     `add` does everything in the caller's thread. Its steps are also public for a pipeline
     (`aerie.extract.commit`): `check` and `encode` (thread-safe: the costly part, quantization) in any
     thread, `append` and `seal` in sample order from one thread, `SealedShard.write` anywhere.
-    `vocab_size` (the target's) lets the shards store token ids as uint16 where they fit.
+    `vocab_size` (the target's) lets the shards store token ids as uint16 where they fit;
+    `aux_layers` is how many captured layers a sample's `aux_hidden` holds (EAGLE-3's three by default).
     """
 
     def __init__(
@@ -137,6 +147,7 @@ class ShardWriter:
         quantize_device: str = "cpu",
         direct_io: bool = False,
         vocab_size: int | None = None,
+        aux_layers: int = AUX_LAYERS,
     ) -> None:
         if storage not in STORAGE_DTYPES:
             raise ValueError(f"storage must be one of {STORAGE_DTYPES}, got {storage!r}")
@@ -150,7 +161,8 @@ class ShardWriter:
         self.quantize_device = quantize_device
         self.direct_io = direct_io
         self.ids_dtype = ids_dtype(vocab_size)
-        self._bpt = bytes_per_token(storage, hidden_size, vocab_size)
+        self.aux_layers = aux_layers
+        self._bpt = bytes_per_token(storage, hidden_size, vocab_size, aux_layers)
         self._reset()
 
     def _reset(self) -> None:
@@ -184,11 +196,11 @@ class ShardWriter:
         want = {
             "input_ids": (t,),
             "loss_mask": (t,),
-            "aux_hidden": (t, 3 * h),
+            "aux_hidden": (t, self.aux_layers * h),
             "last_hidden": (t, h),
         }
         if s.quantized or s.last_scale is not None:
-            want.update(aux_scale=(t, 3), last_scale=(t, 1))
+            want.update(aux_scale=(t, self.aux_layers), last_scale=(t, 1))
             if self.storage != "fp8":
                 raise ExtractionError(
                     f"sample {s.id!r} arrives quantized to fp8 but this writer stores {self.storage}: "
@@ -237,7 +249,8 @@ class ShardWriter:
             return EncodedRows(aux, last, rows(sample.aux_scale), rows(sample.last_scale))
         # fp8 quantization touches every value; `quantize_device` may move it to a GPU.
         dev = self.quantize_device
-        aux_q, aux_s = quantize_fp8(aux.reshape(hi - lo, 3 * h).to(dev), groups=3)
+        k = self.aux_layers
+        aux_q, aux_s = quantize_fp8(aux.reshape(hi - lo, k * h).to(dev), groups=k)
         last_q, last_s = quantize_fp8(last.reshape(hi - lo, h).to(dev), groups=1)
         if dev != "cpu":
             aux_q, aux_s, last_q, last_s = (v.cpu() for v in (aux_q, aux_s, last_q, last_s))
@@ -283,6 +296,7 @@ class ShardWriter:
             hidden_size=self.hidden_size,
             direct_io=self.direct_io,
             ids_dtype=self.ids_dtype,
+            aux_layers=self.aux_layers,
         )
         self.index += 1
         self._reset()

@@ -92,6 +92,12 @@ class TrainConfig(StrictModel):
         None, description="Local dir for downloaded shards and the work dir; None = <AERIE_CACHE_DIR>/train."
     )
 
+    def capture_layers(self, num_layers: int) -> list[int]:
+        """The target layers this drafter family reads, output-of-layer ids (what extraction captures)."""
+        from aerie.families import family
+
+        return family(self.drafter).layers(num_layers, self.dflash.num_target_layers)
+
     @model_validator(mode="after")
     def _a_batch_holds_an_unroll(self) -> TrainConfig:
         if self.batch_tokens < self.ttt_length + 2:
