@@ -1,6 +1,7 @@
-"""benchmarks/peer_drafter.py on the CPU: aerie's shards in SpecForge's layout (ids and teacher states
-shifted left by one), and a drafter state with SpecForge's key names exported into the directory aerie's
-evaluator loads. The state comes from aerie's own drafter (same key names as SpecForge's
+"""benchmarks/peer_drafter.py on the CPU: a run's train split and settings found in its store, aerie's
+shards in SpecForge's layout (ids and teacher states shifted left by one, fp8 dequantized as the reader
+does), SpecForge's epoch shuffle, and a drafter state with SpecForge's key names exported into the
+directory aerie's evaluator loads. The state comes from aerie's own drafter (same key names as SpecForge's
 `LlamaForCausalLMEagle3`): SpecForge's step itself needs triton + CUDA, so its training is not run here."""
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import torch
 from aerie.draft.export import draft_config_for, load_drafter
 from aerie.draft.model import Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
-from aerie.errors import TargetError
-from tests.train_support import make_samples, tiny_target, write_shards
+from aerie.errors import DataError, TargetError
+from aerie.manifest import StageDir
+from aerie.shards.reader import ShardReader
+from aerie.store import LocalStore
+from tests.train_support import make_samples, make_upstream, tiny_target, write_shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import peer_drafter  # noqa: E402
@@ -75,3 +79,46 @@ def test_cosine_schedule_warms_up_then_decays():
     lrs = [peer_drafter.cosine_lr(s, 1000) for s in range(1000)]
     assert lrs[0] < lrs[14] == pytest.approx(peer_drafter.SPECFORGE_LR)
     assert lrs[-1] < 1e-6 and max(lrs) <= peer_drafter.SPECFORGE_LR
+
+
+@pytest.fixture(scope="module")
+def run_store(tiny):
+    """A store holding a run's extract stage (fp8 shards, train and eval splits) and a finished train
+    stage's manifest naming the target and aerie's training settings."""
+    root, target, samples = tiny
+    store = LocalStore(root / "store")
+    make_upstream(root / "up", target, samples[:2], samples[2:], storage="fp8", store=store)
+    train = {"name": target.name, "revision": target.revision}
+    StageDir(store, "t", "train", "k-train").finish(
+        {"target": train, "training": {"config": {"epochs": 2.0, "max_length": 2048}}}
+    )
+    return root / "store"
+
+
+def test_locate_takes_the_train_split_and_aerie_settings(tiny, run_store):
+    _, target, _ = tiny
+    inputs = peer_drafter.locate(run_store, "t")
+    assert [p.parent.name for p in inputs.train_shards] == ["train"] * len(inputs.train_shards)
+    assert sum(len(ShardReader(p)) for p in inputs.train_shards) == 2
+    assert (inputs.epochs, inputs.max_len) == (2.0, 2048)
+    assert inputs.target.revision == target.revision
+    assert inputs.drafter_dir == run_store / "t" / "train" / "k-train" / "drafter"
+    with pytest.raises(DataError, match="expected one finished train stage, found 0"):
+        peer_drafter.locate(run_store, "other-run")
+
+
+def test_fp8_rows_hold_what_the_reader_dequantizes(run_store):
+    paths = peer_drafter.locate(run_store, "t").train_shards
+    expected = [s for p in paths for s in ShardReader(p)]
+    rows = list(peer_drafter.specforge_rows(paths, max_len=64))
+    assert len(rows) == len(expected) == 2
+    for row, s in zip(rows, expected, strict=True):
+        assert torch.equal(row["hidden_states"][0], s.aux_hidden)
+        assert torch.equal(row["target_hidden"][0, :-1], s.last_hidden[1:])
+        assert not row["target_hidden"][0, -1].any()
+
+
+def test_epoch_order_is_a_seeded_permutation_per_epoch():
+    first, again, second = (peer_drafter.epoch_order(50, 0, e) for e in (0, 0, 1))
+    assert first == again and sorted(first) == list(range(50))
+    assert first != second and first != list(range(50))
