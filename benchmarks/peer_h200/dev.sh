@@ -2,7 +2,7 @@
 # Device side of the peer run, from the root of the working tree a device call copies in:
 #   bash benchmarks/peer_h200/dev.sh unpack BUNDLE_DIR            one staged bundle into the home
 #   PLAN=h200 bash benchmarks/peer_h200/dev.sh go WAIT_S [STATE]   start driver.sh detached (once), wait
-#                                                                 up to WAIT_S for it, copy results to $OUT
+#                                                                 up to WAIT_S for it, copy results to $BACK
 # STATE: a pack-out of an earlier host (state.json + state.tgz.NNN) restored into a fresh home first.
 # The SpecForge wheel is read from $SF_WHEEL (default .stage/peer-sf/specforge-0.2.0-py3-none-any.whl).
 set -u
@@ -11,7 +11,7 @@ H=${PEER_HOME:-/tmp/aerie-host}
 PY=${PY:-python3}
 PLAN=${PLAN:-h200}
 SF_WHEEL=${SF_WHEEL:-.stage/peer-sf/specforge-0.2.0-py3-none-any.whl}
-OUT=${OUT:-$W/out}
+BACK=${BACK:-$W/back}
 export PEER_WORK=$W PEER_HOME=$H PY PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 here=$(cd "$(dirname "$0")" && pwd)
@@ -32,13 +32,13 @@ start() {  # the first go on this host: private repository copy, SpecForge unpac
 finished() { [ -f "$W/done.all" ] || ls "$W"/failed.* >/dev/null 2>&1 || ! kill -0 "$(cat "$W/driver.pid")" 2>/dev/null; }
 
 collect() {  # at most 8 files come back
-  mkdir -p "$OUT"
-  tr '\r' '\n' < "$W/driver.log" | grep -v '‰' | tail -n 400 > "$OUT/driver-tail.log"
+  mkdir -p "$BACK"
+  tr '\r' '\n' < "$W/driver.log" | grep -v '‰' | tail -n 400 > "$BACK/driver-tail.log"
   for f in peer-drafter.json pair.json sf-out/specforge-train.json; do
-    [ -f "$W/$f" ] && cp "$W/$f" "$OUT/"
+    [ -f "$W/$f" ] && cp "$W/$f" "$BACK/"
   done
-  [ -f "$W/state/state.json" ] && cp "$W/state"/state.json "$W/state"/state.tgz.* "$OUT/" 2>/dev/null
-  ls -la "$OUT"
+  [ -f "$W/state/state.json" ] && cp "$W/state"/state.json "$W/state"/state.tgz.* "$BACK/" 2>/dev/null
+  ls -la "$BACK"
 }
 
 case "${1:-}" in
