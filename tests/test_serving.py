@@ -37,8 +37,10 @@ from aerie.serving import (
     startup_deadline,
     sweep_shm,
 )
-from aerie.serving.launcher import live_group_members
+from aerie.serving.launcher import check_requirement, live_group_members
+from aerie.serving.spec import AERIE_ROOT, SGLANG_REQUIREMENT, Requirement
 from tests.fake_servers.scenarios import fake_spec, free_port, start_stale_server
+from tests.sglang_support import VERSION as SGLANG_VERSION
 
 
 class Recorder:
@@ -117,7 +119,7 @@ def test_sglang_extraction_spec_in_docker(tmp_path: Path) -> None:
     model = tmp_path / "kimi"
     model.mkdir()
     cfg = ServerConfig(
-        backend="sglang", launcher="docker", tp_size=8, image="lmsysorg/sglang:v0.5.14", port=30000
+        backend="sglang", launcher="docker", tp_size=8, image=f"lmsysorg/sglang:v{SGLANG_VERSION}", port=30000
     )
     spec = spec_for(
         cfg,
@@ -150,6 +152,52 @@ def test_sglang_extraction_spec_in_docker(tmp_path: Path) -> None:
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d", "--speculative-num-steps", "3"
     ]  # fmt: skip
     assert serve.startup_timeout_s == 3600  # a hub id not on local disk: size unknown
+
+
+def test_sglang_on_the_cpu_gets_its_cpu_engine_and_flags(tmp_path: Path) -> None:
+    cfg = ServerConfig(
+        backend="sglang",
+        device="cpu",
+        python="/opt/sglang/bin/python",
+        port=31234,
+        env={"PYTHONPATH": "/shims"},
+        extra_args=["--max-total-tokens", "4096"],
+    )
+    spec = spec_for(cfg, model_path="m", mode="extract", dump_dir=tmp_path / "dumps")
+    cmd = spec.command
+    assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "aerie.sglang_plugin.launch"]
+    assert spec.env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert cmd[cmd.index("--device") + 1] == "cpu"
+    assert cmd[cmd.index("--attention-backend") + 1] == "torch_native"
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.3"
+    assert {"--disable-cuda-graph", "--skip-server-warmup"} <= set(cmd)
+    # A CPU default the configuration gives itself is replaced, not given twice.
+    assert cmd.count("--max-total-tokens") == 1 and cmd[cmd.index("--max-total-tokens") + 1] == "4096"
+    # The extraction launcher is aerie's: SGLang's own environment reaches it through PYTHONPATH.
+    assert spec.env["PYTHONPATH"].split(os.pathsep) == ["/shims", str(AERIE_ROOT)]
+    assert spec.requires == SGLANG_REQUIREMENT and spec.requires.versions == (SGLANG_VERSION,)
+    gpu = spec_for(cfg.model_copy(update={"device": "cuda", "env": {}}), model_path="m")
+    assert "SGLANG_USE_CPU_ENGINE" not in gpu.env and "--device" not in gpu.command
+    assert "--attention-backend" not in gpu.command and "PYTHONPATH" not in gpu.env
+    docker = spec_for(cfg.model_copy(update={"launcher": "docker"}), model_path="m")
+    assert docker.requires is None  # the image is pinned; its entrypoint checks its own version
+
+
+@pytest.mark.integration
+def test_the_interpreters_version_of_a_requirement_is_checked(tmp_path: Path) -> None:
+    have = Requirement("pytest", (pytest.__version__,), setup="pip install pytest")
+    assert check_requirement(sys.executable, have) == pytest.__version__
+    other = Requirement("pytest", ("0.0.1",), setup="pip install pytest==0.0.1", allow_untested_env="X_OK")
+    with pytest.raises(ServerLaunchError) as err:
+        check_requirement(sys.executable, other)
+    assert f"pytest {pytest.__version__} in" in str(err.value) and "tested pytest 0.0.1" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert check_requirement(sys.executable, other, env={"X_OK": "1"}) == pytest.__version__
+    absent = Requirement("no-such-distribution", ("1",), setup="`make setup-x` builds it")
+    with pytest.raises(ServerLaunchError, match=r"^no no-such-distribution in interpreter .*make setup-x"):
+        check_requirement(sys.executable, absent)
+    with pytest.raises(ServerLaunchError, match=r"^no no-such-distribution environment: .*make setup-x"):
+        check_requirement(str(tmp_path / "bin" / "python"), absent)
 
 
 def test_reference_server_refuses_what_it_cannot_do() -> None:

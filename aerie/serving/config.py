@@ -21,7 +21,9 @@ class ServerConfig(StrictModel):
     )
     python: str | None = Field(
         None,
-        description="Interpreter for the process launcher (checked before launch); None = the one running aerie.",
+        description="Interpreter for the process launcher (checked before launch). None = the one running "
+        "aerie; for SGLang, that one if it has SGLang, else SGLang's own environment (.venv-sglang beside "
+        "aerie's source, built by `make setup-sglang`).",
     )
     container_python: str = Field("python3", description="Interpreter inside the container image.")
     image: str = Field("aerie/sglang-extract:latest", description="Container image for the docker launcher.")
@@ -29,7 +31,13 @@ class ServerConfig(StrictModel):
     port: int = Field(
         30000, ge=1, le=65535, description="HTTP port; refused if something already answers there."
     )
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Reference server device.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="The reference server's torch device. For SGLang, cpu = its CPU engine "
+        "(SGLANG_USE_CPU_ENGINE=1, --device cpu, torch-native attention, no CUDA graphs, a fixed KV pool: "
+        "aerie.serving.spec.SGLANG_CPU_ARGS, each replaced by the same flag in extra_args); auto and cuda "
+        "leave SGLang on its default, the GPU.",
+    )
     tp_size: int = Field(1, ge=1, description="Tensor parallel size (SGLang).")
     gpus: int = Field(-1, description="GPUs given to the container (-1 = all).")
     shm_size: str = Field("32g", description="Container /dev/shm size.")

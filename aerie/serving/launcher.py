@@ -20,7 +20,7 @@ from typing import IO
 import psutil
 
 from aerie.errors import ServerError, ServerLaunchError
-from aerie.serving.spec import ServerSpec
+from aerie.serving.spec import Requirement, ServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,16 @@ _FIND_SPEC = (
     "    sys.exit(2)\n"
     "print(sys.executable)\n"
     "sys.exit(0 if found else 1)\n"
+)
+
+# Run by the server's own interpreter: the installed version of a distribution ("-" for none).
+_VERSION_OF = (
+    "import sys\n"
+    "from importlib import metadata\n"
+    "try:\n"
+    "    print(metadata.version(sys.argv[1]))\n"
+    "except metadata.PackageNotFoundError:\n"
+    "    print('-')\n"
 )
 
 
@@ -159,6 +169,40 @@ def check_interpreter(
     )
 
 
+def check_requirement(
+    python: str, requires: Requirement, *, env: dict[str, str] | None = None, timeout: float = 60
+) -> str:
+    """Prove `python` has `requires.distribution` in a tested version (before the launch, so an SGLang
+    the plugin was not written for never starts); return the version."""
+    full_env = {**os.environ, **(env or {})}
+    exe = _resolve_executable(python, full_env)
+    name = requires.distribution
+    if exe is None:
+        raise ServerLaunchError(f"no {name} environment: interpreter {python!r} not found; {requires.setup}")
+    try:
+        done = subprocess.run(
+            [exe, "-c", _VERSION_OF, name],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        raise ServerLaunchError(f"interpreter {exe} cannot report its {name} version: {exc}") from exc
+    version = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else "-"
+    if version == "-":
+        raise ServerLaunchError(f"no {name} in interpreter {exe}: {requires.setup}")
+    untested_ok = requires.allow_untested_env and full_env.get(requires.allow_untested_env) == "1"
+    if version not in requires.versions and not untested_ok:
+        override = f"; {requires.allow_untested_env}=1 tries it anyway" if requires.allow_untested_env else ""
+        raise ServerLaunchError(
+            f"{name} {version} in {exe} is not the tested {name} {', '.join(requires.versions)}: "
+            f"{requires.setup}{override}"
+        )
+    return version
+
+
 class ProcessLauncher(Launcher):
     """The server as a local process in its own session, so its whole process group can be killed.
 
@@ -183,6 +227,8 @@ class ProcessLauncher(Launcher):
     def preflight(self, spec: ServerSpec) -> None:
         if not spec.command:
             raise ServerLaunchError(f"server {spec.name}: empty command")
+        if spec.interpreter and spec.requires:
+            check_requirement(spec.interpreter, spec.requires, env=spec.env)
         if spec.interpreter and spec.module:
             check_interpreter(spec.interpreter, spec.module, env=spec.env, cwd=spec.cwd)
         elif _resolve_executable(spec.command[0], {**os.environ, **spec.env}) is None:

@@ -7,6 +7,7 @@ printed, tested and launched.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import tempfile
@@ -15,11 +16,37 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+import aerie
 from aerie.errors import ConfigError
 from aerie.serving.config import WORKER_IMAGE, ServerConfig, is_sglang_image
+from aerie.sglang_plugin.compat import ALLOW_UNTESTED_ENV, SUPPORTED_SGLANG
 
 REFERENCE_MODULE = "aerie.engine"
 CONTAINER_HF_CACHE = "/root/.cache/huggingface"
+# aerie's source root (the checkout, for an editable install): SGLang's own environment lives beside it.
+AERIE_ROOT = Path(aerie.__file__).resolve().parent.parent
+# Where `make setup-sglang` links SGLang's own environment (Python 3.11, its own torch).
+SGLANG_VENV = AERIE_ROOT / ".venv-sglang"
+SGLANG_SETUP = "make setup-sglang"
+
+# SGLang's CPU engine (server.device=cpu). In SGLang 0.5.23 `is_cpu()` holds only under this variable;
+# without it `--device cpu` still takes CUDA code paths (rotary embedding imports vllm) and dies.
+SGLANG_CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+# Its flags, each a default that the same flag in server.extra_args (or launch args) replaces.
+SGLANG_CPU_ARGS: tuple[tuple[str, str | None], ...] = (
+    # The one attention backend written in plain torch; the others are compiled CUDA (or AMX) kernels.
+    ("--attention-backend", "torch_native"),
+    ("--disable-cuda-graph", None),
+    # SGLang's warm-up is one more generation before "ready"; aerie's readiness runs its own
+    # (/health_generate), and on a CPU each costs seconds.
+    ("--skip-server-warmup", None),
+    # SGLang sizes the KV pool from free device memory; on a CPU that is the host's RAM, shared with
+    # everything else: a fixed pool instead.
+    ("--max-total-tokens", "8192"),
+    # With --chunked-prefill-size -1 (extraction) SGLang derives a negative static fraction on a CPU
+    # and refuses to start ("Loaded weights leave no GPU memory for the KV cache").
+    ("--mem-fraction-static", "0.3"),
+)
 
 # The deadline derived from the model size (see `startup_deadline`): a fixed part for what does not
 # scale with the weights (interpreter and torch import, NCCL init, KV-cache allocation, CUDA-graph
@@ -57,6 +84,24 @@ class SpeculativeArgs:
 
 
 @dataclass(frozen=True)
+class Requirement:
+    """A distribution the server's interpreter must have, in a tested version, checked before launch."""
+
+    distribution: str
+    versions: tuple[str, ...]
+    setup: str  # how to get it, for the message that refuses the launch
+    allow_untested_env: str | None = None  # set to 1 there: any version is accepted
+
+
+SGLANG_REQUIREMENT = Requirement(
+    distribution="sglang",
+    versions=SUPPORTED_SGLANG,
+    setup=f"`{SGLANG_SETUP}` builds SGLang's own environment ({SGLANG_VENV.name}), or set server.python",
+    allow_untested_env=ALLOW_UNTESTED_ENV,
+)
+
+
+@dataclass(frozen=True)
 class ServerSpec:
     """One server launch. `image` set = a container running `command`; unset = a local process."""
 
@@ -72,6 +117,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict, repr=False)
     image: str | None = None
     module: str | None = None  # the Python module the interpreter must be able to import
+    requires: Requirement | None = None  # what the interpreter must have installed (process launches)
     cwd: str | None = None  # working directory (docker: inside the container)
     dump_dir: Path | None = None
     clean_dump_dir: bool = False
@@ -165,11 +211,52 @@ def _reference_command(
     return cmd
 
 
+def _given_flags(args: list[str]) -> set[str]:
+    return {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
+
+
+def sglang_cpu_args(given: list[str]) -> list[str]:
+    """SGLang's CPU engine flags, less those `given` (the caller's own arguments) set already."""
+    taken = _given_flags(given)
+    args = ["--device", "cpu"]
+    for flag, value in SGLANG_CPU_ARGS:
+        if flag not in taken:
+            args += [flag] if value is None else [flag, value]
+    return args
+
+
+def sglang_python(cfg: ServerConfig) -> str:
+    """The interpreter a process launch of SGLang runs: server.python; else the one running aerie if
+    SGLang is installed in it; else SGLang's own environment (`make setup-sglang`), if built. With
+    neither, the one running aerie: the launch preflight then refuses it, naming the setup command."""
+    if cfg.python:
+        return cfg.python
+    if importlib.util.find_spec("sglang") is None and (SGLANG_VENV / "bin" / "python").exists():
+        return str(SGLANG_VENV / "bin" / "python")
+    return sys.executable
+
+
+def _with_aerie_on_path(env: dict[str, str]) -> dict[str, str]:
+    """`env` whose PYTHONPATH also reaches aerie (after what it names): SGLang's own environment does
+    not install aerie, and the extraction launcher is aerie's module."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(AERIE_ROOT)]
+    return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
 def _sglang_command(
-    cfg: ServerConfig, python: str, module: str, model_path: str, weight_version: str, mode: Mode, host: str
+    cfg: ServerConfig,
+    python: str,
+    module: str,
+    model_path: str,
+    weight_version: str,
+    mode: Mode,
+    host: str,
+    given: list[str],
 ) -> list[str]:
     cmd = [python, "-m", module, "--model-path", model_path, "--host", host, "--port", str(cfg.port)]
     cmd += ["--weight-version", weight_version, "--tp-size", str(cfg.tp_size)]
+    if cfg.device == "cpu":
+        cmd += sglang_cpu_args(given)
     if mode == "extract":
         # Prefill-only requests of token ids; chunked prefill would split a sample's hidden states
         # across forward passes and the radix cache would skip the prefix of a repeated prompt.
@@ -231,7 +318,13 @@ def spec_for(
     weight_version = f"run-{nonce}"
     dump = Path(dump_dir).expanduser().resolve() if dump_dir is not None else None
     docker = cfg.launcher == "docker"
-    python = cfg.container_python if docker else (cfg.python or sys.executable)
+    given = list(cfg.extra_args) + list(extra_args or [])
+    if docker:
+        python = cfg.container_python
+    elif cfg.backend == "sglang":
+        python = sglang_python(cfg)
+    else:
+        python = cfg.python or sys.executable
     server_env = {**cfg.env, **(env or {})}
 
     if cfg.backend == "reference":
@@ -263,16 +356,20 @@ def spec_for(
         )
         # In a container the server must listen on every interface for the published port to reach it.
         host = "0.0.0.0" if docker else cfg.host
-        command = _sglang_command(cfg, python, server_module, model_path, weight_version, mode, host)
+        command = _sglang_command(cfg, python, server_module, model_path, weight_version, mode, host, given)
         if speculative is not None:
             command += speculative.to_args()
         # SGLang's warmup request goes to its own URL; a proxy in the environment breaks it (§6 #4).
         server_env.setdefault("no_proxy", "localhost,127.0.0.1,0.0.0.0")
+        if cfg.device == "cpu":
+            server_env.update(SGLANG_CPU_ENV)
+        if not docker and server_module.startswith("aerie."):
+            server_env = _with_aerie_on_path(server_env)
         if mode == "extract" and dump is not None:
             server_env["AERIE_DUMP_DIR"] = str(dump)
     if trust_remote_code:
         command.append("--trust-remote-code")
-    command += list(cfg.extra_args) + list(extra_args or [])
+    command += given
 
     if cfg.startup_timeout_s is not None:
         deadline = cfg.startup_timeout_s
@@ -293,6 +390,7 @@ def spec_for(
         env=server_env,
         image=cfg.image if docker else None,
         module=server_module,
+        requires=SGLANG_REQUIREMENT if cfg.backend == "sglang" and not docker else None,
         dump_dir=dump,
         clean_dump_dir=clean_dump_dir,
         grace_s=cfg.grace_s,
