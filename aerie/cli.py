@@ -58,6 +58,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from aerie.evaluate.drafter_files import family_of
     from aerie.evaluate.standalone import evaluate_drafter, prompt_set_for_file, summary_lines
     from aerie.progress import terminal_progress
     from aerie.targets import resolve_target
@@ -67,8 +68,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     names = [s.name for s in sets]
     if len(set(names)) != len(names):
         raise ConfigError(f"two prompt files have the same name {names}: rename one")
+    # The drafter directory says which family's proposer measures it.
+    name = family_of(Path(args.drafter))
+    proposers = [name if p == "eagle3" else p for p in cfg.evaluate.proposers]
     evaluate_cfg = type(cfg.evaluate).model_validate(
-        {**cfg.evaluate.model_dump(), "datasets": [s.model_dump() for s in sets]}
+        {**cfg.evaluate.model_dump(), "proposers": proposers, "datasets": [s.model_dump() for s in sets]}
     )
     report = evaluate_drafter(
         evaluate_cfg, resolve_target(cfg.target), args.drafter, terminal_progress("evaluate")

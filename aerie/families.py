@@ -2,8 +2,9 @@
 
 A family names
 - the target layers it captures (output-of-layer convention, as SGLang's drafter configs write them),
-- its draft model, its training objective, its export (the directory SGLang loads) and its proposer for
-  the lossless evaluator, each as a `module:attribute` reference.
+- its draft model, its part of the training loop (model, teacher, loss, held-out walk), its export (the
+  directory SGLang loads) and the loader reading it back, and its proposer for the lossless evaluator,
+  each as a `module:attribute` reference.
 
 The references are resolved only when used (`Family.load`), so this module imports nothing of aerie's
 stages: training, evaluation and the benchmarks all read the table without an import circle, and the
@@ -42,15 +43,16 @@ def spread_layers(num_layers: int, count: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Family:
-    """One drafter family. The string fields are `module:attribute` references (see `load`)."""
+    """One drafter family. The part fields are `module:attribute` references (see `load`)."""
 
     name: str
     layers: Callable[[int, int], list[int]]  # (target layers, count) -> output-of-layer ids
-    model: str
-    objective: str
-    export: str
-    proposer: str
     sglang_algorithm: str
+    model: str  # the draft module
+    objective: str  # its part of the training loop (`aerie.train.loop.Objective`)
+    export: str  # (drafter, out_dir, target, provenance) -> the directory SGLang loads
+    loader: str  # (dir, target, device, dtype) -> the drafter, read back
+    proposer: str  # (drafter) -> the lossless evaluator's proposer
 
     def load(self, part: str) -> Any:
         """The object a part names: `family.load("proposer")` imports its module and returns it."""
@@ -59,25 +61,43 @@ class Family:
         return getattr(importlib.import_module(module), attr)
 
 
+def _family(
+    name: str,
+    layers: Callable[[int, int], list[int]],
+    algorithm: str,
+    *,
+    model: str,
+    objective: str,
+    files: str,
+    proposer: str,
+) -> Family:
+    """An entry; `files` = "module:stem" names the pair `export_<stem>` / `load_<stem>` of that module."""
+    module, _, stem = files.partition(":")
+    return Family(
+        name, layers, algorithm, model=model, objective=objective,
+        export=f"{module}:export_{stem}", loader=f"{module}:load_{stem}", proposer=proposer,
+    )  # fmt: skip
+
+
 FAMILIES: dict[str, Family] = {
-    "eagle3": Family(
-        name="eagle3",
-        layers=eagle3_layers,
+    "eagle3": _family(
+        "eagle3",
+        eagle3_layers,
+        "EAGLE3",
         model="aerie.draft.model:Eagle3Drafter",
-        objective="aerie.train.objective:ttt_loss",
-        export="aerie.draft.export:export_drafter",
+        objective="aerie.train.objective:Eagle3Objective",
+        files="aerie.draft.export:drafter",
         proposer="aerie.engine.speculative.eagle:EagleProposer",
-        sglang_algorithm="EAGLE3",
-    ),
-    "dflash": Family(
-        name="dflash",
-        layers=spread_layers,
+    ),  # fmt: skip
+    "dflash": _family(
+        "dflash",
+        spread_layers,
+        "DFLASH",
         model="aerie.draft.dflash:DFlashDrafter",
-        objective="aerie.train.dflash_objective:block_loss",
-        export="aerie.draft.dflash_export:export_dflash",
+        objective="aerie.train.dflash_objective:DFlashObjective",
+        files="aerie.draft.dflash_export:dflash",
         proposer="aerie.engine.speculative.dflash:DFlashProposer",
-        sglang_algorithm="DFLASH",
-    ),
+    ),  # fmt: skip
 }
 
 

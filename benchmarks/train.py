@@ -38,8 +38,7 @@ from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
 from aerie.train.distributed import DistInfo
 from aerie.train.fused import fused_backend
-from aerie.train.loop import forward_loss
-from aerie.train.objective import Teacher
+from aerie.train.objective import Eagle3Objective, Teacher
 
 RESULTS = Path(__file__).parent / "results"
 CONFIGS: dict[str, dict[str, int]] = {
@@ -132,13 +131,14 @@ def aerie_step(name: str, cfg: DraftConfig, tokens: int, args: argparse.Namespac
     teacher = Teacher(lm_head, used, t2d, keep_full=False).to(device, dtype)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=device == "cuda")
     attention = args.attention if args.attention != "auto" else ("flex" if device == "cuda" else "dense")
+    objective = Eagle3Objective(TrainConfig(ttt_length=args.ttt))
     tr = SimpleNamespace(
-        cfg=TrainConfig(ttt_length=args.ttt), teacher=teacher, device=torch.device(device), dtype=dtype,
+        cfg=objective.cfg, teacher=teacher, device=torch.device(device), dtype=dtype,
         attention=attention, dist=DistInfo(),
     )  # fmt: skip
 
     def step() -> float:
-        loss, _ = forward_loss(tr, drafter, batch, reduce=lambda x: x)  # type: ignore[arg-type]
+        loss, _ = objective.loss(tr, drafter, batch, lambda x: x)  # type: ignore[arg-type]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
         optimizer.step()

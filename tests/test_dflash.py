@@ -19,8 +19,15 @@ from aerie.families import FAMILIES, eagle3_layers, family, spread_layers
 from aerie.targets import TargetInfo
 from aerie.train.config import TrainConfig
 from aerie.train.data import PAD_DOC, Batch
-from aerie.train.dflash_objective import block_labels, block_loss, sample_anchors, slot_weights
-from aerie.train.objective import Teacher, summarize
+from aerie.train.dflash_objective import (
+    block_hits,
+    block_labels,
+    block_loss,
+    block_scores,
+    sample_anchors,
+    slot_weights,
+)
+from aerie.train.objective import Teacher, summarize, walk_answers
 from tests.train_support import tiny_target
 
 H, V = 32, 64
@@ -92,7 +99,7 @@ def test_capture_layers_per_family() -> None:
 
 def test_every_family_part_resolves() -> None:
     for fam in FAMILIES.values():
-        for part in ("model", "objective", "export", "proposer"):
+        for part in ("model", "objective", "export", "loader", "proposer"):
             assert callable(fam.load(part)), (fam.name, part)
 
 
@@ -313,6 +320,13 @@ def test_a_drafter_trained_on_an_answer_drafts_it_back(tiny) -> None:
     assert out.output_ids == answer
     # An untrained drafter gets about 1.0 (no draft accepted); the fitted one about 2.7 at 150 steps.
     assert out.spec_accept_length > 2.0, (out.spec_accept_length, out.accepted)
+    # The held-out walk the trainer keeps the best drafter by: a block after every anchor, its hits walked
+    # in rounds, walks the decoder's rounds (tokens after the prefill's first, as `accept_length` counts).
+    every = sample_anchors(batch, t, drafter.config.block_size, torch.Generator())
+    with torch.no_grad():
+        _loss, _stats, correct = block_scores(drafter, teacher, batch, every, 4.0)
+    rounds, tokens = walk_answers(batch, block_hits(every, correct, t))
+    assert (rounds, tokens) == (out.verify_ct, len(out.output_ids) - 1)
 
 
 def test_the_family_fields_leave_eagle3_stage_keys_as_they_were() -> None:

@@ -607,7 +607,11 @@ def test_torchrun_workers_train_with_ddp(tiny, tmp_path) -> None:
 def test_shards_for_another_layer_convention_are_refused(tiny) -> None:
     target, _, _ = tiny
     with pytest.raises(DataError, match="output-of-layer ids"):
-        stage._check_extract({"layers": {"output_of_layer": target.aux_layers_input}}, target)
+        stage._check_extract({"layers": {"output_of_layer": target.aux_layers_input}}, target, TrainConfig())
     with pytest.raises(DataError, match="hidden size 128"):
-        stage._check_extract({"hidden_size": 128}, target)
-    stage._check_extract({"layers": {"output_of_layer": target.aux_layers_output}, "hidden_size": 64}, target)
+        stage._check_extract({"hidden_size": 128}, target, TrainConfig())
+    eagle3 = {"layers": {"output_of_layer": target.aux_layers_output}, "hidden_size": 64}
+    stage._check_extract(eagle3, target, TrainConfig())
+    # EAGLE-3's three layers do not feed a DFlash drafter, which reads its own.
+    with pytest.raises(DataError, match="a train.drafter=dflash drafter reads"):
+        stage._check_extract(eagle3, target, TrainConfig(drafter="dflash", dflash={"num_target_layers": 3}))

@@ -37,6 +37,13 @@ from torch import Tensor, nn
 
 from aerie.draft.model import MLP, DraftConfig, RMSNorm, Rotary, apply_rope
 
+# The fields a DFlash drafter shares with EAGLE-3's `DraftConfig`: the target's attention geometry,
+# vocabulary and RoPE.
+GEOMETRY = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class DFlashConfig:
@@ -81,20 +88,16 @@ class DFlashConfig:
         return len(self.target_layer_ids)
 
     def rope(self) -> DraftConfig:
-        """The same RoPE as the target's (EAGLE-3's `Rotary` reads these fields of a `DraftConfig`)."""
+        """The same RoPE as the target's (EAGLE-3's `Rotary` and `MLP` read these fields of a `DraftConfig`)."""
         return DraftConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            vocab_size=self.vocab_size,
-            draft_vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
-            max_position_embeddings=self.max_position_embeddings,
+            **{name: getattr(self, name) for name in GEOMETRY}, draft_vocab_size=self.vocab_size
         )
+
+    @classmethod
+    def of(cls, geometry: DraftConfig, **block: Any) -> DFlashConfig:
+        """The `GEOMETRY` of an EAGLE-3 config (`aerie.draft.export.draft_config_for`: the target's,
+        taken from its `TargetInfo` once) with the block fields."""
+        return cls(**{name: getattr(geometry, name) for name in GEOMETRY}, **block)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

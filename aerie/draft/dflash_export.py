@@ -19,18 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 from aerie.draft.dflash import DFlashConfig, DFlashDrafter
+from aerie.draft.export import CONFIG, PROVENANCE, WEIGHTS, draft_config_for, load_exported
 from aerie.draft.target_weights import load_embedding, load_lm_head
 from aerie.errors import TargetError
 from aerie.targets import TargetInfo
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-PROVENANCE = "aerie.json"
 ARCHITECTURE = "DFlashDraftModel"
 
 _LAYER_KEYS = (
@@ -85,23 +82,15 @@ def dflash_config_for(
     mask_token_id: int | None,
     intermediate_size: int | None = None,
 ) -> DFlashConfig:
-    """The drafter geometry for a target: its attention shape, its vocabulary, its RoPE."""
-    return DFlashConfig(
-        hidden_size=target.hidden_size,
-        intermediate_size=intermediate_size or target.intermediate_size,
-        num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads,
-        head_dim=target.head_dim,
-        vocab_size=target.vocab_size,
+    """The drafter geometry for a target: its attention shape, its vocabulary, its RoPE (as EAGLE-3's
+    `draft_config_for` derives them from the `TargetInfo`), and the block."""
+    return DFlashConfig.of(
+        draft_config_for(target, target.vocab_size, intermediate_size),
         mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
         num_target_layers=target.num_layers,
         target_layer_ids=tuple(target_layer_ids),
         block_size=block_size,
         num_layers=num_layers,
-        rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope_theta,
-        rope_scaling=target.rope_scaling,
-        max_position_embeddings=target.max_position_embeddings,
     )
 
 
@@ -204,21 +193,13 @@ def load_dflash(
     dtype: torch.dtype = torch.bfloat16,
 ) -> DFlashDrafter:
     """An exported drafter with the target's embedding and lm_head attached, in eval mode on `device`."""
-    root = Path(path)
-    try:
-        cfg = config_from_hf(json.loads((root / CONFIG).read_text()))
-    except (OSError, ValueError, KeyError) as exc:
-        raise TargetError(f"{root / CONFIG} is not a DFlash drafter config: {exc!r}") from exc
-    if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
-        raise TargetError(
-            f"drafter at {root} is for hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, "
-            f"target {target.name} has {target.hidden_size} / {target.vocab_size}"
-        )
-    drafter = DFlashDrafter(cfg, load_embedding(target, dtype), load_lm_head(target, dtype))
-    with safe_open(str(root / WEIGHTS), "pt") as f:
-        state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-    missing = set(export_keys(cfg)) - set(state)
-    if missing:
-        raise TargetError(f"{root / WEIGHTS} lacks {sorted(missing)}")
-    drafter.load_state_dict(state, strict=True)
-    return drafter.to(device=device, dtype=dtype).eval()
+    return load_exported(
+        path,
+        target,
+        kind="a DFlash",
+        parse=config_from_hf,
+        build=lambda cfg: DFlashDrafter(cfg, load_embedding(target, dtype), load_lm_head(target, dtype)),
+        keys=export_keys,
+        device=device,
+        dtype=dtype,
+    )

@@ -14,8 +14,9 @@ Two fields decide whether a drafter works at all in SGLang, so they are never de
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -31,6 +32,9 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 PROVENANCE = "aerie.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+C = TypeVar("C")
+M = TypeVar("M", bound=torch.nn.Module)
 
 # key -> shape as a function of the config; the exact contract SGLang's load_weights consumes.
 EXPORT_KEYS: dict[str, Any] = {
@@ -174,20 +178,47 @@ def load_drafter(
     dtype: torch.dtype = torch.bfloat16,
 ) -> Eagle3Drafter:
     """An exported drafter with the target's embedding attached, in eval mode on `device`."""
+    return load_exported(
+        path,
+        target,
+        kind="an EAGLE-3",
+        parse=config_from_hf,
+        build=lambda cfg: Eagle3Drafter(cfg, load_embedding(target, dtype)),
+        keys=lambda cfg: EXPORT_KEYS,
+        device=device,
+        dtype=dtype,
+    )
+
+
+def load_exported(
+    path: str | Path,
+    target: TargetInfo,
+    *,
+    kind: str,
+    parse: Callable[[dict[str, Any]], C],
+    build: Callable[[C], M],
+    keys: Callable[[C], Iterable[str]],
+    device: str | torch.device,
+    dtype: torch.dtype,
+) -> M:
+    """Any family's exported directory read back: `parse` its config.json (`TargetError` naming the
+    file when it is not `kind`'s), check it was made for `target`, `build` the module, and load exactly
+    its weights (every one of `keys(cfg)` present, nothing else), in eval mode on `device`."""
     root = Path(path)
     try:
-        cfg = config_from_hf(json.loads((root / CONFIG).read_text()))
+        cfg = parse(json.loads((root / CONFIG).read_text()))
     except (OSError, ValueError, KeyError) as exc:
-        raise TargetError(f"{root / CONFIG} is not an EAGLE-3 drafter config: {exc!r}") from exc
-    if (cfg.hidden_size, cfg.vocab_size) != (target.hidden_size, target.vocab_size):
+        raise TargetError(f"{root / CONFIG} is not {kind} drafter config: {exc!r}") from exc
+    hidden, vocab = getattr(cfg, "hidden_size"), getattr(cfg, "vocab_size")  # noqa: B009 - any family's config
+    if (hidden, vocab) != (target.hidden_size, target.vocab_size):
         raise TargetError(
-            f"drafter at {root} is for hidden {cfg.hidden_size} / vocab {cfg.vocab_size}, "
+            f"drafter at {root} is for hidden {hidden} / vocab {vocab}, "
             f"target {target.name} has {target.hidden_size} / {target.vocab_size}"
         )
-    drafter = Eagle3Drafter(cfg, load_embedding(target, dtype))
+    drafter = build(cfg)
     with safe_open(str(root / WEIGHTS), "pt") as f:
         state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-    missing = set(EXPORT_KEYS) - set(state)
+    missing = set(keys(cfg)) - set(state)
     if missing:
         raise TargetError(f"{root / WEIGHTS} lacks {sorted(missing)}")
     drafter.load_state_dict(state, strict=True)

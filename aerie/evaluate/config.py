@@ -9,8 +9,9 @@ from pydantic import Field, model_validator
 from aerie.configbase import StrictModel
 from aerie.datasets import SourceSpec
 
-ProposerName = Literal["eagle3", "prompt_lookup"]
-PROPOSERS: tuple[ProposerName, ...] = ("eagle3", "prompt_lookup")
+# A trained drafter's proposer is named by its family (`aerie.families`); prompt lookup needs none.
+ProposerName = Literal["eagle3", "dflash", "prompt_lookup"]
+PROPOSERS: tuple[ProposerName, ...] = ("eagle3", "prompt_lookup")  # the default: an EAGLE-3 run's
 
 
 class PromptLookupConfig(StrictModel):
@@ -78,7 +79,9 @@ class EvaluateConfig(StrictModel):
     proposers: list[ProposerName] = Field(
         default_factory=lambda: list(PROPOSERS),
         min_length=1,
-        description="Proposers measured by the same evaluator (prompt lookup is the training-free baseline).",
+        description="Proposers measured by the same evaluator (prompt lookup is the training-free baseline). "
+        "A drafter is named by its family: a pipeline with train.drafter=dflash measures dflash where "
+        "eagle3 is listed.",
     )
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
     mtbench_questions: int | None = Field(
@@ -117,6 +120,9 @@ class EvaluateConfig(StrictModel):
             raise ValueError(f"temperatures must list values >= 0, got {self.temperatures}")
         if len(set(self.temperatures)) != len(self.temperatures):
             raise ValueError(f"temperatures lists a value twice: {self.temperatures}")
+        drafters = [p for p in self.proposers if p != "prompt_lookup"]
+        if len(set(drafters)) > 1:
+            raise ValueError(f"proposers name two drafter families {drafters}: one drafter is evaluated")
         if self.datasets is not None:
             names = [d.name for d in self.datasets]
             if not names or len(set(names)) != len(names):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from aerie.errors import EvaluationError
@@ -10,6 +11,16 @@ from aerie.store import ArtifactStore
 
 DRAFTER_DIR = "drafter"
 REQUIRED = ("config.json", "model.safetensors")
+
+
+def family_of(drafter_dir: Path) -> str:
+    """The family an exported drafter belongs to, from its provenance (`aerie.json`; an EAGLE-3
+    export written before families existed has none)."""
+    try:
+        provenance = json.loads((Path(drafter_dir) / "aerie.json").read_text())
+    except (OSError, ValueError):
+        return "eagle3"
+    return str(provenance.get("family", "eagle3")) if isinstance(provenance, dict) else "eagle3"
 
 
 def drafter_keys(store: ArtifactStore, train: StageResult) -> list[str]:

@@ -10,6 +10,17 @@ from aerie.stage import Stage, StageContext, Upstream
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
+    from aerie.evaluate.config import EvaluateConfig
+
+
+def evaluate_config(cfg: PipelineConfig) -> EvaluateConfig:
+    """`cfg.evaluate` measuring the drafter this run trains: its family's proposer where `eagle3` is
+    listed (an EAGLE-3 run's config, and key, stay as they are)."""
+    ev, name = cfg.evaluate, cfg.train.drafter
+    if name == "eagle3" or "eagle3" not in ev.proposers:
+        return ev
+    proposers = [name if p == "eagle3" else p for p in ev.proposers]
+    return ev.model_copy(update={"proposers": proposers})
 
 
 class EvaluateStage(Stage):
@@ -21,12 +32,14 @@ class EvaluateStage(Stage):
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
         from aerie.evaluate.stage import key_of
 
-        return key_of(cfg.evaluate, ctx.target, upstream.drafter, upstream.corpus)
+        return key_of(evaluate_config(cfg), ctx.target, upstream.drafter, upstream.corpus)
 
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.evaluate.stage import run
 
-        return [run(cfg.evaluate, drafter=upstream.drafter, corpus=upstream.corpus, **ctx.args(self.name))]
+        return [
+            run(evaluate_config(cfg), drafter=upstream.drafter, corpus=upstream.corpus, **ctx.args(self.name))
+        ]
 
 
 EVALUATE = EvaluateStage()

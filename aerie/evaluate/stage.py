@@ -26,6 +26,7 @@ from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.drafter_files import fetch_drafter
 from aerie.evaluate.prompts import ALL_ROWS, EvalPrompt, heldout_prompts, prompt_set
 from aerie.evaluate.report import ACCEPTANCE_PNG, acceptance_by_group, evaluation_markdown, plot_acceptance
+from aerie.families import FAMILIES, family
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.store import ArtifactStore
@@ -262,28 +263,39 @@ def _load(
 ) -> dict[str, Any]:
     model = target.load_model(device, str(dtype).removeprefix("torch."))
     loaded: dict[str, Any] = {"model": model}
-    if "eagle3" in cfg.proposers:
-        from aerie.draft.export import load_drafter
-
+    if drafter_family(cfg) is not None:
         local = fetch_drafter(store, drafter, tmp / "drafter")
-        loaded["drafter"] = load_drafter(local, target, device=device, dtype=dtype)
+        loaded.update(load_drafter_of(cfg, target, local, device, dtype))
     return loaded
+
+
+def drafter_family(cfg: EvaluateConfig) -> str | None:
+    """The drafter family `cfg.proposers` measures (`aerie.families`), or None (prompt lookup only)."""
+    return next((p for p in cfg.proposers if p in FAMILIES), None)
+
+
+def load_drafter_of(
+    cfg: EvaluateConfig, target: TargetInfo, path: Path, device: str, dtype: Any
+) -> dict[str, Any]:
+    """The drafter at `path`, read by its family's loader (`TargetError` when the directory holds
+    another family's drafter, naming it)."""
+    name = drafter_family(cfg)
+    assert name is not None
+    return {"drafter": family(name).load("loader")(path, target, device=device, dtype=dtype)}
 
 
 def make_proposer(
     name: str, cfg: EvaluateConfig, loaded: dict[str, Any]
 ) -> tuple[Proposer, list[int] | None]:
     """A fresh proposer and the target hidden states it reads (HF hidden_states indices)."""
-    if name == "eagle3":
-        from aerie.engine.speculative.eagle import EagleProposer
-
-        eagle = EagleProposer(loaded["drafter"])
-        return eagle, eagle.aux_layers
+    if name in FAMILIES:
+        proposer = family(name).load("proposer")(loaded["drafter"])
+        return proposer, proposer.aux_layers
     if name == "prompt_lookup":
         from aerie.engine.speculative.prompt_lookup import PromptLookupProposer
 
         return PromptLookupProposer(cfg.prompt_lookup.max_ngram, cfg.prompt_lookup.min_ngram), None
-    raise EvaluationError(f"unknown proposer {name!r} (eagle3 or prompt_lookup)")
+    raise EvaluationError(f"unknown proposer {name!r} ({', '.join(FAMILIES)} or prompt_lookup)")
 
 
 def measure_setting(

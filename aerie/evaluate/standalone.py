@@ -18,7 +18,7 @@ from aerie.errors import DataError, SchemaError
 from aerie.evaluate.config import EvaluateConfig, PromptSet
 from aerie.evaluate.prompts import prompt_set
 from aerie.evaluate.report import acceptance_by_group, acceptance_table, proposer_label
-from aerie.evaluate.stage import measure_setting
+from aerie.evaluate.stage import drafter_family, load_drafter_of, measure_setting
 from aerie.progress import ProgressFn, no_progress
 from aerie.targets import TargetInfo, resolve_device, resolve_dtype
 
@@ -109,10 +109,8 @@ def _load(cfg: EvaluateConfig, target: TargetInfo, drafter_dir: Path) -> dict[st
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     loaded: dict[str, Any] = {"model": target.load_model(device, str(dtype).removeprefix("torch."))}
-    if "eagle3" in cfg.proposers:
-        from aerie.draft.export import load_drafter
-
-        loaded["drafter"] = load_drafter(drafter_dir, target, device=device, dtype=dtype)
+    if drafter_family(cfg) is not None:
+        loaded.update(load_drafter_of(cfg, target, drafter_dir, device, dtype))
     return loaded
 
 

@@ -18,13 +18,31 @@ accept_length = 1 + sum_j prod_{i<=j} cond_acc_i, what greedy verification of th
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from aerie.draft.dflash import DFlashDrafter
+from aerie.draft.dflash_export import dflash_config_for
+from aerie.draft.target_weights import load_embedding, load_lm_head
+from aerie.targets import TargetInfo
+from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
-from aerie.train.objective import STAT_ROWS, Teacher, soft_cross_entropy
+from aerie.train.objective import (
+    STAT_ROWS,
+    Reduce,
+    Teacher,
+    _identity,
+    autocast,
+    soft_cross_entropy,
+    walk_answers,
+)
+
+if TYPE_CHECKING:
+    from aerie.train.loop import Trainer
+
+EVAL_ANCHORS = 64  # anchors per held-out forward: [64 * (B-1), V] logits at a time
 
 
 def sample_anchors(batch: Batch, per_document: int, block_size: int, generator: torch.Generator) -> Tensor:
@@ -62,24 +80,52 @@ def slot_weights(block_size: int, loss_decay: float, device: torch.device) -> Te
 
 
 def block_loss(
-    drafter: DFlashDrafter, teacher: Teacher, batch: Batch, anchors: Tensor, loss_decay: float
+    drafter: DFlashDrafter,
+    teacher: Teacher,
+    batch: Batch,
+    anchors: Tensor,
+    loss_decay: float,
+    *,
+    reduce: Reduce = _identity,
+    world_size: int = 1,
+    model: nn.Module | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(weighted loss, metric sums [5, B-1] with `STAT_ROWS`) of the blocks after `anchors`.
 
     `teacher` is the target's full lm_head (`Teacher(lm_head, arange(V), ...)`): the draft vocabulary
-    of DFlash is the target's."""
+    of DFlash is the target's. Each slot's loss is normalised by its supervised count over all ranks
+    (`reduce`) and multiplied by `world_size`, because DDP averages gradients over ranks. `model` runs
+    the forward when it is not `drafter` itself (DDP around it)."""
+    loss, stats, _ = block_scores(drafter, teacher, batch, anchors, loss_decay, reduce, world_size, model)
+    return loss, stats
+
+
+def block_scores(
+    drafter: DFlashDrafter,
+    teacher: Teacher,
+    batch: Batch,
+    anchors: Tensor,
+    loss_decay: float,
+    reduce: Reduce = _identity,
+    world_size: int = 1,
+    model: nn.Module | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`block_loss`'s loss and sums, and correct [A, B-1] bool: slot j of anchor i is supervised and its
+    draft is the target's argmax (what the held-out walk reads)."""
     b = drafter.config.block_size
     stats = torch.zeros(len(STAT_ROWS), b - 1, device=anchors.device)
     if anchors.numel() == 0:
-        return batch.aux_hidden.new_zeros((), dtype=torch.float32, requires_grad=False), stats
-    out = drafter(batch.aux_hidden, batch.input_ids, batch.positions, batch.doc_ids, anchors)  # [A, B, H]
+        none = torch.zeros(0, b - 1, dtype=torch.bool, device=anchors.device)
+        return batch.aux_hidden.new_zeros((), dtype=torch.float32, requires_grad=False), stats, none
+    forward = model if model is not None else drafter
+    out = forward(batch.aux_hidden, batch.input_ids, batch.positions, batch.doc_ids, anchors)  # [A, B, H]
     logits = drafter.logits(out[:, 1:].reshape(-1, out.shape[-1]))  # [A*(B-1), V]
     rows, valid = block_labels(batch, anchors, b)
     probs, teacher_argmax = teacher.distribution(batch.last_hidden[rows.reshape(-1)], logits.dtype)
     ce, draft_argmax = soft_cross_entropy(logits, probs)
     ce, valid_f = ce.view(-1, b - 1), valid.float()
     counts = valid_f.sum(0)  # [B-1]
-    weights = slot_weights(b, loss_decay, anchors.device) / counts.clamp(min=1)
+    weights = slot_weights(b, loss_decay, anchors.device) * world_size / reduce(counts).clamp(min=1)
     loss = (ce * valid_f * weights).sum()
     with torch.no_grad():
         correct = (draft_argmax == teacher_argmax).view(-1, b - 1) & valid
@@ -90,4 +136,81 @@ def block_loss(
         stats[2] = correct.sum(0)
         stats[3] = (before_ok & correct).sum(0)
         stats[4] = (before_ok & valid).sum(0)
-    return loss, stats
+    return loss, stats, correct
+
+
+def block_hits(anchors: Tensor, correct: Tensor, rows: int) -> list[Tensor]:
+    """The blocks' hits in EAGLE-3's alignment, for `walk_answers`: hits[k] [rows-2-k] bool, row t's
+    step k naming x_{t+2+k}. The block after anchor a drafts x_{a+1+k} at slot k+1, which is the
+    chain the decoder would draft from row a-1 (both follow the committed token x_a)."""
+    width = correct.shape[1]
+    hits = [torch.zeros(max(rows - 2 - k, 0), dtype=torch.bool, device=correct.device) for k in range(width)]
+    for k in range(width):
+        t = anchors - 1
+        keep = (t >= 0) & (t < hits[k].shape[0])
+        hits[k][t[keep]] = correct[keep, k]
+    return hits
+
+
+class DFlashObjective:
+    """DFlash's part of the training loop (`aerie.train.loop.Objective`): blocks after sampled anchors,
+    taught by the target's full head; held out, a block after every anchor, walked in rounds."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.block = cfg.dflash
+        self.width = cfg.dflash.block_size - 1  # metric columns: one per drafted slot
+
+    def drafter(
+        self, target: TargetInfo, draft_vocab_size: int, dtype: torch.dtype = torch.float32
+    ) -> DFlashDrafter:
+        """A fresh drafter for `target`; its vocabulary is the target's whatever `draft_vocab_size` says."""
+        config = dflash_config_for(
+            target,
+            target_layer_ids=self.cfg.capture_layers(target.num_layers),
+            block_size=self.block.block_size,
+            num_layers=self.block.num_layers,
+            mask_token_id=self.block.mask_token_id,
+            intermediate_size=self.cfg.draft_intermediate_size,
+        )
+        return DFlashDrafter(config, load_embedding(target, dtype), load_lm_head(target, dtype))
+
+    def build(
+        self, target: TargetInfo, vocab: dict[str, Tensor], dtype: torch.dtype
+    ) -> tuple[DFlashDrafter, Teacher]:
+        drafter = self.drafter(target, target.vocab_size, dtype)
+        v = target.vocab_size
+        return drafter, Teacher(load_lm_head(target), torch.arange(v), torch.ones(v, dtype=torch.bool))
+
+    def loss(
+        self, tr: Trainer, model: nn.Module, batch: Batch, reduce: Reduce, *, step: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        """Blocks after anchors drawn for this step and rank (a resumed run draws the same ones)."""
+        generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + tr.dist.rank)
+        anchors = sample_anchors(batch, self.block.anchors_per_sequence, self.block.block_size, generator)
+        with autocast(tr.device, tr.dtype):
+            return block_loss(
+                cast(DFlashDrafter, tr.drafter), tr.teacher, batch, anchors, self.block.loss_decay,
+                reduce=reduce, world_size=tr.dist.world, model=model,
+            )  # fmt: skip
+
+    @torch.no_grad()
+    def evaluate(self, tr: Trainer, batch: Batch) -> tuple[Tensor, tuple[int, int]]:
+        """Every anchor of a held-out row, in groups (their logits are [group * (B-1), V]); the answers
+        walked as the decoder walks them."""
+        drafter = cast(DFlashDrafter, tr.drafter)
+        anchors = sample_anchors(batch, batch.tokens, self.block.block_size, torch.Generator())
+        stats = torch.zeros(len(STAT_ROWS), self.width, device=tr.device)
+        correct = torch.zeros(0, self.width, dtype=torch.bool, device=tr.device)
+        for group in anchors.split(EVAL_ANCHORS):
+            with autocast(tr.device, tr.dtype):
+                _loss, part, right = block_scores(drafter, tr.teacher, batch, group, self.block.loss_decay)
+            stats += part
+            correct = torch.cat([correct, right])
+        return stats, walk_answers(batch, block_hits(anchors, correct, batch.input_ids.shape[0]))
+
+    def window_loss(self, summary: dict[str, float | list[float]]) -> float:
+        losses = summary["loss"]
+        assert isinstance(losses, list)
+        weights = slot_weights(len(losses) + 1, self.block.loss_decay, torch.device("cpu")).tolist()
+        return float(sum(w * x for w, x in zip(weights, losses, strict=True)))

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -28,19 +28,53 @@ from pydantic import BaseModel
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from aerie.draft.export import draft_config_for
-from aerie.draft.model import Eagle3Drafter
-from aerie.draft.target_weights import load_embedding, load_final_norm, load_lm_head
 from aerie.errors import ConfigError, TrainingError
+from aerie.families import family
 from aerie.targets import TargetInfo
 from aerie.train.checkpoint import TrainState, checkpoint_name, load_checkpoint, save_checkpoint, save_weights
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch, EpochPlans, Prefetcher, SampleIndex, batch_stream
 from aerie.train.distributed import DistInfo
-from aerie.train.objective import Teacher, summarize, supervised_rows, ttt_loss, walk_answers, weighted_loss
+from aerie.train.objective import Teacher, summarize
 
 Emit = Callable[[dict[str, Any]], None]
 BEST = "best"
+
+
+class Objective(Protocol):
+    """A drafter family's part of the loop (`aerie.families`: the family's `objective`, built from the
+    TrainConfig): everything that differs between families; the loop around it is one."""
+
+    width: int  # metric columns: TTT steps, or drafted slots of a block
+
+    def drafter(self, target: TargetInfo, draft_vocab_size: int, dtype: torch.dtype = ...) -> nn.Module:
+        """A fresh drafter (the stage also builds one to load the best weights into)."""
+        ...
+
+    def build(
+        self, target: TargetInfo, vocab: dict[str, Tensor], dtype: torch.dtype
+    ) -> tuple[nn.Module, Teacher]:
+        """The drafter to train and its teacher (on the CPU; the loop moves them)."""
+        ...
+
+    def loss(
+        self, tr: Trainer, model: nn.Module, batch: Batch, reduce: Callable[[Tensor], Tensor], *, step: int
+    ) -> tuple[Tensor, Tensor]:
+        """(loss, metric sums [5, width]) of one packed row at optimizer step `step`."""
+        ...
+
+    def evaluate(self, tr: Trainer, batch: Batch) -> tuple[Tensor, tuple[int, int]]:
+        """(metric sums, (rounds, verify tokens) of its answers walked) of one held-out row."""
+        ...
+
+    def window_loss(self, summary: dict[str, float | list[float]]) -> float:
+        """The logged scalar, from per-column losses."""
+        ...
+
+
+def objective_for(cfg: TrainConfig) -> Objective:
+    """`cfg.drafter`'s family part of the loop."""
+    return cast(Objective, family(cfg.drafter).load("objective")(cfg))
 
 
 class TrainSpec(BaseModel):
@@ -59,7 +93,8 @@ class TrainSpec(BaseModel):
 @dataclass
 class Trainer:
     cfg: TrainConfig
-    drafter: Eagle3Drafter  # the module whose weights are saved
+    objective: Objective  # what the drafter family decides: model, teacher, loss, held-out walk
+    drafter: nn.Module  # the module whose weights are saved
     model: nn.Module  # what the step calls: the drafter, or DDP around it
     teacher: Teacher
     optimizer: torch.optim.Optimizer
@@ -85,13 +120,13 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
         cfg.prefetch_batches,
         pin=tr.device.type == "cuda",
     )
-    window = torch.zeros(5, cfg.ttt_length, device=tr.device)
+    window = torch.zeros(5, tr.objective.width, device=tr.device)
     window_start, window_tokens = time.perf_counter(), 0
     try:
         with _stop_requests(enabled=dist.world == 1) as asked:
             while state.step < tr.total_steps:
                 batch = next(stream).to(tr.device, tr.dtype)
-                loss, stats = forward_loss(tr, tr.model, batch, reduce=dist.reduce)
+                loss, stats = tr.objective.loss(tr, tr.model, batch, dist.reduce, step=state.step)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(tr.drafter.parameters(), cfg.grad_clip)
                 lr = float(tr.scheduler.get_last_lr()[0])
@@ -161,32 +196,6 @@ def _stop_requests(enabled: bool) -> Iterator[list[int]]:
         restore()
 
 
-def forward_loss(
-    tr: Trainer,
-    model: nn.Module,
-    batch: Batch,
-    reduce: Callable[[Tensor], Tensor],
-    exact: bool = False,
-    hits: list[Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """TTT forward over one packed row; (loss, metric sums [5, K]). `exact` checks the full-vocab argmax;
-    `hits` (eval) receives each step's right-and-supervised rows (see `ttt_loss`)."""
-    autocast = (
-        torch.autocast("cuda", dtype=tr.dtype) if tr.device.type == "cuda" else contextlib.nullcontext()
-    )
-    with autocast:
-        logits = model(
-            batch.aux_hidden, batch.input_ids, batch.positions, batch.doc_ids, tr.cfg.ttt_length, tr.attention
-        )
-    probs, teacher_argmax = tr.teacher.distribution(batch.last_hidden, logits[0].dtype)
-    in_vocab = tr.teacher.argmax_in_draft_vocab(batch.last_hidden) if exact else None
-    valid = supervised_rows(batch, tr.cfg.ttt_length)
-    return ttt_loss(
-        logits, probs, teacher_argmax, valid, tr.cfg.step_decay,
-        in_vocab=in_vocab, reduce=reduce, world_size=tr.dist.world, hits=hits,
-    )  # fmt: skip
-
-
 @torch.no_grad()
 def evaluate(tr: Trainer) -> dict[str, Any]:
     """Metrics over the held-out rows (each rank a share, summed once at the end): `summarize`'s per-step
@@ -203,12 +212,12 @@ def evaluate(tr: Trainer) -> dict[str, Any]:
 @torch.no_grad()
 def evaluate_batches(tr: Trainer, batches: Iterable[Batch]) -> dict[str, Any]:
     """`evaluate`'s figures over this rank's share of held-out rows (on the device), summed over ranks."""
-    stats = torch.zeros(5, tr.cfg.ttt_length, device=tr.device)
+    stats = torch.zeros(5, tr.objective.width, device=tr.device)
     walked = torch.zeros(2, dtype=torch.int64, device=tr.device)  # rounds, verify tokens
     for batch in batches:
-        hits: list[Tensor] = []
-        stats += forward_loss(tr, tr.drafter, batch, reduce=_no_reduce, exact=True, hits=hits)[1]
-        walked += torch.tensor(walk_answers(batch, hits), device=tr.device)
+        part, rounds_tokens = tr.objective.evaluate(tr, batch)
+        stats += part
+        walked += torch.tensor(rounds_tokens, device=tr.device)
     rounds, tokens = tr.dist.reduce(walked).tolist()
     # No answer of two tokens or more: no round to verify, nothing accepted.
     rounds_length = tokens / rounds if rounds else 1.0
@@ -234,7 +243,7 @@ def train_record(
         "step": state.step,
         "total_steps": tr.total_steps,
         "loss": round(float(loss.detach()), 6),  # this step's objective (exact; resume is checked on it)
-        "window_loss": round(weighted_loss(summary, tr.cfg.step_decay), 6),
+        "window_loss": round(tr.objective.window_loss(summary), 6),
         "step_loss": summary["loss"],
         "step_acc": summary["acc"],
         "cond_acc": summary["cond_acc"],
@@ -260,14 +269,15 @@ def save_best(tr: Trainer, state: TrainState, result: dict[str, Any]) -> None:
 
 def save(tr: Trainer, state: TrainState) -> None:
     if tr.dist.is_main:
-        config = {"train": tr.cfg.model_dump(mode="json"), "draft": tr.drafter.config.to_dict()}
+        config = {"train": tr.cfg.model_dump(mode="json"), "draft": _draft_config(tr.drafter)}
         save_checkpoint(tr.work_dir / "checkpoints", tr.drafter, tr.optimizer, tr.scheduler, state, config)
         tr.emit({"kind": "checkpoint", "step": state.step, "name": checkpoint_name(state.step)})
     tr.dist.barrier()
 
 
-def _no_reduce(x: Tensor) -> Tensor:
-    return x
+def _draft_config(drafter: nn.Module) -> dict[str, Any]:
+    """The drafter's shapes as checkpoints record them (every family's config has `to_dict`)."""
+    return cast(dict[str, Any], drafter.config.to_dict())  # type: ignore[operator,union-attr]
 
 
 # ----------------------------------------------------------------------------------------------- wiring
@@ -284,14 +294,10 @@ def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer,
 
     vocab = load_file(spec.vocab_path)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank and every run
-    draft_cfg = draft_config_for(spec.target, vocab["used"].numel(), cfg.draft_intermediate_size)
-    drafter = Eagle3Drafter(draft_cfg, load_embedding(spec.target, dtype))
-    drafter.set_vocab(vocab["d2t"], vocab["t2d"])
-    lm_head = load_lm_head(spec.target)
-    if cfg.init_head_from_target:
-        _init_head_from_target(drafter, lm_head, vocab["used"], spec.target)
-    teacher = Teacher(lm_head, vocab["used"], vocab["t2d"]).to(device, dtype)
-    del lm_head
+    objective = objective_for(cfg)
+    drafter, cpu_teacher = objective.build(spec.target, vocab, dtype)
+    teacher = cpu_teacher.to(device, dtype)
+    del cpu_teacher
     drafter.to(device)
     model: nn.Module = drafter
     if dist.world > 1:
@@ -309,7 +315,7 @@ def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg, total_steps))
     tr = Trainer(
-        cfg, drafter, model, teacher, optimizer, scheduler, train_plans, eval_plans, total_steps,
+        cfg, objective, drafter, model, teacher, optimizer, scheduler, train_plans, eval_plans, total_steps,
         device, dtype, attention, dist, Path(spec.work_dir), emit,
     )  # fmt: skip
     state = TrainState()
@@ -330,16 +336,6 @@ def cosine_with_warmup(cfg: TrainConfig, total_steps: int) -> Callable[[int], fl
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
-
-
-def _init_head_from_target(drafter: Eagle3Drafter, lm_head: Tensor, used: Tensor, target: TargetInfo) -> None:
-    """Start from the target's own head (rows of the draft vocab) and final norm: a drafter whose layer
-    reproduces the target's last hidden state is then right from step one."""
-    with torch.no_grad():
-        drafter.lm_head.weight.copy_(lm_head[used])
-        norm = load_final_norm(target)
-        if norm is not None:
-            drafter.norm.weight.copy_(norm)
 
 
 def _indices(spec: TrainSpec) -> tuple[SampleIndex, SampleIndex]:

@@ -32,12 +32,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from aerie.draft.export import draft_config_for
+from aerie.draft.model import Eagle3Drafter
+from aerie.draft.target_weights import load_embedding, load_final_norm, load_lm_head
+from aerie.targets import TargetInfo
+from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
 from aerie.train.fused import EAGER_CHUNK_ELEMENTS, SOFT_CE, TEACHER
+
+if TYPE_CHECKING:
+    from aerie.train.loop import Trainer
 
 STAT_ROWS = ("loss_sum", "count", "correct", "cond_num", "cond_den")
 
@@ -283,3 +292,86 @@ def walk_answers(batch: Batch, hits: list[Tensor], max_new_tokens: int = 1 << 30
             rounds += len(simulate_rounds(matrix, s, e, max_new_tokens))
             tokens += e - s - 1
     return rounds, tokens
+
+
+class Eagle3Objective:
+    """EAGLE-3's part of the training loop (`aerie.train.loop.Objective`): one Llama layer unrolled
+    `ttt_length` steps over each packed row, taught by the target's head over the draft vocabulary, and
+    the held-out answers walked in rounds by its hits."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.width = cfg.ttt_length  # metric columns: one per TTT step
+
+    def drafter(
+        self, target: TargetInfo, draft_vocab_size: int, dtype: torch.dtype = torch.float32
+    ) -> Eagle3Drafter:
+        """A fresh drafter for `target` (seed first for reproducible weights)."""
+        draft_cfg = draft_config_for(target, draft_vocab_size, self.cfg.draft_intermediate_size)
+        return Eagle3Drafter(draft_cfg, load_embedding(target, dtype))
+
+    def build(
+        self, target: TargetInfo, vocab: dict[str, Tensor], dtype: torch.dtype
+    ) -> tuple[Eagle3Drafter, Teacher]:
+        """The drafter to train, its vocabulary maps set and (`init_head_from_target`) its head the
+        target's rows of the draft vocab, and its teacher."""
+        drafter = self.drafter(target, vocab["used"].numel(), dtype)
+        drafter.set_vocab(vocab["d2t"], vocab["t2d"])
+        lm_head = load_lm_head(target)
+        if self.cfg.init_head_from_target:
+            _init_head_from_target(drafter, lm_head, vocab["used"], target)
+        return drafter, Teacher(lm_head, vocab["used"], vocab["t2d"])
+
+    def loss(
+        self,
+        tr: Trainer,
+        model: nn.Module,
+        batch: Batch,
+        reduce: Reduce,
+        *,
+        step: int = 0,
+        exact: bool = False,
+        hits: list[Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """TTT forward over one packed row; (loss, metric sums [5, K]). `exact` checks the full-vocab
+        argmax; `hits` (eval) receives each step's right-and-supervised rows (see `ttt_loss`)."""
+        with autocast(tr.device, tr.dtype):
+            logits = model(
+                batch.aux_hidden,
+                batch.input_ids,
+                batch.positions,
+                batch.doc_ids,
+                self.cfg.ttt_length,
+                tr.attention,
+            )
+        probs, teacher_argmax = tr.teacher.distribution(batch.last_hidden, logits[0].dtype)
+        in_vocab = tr.teacher.argmax_in_draft_vocab(batch.last_hidden) if exact else None
+        valid = supervised_rows(batch, self.cfg.ttt_length)
+        return ttt_loss(
+            logits, probs, teacher_argmax, valid, self.cfg.step_decay,
+            in_vocab=in_vocab, reduce=reduce, world_size=tr.dist.world, hits=hits,
+        )  # fmt: skip
+
+    def evaluate(self, tr: Trainer, batch: Batch) -> tuple[Tensor, tuple[int, int]]:
+        """One held-out row: (metric sums [5, K], (rounds, verify tokens) of its answers walked)."""
+        hits: list[Tensor] = []
+        stats = self.loss(tr, tr.drafter, batch, _identity, exact=True, hits=hits)[1]
+        return stats, walk_answers(batch, hits)
+
+    def window_loss(self, summary: dict[str, float | list[float]]) -> float:
+        return weighted_loss(summary, self.cfg.step_decay)
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[object]:
+    """bf16 autocast on CUDA; nothing on the CPU (fp32 there)."""
+    return torch.autocast("cuda", dtype=dtype) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _init_head_from_target(drafter: Eagle3Drafter, lm_head: Tensor, used: Tensor, target: TargetInfo) -> None:
+    """Start from the target's own head (rows of the draft vocab) and final norm: a drafter whose layer
+    reproduces the target's last hidden state is then right from step one."""
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(lm_head[used])
+        norm = load_final_norm(target)
+        if norm is not None:
+            drafter.norm.weight.copy_(norm)

@@ -32,11 +32,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aerie.diskspace import writing
-from aerie.draft.export import draft_config_for, export_drafter, hf_config
-from aerie.draft.model import Eagle3Drafter
-from aerie.draft.target_weights import load_embedding
 from aerie.draft.vocab import VocabMap, build_vocab_map, load_token_counts
 from aerie.errors import DataError, ObjectNotFoundError, TrainingError
+from aerie.families import family
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.settings import get_settings
@@ -47,7 +45,7 @@ from aerie.train.checkpoint import FILES
 from aerie.train.config import TrainConfig
 from aerie.train.data import localize_shards
 from aerie.train.distributed import DistInfo
-from aerie.train.loop import BEST, TrainSpec, run_training
+from aerie.train.loop import BEST, TrainSpec, objective_for, run_training
 from aerie.train.plots import plot_metrics
 
 STAGE = "train"
@@ -70,18 +68,16 @@ def run(
     progress: ProgressFn = no_progress,
 ) -> StageResult:
     """Train (or resume, or return the cached result of) the drafter for `target` on `shards`."""
-    if cfg.drafter != "eagle3":
-        # Refused rather than silently training EAGLE-3: the shards hold EAGLE-3's three layers and the
-        # loop is the TTT one; the DFlash parts (aerie.families) are not wired into the stages.
-        raise TrainingError(f"the train stage trains eagle3 drafters only, train.drafter is {cfg.drafter!r}")
     sd = StageDir(store, run_name, STAGE, key_of(cfg, target, shards, corpus))
     if (cached := sd.cached_result()) is not None:
         return cached
 
     extract = load_manifest(store, shards.prefix)
-    _check_extract(extract, target)
+    _check_extract(extract, target, cfg)
     train_keys, eval_keys = shard_keys(extract, shards.prefix)
-    vocab = build_vocab_map(load_token_counts(store, corpus, target.vocab_size), cfg.draft_vocab_size)
+    # A DFlash drafter drafts over the target's whole vocabulary (its head is the target's).
+    draft_vocab = cfg.draft_vocab_size if cfg.drafter == "eagle3" else target.vocab_size
+    vocab = build_vocab_map(load_token_counts(store, corpus, target.vocab_size), draft_vocab)
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else get_settings().cache_dir / "train"
     work = cache / "work" / run_name / sd.key
@@ -130,8 +126,9 @@ def key_of(cfg: TrainConfig, target: TargetInfo, shards: StageResult, corpus: St
     return stage_key(STAGE, keyed, [shards.manifest_sha256, corpus.manifest_sha256, target.revision])
 
 
-def _check_extract(extract: dict[str, Any], target: TargetInfo) -> None:
-    """Shards made for another target (or another layer convention) would train a useless drafter."""
+def _check_extract(extract: dict[str, Any], target: TargetInfo, cfg: TrainConfig) -> None:
+    """Shards made for another target (or another layer convention, or another family's layers) would
+    train a useless drafter."""
     hidden = extract.get("hidden_size")
     if hidden is not None and int(hidden) != target.hidden_size:
         raise DataError(
@@ -140,9 +137,11 @@ def _check_extract(extract: dict[str, Any], target: TargetInfo) -> None:
     layers = extract.get("layers")
     if isinstance(layers, dict):
         out = layers.get("output_of_layer")
-        if out is not None and list(out) != target.aux_layers_output:
+        want = cfg.capture_layers(target.num_layers)
+        if out is not None and list(out) != want:
             raise DataError(
-                f"extract captured output-of-layer ids {out}, the drafter contract is {target.aux_layers_output}"
+                f"extract captured output-of-layer ids {out}, a train.drafter={cfg.drafter} drafter reads "
+                f"{want} (extract.capture_layers, or leave it unset to take the family's)"
             )
 
 
@@ -301,12 +300,11 @@ def _finish(
     if not best_file.is_file():
         raise TrainingError(f"training ended without a best checkpoint at {best_file}")
     best = json.loads(store.get_bytes(sd.path(f"{BEST_KEY}/best.json")))
-    draft_cfg = draft_config_for(target, vocab.draft_vocab_size, cfg.draft_intermediate_size)
-    drafter = Eagle3Drafter(draft_cfg, load_embedding(target))
+    drafter = objective_for(cfg).drafter(target, vocab.draft_vocab_size)
     drafter.load_state_dict(load_file(str(best_file)))
     best_figures = {name: best[name] for name in ("accept_length_rounds", "accept_length")}
     provenance = {"best_step": best["step"], **best_figures, **vocab.figures()}
-    out = export_drafter(drafter, work / "drafter", target, provenance)
+    out = family(cfg.drafter).load("export")(drafter, work / "drafter", target, provenance)
     drafter_files = sorted(p.name for p in out.iterdir() if p.is_file())
     for name in drafter_files:
         store.put_file(sd.path(f"drafter/{name}"), out / name)
@@ -317,14 +315,15 @@ def _finish(
         store.put_file(sd.path(png.name), png)
     progress(1.0, f"best step {best['step']}: accept length {best['accept_length_rounds']:.3f} in rounds")
 
+    layers = cfg.capture_layers(target.num_layers)
     last_train = events.last_train or next((r for r in reversed(records) if r["kind"] == "train"), {})
     last_eval = events.last_eval or next((r for r in reversed(records) if r["kind"] == "eval"), {})
     return sd.finish(
         {
             "target": {"name": target.name, "revision": target.revision},
             "layers": {
-                "output_convention": target.aux_layers_output,
-                "input_convention": target.aux_layers_input,
+                "output_convention": layers,
+                "input_convention": [i + 1 for i in layers],
             },
             "vocab": {**vocab.figures(), "used_sha256": _digest(vocab.used)},
             "training": {
@@ -342,7 +341,8 @@ def _finish(
                 "step_loss": last_train.get("step_loss"),
                 "eval": last_eval,
             },
-            "drafter_config": hf_config(draft_cfg, target),
+            "family": cfg.drafter,
+            "drafter_config": json.loads((out / "config.json").read_text()),
             "files": {
                 "drafter": [f"drafter/{n}" for n in drafter_files],
                 "metrics": METRICS,

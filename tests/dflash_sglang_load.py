@@ -1,0 +1,85 @@
+"""Run by SGLang's own interpreter (not aerie's): build SGLang's DFlash draft model in process from an
+exported drafter directory, the way its DFLASH worker does, load the directory's weights into it, and
+report what was written.
+
+    python dflash_sglang_load.py OUT_DIR DRAFTER_DIR [DRAFTER_DIR ...]
+
+The model class is the one SGLang's model registry maps the directory's `architectures` to, built by
+SGLang's `_initialize_model` from `ModelConfig(DRAFTER_DIR, is_draft_model=True)` under one process group
+(gloo, world size 1); every parameter is filled with NaN first, then `load_weights` gets the directory's
+tensors through SGLang's own safetensors iterator. OUT_DIR gets, for drafter i, `i.safetensors` (every
+parameter as loaded) and in `result.json`: the class, the block size, target layer ids, mask token id,
+context feature count and draft layer count SGLang derived from the config.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(drafter: str) -> Any:
+    """Server arguments resolved and published, and the process group SGLang's scheduler would build."""
+    from sglang.srt.distributed.bootstrap import init_parallel_runtime
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(["--model-path", drafter, "--device", "cpu", "--skip-server-warmup"])
+    server_args.resolve_once()
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    init_parallel_runtime(server_args=server_args, device="cpu", dist_port=_free_port())
+    return server_args
+
+
+def load(server_args: Any, drafter: str, out: Path) -> dict[str, Any]:
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+
+    config = ModelConfig.from_server_args(server_args, model_path=drafter, is_draft_model=True)
+    with set_default_torch_dtype(config.dtype), torch.device("cpu"):
+        model = _initialize_model(config, LoadConfig())
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(float("nan"))
+    files = sorted(str(p) for p in Path(drafter).glob("*.safetensors"))
+    model.load_weights(safetensors_weights_iterator(files))
+    save_file({name: p.detach().contiguous() for name, p in model.named_parameters()}, str(out))
+    draft = model.draft_config
+    layer_ids = draft.resolve_target_layer_ids(
+        target_num_layers=int(draft.num_target_layers), draft_num_layers=len(model.layers)
+    )
+    return {
+        "class": type(model).__name__,
+        "dtype": str(config.dtype),
+        "block_size": int(model.block_size),
+        "target_layer_ids": list(layer_ids),
+        "mask_token_id": draft.mask_token_id,
+        "num_context_features": int(model.num_context_features),
+        "num_layers": len(model.layers),
+    }
+
+
+def main() -> None:
+    out, drafters = Path(sys.argv[1]), sys.argv[2:]
+    server_args = start(drafters[0])
+    result = [load(server_args, d, out / f"{i}.safetensors") for i, d in enumerate(drafters)]
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
