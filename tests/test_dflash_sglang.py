@@ -21,23 +21,15 @@ from aerie.draft.dflash_export import WEIGHTS, export_dflash
 from aerie.targets import TargetInfo
 from aerie.train.config import TrainConfig
 from aerie.train.dflash_objective import DFlashObjective
+from tests.sglang_support import sglang_python, shim_calls, shim_env
 
 pytestmark = pytest.mark.sglang
 
-REPO = Path(__file__).resolve().parents[1]
 LOADER = Path(__file__).with_name("dflash_sglang_load.py")
-SHIMS = Path(__file__).with_name("sglang_cpu_shims")
 # SGLang fuses q, k, v and gate, up into one parameter each on load.
 FUSED = {"self_attn.qkv_proj.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
          "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"]}  # fmt: skip
 RENAMED = ("layers.1.mlp.up_proj.weight", "layers.1.mlp.up.weight")
-
-
-def sglang_python() -> str:
-    python = Path(os.environ.get("AERIE_SGLANG_PYTHON", REPO / ".venv-sglang" / "bin" / "python"))
-    if not python.exists():
-        pytest.skip(f"no SGLang environment at {python}: run make setup-sglang")
-    return str(python)
 
 
 def file_tensors(param: str) -> list[str]:
@@ -80,14 +72,14 @@ def test_sglang_loads_every_tensor_of_the_dflash_export(smollm2, tmp_path) -> No
     save_file(tensors, str(renamed / WEIGHTS))
     out = tmp_path / "loaded"
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(SHIMS), "SGLANG_USE_CPU_ENGINE": "1"}
-    env["AERIE_SHIM_CALLS_FILE"] = str(tmp_path / "shim-calls")
+    calls = tmp_path / "shim-calls"
+    env = {**os.environ, **shim_env(calls), "SGLANG_USE_CPU_ENGINE": "1"}
     proc = subprocess.run(
         [python, str(LOADER), str(out), str(good), str(renamed)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert not (tmp_path / "shim-calls").exists()  # no stand-in for a compiled kernel was called
+    assert shim_calls(calls) == []  # no stand-in for a compiled kernel was called
     first, second = json.loads((out / "result.json").read_text())
     assert first == {
         "class": "DFlashDraftModel",
