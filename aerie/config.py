@@ -68,6 +68,18 @@ class PipelineConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _generation_flags_fit_the_server(self) -> PipelineConfig:
+        # The embedded generation server is server.backend's: SGLang would refuse the reference
+        # server's --cuda-graphs (the GPU preset's) at launch, after the stages before it ran.
+        if self.server.backend == "sglang" and "--cuda-graphs" in self.generate.endpoint.launch_args:
+            raise ValueError(
+                "generate.endpoint.launch_args gives the reference server's --cuda-graphs, but with "
+                "server.backend 'sglang' the generation server is SGLang, which captures CUDA graphs by "
+                "default: set generate.endpoint.launch_args=[]"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _no_flag_given_twice(self) -> PipelineConfig:
         # A flag aerie derives from a field, given again verbatim, would silently win (argparse keeps the
         # last); one place per setting.

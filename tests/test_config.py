@@ -153,6 +153,16 @@ def test_flags_aerie_does_not_set_pass_and_launch_args_may_size_the_generation_s
     assert cfg.generate.endpoint.launch_args == ["--max-batch-tokens", "4096"]
 
 
+def test_sglang_generation_refuses_the_reference_servers_cuda_graphs_flag():
+    # The GPU preset generates with the reference server's --cuda-graphs; with SGLang the generation
+    # server is SGLang's, which has no such flag.
+    overrides = ["server.backend=sglang", "extract.quantize_on_server=false"]
+    with pytest.raises(ConfigError, match=r"reference server's --cuda-graphs.*launch_args=\[\]"):
+        apply_overrides(get_preset("smollm2-gpu"), overrides)
+    cfg = apply_overrides(get_preset("smollm2-gpu"), [*overrides, "generate.endpoint.launch_args=[]"])
+    assert cfg.server.backend == "sglang" and cfg.generate.endpoint.launch_args == []
+
+
 def test_overrides_are_taken_before_between_and_after_options():
     from aerie.cli import parse_args
 

@@ -13,11 +13,6 @@ One scenario, because each server start costs ~10-20 s on a busy 2-core machine:
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-
-import psutil
 import pytest
 import torch
 
@@ -31,49 +26,10 @@ from aerie.manifest import load_manifest
 from aerie.serving import ServerConfig
 from aerie.shards.reader import ShardReader
 from aerie.store import LocalStore
-from tests.extract_support import corpus_rows, write_corpus
+from tests.extract_support import KillServer, corpus_rows, listener_pid, write_corpus
 from tests.processes import free_port_pair
 
 pytestmark = pytest.mark.integration  # reference server processes
-
-
-def listener_pid(port: int) -> int | None:
-    for conn in psutil.net_connections("tcp"):
-        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
-            return conn.pid
-    return None
-
-
-class KillServer:
-    """A progress callback that SIGKILLs server s0 (the one on `port`) at each of `when`, in turn:
-    "canary" as s0 starts its canary; a fraction once s0 is ready (its canary passed), the extraction
-    passed that fraction, and a tokens/s report came after s0 was ready (so it is extracting)."""
-
-    def __init__(self, port: int, *when: str | float) -> None:
-        self.port, self.when = port, list(when)
-        self.ready = self.ticked = False
-        self.killed: list[int] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, fraction: float, message: str) -> None:
-        with self.lock:
-            if message.startswith("server s0: ready at"):
-                self.ready, self.ticked = True, False
-            elif "tok/s" in message and self.ready:
-                self.ticked = True
-            if not self.when:
-                return
-            when = self.when[0]
-            if when == "canary":
-                due = message == "server s0: running the canary"
-            else:
-                due = self.ticked and fraction >= float(when)
-            pid = listener_pid(self.port) if due else None
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                self.killed.append(pid)
-                self.when.pop(0)
-                self.ready = self.ticked = False
 
 
 def check_commit_path(phases: dict) -> dict[str, float]:

@@ -7,10 +7,6 @@ from __future__ import annotations
 import email.utils
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +36,7 @@ from tests.fault_server import (
     slow,
     status,
 )
+from tests.generate_support import check_resumed, journal_of, kill_mid_run
 
 KEY_ENV = "AERIE_TEST_GENERATE_KEY"
 
@@ -361,88 +358,32 @@ def test_kill_9_mid_run_then_rerun_yields_each_record_exactly_once(server: Fault
     )
     store_root = tmp_path / "store"
     server.delay_s = 0.3  # slow enough to catch the child mid-run, after its first time record
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            CHILD,
-            cfg.model_dump_json(),
-            spec.model_dump_json(),
-            str(store_root),
-            server.url,
-        ],
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    journal = store_root / "r" / "generate-toy" / "journal"
-    try:
-        deadline = time.monotonic() + 60
-        while _journal_lines(journal) < 8 or not list(journal.rglob("time-*.jsonl")):
-            assert child.poll() is None, "the child exited before it was killed"
-            assert time.monotonic() < deadline, "the child never wrote its journal"
-            time.sleep(0.05)
+
+    def second_writer_refused(child) -> None:
         # A second process generating into the same journal is refused while the child holds it (after
         # the kill, the re-run below takes the lock: the kernel dropped the dead child's).
         with pytest.raises(StoreError, match=rf"another generation is writing to .* \(pid {child.pid}\)"):
             run(cfg, spec, store=LocalStore(store_root), run_name="r", base_url=server.url)
-        os.kill(child.pid, signal.SIGKILL)
-    finally:
-        child.wait()
-    assert child.returncode == -signal.SIGKILL
-    done_before_kill = {
-        json.loads(line)["id"]
-        for p in journal.rglob("part-*.jsonl")
-        for line in p.read_text().splitlines()
-        if line.endswith("}")
-    }
+
+    done_before_kill = kill_mid_run(
+        cfg, spec, store_root, server.url, at_lines=8, while_running=second_writer_refused
+    )
     assert 8 <= len(done_before_kill) < n
 
     server.delay_s = 0.0
     asked_before = len(server.seen)
     store = LocalStore(store_root)
     result = run(cfg, spec, store=store, run_name="r", base_url=server.url)
+    check_resumed(
+        store, result, journal_of(store_root, spec), [f"c{i:03d}" for i in range(n)], done_before_kill
+    )
     frame = read_output(store, result.prefix)
-    assert frame["id"].to_list() == [f"c{i:03d}" for i in range(n)]  # every record, once, in order
     for row in frame.iter_rows(named=True):
         assert row["messages"][1]["content"] == answer_for(
             [{"role": "user", "content": row["messages"][0]["content"]}]
         )
     asked_again = {s.prompt for s in server.seen[asked_before:]}
     assert not asked_again & {f"question {int(i[1:])}.0" for i in done_before_kill}  # nothing redone
-    assert result.figures["records"] == n
-    manifest = load_manifest(store, result.prefix)
-    assert manifest["counts"]["done_in_earlier_runs"] == len(done_before_kill)
-    # The time is both runs': the killed one's (as it last recorded it) and the re-run's.
-    killed_time, _rerun_time = sorted(journal.rglob("time-*.jsonl"))  # one per run, numbered in order
-    killed_s = json.loads(killed_time.read_text())["seconds"]
-    throughput = manifest["throughput"]
-    assert throughput["runs"] == 2 and killed_s > 0
-    assert throughput["wall_seconds"] == pytest.approx(
-        throughput["this_run"]["wall_seconds"] + killed_s, abs=0.01
-    )
-    assert manifest["seconds"] >= killed_s and result.figures["wall_s"] == throughput["wall_seconds"]
-    # The journal holds no id twice across the killed run's part and the re-run's part.
-    ids = [
-        json.loads(line)["id"]
-        for p in journal.rglob("part-*.jsonl")
-        for line in p.read_text().splitlines()
-        if line.endswith("}")
-    ]
-    assert len(ids) == len(set(ids)) == n
-
-
-CHILD = """
-import sys
-from aerie.generate.config import DatasetSpec, GenerateConfig
-from aerie.generate.stage import run
-from aerie.store import LocalStore
-cfg = GenerateConfig.model_validate_json(sys.argv[1])
-spec = DatasetSpec.model_validate_json(sys.argv[2])
-run(cfg, spec, store=LocalStore(sys.argv[3]), run_name="r", base_url=sys.argv[4])
-"""
-
-
-def _journal_lines(journal: Path) -> int:
-    return sum(p.read_text().count("\n") for p in journal.rglob("part-*.jsonl")) if journal.exists() else 0
 
 
 @pytest.mark.integration

@@ -23,7 +23,7 @@ from aerie.extract.uploads import Uploader
 from aerie.extract.worker import SliceResult, SliceWorker, TokenMeter
 from aerie.hostlock import HeldElsewhere, HostLock
 from aerie.progress import ProgressFn, no_progress
-from aerie.serving import ModelServer, ServerConfig, spec_for
+from aerie.serving import ModelServer, ServerConfig, ServerSpec, spec_for
 from aerie.sglang_plugin.capture import AUX_LAYERS_ENV
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
@@ -95,17 +95,16 @@ def _extract(
 
     def start_server(k: int, attempt: int) -> ModelServer:
         dump_dir = p.dumps / f"s{k}"
-        spec = spec_for(
-            _server_cfg(server, k, k - p.servers.start, len(p.servers)),
-            model_path=target.path,
-            mode="extract",
-            name=f"extract-s{k}" + (f"-r{attempt}" if attempt else ""),
+        spec = server_spec(
+            cfg,
+            server,
+            target,
+            index=k,
+            local=k - p.servers.start,
+            num_local=len(p.servers),
+            attempt=attempt,
             dump_dir=dump_dir,
-            clean_dump_dir=True,
-            log_path=work / "logs" / f"server-s{k}-{attempt}.log",
-            extra_args=_server_args(server, cfg, target),
-            env=_server_env(server, cfg, target),
-            trust_remote_code=target.trust_remote_code,
+            log_dir=work / "logs",
         )
         dump_dir.mkdir(parents=True, exist_ok=True)
 
@@ -199,6 +198,34 @@ def _run_workers(workers: list[SliceWorker], stop: threading.Event) -> list[Slic
         first = next((e for e in errors if "another slice failed" not in str(e)), errors[0])
         raise first
     return [f.result() for f in futures]
+
+
+def server_spec(
+    cfg: ExtractConfig,
+    server: ServerConfig,
+    target: TargetInfo,
+    *,
+    index: int,
+    local: int,
+    num_local: int,
+    attempt: int,
+    dump_dir: Path,
+    log_dir: Path,
+) -> ServerSpec:
+    """The launch of extraction server `index` (global; `local` of `num_local` on this host), for its
+    `attempt`-th start: its port and GPU group, the backend's extraction flags and the stage's own."""
+    return spec_for(
+        _server_cfg(server, index, local, num_local),
+        model_path=target.path,
+        mode="extract",
+        name=f"extract-s{index}" + (f"-r{attempt}" if attempt else ""),
+        dump_dir=dump_dir,
+        clean_dump_dir=True,
+        log_path=log_dir / f"server-s{index}-{attempt}.log",
+        extra_args=_server_args(server, cfg, target),
+        env=_server_env(server, cfg, target),
+        trust_remote_code=target.trust_remote_code,
+    )
 
 
 def _server_args(server: ServerConfig, cfg: ExtractConfig, target: TargetInfo) -> list[str]:

@@ -84,9 +84,9 @@ class EndpointConfig(StrictModel):
     )
     launch_args: list[str] = Field(
         default_factory=list,
-        description="With base_url None: reference-server flags for the generation server only, after "
-        "server.extra_args (e.g. --cuda-graphs, which the deploy stage's servers must not get: its "
-        "speculative backend has no graphs, so only its baseline would be sped up).",
+        description="With base_url None: flags of server.backend for the generation server only, after "
+        "server.extra_args (e.g. the reference server's --cuda-graphs, which the deploy stage's servers "
+        "must not get: its speculative backend has no graphs, so only its baseline would be sped up).",
     )
 
     @model_validator(mode="after")
@@ -102,7 +102,7 @@ class EndpointConfig(StrictModel):
     def _launch_args_need_a_launch(self) -> EndpointConfig:
         if self.launch_args and self.base_url:
             raise ValueError(
-                f"launch_args {self.launch_args} apply to the reference server the pipeline launches, but "
+                f"launch_args {self.launch_args} apply to the server the pipeline launches, but "
                 f"base_url is set ({self.base_url}): nothing is launched"
             )
         return self

@@ -1,5 +1,5 @@
 """The generation stage in the pipeline (`aerie.stage` contract): every dataset of `generate.datasets`,
-one result each, with the embedded endpoint (the reference server serving the target) launched only
+one result each, with the embedded endpoint (the configured server serving the target) launched only
 when some dataset still has to be generated. The work itself is `aerie.generate.stage`, imported when
 it runs (httpx, Polars)."""
 
@@ -16,26 +16,34 @@ from aerie.targets import TargetInfo
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
+    from aerie.serving import ServerSpec
+
+
+def generation_spec(cfg: PipelineConfig, target: TargetInfo) -> ServerSpec:
+    """The launch of the embedded generation server: the configured backend (the reference server or
+    SGLang, whose /v1/chat/completions both answer) serving the target, with generation's own flags."""
+    from aerie.serving import spec_for
+
+    return spec_for(
+        cfg.server,
+        model_path=target.path,
+        mode="serve",
+        name=f"{cfg.server.backend}-generate",
+        extra_args=cfg.generate.endpoint.launch_args,
+        trust_remote_code=target.trust_remote_code,
+    )
 
 
 @contextlib.contextmanager
 def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str]:
-    """The endpoint generation talks to: the configured one, or the reference server serving the
+    """The endpoint generation talks to: the configured one, or the configured server serving the
     target itself for the duration of generation (the embedded default)."""
     if cfg.generate.endpoint.base_url:
         yield cfg.generate.endpoint.base_url
         return
-    from aerie.serving import ModelServer, spec_for
+    from aerie.serving import ModelServer
 
-    server_cfg = cfg.server.model_copy(update={"backend": "reference", "launcher": "process"})
-    spec = spec_for(
-        server_cfg,
-        model_path=target.path,
-        mode="serve",
-        extra_args=cfg.generate.endpoint.launch_args,
-        trust_remote_code=target.trust_remote_code,
-    )
-    with ModelServer(spec) as server:
+    with ModelServer(generation_spec(cfg, target)) as server:
         yield f"{server.url}/v1"
 
 
