@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from aerie.serving import ServerConfig
+from aerie.serving import ServerConfig, ServerSpec
 from aerie.serving.spec import SGLANG_SETUP, SGLANG_VENV
+from aerie.sglang_plugin.launch import MODULE as PLUGIN_LAUNCHER
+from aerie.sglang_plugin.launch import rewrite_args
 
 REPO = Path(__file__).resolve().parent.parent
 VERSION = (REPO / "envs" / "sglang" / "VERSION").read_text().strip()
@@ -58,3 +60,22 @@ def cpu_config(port: int, calls_file: Path, **fields: object) -> ServerConfig:
         "grace_s": 20.0,
     }
     return ServerConfig.model_validate({**values, **fields})
+
+
+def script_env(calls_file: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a script run by SGLang's interpreter (not a server): this process's, `extra`
+    (a launch's own environment: SGLANG_USE_CPU_ENGINE), the shims importable and their calls recorded."""
+    return {**os.environ, **(extra or {}), **shim_env(calls_file), "HF_HUB_OFFLINE": "1"}
+
+
+SERVE_MODULE = "sglang.launch_server"
+
+
+def sglang_argv(spec: ServerSpec) -> list[str]:
+    """The arguments `sglang.launch_server` receives from one of aerie's launches: the dump plugin's
+    launcher rewrites an extraction's (it adds and forces flags, and takes --dump-dir for itself)."""
+    assert spec.module in (PLUGIN_LAUNCHER, SERVE_MODULE), spec.describe()
+    if spec.module == PLUGIN_LAUNCHER:
+        return rewrite_args(spec.command, spec.env).argv
+    assert spec.command[1:3] == ["-m", SERVE_MODULE], spec.describe()
+    return spec.command[3:]

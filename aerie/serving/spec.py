@@ -36,7 +36,9 @@ SGLANG_CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 SGLANG_CPU_ARGS: tuple[tuple[str, str | None], ...] = (
     # The one attention backend written in plain torch; the others are compiled CUDA (or AMX) kernels.
     ("--attention-backend", "torch_native"),
-    ("--disable-cuda-graph", None),
+    # No CUDA graphs, per phase: SGLang 0.5.23 deprecates the one-switch --disable-cuda-graph for these.
+    ("--cuda-graph-backend-decode", "disabled"),
+    ("--cuda-graph-backend-prefill", "disabled"),
     # SGLang's warm-up is one more generation before "ready"; aerie's readiness runs its own
     # (/health_generate), and on a CPU each costs seconds.
     ("--skip-server-warmup", None),
