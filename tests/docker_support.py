@@ -68,3 +68,32 @@ def fake_container_spec(work: Path, *flags: str, port: int | None = None, **chan
         read_only_volumes=frozenset({str(TESTS_DIR)}),
     )
     return spec.with_(**changes) if changes else spec
+
+
+# Asked from inside a container: the API's health, within a few seconds (urllib: the image's own Python).
+_HEALTH = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/health', timeout=5).read()"
+
+
+def api_unreachable_from(client: Any, image: str, api_url: str, *, network_mode: str) -> str | None:
+    """Why a container of `image` on `network_mode` cannot reach the Prefect API at `api_url`, or None.
+
+    A flow-run container that cannot reach the API retries inside Prefect's client until a timeout many
+    minutes away; asked first, the failure says why at once."""
+    import docker.errors
+
+    try:
+        client.containers.run(
+            image,
+            ["python3", "-c", _HEALTH, api_url],
+            network_mode=network_mode,
+            labels={"aerie.check": "prefect-api"},
+            remove=True,
+            stderr=True,
+        )
+    except docker.errors.ContainerError as exc:
+        last = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-1:]
+        return (
+            f"a container of {image} on network {network_mode} cannot reach the Prefect API at {api_url} "
+            f"({last[0] if last else exc}): use host networking or the bridge gateway in PREFECT_API_URL"
+        )
+    return None
