@@ -72,7 +72,7 @@ docker-engine:
 	scripts/docker-engine.sh
 
 images: docker-engine
-	PYTHON=$(abspath $(PY)) docker/build-images.sh
+	PYTHON=$(abspath $(PY)) TORCH_SPEC="$(TORCH_SPEC)" docker/build-images.sh
 
 # The fast lane: lint, types and the tests that start no server and no child process (pytest's own two
 # workers aside: the lane is CPU-bound). Under AERIE_FAST_LANE=1 a guard in tests/conftest.py fails any

@@ -2,10 +2,12 @@
 # Build aerie's images with no registry (`make images`):
 #   aerie/base:bookworm   Debian bookworm from a debootstrap root filesystem (cached as a tarball)
 #   aerie/worker-cpu      aerie + Prefect + prefect-docker + CPU torch, from a local wheelhouse
+#   aerie/sglang-cpu:<v>  SGLang's CPU lane (envs/sglang) + aerie's plugin
 # Each image carries `aerie.image` and `aerie.input-digest` labels; an image whose digest matches its
 # inputs is left as it is, so an unchanged rebuild does nothing.
 #   AERIE_CACHE   cache root (default ~/.cache/aerie): rootfs/ tarballs and wheelhouse/
-#   IMAGES        which images (default "base worker-cpu")
+#   IMAGES        which images (default "base worker-cpu sglang-cpu")
+#   AERIE_IMAGE_NS  the images' namespace (default aerie)
 #   DOCKER_TESTS=0  skip (no engine wanted)
 set -euo pipefail
 
@@ -18,7 +20,10 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 cache="${AERIE_CACHE:-$HOME/.cache/aerie}"
 wheelhouse="$cache/wheelhouse"
 lock="$repo/docker/worker-cpu.lock"
-images="${IMAGES:-base worker-cpu}"
+images="${IMAGES:-base worker-cpu sglang-cpu}"
+# The images' namespace: aerie's own, or another for a build that must not touch them (a benchmark).
+NS="${AERIE_IMAGE_NS:-aerie}"
+BASE="$NS/base:bookworm"
 # The legacy builder: Debian's engine has no BuildKit front end here, and it builds with --network host.
 export DOCKER_BUILDKIT=0
 
@@ -66,32 +71,40 @@ build_base() {
   local tarball digest ctx
   tarball="$(rootfs_tarball)"
   digest="$( { basename "$tarball"; cat "$repo/docker/base.Dockerfile"; } | sha)"
-  if [ "$(label_of aerie/base:bookworm)" = "$digest" ]; then
-    echo "images: aerie/base:bookworm is up to date ($digest)"; return
+  if [ "$(label_of "$BASE")" = "$digest" ]; then
+    echo "images: $BASE is up to date ($digest)"; return
   fi
   ctx="$(mktemp -d)"
   ln "$tarball" "$ctx/rootfs.tar" 2>/dev/null || cp "$tarball" "$ctx/rootfs.tar"
-  quietly docker build -f "$repo/docker/base.Dockerfile" -t aerie/base:bookworm \
+  quietly docker build -f "$repo/docker/base.Dockerfile" -t "$BASE" \
     --label aerie.image=base --label aerie.input-digest="$digest" "$ctx"
   rm -rf "$ctx"
-  echo "images: built aerie/base:bookworm ($digest)"
+  echo "images: built $BASE ($digest)"
 }
 
-# Every wheel the lock names, downloaded once (with pip's own configuration: index, find-links).
+# Every wheel a lock names (and any extra name==version given), downloaded once, with pip's own
+# configuration (index, find-links).
 fill_wheelhouse() {
-  local missing=()
+  local lockfile="$1" missing=() line name version
+  shift
   mkdir -p "$wheelhouse"
   while IFS= read -r line; do
     case "$line" in ''|\#*) continue ;; esac
-    local name="${line%%==*}" version="${line##*==}"
+    name="${line%%==*}" version="${line##*==}"
     name="$(echo "$name" | tr 'A-Z-.' 'a-z__')"
     compgen -G "$wheelhouse/${name}-${version}-*.whl" >/dev/null \
       || compgen -G "$wheelhouse/${name}-${version}+*.whl" >/dev/null || missing+=("$line")
-  done < "$lock"
+  done < <(cat "$lockfile"; printf '%s\n' "$@")
   if [ "${#missing[@]}" -gt 0 ]; then
     echo "images: downloading ${#missing[@]} wheels into $wheelhouse"
     "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: -d "$wheelhouse" "${missing[@]}"
   fi
+}
+
+# Tracked (or new, not ignored) files under the given paths, each named then its content.
+tracked() {
+  (cd "$repo" && git ls-files -co --exclude-standard -- "$@" \
+    | grep -v -e '__pycache__' -e '\.pyc$' | LC_ALL=C sort | while IFS= read -r f; do [ -f "$f" ] && { echo "$f"; cat "$f"; }; done)
 }
 
 # The worker's inputs: its recipe, the lock, aerie's tracked sources and the base image it builds on (not
@@ -99,9 +112,18 @@ fill_wheelhouse() {
 worker_digest() {
   {
     cat "$repo/docker/worker-cpu.Dockerfile" "$lock" "$repo/.dockerignore"
-    docker image inspect aerie/base:bookworm --format '{{.Id}}'
-    cd "$repo" && git ls-files -co --exclude-standard -- aerie flows deployments pyproject.toml prefect.yaml \
-      | grep -v -e '__pycache__' -e '\.pyc$' | LC_ALL=C sort | while IFS= read -r f; do [ -f "$f" ] && { echo "$f"; cat "$f"; }; done
+    docker image inspect "$BASE" --format '{{.Id}}'
+    tracked aerie flows deployments pyproject.toml prefect.yaml
+  } | sha
+}
+
+# The CPU SGLang image's inputs: its recipe, SGLang's version and lock, the CPU shims, the plugin layer.
+sglang_digest() {
+  {
+    cat "$repo/docker/sglang-cpu.Dockerfile" "$SGLANG_LOCK" "$repo/envs/sglang/VERSION" "$repo/.dockerignore"
+    echo "$TORCH_SPEC"
+    docker image inspect "$BASE" --format '{{.Id}}'
+    tracked tests/sglang_cpu_shims aerie/__init__.py aerie/errors.py aerie/sglang_plugin
   } | sha
 }
 
@@ -130,27 +152,49 @@ wait_for_wheels() {
   echo "images: the wheel server on port $1 did not answer" >&2; exit 1
 }
 
-build_worker() {
-  local digest port began
-  wheel_server=""
-  digest="$(worker_digest)"
-  if [ "$(label_of aerie/worker-cpu:latest)" = "$digest" ]; then
-    echo "images: aerie/worker-cpu is up to date ($digest)"; return
-  fi
-  fill_wheelhouse
+# build_with_wheels NAME TAG RECIPE DIGEST [--build-arg ...]: the wheelhouse served over the host network
+# for the build's pip, aerie's labels on the image, the image it replaced pruned.
+build_with_wheels() {
+  local name="$1" tag="$2" recipe="$3" digest="$4" port began
+  shift 4
   port="$(wheel_port)"
   python3 -m http.server --bind 127.0.0.1 "$port" --directory "$wheelhouse" >/dev/null 2>&1 &
   wheel_server=$!
   trap 'kill "$wheel_server" 2>/dev/null || true' EXIT
   wait_for_wheels "$port"
   began=$(date +%s)
-  quietly docker build --network host -f "$repo/docker/worker-cpu.Dockerfile" -t aerie/worker-cpu:latest \
-    --build-arg WHEELS="http://127.0.0.1:$port/" \
-    --label aerie.image=worker-cpu --label aerie.input-digest="$digest" "$repo"
+  quietly docker build --network host -f "$repo/docker/$recipe" -t "$tag" \
+    --build-arg WHEELS="http://127.0.0.1:$port/" --build-arg BASE="$BASE" "$@" \
+    --label aerie.image="$name" --label aerie.input-digest="$digest" "$repo"
   kill "$wheel_server" 2>/dev/null || true
   # The image it replaced, now untagged: only aerie's own dangling images are pruned.
-  docker image prune -f --filter label=aerie.image=worker-cpu >/dev/null
-  echo "images: built aerie/worker-cpu ($digest) in $(seconds_since "$began") s"
+  docker image prune -f --filter label=aerie.image="$name" >/dev/null
+  echo "images: built $tag ($digest) in $(seconds_since "$began") s"
+}
+
+build_worker() {
+  local digest tag="$NS/worker-cpu:latest"
+  digest="$(worker_digest)"
+  if [ "$(label_of "$tag")" = "$digest" ]; then
+    echo "images: $tag is up to date ($digest)"; return
+  fi
+  fill_wheelhouse "$lock"
+  build_with_wheels worker-cpu "$tag" worker-cpu.Dockerfile "$digest"
+}
+
+# SGLang's CPU lane as `make setup-sglang` makes it: the CPU torch, sglang without its requirements, the lock.
+SGLANG_LOCK="$repo/envs/sglang/requirements.lock"
+SGLANG_VERSION="$(cat "$repo/envs/sglang/VERSION")"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+build_sglang() {
+  local digest tag="$NS/sglang-cpu:$SGLANG_VERSION"
+  digest="$(sglang_digest)"
+  if [ "$(label_of "$tag")" = "$digest" ]; then
+    echo "images: $tag is up to date ($digest)"; return
+  fi
+  fill_wheelhouse "$SGLANG_LOCK" "$TORCH_SPEC" "sglang==$SGLANG_VERSION"
+  build_with_wheels sglang-cpu "$tag" sglang-cpu.Dockerfile "$digest" \
+    --build-arg SGLANG_VERSION="$SGLANG_VERSION" --build-arg TORCH_SPEC="$TORCH_SPEC"
 }
 
 docker info >/dev/null 2>&1 || { echo "images: no Docker engine answers; run \`make docker-engine\` first" >&2; exit 1; }
@@ -158,6 +202,7 @@ for image in $images; do
   case "$image" in
     base) build_base ;;
     worker-cpu) build_worker ;;
-    *) echo "images: unknown image $image (base, worker-cpu)" >&2; exit 1 ;;
+    sglang-cpu) build_sglang ;;
+    *) echo "images: unknown image $image (base, worker-cpu, sglang-cpu)" >&2; exit 1 ;;
   esac
 done

@@ -9,10 +9,13 @@
 # (aerie/sglang_plugin/compat.py); bump both together after re-reading the patched code.
 FROM lmsysorg/sglang:v0.5.23
 
-# Only what the plugin imports: aerie's package marker, its error tree and the plugin itself (torch and
-# safetensors come with the image). Nothing else of aerie (Prefect, polars...) enters the image.
+# The plugin layer: only what the plugin imports, aerie's package marker, its error tree and the plugin
+# itself (torch and safetensors come with the image); nothing else of aerie (Prefect, polars...). The CPU
+# recipe (docker/sglang-cpu.Dockerfile) has the same lines, and tests/test_images.py checks they agree.
+# plugin layer: begin
 COPY aerie/__init__.py aerie/errors.py /opt/aerie/aerie/
 COPY aerie/sglang_plugin/ /opt/aerie/aerie/sglang_plugin/
+# plugin layer: end
 ENV PYTHONPATH=/opt/aerie \
     no_proxy=localhost,127.0.0.1,0.0.0.0 \
     PYTHONUNBUFFERED=1

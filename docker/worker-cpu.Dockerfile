@@ -1,7 +1,8 @@
 # The pipeline worker image for CPU hosts: aerie, Prefect, prefect-docker and CPU torch on aerie's base.
 # Built by docker/build-images.sh (`make images`), which serves the wheelhouse at WHEELS over the host
 # network: the build downloads nothing and reaches no registry.
-FROM aerie/base:bookworm
+ARG BASE=aerie/base:bookworm
+FROM $BASE
 
 ARG WHEELS
 ENV PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false PIP_DISABLE_PIP_VERSION_CHECK=1 \
