@@ -117,6 +117,18 @@ class Launcher(ABC):
         """How the server ended, for messages; a container also knows whether the OOM killer did it."""
         return describe_exit(code)
 
+    def watch_members(self) -> None:
+        """Remember the processes the server runs now (once it is ready), for `lost_members`."""
+        return None
+
+    def lost_members(self) -> list[str]:
+        """The remembered processes that have died since, described ("pid 12 (sglang::scheduler)")."""
+        return []
+
+    def kill(self) -> None:
+        """End the server at once (a server that lost a vital process); `stop` still tears down."""
+        return None
+
 
 def _resolve_executable(program: str, env: dict[str, str]) -> str | None:
     if os.sep in program:
@@ -214,6 +226,7 @@ class ProcessLauncher(Launcher):
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._stopped: StopResult | None = None
+        self._members: list[tuple[psutil.Process, str]] = []
 
     @property
     def pid(self) -> int | None:
@@ -261,6 +274,34 @@ class ProcessLauncher(Launcher):
 
     def describe(self) -> str:
         return f"pid {self.pid} (process group {self.pgid})" if self._proc else "not started"
+
+    def watch_members(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            children = psutil.Process(self._proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        self._members = []
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                self._members.append((child, child.name()))
+
+    def lost_members(self) -> list[str]:
+        lost = []
+        for proc, name in self._members:
+            try:
+                # is_running() also compares the start time: a reused pid is not the process remembered.
+                gone = not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            if gone:
+                lost.append(f"pid {proc.pid} ({name})")
+        return lost
+
+    def kill(self) -> None:
+        if self.pgid is not None:
+            _killpg(self.pgid, signal.SIGKILL)
 
     def group_members(self) -> list[int]:
         """Live (non-zombie) processes still in the server's process group."""

@@ -58,6 +58,7 @@ from aerie.serving.teardown import (
     tagged_processes,
     wait_port_free,
 )
+from aerie.serving.watch import EXITED, ServingWatch
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +169,12 @@ class ModelServer:
         self.ready_after_s: float | None = None
         self.teardown: TeardownReport | None = None
         self._tail = LogTail(spec.log_path)
+        self._tail_lock = threading.Lock()  # the serving watch reads the log from its own thread
         self._startup = StartupLog()
         self._started = False
+        self._watch: ServingWatch | None = None
+        self._crash: ServerCrashedError | None = None
+        self.crash_detected_at: float | None = None  # time.monotonic() when the watch saw the crash
         self._shm_before: set[str] = set()
         self._sigterm = _SigtermAsExit()
 
@@ -212,6 +217,7 @@ class ModelServer:
             _LIVE.add(self)
             self.launcher.start(spec)
             self._wait_ready(began)
+            self._start_watch()
             if self.canary is not None:
                 self.progress(0.995, "running the canary")
                 self._run_canary()
@@ -259,6 +265,8 @@ class ModelServer:
         spec = self.spec
         report = TeardownReport()
         self.teardown = report
+        if self._watch is not None:
+            self._watch.stop()
         try:
             exited = self.launcher.exit_code() is not None
             report.grace_s = min(spec.grace_s, _ORPHAN_GRACE_S) if exited else spec.grace_s
@@ -452,30 +460,73 @@ class ModelServer:
 
     def log_tail(self, n: int = _TAIL_LINES) -> list[str]:
         """The server's last log lines (read up to now)."""
-        self._tail.read_new()
-        return self._tail.last_lines(n)
+        with self._tail_lock:
+            self._tail.read_new()
+            return self._tail.last_lines(n)
+
+    def _start_watch(self) -> None:
+        self._watch = ServingWatch(
+            self.launcher,
+            self._tail,
+            self._tail_lock,
+            self.spec.poll_interval_s,
+            self.spec.vital_children,
+            self._on_crash,
+        )
+        self._watch.start()
+
+    def _on_crash(self, what: str, detected_at: float) -> None:
+        """From the watch: the server can no longer answer. Report it, and end what is left of it, so
+        requests in flight fail now (SGLang itself waits some seconds for crash diagnostics first)."""
+        code = self.launcher.exit_code() if self.launcher.host_pids else None
+        if what == EXITED and code is not None:
+            self._crash = self._exit_error(code)
+        else:
+            with self._tail_lock:
+                self._tail.read_new()
+                lines = self._last_lines()
+            cause = (self._watch.crash_line if self._watch else None) or error_summary(lines) or what
+            head = (
+                f"{self.spec.name} ({self.launcher.describe()}) {what} while serving: it cannot answer "
+                f"any more and is ended.\ncause: {cause}"
+            )
+            log.error("%s", head)
+            self._crash = ServerCrashedError(
+                f"{head}\nlast lines of {self.spec.log_path}:\n{format_tail(lines)}", after_ready=True
+            )
+        self.crash_detected_at = detected_at
+        self.launcher.kill()
 
     def check_alive(self, settle_s: float = CRASH_SETTLE_S) -> None:
-        """Raise `ServerCrashedError` (exit code + last log lines) if the server has exited since it
-        became ready; long-running clients call it when requests start failing. It waits up to
-        `settle_s` for an exit to show: a killed process's sockets close (the client's request fails)
-        a moment before its exit status can be read, a moment that grows on a loaded machine.
+        """Raise `ServerCrashedError` (exit code + last log lines) if the server has exited, or lost a
+        vital process, since it became ready; long-running clients call it when requests start failing.
+        It waits up to `settle_s` for an exit to show: a killed process's sockets close (the client's
+        request fails) a moment before its exit status can be read, a moment that grows on a loaded
+        machine.
         """
         if not self._started:
             raise ServerError(f"{self.spec.name} was never started")
+        if self._crash is not None:
+            raise self._crash
         deadline = time.monotonic() + settle_s
         code = self.launcher.exit_code()
         while code is None and time.monotonic() < deadline:
             time.sleep(0.05)
             code = self.launcher.exit_code()
+        if self._crash is not None:  # the watch saw it meanwhile
+            raise self._crash
         if code is not None:
+            raise self._exit_error(code)
+
+    def _exit_error(self, code: int) -> ServerCrashedError:
+        with self._tail_lock:
             self._tail.drain()
             lines = self._last_lines()
-            head = (
-                f"{self.spec.name} ({self.launcher.describe()}) exited while serving: {self.launcher.describe_end(code)}.\n"
-                f"cause: {error_summary(lines) or 'no error line in the log'}{self._leftovers()}"
-            )
-            log.error("%s", head)
-            raise ServerCrashedError(
-                f"{head}\nlast lines of {self.spec.log_path}:\n{format_tail(lines)}", after_ready=True
-            )
+        head = (
+            f"{self.spec.name} ({self.launcher.describe()}) exited while serving: {self.launcher.describe_end(code)}.\n"
+            f"cause: {error_summary(lines) or 'no error line in the log'}{self._leftovers()}"
+        )
+        log.error("%s", head)
+        return ServerCrashedError(
+            f"{head}\nlast lines of {self.spec.log_path}:\n{format_tail(lines)}", after_ready=True
+        )

@@ -120,6 +120,9 @@ class ServerSpec:
     image: str | None = None
     module: str | None = None  # the Python module the interpreter must be able to import
     requires: Requirement | None = None  # what the interpreter must have installed (process launches)
+    # Every process the server has started by the time it is ready must live while it serves: one that
+    # dies (SGLang's scheduler, detokenizer) leaves a server that can no longer answer.
+    vital_children: bool = False
     cwd: str | None = None  # working directory (docker: inside the container)
     dump_dir: Path | None = None
     clean_dump_dir: bool = False
@@ -393,6 +396,7 @@ def spec_for(
         image=cfg.image if docker else None,
         module=server_module,
         requires=SGLANG_REQUIREMENT if cfg.backend == "sglang" and not docker else None,
+        vital_children=cfg.backend == "sglang",
         dump_dir=dump,
         clean_dump_dir=clean_dump_dir,
         grace_s=cfg.grace_s,

@@ -22,7 +22,8 @@ _SHARDS = re.compile(
 )
 _GRAPH_BAR = re.compile(r"Capturing batches \(.*?\):\s*(?P<pct>\d{1,3})%")
 _STAGES: list[tuple[re.Pattern[str], float, str]] = [
-    (re.compile(r"server_args=ServerArgs\("), 0.01, "parsed server arguments"),
+    # SGLang 0.5.23 logs `server_args={...}` (a dict); older releases `server_args=ServerArgs(...)`.
+    (re.compile(r"server_args=(?:ServerArgs\(|\{)"), 0.01, "parsed server arguments"),
     (re.compile(r"Init (parallel|torch distributed) begin"), 0.02, "initialising distributed"),
     (re.compile(r"Load weight begin"), 0.05, "loading weights"),
     (re.compile(r"Load weight end"), 0.80, "weights loaded"),
@@ -35,12 +36,16 @@ _STAGES: list[tuple[re.Pattern[str], float, str]] = [
     (re.compile(r"Uvicorn running on"), 0.97, "HTTP server listening, warming up"),
     (re.compile(r"The server is fired up and ready to roll!"), 0.99, "fired up and ready to roll"),
 ]
+# SGLang's subprocess watchdog (once a second): a scheduler or detokenizer died; SGLang ends itself after
+# its crash diagnostics (some seconds later).
+SUBPROCESS_CRASHED = re.compile(r"Subprocess \S+ \(pid=\d+\) crashed with exit code")
 # Lines after which SGLang kills itself (§2.1, §6): seen = the start has failed, whatever /health says.
 FATAL_PATTERNS = [
     re.compile(r"Initialization failed"),
     re.compile(r"died during initialization"),
     re.compile(r"\[Errno 98\]"),
     re.compile(r"address already in use", re.IGNORECASE),
+    SUBPROCESS_CRASHED,
 ]
 # The last line of a Python traceback names the error ("RuntimeError: CUDA out of memory").
 _EXCEPTION_LINE = re.compile(r"^\s*(?:\[[^\]]*\]\s*)?[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*")

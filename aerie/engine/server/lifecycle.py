@@ -58,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ArgsError as exc:
         logger.error(f"Invalid arguments: {exc}")
         return 2
-    logger.info(f"server_args=ServerArgs({', '.join(f'{k}={v!r}' for k, v in args.resolved_dict().items())})")
+    # SGLang 0.5.23 logs its resolved arguments as a dict (engine.py: `server_args={...}`).
+    logger.info(f"server_args={args.resolved_dict()!r}")
     previous = signal.signal(signal.SIGTERM, _exit_during_startup)
     try:
         state = _start(args)
