@@ -20,6 +20,9 @@ from tests.fake_servers.scenarios import MODULE, TESTS_DIR, fake_command, free_p
 
 BASE_IMAGE = "aerie/base:bookworm"
 WORKER_IMAGE = "aerie/worker-cpu:latest"
+SGLANG_CPU_IMAGE = (
+    f"aerie/sglang-cpu:{(TESTS_DIR.parent / 'envs' / 'sglang' / 'VERSION').read_text().strip()}"
+)
 # Mounted into the container at the same path, so the fake server's module is found as on the host.
 INSIDE_TESTS = "/aerie-tests"
 

@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 
-from tests.docker_support import engine, require_image
+from tests.docker_support import SGLANG_CPU_IMAGE, engine, require_image
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_RECIPE = REPO / "docker" / "sglang-extract.Dockerfile"
 CPU_RECIPE = REPO / "docker" / "sglang-cpu.Dockerfile"
-SGLANG_CPU_IMAGE = f"aerie/sglang-cpu:{(REPO / 'envs' / 'sglang' / 'VERSION').read_text().strip()}"
 PLUGIN_ROOT = "/opt/aerie"
 
 
