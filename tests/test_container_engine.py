@@ -162,3 +162,14 @@ def test_dump_files_written_as_root_inside_are_the_dump_dirs_owners_after_teardo
     assert [(p.stat().st_uid, p.stat().st_gid) for p in dumps.rglob("*")] == [(4321, 4321)]
     assert " 256 " in shm  # /dev/shm sized as asked
     assert mine(client, spec.nonce) == []
+
+
+def test_a_gpu_request_on_an_engine_without_a_gpu_runtime_names_server_gpus_and_leaves_nothing(
+    client: Any, tmp_path: Path
+) -> None:
+    if "nvidia" in (client.info().get("Runtimes") or {}):
+        pytest.skip("this engine has the NVIDIA runtime: a GPU request is granted here")
+    spec = fake_container_spec(tmp_path, gpus=-1)
+    with pytest.raises(ServerLaunchError, match=r"no GPU runtime .*\(server.gpus=-1\): set server.gpus=0"):
+        ModelServer(spec).start()
+    assert mine(client, spec.nonce) == []  # the container the engine created but would not start is gone

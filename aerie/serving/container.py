@@ -135,6 +135,17 @@ def foreign_files(root: Path, uid: int, gid: int) -> bool:
     return False
 
 
+def refusal(exc: Exception, spec: ServerSpec) -> str:
+    """The engine's refusal of a container in one line; a GPU request on an engine without a GPU runtime
+    names the setting that makes it."""
+    if "could not select device driver" in str(exc) and spec.gpus:
+        return (
+            f"the engine has no GPU runtime for the container's GPU request (server.gpus={spec.gpus}): "
+            "set server.gpus=0 on a host without GPUs, or install the NVIDIA container toolkit"
+        )
+    return f"the engine refused the container: {exc}"
+
+
 def docker_client() -> Any:
     """A client of the local engine, or a `ServerLaunchError` saying why there is none."""
     try:
@@ -249,12 +260,22 @@ class DockerLauncher(Launcher):
         try:
             self._container = self.client.containers.run(**run_kwargs(spec))
         except errors.APIError as exc:
-            raise ServerLaunchError(f"server {spec.name}: the engine refused the container: {exc}") from exc
+            # `run` is create + start: a start the engine refused leaves a created container behind.
+            self._remove_run(spec)
+            raise ServerLaunchError(f"server {spec.name}: {refusal(exc, spec)}") from exc
         self._log_thread = threading.Thread(
             target=self._stream_logs, args=(spec,), name=f"logs-{container_name(spec)}", daemon=True
         )
         self._log_thread.start()
         log.info("started %s: %s (log %s)", spec.name, self.describe(), spec.log_path)
+
+    def _remove_run(self, spec: ServerSpec) -> None:
+        errors = _errors()
+        for container in self.client.containers.list(
+            all=True, filters={"label": f"{LABEL_RUN}={spec.nonce}"}
+        ):
+            with contextlib.suppress(errors.NotFound):
+                container.remove(force=True)
 
     def _stream_logs(self, spec: ServerSpec) -> None:
         """Copy the container's stdout+stderr into the log file until the container ends."""
