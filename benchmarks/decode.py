@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/decode.py                                  # CPU, small sizes
     python benchmarks/decode.py --device cuda --concurrency 64,256 --requests-per-slot 3
+    python benchmarks/decode.py --device cuda --backends slots-graphs --concurrency 256 \
+        --shapes 16,256:64,384 256,2048:200,384 --record decode_context     # rate against context length
 
 Continuous batching as the server's scheduler does it: requests wait in a queue, join the running
 batch whenever `can_admit` allows (prefill), and leave as soon as they finish; every loop runs one
@@ -10,7 +12,12 @@ number of new tokens (ignore_eos, so lengths do not depend on the weights). Both
 requests. tokens/s counts generated tokens over the wall time of the whole run (prefills included);
 a run that exceeds `--budget-s` stops early and reports what it finished.
 
-Writes benchmarks/results/decode-<device>.json.
+Each `--shapes` entry (`PROMPT_LO,PROMPT_HI:NEW_LO,NEW_HI`, default `--prompt-len:--new-tokens`) is run at
+every concurrency and backend; a run records its requests' mean prompt and new tokens and their mean
+context, the cache length the average generated token is decoded against (its prompt plus the tokens
+before it), since every decoding step reads the K/V of that many positions per row.
+
+Writes benchmarks/results/<record>-<device>.json (`--record`, default decode).
 """
 
 from __future__ import annotations
@@ -61,6 +68,37 @@ def make_requests(
     ]
 
 
+def parse_range(text: str, what: str) -> tuple[int, int]:
+    try:
+        lo, hi = map(int, text.split(","))
+    except ValueError:
+        raise SystemExit(f"decode.py: {what} {text!r} is not LO,HI (two integers)") from None
+    if not 0 < lo <= hi:
+        raise SystemExit(f"decode.py: {what} {text!r} needs 0 < LO <= HI")
+    return lo, hi
+
+
+def parse_shape(text: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """`PROMPT_LO,PROMPT_HI:NEW_LO,NEW_HI` -> the prompt-length and new-token ranges."""
+    prompt, sep, new = text.partition(":")
+    if not sep:
+        raise SystemExit(f"decode.py: shape {text!r} is not PROMPT_LO,PROMPT_HI:NEW_LO,NEW_HI")
+    return parse_range(prompt, "prompt range"), parse_range(new, "new-token range")
+
+
+def length_figures(requests: list[GenRequest]) -> dict[str, float]:
+    """Mean prompt and new tokens, and the mean context of a generated token: the i-th of n new tokens
+    (i = 1..n) is decoded against prompt + i positions, so a request contributes n * (prompt + (n+1)/2)."""
+    new = [r.params.max_new_tokens for r in requests]
+    prompts = [len(r.input_ids) for r in requests]
+    weighted = sum(n * (p + (n + 1) / 2) for p, n in zip(prompts, new, strict=True))
+    return {
+        "mean_prompt_tokens": round(sum(prompts) / len(requests), 1),
+        "mean_new_tokens": round(sum(new) / len(requests), 1),
+        "mean_context": round(weighted / sum(new), 1),
+    }
+
+
 def drive(
     decoder: BatchedDecoder, requests: list[GenRequest], budget_s: float, device: str
 ) -> dict[str, Any]:
@@ -98,6 +136,15 @@ def drive(
     }
 
 
+def single_shape(shapes: list[tuple[tuple[int, int], tuple[int, int]]]) -> dict[str, list[int]]:
+    """One shape: its ranges once for the whole record (the layout of the records before `--shapes`);
+    several: each run carries its own."""
+    if len(shapes) > 1:
+        return {}
+    ((prompt_len, new_tokens),) = shapes
+    return {"prompt_len": list(prompt_len), "new_tokens": list(new_tokens)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -107,6 +154,15 @@ def main() -> None:
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--prompt-len", default="16,256")
     p.add_argument("--new-tokens", default="16,64")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        help="PROMPT_LO,PROMPT_HI:NEW_LO,NEW_HI ... (default: --prompt-len:--new-tokens)",
+    )
+    p.add_argument(
+        "--record", default="decode", help="results file: benchmarks/results/RECORD-<hardware>.json"
+    )
     p.add_argument("--budget-s", type=float, default=120.0, help="per backend and concurrency")
     p.add_argument(
         "--threads",
@@ -115,13 +171,12 @@ def main() -> None:
         help="torch CPU threads (1: a loaded 2-core host thrashes with more)",
     )
     args = p.parse_args()
+    shapes = [parse_shape(s) for s in args.shapes or [f"{args.prompt_len}:{args.new_tokens}"]]
     torch.set_num_threads(args.threads)
     packed.register()
     target = resolve_target("smollm2-135m-instruct")
     loaded = load_model(target.path, args.device, args.dtype, skip_tokenizer=True)
     attention = HiddenStateCapture(loaded.model, (2,), loaded.device).choose_attention()
-    lo_p, hi_p = map(int, args.prompt_len.split(","))
-    lo_n, hi_n = map(int, args.new_tokens.split(","))
     machine = f"{platform.node()} {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
     if args.device == "cuda":
         machine += f", {torch.cuda.get_device_name()}"
@@ -136,16 +191,18 @@ def main() -> None:
             "dtype": str(loaded.dtype).removeprefix("torch."),
             "packed_prefill_attention": attention,
             "attention_fallback_reason": packed.backend_reason(),
-            "prompt_len": [lo_p, hi_p],
-            "new_tokens": [lo_n, hi_n],
+            **single_shape(shapes),
             "runs": runs,
         },
     }
-    out = ROOT / "benchmarks" / "results" / f"decode-{hardware_name(args.device)}.json"
-    for concurrency in map(int, args.concurrency.split(",")):
+    out = ROOT / "benchmarks" / "results" / f"{args.record}-{hardware_name(args.device)}.json"
+    for (prompt_len, new_tokens), concurrency in (
+        (shape, c) for shape in shapes for c in map(int, args.concurrency.split(","))
+    ):
         requests = make_requests(
-            concurrency * args.requests_per_slot, loaded.vocab_size, (lo_p, hi_p), (lo_n, hi_n)
+            concurrency * args.requests_per_slot, loaded.vocab_size, prompt_len, new_tokens
         )
+        lengths = {"prompt_len": list(prompt_len), "new_tokens": list(new_tokens), **length_figures(requests)}
         for name in args.backends.split(","):
             cls, extra = BACKENDS[name]
             decoder = cls(
@@ -163,6 +220,7 @@ def main() -> None:
             run = {
                 "backend": name,
                 "concurrency": concurrency,
+                **lengths,
                 **drive(decoder, requests, args.budget_s, loaded.device),
             }
             graphs = getattr(decoder, "graphs", None)
