@@ -43,9 +43,14 @@ from hardware import hardware_name  # noqa: E402
 from aerie.engine.generation import BatchedDecoder, GenRequest, SamplingParams  # noqa: E402
 from aerie.engine.server import packed  # noqa: E402
 from aerie.engine.server.extraction import HiddenStateCapture  # noqa: E402
-from aerie.engine.server.loader import load_model  # noqa: E402
+from aerie.engine.server.loader import (  # noqa: E402
+    LoadedModel,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
 from aerie.engine.server.slots import SlotDecoder  # noqa: E402
-from aerie.targets import resolve_target  # noqa: E402
+from aerie.targets import avoid_cudnn_attention, resolve_target  # noqa: E402
 
 BACKENDS: dict[str, tuple[type[BatchedDecoder], dict[str, Any]]] = {
     "batched": (BatchedDecoder, {}),
@@ -136,6 +141,37 @@ def drive(
     }
 
 
+def random_model(config_dir: str, device: str, dtype: str) -> LoadedModel:
+    """The target's architecture from its config.json, randomly initialized: a decoding step does the same
+    work whatever the weights (greedy, ignore_eos, fixed lengths), so speed needs only the shapes, and a
+    host that lacks the checkpoint measures it from a few KB of config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    avoid_cudnn_attention(dev)
+    config = AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
+    model.eval()
+    eos = config.eos_token_id
+    return LoadedModel(
+        model=model,
+        tokenizer=None,
+        device=dev,
+        dtype=torch_dtype,
+        num_layers=int(config.num_hidden_layers),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(model.get_input_embeddings().weight.shape[0]),
+        context_len=int(config.max_position_embeddings),
+        eos_token_ids=list(eos) if isinstance(eos, list) else [int(eos)],
+        architecture=str(config.architectures[0]),
+        model_type=str(config.model_type),
+        load_seconds=0.0,
+    )
+
+
 def single_shape(shapes: list[tuple[tuple[int, int], tuple[int, int]]]) -> dict[str, list[int]]:
     """One shape: its ranges once for the whole record (the layout of the records before `--shapes`);
     several: each run carries its own."""
@@ -163,6 +199,11 @@ def main() -> None:
     p.add_argument(
         "--record", default="decode", help="results file: benchmarks/results/RECORD-<hardware>.json"
     )
+    p.add_argument(
+        "--target-config",
+        default=None,
+        help="a directory with the target's config.json: random weights of its shapes instead of the checkpoint",
+    )
     p.add_argument("--budget-s", type=float, default=120.0, help="per backend and concurrency")
     p.add_argument(
         "--threads",
@@ -174,8 +215,11 @@ def main() -> None:
     shapes = [parse_shape(s) for s in args.shapes or [f"{args.prompt_len}:{args.new_tokens}"]]
     torch.set_num_threads(args.threads)
     packed.register()
-    target = resolve_target("smollm2-135m-instruct")
-    loaded = load_model(target.path, args.device, args.dtype, skip_tokenizer=True)
+    if args.target_config:
+        loaded = random_model(args.target_config, args.device, args.dtype)
+    else:
+        target = resolve_target("smollm2-135m-instruct")
+        loaded = load_model(target.path, args.device, args.dtype, skip_tokenizer=True)
     attention = HiddenStateCapture(loaded.model, (2,), loaded.device).choose_attention()
     machine = f"{platform.node()} {platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
     if args.device == "cuda":
@@ -188,6 +232,9 @@ def main() -> None:
         "complete": False,  # rewritten after every run: a run cut short by a timeout keeps what it measured
         "figures": {
             "model": "SmolLM2-135M-Instruct",
+            "weights": f"random, from {args.target_config}/config.json"
+            if args.target_config
+            else "the checkpoint",
             "dtype": str(loaded.dtype).removeprefix("torch."),
             "packed_prefill_attention": attention,
             "attention_fallback_reason": packed.backend_reason(),
