@@ -243,42 +243,43 @@ def main() -> None:
         },
     }
     out = ROOT / "benchmarks" / "results" / f"{args.record}-{hardware_name(args.device)}.json"
-    for (prompt_len, new_tokens), concurrency in (
-        (shape, c) for shape in shapes for c in map(int, args.concurrency.split(","))
+    cases = [(shape, c) for shape in shapes for c in map(int, args.concurrency.split(","))]
+    # Backend by backend: a run cut short by a timeout has every shape of the first backends.
+    for name, ((prompt_len, new_tokens), concurrency) in (
+        (b, case) for b in args.backends.split(",") for case in cases
     ):
         requests = make_requests(
             concurrency * args.requests_per_slot, loaded.vocab_size, prompt_len, new_tokens
         )
         lengths = {"prompt_len": list(prompt_len), "new_tokens": list(new_tokens), **length_figures(requests)}
-        for name in args.backends.split(","):
-            cls, extra = BACKENDS[name]
-            decoder = cls(
-                loaded.model,
-                None,
-                eos_token_ids=loaded.eos_token_ids,
-                device=loaded.device,
-                max_running=concurrency,
-                max_prefill_tokens=65536,
-                seed=0,
-                **extra,
-            )
-            warm = requests[: max(2, concurrency // 4)]
-            drive(decoder, warm, min(30.0, args.budget_s), loaded.device)
-            run = {
-                "backend": name,
-                "concurrency": concurrency,
-                **lengths,
-                **drive(decoder, requests, args.budget_s, loaded.device),
-            }
-            graphs = getattr(decoder, "graphs", None)
-            if graphs is not None and graphs.capture:
-                run["graphs_captured"], run["graphs_disabled"] = len(graphs.graphs), graphs.disabled
-            print(json.dumps(run), flush=True)
-            runs.append(run)
-            out.write_text(json.dumps(result, indent=2) + "\n")
-            del decoder
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
+        cls, extra = BACKENDS[name]
+        decoder = cls(
+            loaded.model,
+            None,
+            eos_token_ids=loaded.eos_token_ids,
+            device=loaded.device,
+            max_running=concurrency,
+            max_prefill_tokens=65536,
+            seed=0,
+            **extra,
+        )
+        warm = requests[: max(2, concurrency // 4)]
+        drive(decoder, warm, min(30.0, args.budget_s), loaded.device)
+        run = {
+            "backend": name,
+            "concurrency": concurrency,
+            **lengths,
+            **drive(decoder, requests, args.budget_s, loaded.device),
+        }
+        graphs = getattr(decoder, "graphs", None)
+        if graphs is not None and graphs.capture:
+            run["graphs_captured"], run["graphs_disabled"] = len(graphs.graphs), graphs.disabled
+        print(json.dumps(run), flush=True)
+        runs.append(run)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        del decoder
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     result["complete"] = True
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
