@@ -17,7 +17,7 @@ every concurrency and backend; a run records its requests' mean prompt and new t
 context, the cache length the average generated token is decoded against (its prompt plus the tokens
 before it), since every decoding step reads the K/V of that many positions per row.
 
-Writes benchmarks/results/<record>-<device>.json (`--record`, default decode).
+Writes benchmarks/results/<record>-<device>.json (`--record`, default decode), or `--out`.
 """
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ def main() -> None:
     p.add_argument(
         "--record", default="decode", help="results file: benchmarks/results/RECORD-<hardware>.json"
     )
+    p.add_argument("--out", default=None, help="results file (default: the --record one)")
     p.add_argument(
         "--target-config",
         default=None,
@@ -242,7 +243,11 @@ def main() -> None:
             "runs": runs,
         },
     }
-    out = ROOT / "benchmarks" / "results" / f"{args.record}-{hardware_name(args.device)}.json"
+    out = (
+        Path(args.out)
+        if args.out
+        else ROOT / "benchmarks" / "results" / f"{args.record}-{hardware_name(args.device)}.json"
+    )
     cases = [(shape, c) for shape in shapes for c in map(int, args.concurrency.split(","))]
     # Backend by backend: a run cut short by a timeout has every shape of the first backends.
     for name, ((prompt_len, new_tokens), concurrency) in (

@@ -1,7 +1,14 @@
 #!/bin/bash
 # benchmarks/decode.py on a GPU host without network (docs/gpu-host.md), from the root of a working tree
-# copied there. decode.py needs only the target's GGUF and the few wheels aerie's engine imports, so the
-# staging is the GGUF and those wheels (here: `tools.gpuhost stage --no-wheels --wheels-from DIR`):
+# copied there. decode.py needs only the wheels aerie's engine imports (pydantic and its requirements;
+# gguf too when it reads the checkpoint) and, with --target-config, the target's config.json instead of
+# its GGUF: one 3 MiB bundle, so one device call, e.g.
+#   here:  tools.gpuhost stage --out .stage/decode --no-target --no-wheels --wheels-from WHEELS_DIR \
+#            generate.datasets.0.num_samples=1           (the dataset export is not read)
+#   host:  bash benchmarks/decode_host.sh unpack .stage/decode/bundle-1 &&
+#          bash benchmarks/decode_host.sh run --device cuda --target-config CONFIG_DIR --concurrency 256 \
+#            --backends slots-graphs,slots --shapes 256,2048:200,384 16,900:200,384 16,256:64,384 \
+#            --budget-s 15 --record decode_context
 #   bash benchmarks/decode_host.sh unpack BUNDLE_DIR       one staged bundle into the home
 #   bash benchmarks/decode_host.sh run DECODE_ARGS...      the shipped wheels into HOME/site (once), then
 #                                                          decode.py in the host environment
