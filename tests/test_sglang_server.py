@@ -170,7 +170,7 @@ def test_a_stale_sglang_on_the_port_is_refused_and_named(served: Served, smollm2
     served.server.check_alive()  # and the server on the port was left alone
 
 
-def test_a_killed_scheduler_child_is_detected_within_two_seconds(served: Served) -> None:
+def test_a_killed_scheduler_child_is_reported_within_two_seconds(served: Served) -> None:
     server, launcher = served.server, served.launcher
     assert launcher.pid is not None
     children = psutil.Process(launcher.pid).children(recursive=True)
@@ -179,17 +179,27 @@ def test_a_killed_scheduler_child_is_detected_within_two_seconds(served: Served)
     scheduler = schedulers[0]
     killed_at = time.monotonic()
     scheduler.kill()  # SIGKILL to the child; SGLang's HTTP process lives on
-    while server.crash_detected_at is None and time.monotonic() - killed_at < 30:
+    crash: ServerCrashedError | None = None
+    while crash is None and time.monotonic() - killed_at < 30:
+        try:
+            server.check_alive(settle_s=0)
+        except ServerCrashedError as exc:
+            crash = exc
         time.sleep(0.01)
-    assert server.crash_detected_at is not None, server.log_tail()
+    reported_s = time.monotonic() - killed_at
+    assert crash is not None and server.crash_detected_at is not None, server.log_tail()
     detected_s = server.crash_detected_at - killed_at
-    print(f"scheduler kill -9 detected after {detected_s:.3f} s")
-    assert detected_s <= 2.0, f"the kill -9 of the scheduler was detected after {detected_s:.3f} s"
+    print(f"scheduler kill -9 seen after {detected_s:.3f} s, reported after {reported_s:.3f} s")
+    assert reported_s <= 2.0, f"the kill -9 of the scheduler was reported after {reported_s:.3f} s"
     with pytest.raises(ServerCrashedError) as err:
         server.check_alive()
     message = str(err.value)
     assert err.value.after_ready and f"pid {scheduler.pid} (sglang::scheduler)" in message, message
     assert "last lines of" in message and "  | " in message, message
+    # The cause is the scheduler's death (SGLang's own crash line once it has logged it), not a line
+    # SGLang logged earlier and survived (a failed post-warm-up call at start-up).
+    cause = message.split("\ncause: ", 1)[1].splitlines()[0]
+    assert "scheduler" in cause and "freeze_gc" not in cause, cause
     # The server that can no longer answer is ended at once, not after SGLang's own diagnostics.
     deadline = time.monotonic() + 10
     while launcher.group_members() and time.monotonic() < deadline:

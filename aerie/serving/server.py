@@ -483,9 +483,12 @@ class ModelServer:
             self._crash = self._exit_error(code)
         else:
             with self._tail_lock:
-                self._tail.read_new()
+                pieces = self._tail.read_new()
                 lines = self._last_lines()
-            cause = (self._watch.crash_line if self._watch else None) or error_summary(lines) or what
+            cause = what
+            if self._watch is not None:
+                self._watch.note(pieces)
+                cause = self._watch.crash_line or error_summary(list(self._watch.lines_since_ready)) or what
             head = (
                 f"{self.spec.name} ({self.launcher.describe()}) {what} while serving: it cannot answer "
                 f"any more and is ended.\ncause: {cause}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from aerie.serving.launcher import Launcher
@@ -45,6 +46,9 @@ class ServingWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.crash_line: str | None = None
+        # What the server logged since it was ready: a crash's cause is looked for there only (the tail
+        # also holds start-up tracebacks SGLang logs and survives).
+        self.lines_since_ready: deque[str] = deque(maxlen=200)
 
     def start(self) -> None:
         if self._vital_children:
@@ -82,10 +86,15 @@ class ServingWatch:
     def _read_log(self) -> bool:
         with self._lock:
             pieces = self._tail.read_new()
+        self.note(pieces)
+        return self.crash_line is not None
+
+    def note(self, pieces: list[str]) -> None:
+        """Log pieces read since the server was ready (by the watch, or by its server at the crash)."""
+        self.lines_since_ready.extend(p.strip() for p in pieces if p.strip())
         for piece in pieces:
             if self.crash_line is None and SUBPROCESS_CRASHED.search(piece):
                 self.crash_line = piece.strip()
-        return self.crash_line is not None
 
     def _await_crash_line(self) -> None:
         deadline = time.monotonic() + _LOG_SETTLE_S
