@@ -33,14 +33,6 @@ key="$( { echo "recipe $RECIPE"; echo "sglang $VERSION"; echo "python $python_ve
 env_dir="$ENVS/sglang-$VERSION-$key"
 done_mark="$env_dir/.aerie-complete"
 
-link_venv() {
-  if [ -L "$SGLANG_VENV" ] || [ ! -e "$SGLANG_VENV" ]; then
-    ln -sfn "$env_dir" "$SGLANG_VENV"
-  else
-    echo "setup-sglang: $SGLANG_VENV is a directory, not a link to a built environment: remove it and re-run" >&2
-    exit 1
-  fi
-}
 
 build() {
   rm -rf "$env_dir"
@@ -54,9 +46,16 @@ build() {
   touch "$done_mark"
 }
 
-if [ -d "$SGLANG_VENV" ] && [ ! -L "$SGLANG_VENV" ] && [ -f "$SGLANG_VENV/.aerie-setup-$key" ]; then
+# A directory built in place (before environments were shared) with the same version and lock is kept.
+in_place_key="$(cat envs/sglang/VERSION "$LOCK" | sha256sum | cut -c1-16)"
+if [ -d "$SGLANG_VENV" ] && [ ! -L "$SGLANG_VENV" ] \
+   && { [ -f "$SGLANG_VENV/.aerie-setup-$key" ] || [ -f "$SGLANG_VENV/.aerie-setup-$in_place_key" ]; }; then
   echo "setup-sglang: sglang $VERSION already built in $SGLANG_VENV"
   exit 0
+fi
+if [ -e "$SGLANG_VENV" ] && [ ! -L "$SGLANG_VENV" ]; then
+  echo "setup-sglang: $SGLANG_VENV is a directory, not a link to a built environment: remove it and re-run" >&2
+  exit 1
 fi
 mkdir -p "$ENVS"
 if [ ! -f "$done_mark" ]; then
@@ -68,4 +67,4 @@ if [ ! -f "$done_mark" ]; then
 else
   echo "setup-sglang: sglang $VERSION already built in $env_dir"
 fi
-link_venv
+ln -sfn "$env_dir" "$SGLANG_VENV"
