@@ -46,7 +46,9 @@ def build(clone: Path, cache: Path, images: str) -> tuple[float, str]:
     seconds = time.monotonic() - began
     if out.returncode != 0:
         raise SystemExit(f"images: build of {images} failed:\n{out.stdout}\n{out.stderr}")
-    return seconds, (out.stdout + out.stderr).strip()
+    # The script's own lines (what it built, in how long), not pip's warnings about the index.
+    said = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("images:")]
+    return seconds, "\n".join(said)
 
 
 def image_size(tag: str) -> int:
