@@ -6,7 +6,7 @@ report what was written.
 
 The model class is the one SGLang's model registry maps the directory's `architectures` to, built by
 SGLang's `_initialize_model` from `ModelConfig(DRAFTER_DIR, is_draft_model=True)` under one process group
-(gloo, world size 1); every parameter is filled with NaN first, then `load_weights` gets the directory's
+(gloo, world size 1, as `sglang_drafter_load.start` sets it up); every parameter is filled with NaN first, then `load_weights` gets the directory's
 tensors through SGLang's own safetensors iterator. OUT_DIR gets, for drafter i, `i.safetensors` (every
 parameter as loaded) and in `result.json`: the class, the block size, target layer ids, mask token id,
 context feature count and draft layer count SGLang derived from the config.
@@ -15,7 +15,6 @@ context feature count and draft layer count SGLang derived from the config.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,24 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start(drafter: str) -> Any:
-    """Server arguments resolved and published, and the process group SGLang's scheduler would build."""
-    from sglang.srt.distributed.bootstrap import init_parallel_runtime
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import prepare_server_args
-
-    server_args = prepare_server_args(["--model-path", drafter, "--device", "cpu", "--skip-server-warmup"])
-    server_args.resolve_once()
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-    init_parallel_runtime(server_args=server_args, device="cpu", dist_port=_free_port())
-    return server_args
+# The EAGLE-3 loader beside this file: the same server arguments and process group.
+from sglang_drafter_load import start
 
 
 def load(server_args: Any, drafter: str, out: Path) -> dict[str, Any]:
@@ -76,7 +59,7 @@ def load(server_args: Any, drafter: str, out: Path) -> dict[str, Any]:
 
 def main() -> None:
     out, drafters = Path(sys.argv[1]), sys.argv[2:]
-    server_args = start(drafters[0])
+    server_args = start(["--model-path", drafters[0], "--device", "cpu", "--skip-server-warmup"])
     result = [load(server_args, d, out / f"{i}.safetensors") for i, d in enumerate(drafters)]
     (out / "result.json").write_text(json.dumps(result))
 

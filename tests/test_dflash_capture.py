@@ -120,3 +120,13 @@ def test_disk_figures_follow_the_layer_count(smollm2) -> None:
             ex, facts.hidden_size, facts.vocab_size
         )
     assert bytes_per_token("bf16", H, 49152, 5) - bytes_per_token("bf16", H, 49152) == 2 * 2 * H
+
+
+def test_the_planner_counts_a_dflash_drafter_s_parameters(smollm2) -> None:
+    from aerie.plan.disk import drafter_params
+    from aerie.train.dflash_objective import DFlashObjective
+
+    cfg = load_config("smollm2-local", [*DFLASH, "train.dflash.num_layers=2"])
+    drafter = DFlashObjective(cfg.train).drafter(smollm2, smollm2.vocab_size)
+    matrices = sum(p.numel() for p in drafter.parameters() if p.dim() == 2)
+    assert drafter_params(cfg, target_facts(cfg.target)) == matrices

@@ -8,7 +8,6 @@ catches a skipped one. Serving DFlash is GPU-only in SGLang (its attention backe
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,7 +20,7 @@ from aerie.draft.dflash_export import WEIGHTS, export_dflash
 from aerie.targets import TargetInfo
 from aerie.train.config import TrainConfig
 from aerie.train.dflash_objective import DFlashObjective
-from tests.sglang_support import sglang_python, shim_calls, shim_env
+from tests.sglang_support import script_env, sglang_python, shim_calls
 
 pytestmark = pytest.mark.sglang
 
@@ -73,7 +72,7 @@ def test_sglang_loads_every_tensor_of_the_dflash_export(smollm2, tmp_path) -> No
     out = tmp_path / "loaded"
     out.mkdir()
     calls = tmp_path / "shim-calls"
-    env = {**os.environ, **shim_env(calls), "SGLANG_USE_CPU_ENGINE": "1"}
+    env = script_env(calls, {"SGLANG_USE_CPU_ENGINE": "1"})
     proc = subprocess.run(
         [python, str(LOADER), str(out), str(good), str(renamed)],
         env=env, capture_output=True, text=True, timeout=600,

@@ -59,11 +59,15 @@ def dumps_in_flight_bytes(cfg: PipelineConfig, target: TargetFacts) -> int:
 
 
 def drafter_params(cfg: PipelineConfig, target: TargetFacts) -> int:
-    """Trainable drafter parameters: fc, one decoder layer (its q/k/v read embeddings and hidden
-    states together), the draft lm_head."""
+    """Trainable drafter parameters. EAGLE-3: fc, one decoder layer (its q/k/v read embeddings and
+    hidden states together), the draft lm_head. DFlash: fc over its k layers and its decoder layers
+    (norms left out: a few H each)."""
     h, t = target.hidden_size, cfg.train
     inter = t.draft_intermediate_size or target.intermediate_size
     heads, kv, hd = target.num_attention_heads, target.num_key_value_heads, target.head_dim
+    if t.drafter == "dflash":  # k-layer fc and its decoder layers; the embedding and head are the target's
+        attention = h * (heads + 2 * kv) * hd + heads * hd * h
+        return aux_layers(cfg, target) * h * h + t.dflash.num_layers * (attention + 3 * h * inter)
     attention = 2 * h * (heads + 2 * kv) * hd + heads * hd * h
     return 3 * h * h + attention + 3 * h * inter + h * min(t.draft_vocab_size, target.vocab_size)
 
