@@ -46,6 +46,14 @@ writes": where O_DIRECT is faster that roofline is lower, so it is reported, not
 `efficiency_vs_sustained_write` uses instead the rate of `--sustained-gib` GiB of shards written back to
 back: cloud disks absorb a few GB fast and then slow down, and an extraction writes tens of GB.
 
+`--backends refserver,sglang` runs only the extraction stage, once per backend, on the same corpus with
+the same settings (bf16 shards): the reference server, and SGLang through aerie's dump plugin (the process
+launcher with `--sglang-python`, by default `.venv-sglang/bin/python` from `make setup-sglang`; on the CPU
+with the CPU lane's shims, tests/sglang_cpu_shims, importable). Each backend's tokens/s (steady, and wall
+with its start and canary) and bytes/token go under the top-level keys `refserver` and `sglang` of the
+results file, beside the figures of the last full run (kept as they are), with `backends` saying when and
+how they were measured and the per-token relative error between the two backends' shards (worst, 99th percentile, median).
+
 Results go to benchmarks/results/extract-<hardware>.json (extract-cpu.json, extract-h200.json), so a GPU
 run does not overwrite the CPU one (`--results PATH` elsewhere: tests/test_benchmarks.py runs it tiny).
 """
@@ -79,9 +87,10 @@ from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
 from aerie.extract.plan import dump_root
 from aerie.extract.stage import run as run_extract
-from aerie.manifest import StageDir, StageResult, stage_key
+from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.serving import ServerConfig
 from aerie.shards.format import HiddenSample, ShardInfo
+from aerie.shards.reader import ShardReader
 from aerie.shards.schema import Storage
 from aerie.shards.writer import ShardWriter
 from aerie.store import ArtifactStore, LocalStore
@@ -89,6 +98,9 @@ from aerie.targets import TargetInfo, resolve_target
 from aerie.tensorfile import layout, open_direct, whole, write_all, write_direct
 
 RESULTS = Path(__file__).parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+CPU_SHIMS = REPO / "tests" / "sglang_cpu_shims"
+BACKENDS = ("refserver", "sglang")
 
 
 def _free_port() -> int:
@@ -494,6 +506,124 @@ def pipeline(
     }
 
 
+def backend_server(backend: str, args: argparse.Namespace) -> ServerConfig:
+    """The extraction server of one backend: the reference server, or SGLang in its own environment (on
+    the CPU with the shims for the two imports that have no CPU build on PyPI)."""
+    if backend == "refserver":
+        return ServerConfig(backend="reference", device=args.device, port=_free_port())
+    python = Path(args.sglang_python)
+    if not python.exists():
+        sys.exit(f"--sglang-python {python}: no SGLang environment there (make setup-sglang builds it)")
+    env = (
+        {} if args.device.startswith("cuda") else {"PYTHONPATH": os.pathsep.join([str(CPU_SHIMS), str(REPO)])}
+    )
+    return ServerConfig(backend="sglang", device=args.device, python=str(python), port=_free_port(), env=env)  # type: ignore[arg-type]
+
+
+def backend_run(
+    backend: str,
+    target: TargetInfo,
+    store: LocalStore,
+    corpus: StageResult,
+    work: Path,
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], StageResult]:
+    """One backend's extraction stage over the corpus (bf16 shards, the CPU defaults of the pipelines)."""
+    cfg = ExtractConfig(
+        storage_dtype="bf16",
+        shard_bytes=args.shard_mb << 20,
+        batch_tokens=args.batch_tokens,
+        requests_in_flight=args.requests_in_flight,
+        splits=["train"],
+        work_dir=str(work / f"backend-{backend}"),
+        delete_local_after_upload=True,
+    )
+    began = time.perf_counter()
+    result = run_extract(
+        cfg,
+        store=store,
+        run_name=f"backend-{backend}",
+        target=target,
+        corpus=corpus,
+        server=backend_server(backend, args),
+    )
+    wall = time.perf_counter() - began
+    f = result.figures
+    return {
+        "tokens": f["tokens"],
+        "shards": f["shards"],
+        "bytes": f["bytes"],
+        "bytes_per_token": round(f["bytes"] / f["tokens"], 2),
+        "steady_tokens_per_s": f["steady_tokens_per_s"],
+        "wall_tokens_per_s_incl_startup": round(f["tokens"] / wall, 1),
+        "wall_s": round(wall, 1),
+        "canary_passed": f.get("canary_passed"),
+    }, result
+
+
+def stored_states(store: LocalStore, result: StageResult) -> dict[str, HiddenSample]:
+    out: dict[str, HiddenSample] = {}
+    for body in load_manifest(store, result.prefix)["splits"].values():
+        for entry in body["shards"]:
+            path = store.local_path(f"{result.prefix}/{entry['path']}")
+            out.update((s.id, s) for s in ShardReader(path, dtype=torch.float32))
+    return out
+
+
+def rel_errors(a: dict[str, HiddenSample], b: dict[str, HiddenSample]) -> dict[str, Any]:
+    """Per token, the largest difference over the row's largest magnitude in `b`: the worst token (its
+    sample and position), the 99th percentile and the median, for aux_hidden and last_hidden."""
+    if a.keys() != b.keys():
+        sys.exit("the two backends stored different samples")
+    out: dict[str, Any] = {}
+    for field in ("aux_hidden", "last_hidden"):
+        per_sample = {i: per_token(getattr(a[i], field), getattr(b[i], field)) for i in a}
+        every = torch.cat(list(per_sample.values()))
+        worst = max(per_sample, key=lambda i: float(per_sample[i].max()))
+        out[field] = {
+            "max": round(float(every.max()), 5),
+            "max_at": {"sample": worst, "position": int(per_sample[worst].argmax())},
+            "p99": round(float(every.quantile(0.99)), 5),
+            "median": round(float(every.median()), 5),
+        }
+    return out
+
+
+def per_token(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (x - y).abs().amax(-1) / y.abs().amax(-1)
+
+
+def backends_side_by_side(
+    target: TargetInfo, sequences: list[list[int]], work: Path, args: argparse.Namespace
+) -> None:
+    """Both backends on one corpus, one after the other; merged into the results file."""
+    store = LocalStore(work / "store")
+    corpus = write_corpus(store, sequences, work)
+    entries, results = {}, {}
+    for backend in BACKENDS:
+        entries[backend], results[backend] = backend_run(backend, target, store, corpus, work, args)
+        print(f"{backend}:", entries[backend], flush=True)
+    errors = rel_errors(stored_states(store, results["sglang"]), stored_states(store, results["refserver"]))
+    path = results_path(args)
+    record = json.loads(path.read_text()) if path.exists() else {}
+    record.update(entries)
+    record["backends"] = {
+        **provenance(args),
+        "corpus": args.corpus or "synthetic",
+        "corpus_samples": len(sequences),
+        "corpus_tokens": sum(len(s) for s in sequences),
+        "storage_dtype": "bf16",
+        "rel_err_sglang_vs_refserver": errors,
+        "note": "the extraction stage once per backend, same corpus and settings, one after the other; "
+        "steady_tokens_per_s excludes each server's start and canary, wall_tokens_per_s includes them. "
+        "SGLang's CPU engine runs the float32 checkpoint in float16 (dtype auto), the reference server in "
+        "float32; rel_err is per token, the largest difference over the row's largest magnitude",
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"relative error SGLang vs reference server: {errors}; wrote {path}")
+
+
 class Variant(NamedTuple):
     storage: str
     server_quantize: bool
@@ -552,20 +682,28 @@ def match_server_threads(device: str) -> int:
     return torch.get_num_threads()
 
 
-def save(figures: dict[str, Any], args: argparse.Namespace, *, complete: bool) -> None:
-    """Write the record; called after every part, so a run cut short keeps what it measured."""
-    gpu = args.device.startswith("cuda")
-    name = f"extract-{hardware_name(args.device)}.json"
-    path = Path(args.results) if args.results else RESULTS / name
-    gpu_name = f", {torch.cuda.get_device_name()}" if gpu else ""
-    record = {
+def results_path(args: argparse.Namespace) -> Path:
+    return Path(args.results) if args.results else RESULTS / f"extract-{hardware_name(args.device)}.json"
+
+
+def provenance(args: argparse.Namespace) -> dict[str, str]:
+    """When, where and how a figure was measured."""
+    gpu_name = f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
+    return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node() and 'vm'} {platform.machine()} {os.cpu_count()} CPUs{gpu_name}, "
         f"Python {platform.python_version()}, torch {torch.__version__}, load avg {os.getloadavg()[0]:.1f}",
         "command": "python benchmarks/extract.py " + " ".join(sys.argv[1:]),
-        "complete": complete,
-        "figures": figures,
     }
+
+
+def save(figures: dict[str, Any], args: argparse.Namespace, *, complete: bool) -> None:
+    """Write the record; called after every part, so a run cut short keeps what it measured."""
+    path = results_path(args)
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    # The side-by-side backend figures come from their own runs (`--backends`): kept.
+    kept = {k: previous[k] for k in (*BACKENDS, "backends") if k in previous}
+    record = {**provenance(args), "complete": complete, "figures": figures, **kept}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     if complete:
@@ -628,7 +766,19 @@ def main() -> None:
         action="store_true",
         help="every pipeline's server copies each pack to the host before the next forward (CUDA)",
     )
+    ap.add_argument(
+        "--backends",
+        default=None,
+        help="refserver,sglang: only the extraction stage on each backend, side by side (see above)",
+    )
+    ap.add_argument(
+        "--sglang-python",
+        default=str(REPO / ".venv-sglang" / "bin" / "python"),
+        help="the SGLang environment's interpreter (for --backends)",
+    )
     args = ap.parse_args()
+    if args.backends is not None and tuple(args.backends.split(",")) != BACKENDS:
+        sys.exit(f"--backends {args.backends!r}: only {','.join(BACKENDS)} (both, on one corpus) is measured")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here")
     gpu = args.device.startswith("cuda")
@@ -656,6 +806,9 @@ def main() -> None:
     tokens = sum(len(s) for s in sequences)
     print(f"corpus: {len(sequences)} samples, {tokens:,} tokens; work dir {work}", flush=True)
 
+    if args.backends:
+        backends_side_by_side(target, sequences, work, args)
+        return
     figures: dict[str, Any] = {
         "device": args.device,
         "corpus": args.corpus or "synthetic",
