@@ -19,29 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
-
-# The EAGLE-3 loader beside this file: the same server arguments and process group.
-from sglang_drafter_load import start
+# The EAGLE-3 loader beside this file: the same server arguments, process group and weight loading.
+from sglang_drafter_load import build_and_load, start
 
 
 def load(server_args: Any, drafter: str, out: Path) -> dict[str, Any]:
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_loader.loader import _initialize_model
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
-    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-
-    config = ModelConfig.from_server_args(server_args, model_path=drafter, is_draft_model=True)
-    with set_default_torch_dtype(config.dtype), torch.device("cpu"):
-        model = _initialize_model(config, LoadConfig())
-    with torch.no_grad():
-        for param in model.parameters():
-            param.fill_(float("nan"))
-    files = sorted(str(p) for p in Path(drafter).glob("*.safetensors"))
-    model.load_weights(safetensors_weights_iterator(files))
-    save_file({name: p.detach().contiguous() for name, p in model.named_parameters()}, str(out))
+    config, model = build_and_load(server_args, drafter, out)
     draft = model.draft_config
     layer_ids = draft.resolve_target_layer_ids(
         target_num_layers=int(draft.num_target_layers), draft_num_layers=len(model.layers)

@@ -56,16 +56,15 @@ def capture_layers(target_config: Any, layer_ids: list[int] | None) -> list[int]
     return list(holder.model.layers_to_capture)
 
 
-def load(server_args: Any, drafter: str, out: Path) -> dict[str, Any]:
+def build_and_load(server_args: Any, drafter: str, out: Path) -> tuple[Any, Any]:
+    """(config, model): the draft model class SGLang's registry maps `drafter` to, built by SGLang's own
+    `_initialize_model`, every parameter NaN, then the directory's tensors through `load_weights`; every
+    parameter as loaded is saved to `out`."""
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
-        resolve_spec_aux_hidden_state_config,
-    )
     from sglang.srt.model_loader.loader import _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     config = ModelConfig.from_server_args(server_args, model_path=drafter, is_draft_model=True)
     with set_default_torch_dtype(config.dtype), torch.device("cpu"):
@@ -75,6 +74,18 @@ def load(server_args: Any, drafter: str, out: Path) -> dict[str, Any]:
             param.fill_(float("nan"))
     files = sorted(str(p) for p in Path(drafter).glob("*.safetensors"))
     model.load_weights(safetensors_weights_iterator(files))
+    save_file({name: p.detach().contiguous() for name, p in model.named_parameters()}, str(out))
+    return config, model
+
+
+def load(server_args: Any, drafter: str, out: Path) -> dict[str, Any]:
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
+        resolve_spec_aux_hidden_state_config,
+    )
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    config, model = build_and_load(server_args, drafter, out)
     target = ModelConfig.from_server_args(server_args)
     aux = resolve_spec_aux_hidden_state_config(
         server_args=server_args,
@@ -83,7 +94,6 @@ def load(server_args: Any, drafter: str, out: Path) -> dict[str, Any]:
         is_draft_worker=False,
     )
     hot = model.get_hot_token_id()
-    save_file({name: p.detach().contiguous() for name, p in model.named_parameters()}, str(out))
     return {
         "class": type(model).__name__,
         "dtype": str(config.dtype),
