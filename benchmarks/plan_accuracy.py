@@ -6,10 +6,10 @@ benchmarks/results/pipeline-h200.json (generate, merge, train, evaluate, deploy)
 extract_stage-h200.json (the extract stage as the preset runs it now, quantizing on the server).
 
 What calibrates what (no estimate is fitted to the actual it is compared with):
-- smollm2-gpu: rates from other H200 records -- decode-h200.json (generation), extract-h200.json
-  (extraction on a synthetic corpus, and the server start-up), train_sweep-h200.json (a 3-epoch
-  training of the same preset and its one-pass evaluation), decode-h200.json's eager steps/s (deploy),
-  corpus-cpu.json (the corpus build's CPU-seconds per token); the token counts come from ShareGPT itself.
+- smollm2-gpu: rates from other H200 records -- decode_context-h200.json (generation, by mean
+  decode context), extract-h200.json (extraction on a synthetic corpus, and the server start-up),
+  train_sweep-h200.json (a 3-epoch training of the same preset and its one-pass evaluation),
+  decode-h200.json's eager steps/s (deploy), corpus-cpu.json (the corpus build's CPU-seconds per token); the token counts come from ShareGPT itself.
 - smollm2-local: rates from the CPU records (decode-cpu, refserver-cpu, train-cpu, spec_decode-cpu,
   corpus-cpu) and each stage's fixed seconds (start-up, loading) from a *different* local run, a
   calibration run of half the conversations and half the epochs (`--calibrate STORE` writes
@@ -18,6 +18,7 @@ What calibrates what (no estimate is fitted to the actual it is compared with):
 
     python benchmarks/plan_accuracy.py --calibrate /tmp/plan-calib2/artifacts
     python benchmarks/plan_accuracy.py --local-store /tmp/plan-default/artifacts
+    python benchmarks/plan_accuracy.py   # the smollm2-gpu rows only; the smollm2-local rows are kept
 """
 
 from __future__ import annotations
@@ -90,6 +91,34 @@ def h200_actuals() -> dict[str, dict[str, Any]]:
     return out
 
 
+# A complete generation of 3,000 conversations in one call on the H200 (the full corpus needs three
+# budgeted calls): its manifest (store/smollm2-gpu/generate-sharegpt/de46c87a7106d4b1/manifest.json) gives
+# 156.8 s for 3,206,536 prompt and 2,068,742 completion tokens.
+SHORT_RUN_OVERRIDES = ["generate.datasets.0.num_samples=3000"]
+SHORT_RUN_SECONDS = 156.8
+
+
+def short_run_row() -> dict[str, Any]:
+    plan = make_plan(load_config("smollm2-gpu", H200_OVERRIDES + SHORT_RUN_OVERRIDES), "h200")
+    est = next(e for e in plan.stages if e.stage == "generate")
+    return {
+        "preset": "smollm2-gpu " + " ".join(SHORT_RUN_OVERRIDES),
+        "stage": "generate",
+        "unit": "seconds",
+        "estimate": round(est.seconds, 1),
+        "actual": SHORT_RUN_SECONDS,
+        "error": round(est.seconds / SHORT_RUN_SECONDS - 1, 3),
+        "actual_from": "an H200 run's manifest: store/smollm2-gpu/generate-sharegpt/de46c87a7106d4b1 (one call)",
+    }
+
+
+def kept_local_rows(out: Path) -> list[dict[str, Any]]:
+    """The smollm2-local rows of an earlier record: they need a full local pipeline run to redo."""
+    if not out.is_file():
+        return []
+    return [r for r in json.loads(out.read_text())["stages"] if r["preset"] == "smollm2-local"]
+
+
 def rows(preset: str, plan: Plan, actuals: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for est in plan.stages:
@@ -159,9 +188,12 @@ def main() -> None:
         calibrate(args.calibrate, RESULTS / "plan_calibration-cpu.json")
         return
     table = rows("smollm2-gpu", make_plan(load_config("smollm2-gpu", H200_OVERRIDES), "h200"), h200_actuals())
+    table.append(short_run_row())
     if args.local_store:
         local = make_plan(load_config("smollm2-local", []), "cpu")
         table += rows("smollm2-local", local, store_actuals(args.local_store, "smollm2-local"))
+    else:
+        table += kept_local_rows(args.out)
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": MACHINE + " (plans need no GPU)",

@@ -14,7 +14,7 @@ from aerie.cli import main
 from aerie.errors import ConfigError, ContextLengthError, GpuMemoryError, NotEnoughDiskError
 from aerie.plan import check, make_plan
 from aerie.plan.disk import drafter_params, dumps_in_flight_bytes, shard_bytes_per_token
-from aerie.plan.facts import calibration_entries, target_facts
+from aerie.plan.facts import calibration_entries, hardware, target_facts
 from aerie.plan.render import table
 from aerie.presets import load_config
 
@@ -181,3 +181,49 @@ def test_the_actual_sits_beside_its_estimate_and_a_slow_stage_warns(
     assert manifest["plan"]["actual_s"] == round(3 * estimate, 1)
     assert manifest_digest(manifest) == result.manifest_sha256  # downstream keys are unchanged
     assert track.gpu_seconds(plan, store, [annotated]) == 0.0  # merge uses no GPU
+
+
+def test_decode_rate_interpolates_between_the_measured_points_and_clamps_outside() -> None:
+    from aerie.plan.throughput import decode_rate_at
+
+    points = [(1324.6, 14299.0), (265.1, 22387.3), (607.3, 21024.0)]  # any order
+    for context, rate in points:
+        assert decode_rate_at(points, context) == pytest.approx(rate)
+    midway = decode_rate_at(points, (607.3 + 1324.6) / 2)
+    assert midway == pytest.approx((21024.0 + 14299.0) / 2)
+    assert decode_rate_at(points, 10.0) == 22387.3 and decode_rate_at(points, 50_000.0) == 14299.0
+    grid = [decode_rate_at(points, 100.0 + 25 * i) for i in range(80)]
+    assert all(a >= b for a, b in zip(grid, grid[1:], strict=False)), "a longer context never decodes faster"
+
+
+def test_the_plan_reads_its_context_points_from_the_calibration() -> None:
+    from aerie.plan.throughput import Model, context_points
+
+    cfg = load_config("smollm2-gpu", KIMI_SMALL)
+    points = context_points(Model(cfg, target_facts(cfg.target), hardware("h200")))
+    entries = calibration_entries()["h200"]
+    assert len(points) == 3
+    assert points[0] == (
+        entries["decode_graphs_context_0_tokens"]["value"],
+        entries["decode_graphs_context_0_tokens_per_s"]["value"],
+    )
+
+
+def test_a_longer_context_dataset_generates_slower() -> None:
+    import dataclasses
+
+    from aerie.plan.throughput import estimate, mean_decode_context
+
+    cfg = load_config("smollm2-gpu", KIMI_SMALL)
+    target, hw = target_facts(cfg.target), hardware("h200")
+    plan = make_plan(cfg, "h200")
+    # The same tokens in half the requests: each request's prompt and answer twice as long.
+    longer = dataclasses.replace(
+        plan.sizes,
+        datasets=[dataclasses.replace(d, turns=max(1, d.turns // 2)) for d in plan.sizes.datasets],
+    )
+    assert mean_decode_context(longer) > mean_decode_context(plan.sizes)
+    short_s = estimate(cfg, target, plan.sizes, hw)[0].seconds
+    long_est = estimate(cfg, target, longer, hw)[0]
+    assert long_est.stage == "generate" and long_est.seconds > short_s
+    assert any("decode_context-h200.json" in c for c in long_est.calibrated_by)

@@ -169,7 +169,7 @@ def _generate(m: Model, sizes: Sizes) -> StageEstimate:
     if m.hw.gpu:
         graphs = "--cuda-graphs" in endpoint.launch_args
         if graphs:
-            decode = m.rate("decode_graphs_tokens_per_s", "bandwidth", notes, cites)
+            decode = _graphs_decode(m, sizes, notes, cites)
         else:
             steps = m.rate("decode_eager_steps_per_s", "bandwidth", notes, cites)
             decode = steps * endpoint.concurrency
@@ -186,6 +186,63 @@ def _generate(m: Model, sizes: Sizes) -> StageEstimate:
         f"+ {sizes.prompt_tokens:,} prompt tokens / {prefill:,.0f}/s"
     )
     return StageEstimate("generate", seconds, cfg.server.tp_size if m.hw.gpu else 0, formula, cites, notes)
+
+
+def decode_rate_at(points: list[tuple[float, float]], context: float) -> float:
+    """Tokens/s at a mean decode context, linear between the measured (context, tokens/s) points and
+    clamped to the nearest one outside them: beyond the measured range the shape is unknown."""
+    ordered = sorted(points)
+    if context <= ordered[0][0]:
+        return ordered[0][1]
+    for (x0, y0), (x1, y1) in zip(ordered, ordered[1:], strict=False):
+        if context <= x1:
+            return y0 + (y1 - y0) * (context - x0) / (x1 - x0)
+    return ordered[-1][1]
+
+
+def mean_decode_context(sizes: Sizes) -> float:
+    """The mean context a generated token is decoded against, as benchmarks/decode.py defines it (the
+    i-th of n new tokens sees prompt + i positions), from the per-request means: prompt + completion / 2."""
+    requests = max(1, sizes.turns)
+    return (sizes.prompt_tokens + sizes.completion_tokens / 2) / requests
+
+
+def context_points(m: Model) -> list[tuple[float, float]]:
+    """The measured CUDA-graphs (mean context, tokens/s) points of this hardware's calibration."""
+    points = []
+    for i in range(len(m.rates)):
+        ctx, rate = (
+            m.rates.get(f"decode_graphs_context_{i}_tokens"),
+            m.rates.get(f"decode_graphs_context_{i}_tokens_per_s"),
+        )
+        if ctx is None or rate is None:
+            break
+        points.append((ctx.value, rate.value))
+    return points
+
+
+def _graphs_decode(m: Model, sizes: Sizes, notes: list[str], cites: list[str]) -> float:
+    """The CUDA-graphs decode rate at the plan's own mean context: each later turn's prompt holds the
+    earlier turns, and attention over a longer context slows every step."""
+    points = context_points(m)
+    if not points:
+        return m.rate("decode_graphs_tokens_per_s", "bandwidth", notes, cites)
+    context = mean_decode_context(sizes)
+    decode = decode_rate_at(points, context)
+    source = m.rates["decode_graphs_context_0_tokens_per_s"].source
+    shown = ", ".join(f"{x:.1f} -> {y:,.0f}/s" for x, y in points)
+    cites.append(f"CUDA-graphs decode tokens/s by mean context ({source}: {shown})")
+    notes.append(
+        f"decode at a mean context of {context:,.0f} tokens (prompt + completion / 2 per request): "
+        f"{decode:,.0f} tokens/s, interpolated between the measured points, clamped outside them"
+    )
+    if m.scaled:
+        factor = m.hw.memory_bandwidth / m.base.memory_bandwidth
+        notes.append(
+            f"{m.hw.name} has no measurements: the H200's rate scaled by memory_bandwidth x{factor:.2f}"
+        )
+        decode *= factor
+    return decode
 
 
 def _merge(m: Model, sizes: Sizes) -> StageEstimate:
