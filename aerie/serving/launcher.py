@@ -157,20 +157,7 @@ def check_interpreter(
             f"interpreter {python!r} not found (not an executable path, not on PATH); it was to run "
             f"`-m {module}`. Set server.python to the interpreter of the environment that has {module}."
         )
-    try:
-        done = subprocess.run(
-            [exe, "-c", _FIND_SPEC, module],
-            env=full_env,
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise ServerLaunchError(f"interpreter {exe} took over {timeout:.0f} s to look up {module}") from exc
-    except OSError as exc:
-        raise ServerLaunchError(f"interpreter {exe} cannot be run: {exc}") from exc
+    done = _probe(exe, _FIND_SPEC, module, env=full_env, cwd=cwd, timeout=timeout, doing=f"look up {module}")
     if done.returncode == 0:
         return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else exe
     detail = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"No module named {module}"
@@ -179,6 +166,34 @@ def check_interpreter(
         f"once with `{exe}: No module named {module}`. Set server.python to the interpreter of the "
         f"environment where {module} is installed."
     )
+
+
+def _probe(
+    exe: str,
+    script: str,
+    arg: str,
+    *,
+    env: dict[str, str],
+    timeout: float,
+    doing: str,
+    cwd: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`exe -c script arg`, its output captured; an interpreter that hangs or cannot be run is a
+    ServerLaunchError saying what it was asked to do."""
+    try:
+        return subprocess.run(
+            [exe, "-c", script, arg],
+            env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise ServerLaunchError(f"interpreter {exe} took over {timeout:.0f} s to {doing}") from exc
+    except OSError as exc:
+        raise ServerLaunchError(f"interpreter {exe} cannot be run to {doing}: {exc}") from exc
 
 
 def check_requirement(
@@ -191,17 +206,7 @@ def check_requirement(
     name = requires.distribution
     if exe is None:
         raise ServerLaunchError(f"no {name} environment: interpreter {python!r} not found; {requires.setup}")
-    try:
-        done = subprocess.run(
-            [exe, "-c", _VERSION_OF, name],
-            env=full_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except (subprocess.TimeoutExpired, OSError) as exc:
-        raise ServerLaunchError(f"interpreter {exe} cannot report its {name} version: {exc}") from exc
+    done = _probe(exe, _VERSION_OF, name, env=full_env, timeout=timeout, doing=f"report its {name} version")
     version = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else "-"
     if version == "-":
         raise ServerLaunchError(f"no {name} in interpreter {exe}: {requires.setup}")
