@@ -123,6 +123,7 @@ def compose(
         # The one place every stage of every run passes through: its estimate before, the actual after.
         track.before(plan, stage.name)
         done = track.after(plan, ctx.store, stage.name, step(stage, stage_ctx, upstream))
+        plan = track.refined(plan, stage.name, done)
         results += done
         upstream = upstream.plus(stage.name, done)
     return results

@@ -227,3 +227,46 @@ def test_a_longer_context_dataset_generates_slower() -> None:
     long_est = estimate(cfg, target, longer, hw)[0]
     assert long_est.stage == "generate" and long_est.seconds > short_s
     assert any("decode_context-h200.json" in c for c in long_est.calibrated_by)
+
+
+def test_once_the_corpus_exists_the_later_stages_are_planned_from_it(caplog) -> None:
+    from aerie.manifest import StageResult
+    from aerie.plan import track
+
+    plan = make_plan(load_config("smollm2-gpu", ["generate.datasets.0.num_samples=300"]), "h200")
+    est = plan.sizes
+    # A corpus three times the sample's estimate (what regenerated answers longer than the data's give).
+    figures = {
+        "records": est.corpus_records,
+        "tokens": 3 * est.corpus_tokens,
+        "supervised_tokens": 3 * est.supervised_tokens,
+        "train_tokens": 3 * (est.corpus_tokens - est.eval_tokens),
+        "eval_tokens": 3 * est.eval_tokens,
+    }
+    merge = StageResult(
+        stage="merge",
+        key="k",
+        prefix="r/merge/k",
+        manifest_uri="m",
+        manifest_sha256="0",
+        cache_hit=False,
+        seconds=1.0,
+        figures=figures,
+    )
+    refined = track.refined(plan, "merge", [merge])
+    assert refined is not None and refined is not plan
+    cfg = plan.cfg
+    assert refined.sizes.train_tokens == round(
+        3 * (est.corpus_tokens - est.eval_tokens) * cfg.train.train_fraction * cfg.train.epochs
+    )
+    for name in ("generate", "merge"):  # what already ran keeps its estimate
+        assert refined.stage(name) == plan.stage(name)
+    # Three times the tokens: training about three times as long; extraction longer (its start is fixed).
+    assert refined.stage("train").seconds > 2 * plan.stage("train").seconds  # type: ignore[union-attr]
+    assert refined.stage("extract").seconds > plan.stage("extract").seconds  # type: ignore[union-attr]
+    assert refined.disk.locations != plan.disk.locations
+    # Only the merge stage's results refine it; figures it cannot read leave it as it was, with a warning.
+    assert track.refined(plan, "extract", [merge]) is plan
+    broken = merge.model_copy(update={"figures": {"records": 1}})
+    assert track.refined(plan, "merge", [broken]) is plan
+    assert "keeps its corpus estimate" in caplog.text

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aerie.config import PipelineConfig
@@ -100,6 +100,25 @@ def make_plan(cfg: PipelineConfig, hardware_name: str | None = None, *, fixed: b
     )
     plan.refusals = [*_context(cfg, target), *_gpu_memory(cfg, target, hw), *_disk(plan)]
     return plan
+
+
+def with_corpus(plan: Plan, figures: dict[str, Any]) -> Plan:
+    """The plan once the corpus exists: its measured records and tokens (the merge stage's figures) in
+    place of the estimate from a sample, and the later stages' seconds and disk from them; the stages
+    before it keep their estimates."""
+    cfg, est = plan.cfg, plan.sizes
+    measured = replace(
+        est,
+        corpus_records=int(figures["records"]),
+        corpus_tokens=int(figures["tokens"]),
+        supervised_tokens=int(figures["supervised_tokens"]),
+        train_tokens=round(int(figures["train_tokens"]) * cfg.train.train_fraction * cfg.train.epochs),
+        eval_tokens=int(figures["eval_tokens"]),
+    )
+    later = {s.stage: s for s in throughput.estimate(cfg, plan.target, measured, plan.hardware)}
+    done = ("generate", "merge")
+    stages = [s if s.stage in done else later.get(s.stage, s) for s in plan.stages]
+    return replace(plan, sizes=measured, stages=stages, disk=disk.estimate(cfg, plan.target, measured))
 
 
 def check(plan: Plan) -> Plan:

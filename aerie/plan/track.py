@@ -10,7 +10,7 @@ import logging
 from aerie.config import PipelineConfig
 from aerie.errors import AerieError
 from aerie.manifest import MANIFEST, StageResult, load_manifest
-from aerie.plan.plan import Plan, make_plan
+from aerie.plan.plan import Plan, make_plan, with_corpus
 from aerie.plan.render import duration
 from aerie.store import ArtifactStore
 
@@ -25,6 +25,17 @@ def plan_for(cfg: PipelineConfig) -> Plan | None:
     except Exception as exc:  # noqa: BLE001 -- any failure to plan leaves the run as it was
         log.warning("no plan for run %s (%s): its stages run without estimates", cfg.run, exc)
         return None
+
+
+def refined(plan: Plan | None, stage: str, results: list[StageResult]) -> Plan | None:
+    """After the merge stage, the plan from the corpus it made (its sizes were a sample's estimate)."""
+    if plan is None or stage != "merge" or len(results) != 1:
+        return plan
+    try:
+        return with_corpus(plan, results[0].figures)
+    except Exception as exc:  # noqa: BLE001 -- a plan is advice: a run never fails for want of one
+        log.warning("the plan keeps its corpus estimate (cannot read the corpus figures: %r)", exc)
+        return plan
 
 
 def before(plan: Plan | None, stage: str) -> None:
