@@ -68,6 +68,10 @@ def test_run_request_mirrors_sglangs_documented_docker_run(
 def test_gpu_counts_in_the_request(tmp_path: Path) -> None:
     assert run_kwargs(kimi_spec(tmp_path, gpus=2))["device_requests"][0]["Count"] == 2
     assert "device_requests" not in run_kwargs(kimi_spec(tmp_path, gpus=0))
+    # A CPU server asks for none, whatever server.gpus says (its default -1 would be refused by a host
+    # without a GPU runtime).
+    assert "device_requests" not in run_kwargs(kimi_spec(tmp_path, device="cpu"))
+    assert "device_requests" in run_kwargs(kimi_spec(tmp_path, device="cuda"))
 
 
 class RecordingContainer:

@@ -39,7 +39,9 @@ class ServerConfig(StrictModel):
         "leave SGLang on its default, the GPU.",
     )
     tp_size: int = Field(1, ge=1, description="Tensor parallel size (SGLang).")
-    gpus: int = Field(-1, description="GPUs given to the container (-1 = all).")
+    gpus: int = Field(
+        -1, description="GPUs given to the container (-1 = all); none when server.device is cpu."
+    )
     shm_size: str = Field("32g", description="Container /dev/shm size.")
     memory_limit: str | None = Field(
         None, description="Container memory limit (docker's units: 2g, 512m); an OOM kill is reported as one."

@@ -403,7 +403,8 @@ def spec_for(
         poll_interval_s=cfg.poll_interval_s,
         sweep_shm=cfg.sweep_shm,
         shm_dir=Path(cfg.shm_dir),
-        gpus=cfg.gpus if docker else None,
+        # A server on the CPU asks for no GPU: a host without a GPU runtime refuses any request for one.
+        gpus=cfg.gpus if docker and cfg.device != "cpu" else None,
         shm_size=cfg.shm_size if docker else None,
         memory_limit=cfg.memory_limit if docker else None,
         volumes=volumes,
