@@ -58,9 +58,12 @@ class Journal:
     """Open with `with Journal(dir, params_hash) as journal:`; `append()`/`append_error()` are
     thread-safe and cheap, `done()` lists what earlier runs finished."""
 
-    def __init__(self, directory: str | Path, params_hash: str) -> None:
+    def __init__(self, directory: str | Path, params_hash: str, lead_s: float = 0.0) -> None:
+        """`lead_s`: what this run spent before it could generate (starting the server it generates
+        with), counted in its time: a GPU held for a server's start is held for the stage."""
         self.dir = Path(directory)
         self.params_hash = params_hash
+        self.lead_s = lead_s
         self._queue: queue.Queue[Any] = queue.Queue()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -105,16 +108,22 @@ class Journal:
                     yield rec
 
     def record_seconds(self, seconds: float) -> None:
-        """This run's generation time so far (rewritten as it grows, so a killed run keeps what it
-        spent up to its last record): what the manifest's time sums over resumed runs."""
+        """This run's time so far, its `lead_s` included (rewritten as it grows, so a killed run keeps
+        what it spent up to its last record): what the manifest's time sums over resumed runs."""
         assert self.time_file is not None, "record_seconds needs an open journal"
-        line = json.dumps({"params_hash": self.params_hash, "seconds": round(seconds, 3)})
+        line = json.dumps(
+            {
+                "params_hash": self.params_hash,
+                "seconds": round(seconds + self.lead_s, 3),
+                "server_start_s": round(self.lead_s, 3),
+            }
+        )
         tmp = self.dir / ".time.tmp"
         tmp.write_text(line + "\n")
         os.replace(tmp, self.time_file)
 
     def earlier_runs(self) -> tuple[int, float]:
-        """(runs before this one, the seconds they generated for), from their time files."""
+        """(runs before this one, the seconds they spent, server starts included), from their time files."""
         runs, seconds = 0, 0.0
         for path in sorted(self.dir.glob(TIME_GLOB)):
             if path == self.time_file:

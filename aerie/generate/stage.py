@@ -99,9 +99,11 @@ def run(
     run_name: str,
     base_url: str | None = None,
     progress: ProgressFn = no_progress,
+    server_start_s: float = 0.0,
 ) -> StageResult:
     """Generate one dataset (or return its cached result). `base_url` overrides `cfg.endpoint.base_url`:
-    the pipeline passes the URL of the reference server it launched."""
+    the pipeline passes the URL of the reference server it launched, and `server_start_s` the seconds
+    that server took to start (counted in the dataset's time)."""
     stage_dir = StageDir(store, run_name, stage_name(spec), key_of(cfg, spec))
     cached = stage_dir.cached_result()
     if cached is not None:
@@ -111,7 +113,14 @@ def run(
     report = LoadReport(source=spec.name)
     conversations = load_source(spec, report)
     return generate_dataset(
-        conversations, cfg, spec, stage_dir=stage_dir, base_url=base_url, report=report, progress=progress
+        conversations,
+        cfg,
+        spec,
+        stage_dir=stage_dir,
+        base_url=base_url,
+        report=report,
+        progress=progress,
+        server_start_s=server_start_s,
     )
 
 
@@ -155,8 +164,10 @@ def run_all(
             progress(stage_name(spec))(1.0, "cached")
     if todo:
         launch = endpoint is not None and base_url is None and any(cfg.datasets[i].regenerate for i in todo)
+        began = time.monotonic()
         with endpoint() if launch and endpoint is not None else nullcontext(base_url) as url:
-            errors = _run_parallel(cfg, todo, results, store, run_name, url, progress)
+            start_s = time.monotonic() - began if launch else 0.0
+            errors = _run_parallel(cfg, todo, results, store, run_name, url, progress, start_s)
         if errors:
             failed = ", ".join(f"{cfg.datasets[i].name}: {exc}" for i, exc in errors)
             raise (
@@ -175,6 +186,7 @@ def _run_parallel(
     run_name: str,
     url: str | None,
     progress: Callable[[str], ProgressFn],
+    server_start_s: float,
 ) -> list[tuple[int, BaseException]]:
     errors: list[tuple[int, BaseException]] = []
     with ThreadPoolExecutor(max_workers=cfg.max_parallel_datasets, thread_name_prefix="generate") as pool:
@@ -187,6 +199,7 @@ def _run_parallel(
                 run_name=run_name,
                 base_url=url,
                 progress=progress(stage_name(cfg.datasets[i])),
+                server_start_s=server_start_s,
             )
             for i in todo
         }
@@ -247,9 +260,11 @@ def generate_dataset(
     base_url: str | None = None,
     report: LoadReport | None = None,
     progress: ProgressFn = no_progress,
+    server_start_s: float = 0.0,
 ) -> StageResult:
     """The stage's work on any iterable of conversations: generate, write the Parquet and errors,
-    finish with the manifest. Raises `EndpointError` when more conversations failed than allowed."""
+    finish with the manifest. Raises `EndpointError` when more conversations failed than allowed.
+    `server_start_s`, the start of the server generating for it, counts in the stage's seconds."""
     url = _endpoint_url(cfg, spec, base_url)
     phash = params_hash(cfg, spec)
     local_dir, remote_prefix = journal_location(cfg, spec, stage_dir, phash)
@@ -257,7 +272,7 @@ def generate_dataset(
     if mirror is not None:
         mirror.pull()
     progress(0.0, f"generating {spec.name}")
-    with Journal(local_dir, phash) as journal:
+    with Journal(local_dir, phash, lead_s=server_start_s) as journal:
         try:
             outcome, client_stats = _run_sync(
                 _generate(conversations, cfg, spec, journal, url, progress, mirror)
@@ -419,8 +434,9 @@ def _finish(
     truncated = sum(1 for r in ordered if "length" in r["finish_reasons"])
     seconds = max(outcome.seconds, 1e-9)
     earlier_runs, earlier_s = journal.earlier_runs()
-    # A resumed dataset's time is every run's: the records (and so the tokens) are every run's too.
-    total_s = max(outcome.seconds + earlier_s, 1e-9)
+    # A resumed dataset's time is every run's: the records (and so the tokens) are every run's too; and
+    # each run's server start is in it (the GPU was held for the stage from the launch).
+    total_s = max(outcome.seconds + journal.lead_s + earlier_s, 1e-9)
     throughput = {
         "runs": earlier_runs + 1,
         "wall_seconds": round(total_s, 3),
@@ -432,6 +448,7 @@ def _finish(
             "completion_tokens_per_s": round(outcome.completion_tokens / seconds, 3),
             "tokens_per_s": round((outcome.prompt_tokens + outcome.completion_tokens) / seconds, 3),
             "wall_seconds": round(outcome.seconds, 3),
+            "server_start_s": round(journal.lead_s, 3),
             "conversations": outcome.done_now,
         },
     }
@@ -455,11 +472,12 @@ def _finish(
         "requests_per_s": throughput["this_run"]["requests_per_s"],
         "tokens_per_s": throughput["completion_tokens_per_s"],
         "wall_s": throughput["wall_seconds"],
+        "server_start_s": round(journal.lead_s, 3),
         "runs": throughput["runs"],
     }
     manifest = {
-        # The stage's seconds: this call's, plus the generation time of the runs it resumed.
-        "seconds": round(time.monotonic() - stage_dir.started + earlier_s, 3),
+        # The stage's seconds: this call's with its server's start, plus the runs it resumed.
+        "seconds": round(time.monotonic() - stage_dir.started + journal.lead_s + earlier_s, 3),
         "figures": figures,
         "dataset": spec.model_dump(mode="json"),
         "endpoint": {
