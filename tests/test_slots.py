@@ -153,6 +153,17 @@ def test_kv_slots_grow_keeping_contents() -> None:
     assert kv.k[1][0, 0, 2].tolist() == [7.0, 8.0]
 
 
+def test_kv_slots_stop_doubling_at_the_context() -> None:
+    # rows x length is the memory: doubling past the model's context asks for what no request uses
+    kv = KVSlots(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", max_length=600)
+    kv.ensure(2, 300)
+    assert kv.length == 512
+    kv.ensure(2, 513)
+    assert kv.length == 768  # the length asked for, in multiples of 256, not 1,024
+    kv.ensure(2, 1000)
+    assert kv.length == 1024  # a longer request still gets its length
+
+
 # -- CUDA graphs: the bookkeeping on CPU, the capture itself only where there is a GPU --------------
 
 

@@ -63,8 +63,20 @@ def supports(model: PreTrainedModel) -> bool:
 class KVSlots:
     """Per-layer K/V buffers `[rows, kv_heads, length, head_dim]`; grow only, by doubling."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str):
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+        max_length: int | None = None,
+    ):
+        """`max_length` (the model's context): doubling stops there. The buffers are rows x length, so
+        doubling past the context asks for memory no request can use (512 rows of SmolLM2 at 16,384
+        positions are 193 GB, at its 8,192 half that); a longer request still grows them to its length."""
         self.shape = (kv_heads, head_dim)
+        self.max_length = max_length
         self.dtype, self.device = dtype, device
         self.rows = self.length = 0
         self.version = 0  # bumped whenever the buffers are reallocated (captured graphs hold pointers)
@@ -77,8 +89,10 @@ class KVSlots:
         new_rows = max(rows, self.rows)
         new_length = self.length
         if length > self.length:
-            want = max(length, 2 * self.length)
-            new_length = -(-want // _LENGTH_QUANTUM) * _LENGTH_QUANTUM
+            doubled = 2 * self.length
+            if self.max_length is not None:
+                doubled = min(doubled, self.max_length)
+            new_length = max(-(-length // _LENGTH_QUANTUM) * _LENGTH_QUANTUM, doubled)
         heads, dim = self.shape
         for store in (self.k, self.v):
             for i, old in enumerate(store):
@@ -117,7 +131,8 @@ class SlotDecoder(BatchedDecoder):
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
         dtype = next(model.parameters()).dtype
         layers: Any = self.base.layers
-        self.kv = KVSlots(len(layers), self.kv_heads, self.head_dim, dtype, device)
+        context = getattr(cfg, "max_position_embeddings", None)
+        self.kv = KVSlots(len(layers), self.kv_heads, self.head_dim, dtype, device, max_length=context)
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # tokens cached per running row
         self.admit_when_free = max(1, max_running // 8)
         self.graphs: DecodeGraphs | None = None
