@@ -63,13 +63,20 @@ start() {  # a fresh copy of the repository, the plan, then the driver detached
 
 running() { [ -f "$W/driver.pid" ] && kill -0 "$(cat "$W/driver.pid")" 2>/dev/null; }
 
-collect() {  # the log tail and the job's files (a device call brings back at most 8)
+collect() {  # the log tail and the job's files new since the last call's (a call brings back 64 MiB)
   mkdir -p "$BACK"
   tr '\r' '\n' < "$W/driver.log" | grep -v '‰' | tail -n 400 > "$BACK/driver-tail.log"
+  local stamp="$W/collected" next="$W/collecting"
+  touch "$next"
   while read -r f; do
-    [ -n "$f" ] && for g in "$W"/$f; do [ -f "$g" ] && cp "$g" "$BACK/"; done
+    [ -n "$f" ] && for g in "$W"/$f; do
+      local rel=${g#"$W"/}
+      [ -f "$g" ] && { [ ! -f "$stamp" ] || [ "$g" -nt "$stamp" ]; } && mkdir -p "$BACK/$(dirname "$rel")" &&
+        cp "$g" "$BACK/$rel"
+    done
   done < "$JOB/back.txt"
-  ls -la "$BACK"
+  mv "$next" "$stamp"
+  ls -laR "$BACK"
 }
 
 case "${2:-}" in

@@ -21,7 +21,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from aerie.config import PipelineConfig, apply_overrides
 from aerie.extract.entry import EXTRACT
-from aerie.generate.entry import GENERATE, generation_endpoint
+from aerie.generate.entry import GENERATE, generate_config, generation_endpoint
 from aerie.manifest import StageResult
 from aerie.pipeline import PipelineReport, check_secrets, compose, figure_text
 from aerie.plan import track
@@ -88,7 +88,7 @@ def _generate(cfg: PipelineConfig, ctx: StageContext) -> list[StageResult]:
     # The embedded default generates with the target itself: launch it only when a dataset needs it.
     launch = cfg.generate.endpoint.base_url is None and GENERATE.needs(cfg, ctx, Upstream())
     with generation_endpoint(cfg, ctx.target) if launch else contextlib.nullcontext(None) as base_url:
-        return generate_all(cfg.generate, cfg.store, cfg.run, base_url)
+        return generate_all(generate_config(cfg), cfg.store, cfg.run, base_url)
 
 
 def _summarize(cfg: PipelineConfig, results: list[StageResult], gpu_seconds: float | None) -> None:

@@ -14,12 +14,15 @@ from typing import Any
 import polars as pl
 import pytest
 
+from aerie.config import PipelineConfig
 from aerie.conversation import Conversation, Message
 from aerie.datasets import SourceSpec
 from aerie.errors import EndpointAuthError, EndpointError, EndpointRequestError, StoreError
 from aerie.generate.client import parse_retry_after
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
+from aerie.generate.entry import generate_config
 from aerie.generate.output import SCHEMA, read_conversations
+from aerie.generate.runner import longest_first
 from aerie.generate.stage import generate_dataset, key_of, run, stage_name
 from aerie.generate.turns import prepare
 from aerie.manifest import StageDir, load_manifest
@@ -127,7 +130,9 @@ def test_transient_faults_are_retried_and_every_record_arrives_once(
         "question 8.0": [status(408), status(409)],
     }
     convs = conversations(12)
-    cfg, spec = config(server.url, http_transport=transport), spec_for()
+    # One worker per conversation: every first request opens its own connection, so the dropped one
+    # is counted (a drop on a reused keep-alive connection is retried as a stale one, silently).
+    cfg, spec = config(server.url, http_transport=transport, concurrency=12), spec_for()
     store = LocalStore(tmp_path / "store")
     result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url)
 
@@ -454,6 +459,46 @@ def test_rate_limit_paces_requests(server: FaultServer, tmp_path: Path):
     times = sorted(s.at for s in server.seen)
     # 10 requests/s with a burst of one second's worth (10): the other six need at least 0.6 s.
     assert len(times) == 16 and times[-1] - times[0] >= 0.55
+
+
+@pytest.mark.integration
+def test_turns_past_max_context_tokens_are_not_asked(server: FaultServer, tmp_path: Path):
+    # The fault server counts words as tokens: after any first answer the conversation is past 4.
+    convs = conversations(3, turns=3)
+    cfg, spec = config(server.url), spec_for(max_context_tokens=4)
+    store = LocalStore(tmp_path / "store")
+    result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url)
+
+    frame = read_output(store, result.prefix)
+    for conv, row in zip(convs, frame.iter_rows(named=True), strict=True):
+        assert row["messages"] == expected_messages(conv)[:2]  # ends on its first answer
+        assert row["finish_reasons"] == ["stop"]
+    assert not [s for s in server.seen if not s.prompt.endswith(".0")]  # no later turn was asked
+    assert load_manifest(store, result.prefix)["counts"]["turns_past_context"] == 3 * 2
+
+    unlimited = spec_for(max_context_tokens=0)  # 0: every turn, and a dataset of its own
+    assert key_of(cfg, unlimited) != key_of(cfg, spec)
+    result = generate_dataset(
+        convs, cfg, unlimited, stage_dir=stage_dir(store, cfg, unlimited), base_url=server.url
+    )
+    rows = read_output(store, result.prefix).iter_rows(named=True)
+    assert [row["messages"] for row in rows] == [expected_messages(c) for c in convs]
+
+
+def test_the_longest_conversations_go_first_and_the_pipeline_limits_them_to_the_corpus():
+    prepared = [p for p in (prepare(c, spec_for()) for c in conversations(12)) if not isinstance(p, str)]
+    order = [p.id for p in longest_first(prepared)]
+    assert order[:2] == ["c010", "c011"] and order[2:] == [f"c{i:03d}" for i in range(10)]  # stable
+
+    cfg = PipelineConfig()
+    cfg.corpus.max_length = 300
+    cfg.generate.datasets = [
+        spec_for("a"),
+        spec_for("b", max_context_tokens=0),
+        spec_for("c", max_context_tokens=9),
+    ]
+    assert [d.max_context_tokens for d in generate_config(cfg).datasets] == [300, 0, 9]
+    assert cfg.generate.datasets[0].max_context_tokens is None  # the config itself is left as it was
 
 
 def test_prepare_turns():

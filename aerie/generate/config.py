@@ -124,6 +124,14 @@ class DatasetSpec(StrictModel):
     regenerate: bool = Field(
         True, description="Ask the target for every assistant turn (False: keep the data's)."
     )
+    max_context_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Stop regenerating a conversation once it is this long (prompt plus answer, as the "
+        "endpoint counts tokens): the corpus cuts every sample at its max_length, so the turns after it "
+        "would train nothing and only cost time or money. None = the pipeline's corpus.max_length; "
+        "0 = answer every turn.",
+    )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
 
     @model_validator(mode="after")

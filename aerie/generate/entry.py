@@ -16,7 +16,20 @@ from aerie.targets import TargetInfo
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
+    from aerie.generate.config import GenerateConfig
     from aerie.serving import ServerSpec
+
+
+def generate_config(cfg: PipelineConfig) -> GenerateConfig:
+    """`cfg.generate` as the stage runs it: a dataset's `max_context_tokens` left at None takes the
+    corpus's max_length (what the corpus keeps of a conversation is all that is worth generating)."""
+    datasets = [
+        spec
+        if spec.max_context_tokens is not None
+        else spec.model_copy(update={"max_context_tokens": cfg.corpus.max_length})
+        for spec in cfg.generate.datasets
+    ]
+    return cfg.generate.model_copy(update={"datasets": datasets})
 
 
 def generation_spec(cfg: PipelineConfig, target: TargetInfo) -> ServerSpec:
@@ -53,10 +66,10 @@ def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
     from aerie.generate.stage import key_of, stage_name
     from aerie.manifest import StageDir
 
+    gen = generate_config(cfg)
     return any(
-        spec.regenerate
-        and StageDir(store, cfg.run, stage_name(spec), key_of(cfg.generate, spec)).manifest() is None
-        for spec in cfg.generate.datasets
+        spec.regenerate and StageDir(store, cfg.run, stage_name(spec), key_of(gen, spec)).manifest() is None
+        for spec in gen.datasets
     )
 
 
@@ -67,15 +80,17 @@ class GenerateStage(Stage):
         """The datasets' own keys together (each dataset's result lives under its own key)."""
         from aerie.generate.stage import key_of
 
-        return stage_key(self.name, [key_of(cfg.generate, spec) for spec in cfg.generate.datasets])
+        gen = generate_config(cfg)
+        return stage_key(self.name, [key_of(gen, spec) for spec in gen.datasets])
 
     def cached(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult] | None:
         from aerie.generate.stage import key_of, stage_name
         from aerie.manifest import StageDir
 
+        gen = generate_config(cfg)
         found = [
-            StageDir(ctx.store, ctx.run, stage_name(spec), key_of(cfg.generate, spec)).cached_result()
-            for spec in cfg.generate.datasets
+            StageDir(ctx.store, ctx.run, stage_name(spec), key_of(gen, spec)).cached_result()
+            for spec in gen.datasets
         ]
         return None if any(r is None for r in found) else [r for r in found if r is not None]
 
@@ -87,7 +102,7 @@ class GenerateStage(Stage):
         from aerie.generate.stage import run_all
 
         return run_all(
-            cfg.generate,
+            generate_config(cfg),
             store=ctx.store,
             run_name=ctx.run,
             endpoint=lambda: generation_endpoint(cfg, ctx.target),

@@ -41,6 +41,7 @@ class Outcome:
     cost: float = 0.0
     requests: int = 0
     seconds: float = 0.0
+    turns_past_context: int = 0  # answers not asked: the conversation had reached max_context_tokens
 
     @property
     def requested(self) -> int:
@@ -129,12 +130,14 @@ async def _run_workers(
     concurrency: int,
     outcome: Outcome,
 ) -> None:
-    queue = iter(pending)  # shared by the workers; next() never awaits, so no lock is needed
+    queue = iter(longest_first(pending))  # shared by the workers; next() never awaits, so no lock is needed
 
     async def worker() -> None:
         for prepared in queue:
             try:
-                rec = await regenerate(client, prepared, spec.sampling, journal.params_hash)
+                rec = await regenerate(
+                    client, prepared, spec.sampling, journal.params_hash, spec.max_context_tokens
+                )
             except RequestFailedError as exc:
                 outcome.failures[prepared.id] = failure_record(prepared, exc)
                 journal.append_error(outcome.failures[prepared.id])
@@ -145,6 +148,7 @@ async def _run_workers(
             outcome.done_now += 1
             outcome.prompt_tokens += rec["prompt_tokens"]
             outcome.completion_tokens += rec["completion_tokens"]
+            outcome.turns_past_context += rec["turns_past_context"]
             outcome.cost += rec["cost"] or 0.0
 
     workers = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(pending)))]
@@ -159,6 +163,14 @@ async def _run_workers(
     if fatal:
         raise fatal[0]
     outcome.aborted = any(isinstance(exc, _BudgetExceeded) for exc in errors)
+
+
+def longest_first(pending: list[Prepared]) -> list[Prepared]:
+    """The conversations by the text they send, longest first. A batching server decodes its running
+    requests over the longest one's context: long conversations started together, while the batch is
+    full, keep the rest of the run at short contexts instead of stretching a step here and there all
+    along (and no long one is left to run alone at the end). The output keeps the input order."""
+    return sorted(pending, key=lambda p: -sum(len(m.content) for m in p.messages))
 
 
 def failure_record(prepared: Prepared, exc: RequestFailedError) -> dict[str, Any]:

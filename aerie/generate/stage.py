@@ -59,6 +59,7 @@ def generation_params(cfg: GenerateConfig, spec: DatasetSpec) -> dict[str, Any]:
         "system_prompt": spec.system_prompt,
         "max_turns": spec.max_turns,
         "regenerate": spec.regenerate,
+        "max_context_tokens": spec.max_context_tokens or None,
     }
 
 
@@ -432,6 +433,7 @@ def _finish(
     completion_tokens = sum(r["completion_tokens"] for r in ordered)
     costs = [r["cost"] for r in ordered if r["cost"] is not None]
     truncated = sum(1 for r in ordered if "length" in r["finish_reasons"])
+    past_context = sum(r.get("turns_past_context", 0) for r in ordered)
     seconds = max(outcome.seconds, 1e-9)
     earlier_runs, earlier_s = journal.earlier_runs()
     # A resumed dataset's time is every run's: the records (and so the tokens) are every run's too; and
@@ -460,6 +462,7 @@ def _finish(
         "skipped_by_loader": report.total_skipped if report else 0,
         "skipped": dict(outcome.skipped),
         "truncated": truncated,
+        "turns_past_context": past_context,
     }
     figures = {
         "records": rows,

@@ -8,7 +8,7 @@ but never fed back (the providers ask for that, and it is what the model sees wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aerie.conversation import Conversation, Message
@@ -98,42 +98,69 @@ def record(prepared: Prepared, params_hash: str, messages: list[Message], **usag
         "completion_tokens": usage.get("completion_tokens", 0),
         "cost": usage.get("cost"),
         "requests": usage.get("requests", 0),
+        "turns_past_context": usage.get("turns_past_context", 0),
     }
 
 
+@dataclass
+class _Tally:
+    """What the requests of one conversation cost."""
+
+    finish_reasons: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    requests: int = 0
+    costs: list[float] = field(default_factory=list)
+
+    def add(self, completion: Completion) -> None:
+        self.finish_reasons.append(completion.finish_reason)
+        self.prompt_tokens += completion.prompt_tokens
+        self.completion_tokens += completion.completion_tokens
+        self.requests += completion.attempts
+        if completion.cost is not None:
+            self.costs.append(completion.cost)
+
+
 async def regenerate(
-    client: ChatClient, prepared: Prepared, sampling: SamplingParams, params_hash: str
+    client: ChatClient,
+    prepared: Prepared,
+    sampling: SamplingParams,
+    params_hash: str,
+    max_context_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Ask the target for each assistant slot, in order, with the regenerated history so far."""
+    """Ask the target for each assistant slot, in order, with the regenerated history so far. Once the
+    conversation is `max_context_tokens` long (0 or None: no limit) the turns after are not asked: the
+    record ends at the last answer, and `turns_past_context` counts the answers left out."""
     history: list[dict[str, str]] = []
     out: list[Message] = []
-    finish_reasons: list[str] = []
-    prompt_tokens = completion_tokens = requests = 0
-    costs: list[float] = []
-    for message in prepared.messages:
+    tally = _Tally()
+    past_context = 0
+    for at, message in enumerate(prepared.messages):
         if message.role != "assistant":
             out.append(message)
             history.append({"role": message.role, "content": message.content})
             continue
         completion = await client.complete(history, sampling)
-        _check_answer(completion, prepared, len(finish_reasons) + 1, sampling)
+        _check_answer(completion, prepared, len(tally.finish_reasons) + 1, sampling)
         out.append(Message(role="assistant", content=completion.content, reasoning=completion.reasoning))
         history.append({"role": "assistant", "content": completion.content})
-        finish_reasons.append(completion.finish_reason)
-        prompt_tokens += completion.prompt_tokens
-        completion_tokens += completion.completion_tokens
-        requests += completion.attempts
-        if completion.cost is not None:
-            costs.append(completion.cost)
+        tally.add(completion)
+        if (
+            max_context_tokens
+            and completion.prompt_tokens + completion.completion_tokens >= max_context_tokens
+        ):
+            past_context = sum(1 for m in prepared.messages[at + 1 :] if m.role == "assistant")
+            break
     return record(
         prepared,
         params_hash,
         out,
-        finish_reasons=finish_reasons,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        cost=sum(costs) if costs else None,
-        requests=requests,
+        finish_reasons=tally.finish_reasons,
+        prompt_tokens=tally.prompt_tokens,
+        completion_tokens=tally.completion_tokens,
+        cost=sum(tally.costs) if tally.costs else None,
+        requests=tally.requests,
+        turns_past_context=past_context,
     )
 
 
