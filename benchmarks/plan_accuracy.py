@@ -2,8 +2,8 @@
 
 Two presets: the embedded default `smollm2-local`, measured on this machine (the manifests of an `aerie
 run smollm2-local` store), and `smollm2-gpu` on an H200, whose actuals are recorded in
-benchmarks/results/pipeline-h200.json (generate, merge, train, evaluate, deploy) and
-extract_stage-h200.json (the extract stage as the preset runs it now, quantizing on the server).
+benchmarks/results/h200-pipeline.json (generate, merge, extract, train, each over every call) and
+pipeline-h200.json (evaluate and deploy, from the run before).
 
 What calibrates what (no estimate is fitted to the actual it is compared with):
 - smollm2-gpu: rates from other H200 records -- decode_context-h200.json (generation, by mean
@@ -39,9 +39,6 @@ from aerie.presets import load_config
 RESULTS = Path(__file__).parent / "results"
 MACHINE = f"{platform.machine()} VM, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
-# The overrides that make the preset what the H200 record ran: greedy evaluation only (the record
-# predates evaluate.temperatures).
-H200_OVERRIDES = ["evaluate.temperatures=[0]"]
 # The calibration run: half the conversations and half the epochs of the default.
 CALIBRATION_OVERRIDES = ["generate.datasets.0.num_samples=12", "train.epochs=6"]
 
@@ -64,30 +61,20 @@ def store_actuals(store: Path, run: str) -> dict[str, dict[str, Any]]:
 
 
 def h200_actuals() -> dict[str, dict[str, Any]]:
-    pipeline = json.loads((RESULTS / "pipeline-h200.json").read_text())["stages"]
-    extract = json.loads((RESULTS / "extract_stage-h200.json").read_text())["runs"]
+    """The preset's last whole-corpus run (h200-pipeline.json: every stage's seconds over every call
+    that worked on it, server starts included) for the stages it reached; the earlier recorded run
+    (pipeline-h200.json) for evaluate and deploy, which that run's budget did not reach."""
+    latest = json.loads((RESULTS / "h200-pipeline.json").read_text())
+    earlier = json.loads((RESULTS / "pipeline-h200.json").read_text())["stages"]
     out = {
         stage_of(name): {"seconds": s["wall_s"], "source": f"pipeline-h200.json stages.{name}.wall_s"}
-        for name, s in pipeline.items()
-        if stage_of(name) in STAGES and stage_of(name) != "extract"
+        for name, s in earlier.items()
+        if stage_of(name) in ("evaluate", "deploy")
     }
-    # Generation spanned three budgeted runs, and the record's wall_s is the last run's share only: its
-    # 12.0M completion tokens at its own 14.6K tokens/s are 825 s of decoding. A re-run of the preset summed
-    # its three runs' stage seconds: 433 + 450 + 39 = 922 s (start-up of each run included).
-    out["generate"] = {
-        "seconds": 433.0 + 450.0 + 39.0,
-        "source": "a re-run's three budgeted runs summed (433 + 450 + 39 s); pipeline-h200.json holds the last",
-    }
-    # Training spanned two budgeted runs; the record's notes give both from the run logs (403 s + 268 s).
-    out["train"] = {
-        "seconds": 403.0 + 268.0,
-        "source": "pipeline-h200.json notes: ~403 s + 268 s over two runs",
-    }
-    out["extract"] = {
-        "seconds": sum(r["seconds"] for r in extract) / len(extract),
-        "bytes": extract[0]["figures"]["bytes"],
-        "source": "extract_stage-h200.json runs[*].seconds (mean of the two runs)",
-    }
+    for name, seconds in latest["gpu_seconds"].items():
+        out[stage_of(name)] = {"seconds": seconds, "source": f"h200-pipeline.json gpu_seconds.{name}"}
+    if "extract" in latest["stages"]:
+        out["extract"]["bytes"] = latest["stages"]["extract"]["figures"]["bytes"]
     return out
 
 
@@ -98,7 +85,7 @@ SHORT_RUN_RECORD = "peer-drafter-h200.json"
 
 
 def short_run_row() -> dict[str, Any]:
-    plan = make_plan(load_config("smollm2-gpu", H200_OVERRIDES + SHORT_RUN_OVERRIDES), "h200")
+    plan = make_plan(load_config("smollm2-gpu", SHORT_RUN_OVERRIDES), "h200")
     est = next(e for e in plan.stages if e.stage == "generate")
     actual = json.loads((RESULTS / SHORT_RUN_RECORD).read_text())["stage_seconds"]["generate-sharegpt"]
     return {
@@ -187,7 +174,7 @@ def main() -> None:
     if args.calibrate:
         calibrate(args.calibrate, RESULTS / "plan_calibration-cpu.json")
         return
-    table = rows("smollm2-gpu", make_plan(load_config("smollm2-gpu", H200_OVERRIDES), "h200"), h200_actuals())
+    table = rows("smollm2-gpu", make_plan(load_config("smollm2-gpu", []), "h200"), h200_actuals())
     table.append(short_run_row())
     if args.local_store:
         local = make_plan(load_config("smollm2-local", []), "cpu")

@@ -3,6 +3,7 @@ Prefect flow (`--no-prefect` or `--until` run the stages in this process, as the
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -10,8 +11,15 @@ from aerie import cli
 from aerie.config import PipelineConfig
 
 
+# Prefect waits 20 s for its ephemeral API server by default; the first start on a machine also creates
+# its database, which took longer than that on a busy 2-core machine and failed the run before any stage.
+EPHEMERAL_START_S = "90"
+
+
 def run_flow(cfg: PipelineConfig) -> str:
     """The pipeline flow, locally (an ephemeral Prefect API unless PREFECT_API_URL is set)."""
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_START_S)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: no telemetry to send
     from flows.pipeline import run_pipeline  # Prefect is imported only when a run is asked for
 
     return run_pipeline(cfg)

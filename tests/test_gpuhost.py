@@ -139,9 +139,13 @@ def test_stage_splits_into_bundles_that_reassemble(staged: Path, tmp_path: Path)
         assert [t["from"] for t in record["conversations"]] == [m.role for m in conversation.messages]
         users = [t["value"] for t in record["conversations"] if t["from"] == "user"]
         assert users == [m.content for m in conversation.messages if m.role == "user"]
-        assert {t["value"] for t in record["conversations"] if t["from"] == "assistant"} <= {
-            gpuhost.ASSISTANT_PLACEHOLDER
-        }
+        answers = [m.content for m in conversation.messages if m.role == "assistant"]
+        stand_ins = [t["value"] for t in record["conversations"] if t["from"] == "assistant"]
+        assert stand_ins == [gpuhost.placeholder_of(a) for a in answers]  # the answers' lengths, kept
+        assert all(s.startswith(gpuhost.ASSISTANT_PLACEHOLDER) for s in stand_ins)
+        assert [len(s) for s in stand_ins] == [
+            max(len(a), len(gpuhost.ASSISTANT_PLACEHOLDER)) for a in answers
+        ]
 
 
 @pytest.mark.integration

@@ -75,6 +75,7 @@ from tools.gpuhost.standins import (
     ASSISTANT_PLACEHOLDER,
     SHAREGPT_STANDIN,
     STANDIN_INIT,
+    placeholder_of,
     sharegpt_export,
     standin_package,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "AERIE_IMPORT_CHECK",
     "ALWAYS_SHIP",
     "ASSISTANT_PLACEHOLDER",
+    "placeholder_of",
     "BASE_ROOTS",
     "CONTENTS",
     "DEFAULT_HOME",

