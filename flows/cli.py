@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from aerie import cli
 from aerie.config import PipelineConfig
 
-
 # Prefect waits 20 s for its ephemeral API server by default; the first start on a machine also creates
 # its database, which took longer than that on a busy 2-core machine and failed the run before any stage.
 EPHEMERAL_START_S = "90"
