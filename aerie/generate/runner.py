@@ -41,7 +41,6 @@ class Outcome:
     cost: float = 0.0
     requests: int = 0
     seconds: float = 0.0
-    turns_past_context: int = 0  # answers not asked: the conversation had reached max_context_tokens
 
     @property
     def requested(self) -> int:
@@ -148,7 +147,6 @@ async def _run_workers(
             outcome.done_now += 1
             outcome.prompt_tokens += rec["prompt_tokens"]
             outcome.completion_tokens += rec["completion_tokens"]
-            outcome.turns_past_context += rec["turns_past_context"]
             outcome.cost += rec["cost"] or 0.0
 
     workers = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(pending)))]
