@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from aerie.config import PipelineConfig
 from aerie.errors import AerieError
@@ -96,6 +97,11 @@ def spent_seconds(store: ArtifactStore, result: StageResult) -> float:
         manifest = load_manifest(store, result.prefix)
     except AerieError:
         return seconds
+    return manifest_seconds(manifest, seconds)
+
+
+def manifest_seconds(manifest: dict[str, Any], seconds: float) -> float:
+    """`seconds`, or the sum over runs the manifest keeps (a resumed generation's or training's) if larger."""
     summed = (
         manifest.get("throughput", {}).get("wall_seconds")
         or manifest.get("training", {}).get("wall_s")

@@ -5,7 +5,7 @@ folded from the stage manifests of one run (nothing here measures).
         --machine "..." --command "..." --out benchmarks/results/h200-pipeline.json
 
 HOME is the pipeline's home on the GPU host (or one restored from its pack-out). A stage's seconds are
-what it cost over every call that worked on it (`aerie.plan.track.spent_seconds`: a resumed generation's
+what it cost over every call that worked on it (`aerie.plan.track.manifest_seconds`: a resumed generation's
 runs and their server starts, a resumed training's runs), the GPU held throughout. JOB_DIR, the host
 job's folder, gives each `pipeline-*` step's wall seconds: the `gpuhost run` commands whole, with what no
 stage counts (interpreter start, cache checks, pack-outs), the figure to read beside the stages' sum.
@@ -20,17 +20,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from aerie.plan.track import manifest_seconds
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline import STAGES, newest_manifests  # noqa: E402
 
 GOAL_GPU_S = 1800  # the whole pipeline in 30 GPU-minutes...
 GOAL_MTBENCH_K7 = 3.0  # ...with a drafter that accepts at least 3 tokens a round on MT-Bench (7 steps)
-
-
-def spent_s(stage: str, m: dict[str, Any]) -> float:
-    """What the stage cost over every call (the manifest sums resumed runs where it keeps them)."""
-    summed = m.get("throughput", {}).get("wall_seconds") or m.get("training", {}).get("wall_s") or 0.0
-    return round(max(float(m.get("seconds", 0.0)), float(summed)), 1)
 
 
 def acceptance(figures: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -52,7 +48,7 @@ def build(home: Path, run: str, job: Path | None) -> dict[str, Any]:
     manifests = {s: json.loads(p.read_text()) for s, p in newest_manifests(home, run).items()}
     stages = {
         s: {
-            "gpu_s": spent_s(s, m),
+            "gpu_s": round(manifest_seconds(m, float(m.get("seconds", 0.0))), 1),
             "runs": m.get("throughput", {}).get("runs", 1),
             "figures": m.get("figures", {}),
         }
