@@ -7,7 +7,8 @@ exchanges, a quarter of them with a system prompt and a few with reasoning, writ
 `conversations.parquet` inputs in the generation stage's schema. Building it is not timed (it is cached
 under --cache-dir).
 
-Timed: `aerie.corpus.run` from the upstream results to the manifest (reading, checks, template
+Timed, in a process that has loaded the tokenizer once already (as a pipeline's has by its merge):
+`aerie.corpus.run` from the upstream results to the manifest (reading, checks, template
 rendering, tokenization in `--workers` processes, spill, dedupe, shuffle, shards, token counts, plot).
 Peak RSS is sampled every 0.1 s over the whole process tree (parent + workers, summed). The machine is
 shared: the load average before and after is recorded, and 1-minute load above the core count means
@@ -212,6 +213,9 @@ def main() -> None:
     store = LocalStore(args.cache_dir)
     inputs = build_inputs(store, args.tokens, args.sources, args.seed, args.turns)
     target = resolve_target("smollm2-135m-instruct")
+    # Untimed, as in a pipeline, whose merge runs in a process that has imported transformers (and torch)
+    # already: the first tokenizer load costs seconds of imports on a cold interpreter.
+    target.load_tokenizer()
     cfg = CorpusConfig(max_length=args.max_length, num_workers=args.workers, eval_fraction=0.01)
     run_name = f"out-{os.getpid()}"
     try:

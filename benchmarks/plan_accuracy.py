@@ -2,13 +2,13 @@
 
 Two presets: the embedded default `smollm2-local`, measured on this machine (the manifests of an `aerie
 run smollm2-local` store), and `smollm2-gpu` on an H200, whose actuals are recorded in
-benchmarks/results/h200-pipeline.json (generate, merge, extract, train, each over every call) and
-pipeline-h200.json (evaluate and deploy, from the run before).
+benchmarks/results/h200-pipeline.json (every stage, each over every call that worked on it).
 
 What calibrates what (no estimate is fitted to the actual it is compared with):
 - smollm2-gpu: rates from other H200 records -- decode_context-h200.json (generation, by mean
   decode context), extract-h200.json (extraction on a synthetic corpus, and the server start-up),
-  train_sweep-h200.json (a 3-epoch training of the same preset and its one-pass evaluation),
+  train_sweep-h200.json (a 3-epoch training of the same preset), pipeline-h200.json (an earlier whole
+  run's evaluate stage: the same prompts and settings, another drafter),
   decode-h200.json's eager steps/s (deploy), corpus-cpu.json (the corpus build's CPU-seconds per token); the token counts come from ShareGPT itself.
 - smollm2-local: rates from the CPU records (decode-cpu, refserver-cpu, train-cpu, spec_decode-cpu,
   corpus-cpu) and each stage's fixed seconds (start-up, loading) from a *different* local run, a
@@ -61,20 +61,14 @@ def store_actuals(store: Path, run: str) -> dict[str, dict[str, Any]]:
 
 
 def h200_actuals() -> dict[str, dict[str, Any]]:
-    """The preset's last whole-corpus run (h200-pipeline.json: every stage's seconds over every call
-    that worked on it, server starts included) for the stages it reached; the earlier recorded run
-    (pipeline-h200.json) for evaluate and deploy, which that run's budget did not reach."""
-    latest = json.loads((RESULTS / "h200-pipeline.json").read_text())
-    earlier = json.loads((RESULTS / "pipeline-h200.json").read_text())["stages"]
+    """The preset's whole-corpus run (h200-pipeline.json: every stage's seconds over every call that
+    worked on it, server starts included)."""
+    run = json.loads((RESULTS / "h200-pipeline.json").read_text())
     out = {
-        stage_of(name): {"seconds": s["wall_s"], "source": f"pipeline-h200.json stages.{name}.wall_s"}
-        for name, s in earlier.items()
-        if stage_of(name) in ("evaluate", "deploy")
+        stage_of(name): {"seconds": seconds, "source": f"h200-pipeline.json gpu_seconds.{name}"}
+        for name, seconds in run["gpu_seconds"].items()
     }
-    for name, seconds in latest["gpu_seconds"].items():
-        out[stage_of(name)] = {"seconds": seconds, "source": f"h200-pipeline.json gpu_seconds.{name}"}
-    if "extract" in latest["stages"]:
-        out["extract"]["bytes"] = latest["stages"]["extract"]["figures"]["bytes"]
+    out["extract"]["bytes"] = run["stages"]["extract"]["figures"]["bytes"]
     return out
 
 
