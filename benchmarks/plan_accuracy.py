@@ -9,14 +9,17 @@ What calibrates what (no estimate is fitted to the actual it is compared with):
   decode context), extract-h200.json (extraction on a synthetic corpus, and the server start-up),
   train_sweep-h200.json (a 3-epoch training of the same preset), pipeline-h200.json (an earlier whole
   run's evaluate stage: the same prompts and settings, another drafter),
-  decode-h200.json's eager steps/s (deploy), corpus-cpu.json (the corpus build's CPU-seconds per token); the token counts come from ShareGPT itself.
+  decode-h200.json's eager steps/s (deploy); the token counts come from ShareGPT itself.
+- smollm2-gpu's merge: the corpus build's CPU-seconds per token on the H200 host's CPUs (corpus-h200.json).
 - smollm2-local: rates from the CPU records (decode-cpu, refserver-cpu, train-cpu, spec_decode-cpu,
-  corpus-cpu) and each stage's fixed seconds (start-up, loading) from a *different* local run, a
-  calibration run of half the conversations and half the epochs (`--calibrate STORE` writes
-  plan_calibration-cpu.json from its manifests; aerie/plan/data/calibration.json carries the figures).
-  Its generate stage's fixed seconds also stand for the evaluate and deploy stages' (loading the target).
+  corpus-cpu), recorded on machines of differing speeds, tied to this machine by two *different* local
+  runs with a quarter and half of the conversations and epochs: per stage, the line through their
+  actuals against the plan's variable part gives its fixed seconds (start-up, loading) and a speed
+  factor (`--calibrate STORE_QUARTER STORE_HALF` writes plan_calibration-cpu.json from their manifests;
+  aerie/plan/data/calibration.json carries the figures). Evaluation and deployment do the same work in
+  both runs, so their factor carries their fixed part too.
 
-    python benchmarks/plan_accuracy.py --calibrate /tmp/plan-calib2/artifacts
+    python benchmarks/plan_accuracy.py --calibrate /tmp/recal/q/artifacts /tmp/recal/h/artifacts
     python benchmarks/plan_accuracy.py --local-store /tmp/plan-default/artifacts
     python benchmarks/plan_accuracy.py   # the smollm2-gpu rows only; the smollm2-local rows are kept
 """
@@ -39,8 +42,11 @@ from aerie.presets import load_config
 RESULTS = Path(__file__).parent / "results"
 MACHINE = f"{platform.machine()} VM, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
-# The calibration run: half the conversations and half the epochs of the default.
-CALIBRATION_OVERRIDES = ["generate.datasets.0.num_samples=12", "train.epochs=6"]
+# The calibration runs: a quarter and half of the default's conversations and epochs.
+CALIBRATION_RUNS = [
+    ["generate.datasets.0.num_samples=6", "train.epochs=3"],
+    ["generate.datasets.0.num_samples=12", "train.epochs=6"],
+]
 
 
 def stage_of(directory: str) -> str:
@@ -132,29 +138,72 @@ def rows(preset: str, plan: Plan, actuals: dict[str, dict[str, Any]]) -> list[di
     return out
 
 
-def calibrate(store: Path, out: Path) -> None:
-    """The fixed seconds of each CPU stage: the calibration run's actual less the plan's variable part
-    (the plan made with every fixed part at zero)."""
-    plan = make_plan(load_config("smollm2-local", CALIBRATION_OVERRIDES), "cpu", fixed=False)
-    actuals = store_actuals(store, "smollm2-local")
+def fit(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed seconds, speed factor) of one stage from its calibration runs' (variable estimate, actual):
+    the line through the two where their work differs and the actual follows it. Where the work does not
+    differ (evaluation and deployment decode the same prompts in every run), the factor carries the fixed
+    part too; where the actual hardly moves while the work doubles, the stage is its fixed part (a
+    factor fitted to a second's noise would multiply it)."""
+    (v1, a1), (v2, a2) = sorted(runs)
+    if v2 - v1 <= 0.1 * v2:
+        return 0.0, sum(a / v for v, a in runs) / len(runs)
+    if a2 - a1 < 0.1 * a1:
+        return sum(a - v for v, a in runs) / len(runs), 1.0
+    speed = (a2 - a1) / (v2 - v1)
+    if a2 - speed * v2 < 0:  # a line through zero fits better than a negative start-up
+        return 0.0, sum(a / v for v, a in runs) / len(runs)
+    return a2 - speed * v2, speed
+
+
+def calibrate(stores: list[Path], out: Path) -> None:
+    """Each CPU stage's fixed seconds and speed factor (`fit`) from two calibration runs on this machine,
+    against the plan's variable part (the plan made with every fixed part at zero)."""
+    if len(stores) != len(CALIBRATION_RUNS):
+        raise SystemExit(
+            f"--calibrate takes {len(CALIBRATION_RUNS)} stores, in the order of CALIBRATION_RUNS"
+        )
+    per_stage: dict[str, list[dict[str, Any]]] = {}
+    for overrides, store in zip(CALIBRATION_RUNS, stores, strict=True):
+        plan = make_plan(load_config("smollm2-local", overrides), "cpu", fixed=False)
+        actuals = store_actuals(store, "smollm2-local")
+        for est in plan.stages:
+            if est.stage in actuals:
+                per_stage.setdefault(est.stage, []).append(
+                    {
+                        "overrides": " ".join(overrides),
+                        "actual_s": round(actuals[est.stage]["seconds"], 3),
+                        "variable_estimate_s": round(est.seconds, 3),
+                    }
+                )
     stages = {}
-    for est in plan.stages:
-        if est.stage in actuals:
-            fixed = max(0.0, actuals[est.stage]["seconds"] - est.seconds)
-            stages[est.stage] = {
-                "actual_s": round(actuals[est.stage]["seconds"], 3),
-                "variable_estimate_s": round(est.seconds, 3),
-                "fixed_s": round(fixed, 1),
-            }
+    for stage, runs in per_stage.items():
+        fixed, speed = fit([(r["variable_estimate_s"], r["actual_s"]) for r in runs])
+        stages[stage] = {"runs": runs, "fixed_s": round(fixed, 1), "speed": round(speed, 3)}
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": MACHINE,
-        "command": "python benchmarks/plan_accuracy.py --calibrate " + str(store),
-        "run": "aerie run smollm2-local --no-prefect --until train " + " ".join(CALIBRATION_OVERRIDES),
+        "machine": MACHINE + f", fp32 GEMM {gemm_gflops():.0f} GFLOPS",
+        "command": "python benchmarks/plan_accuracy.py --calibrate " + " ".join(map(str, stores)),
+        "runs": [f"aerie run smollm2-local --no-prefect {' '.join(o)}" for o in CALIBRATION_RUNS],
         "stages": stages,
     }
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(stages, indent=1))
+
+
+def gemm_gflops(n: int = 2048) -> float:
+    """This machine's fp32 matrix product, best of 5 (`benchmarks/train.py`'s probe): what tells one
+    machine's CPU records from another's."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
 
 
 def main() -> None:
@@ -162,7 +211,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--local-store", type=Path, help="the store of an `aerie run smollm2-local`")
-    parser.add_argument("--calibrate", type=Path, help="write plan_calibration-cpu.json from this store")
+    parser.add_argument(
+        "--calibrate", type=Path, nargs="+", help="write plan_calibration-cpu.json from these stores"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "plan-accuracy.json")
     args = parser.parse_args()
     if args.calibrate:

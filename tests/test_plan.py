@@ -21,6 +21,7 @@ from aerie.presets import load_config
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 # A Kimi plan over the first 50 ShareGPT conversations: the whole source takes a pass the tests skip.
 KIMI_SMALL = ["generate.datasets.0.num_samples=50"]
+STAGE_ORDER = ("generate", "merge", "extract", "train", "evaluate", "deploy")
 
 
 def _at(record: object, path: str) -> object:
@@ -270,3 +271,22 @@ def test_once_the_corpus_exists_the_later_stages_are_planned_from_it(caplog) -> 
     broken = merge.model_copy(update={"figures": {"records": 1}})
     assert track.refined(plan, "merge", [broken]) is plan
     assert "keeps its corpus estimate" in caplog.text
+
+
+def test_a_cpu_stage_is_its_fixed_seconds_plus_its_work_at_this_machines_speed() -> None:
+    """The CPU records come from machines of differing speeds: each CPU stage's variable part (the work
+    at the records' rates) is multiplied by the factor two calibration runs measured, and its own fixed
+    seconds added; evaluation and deployment, whose work was the same in both runs, have none."""
+    cfg = load_config("smollm2-local", [])
+    cpu = {k: v["value"] for k, v in calibration_entries()["cpu"].items()}
+    variable = {e.stage: e.seconds for e in make_plan(cfg, "cpu", fixed=False).stages}
+    planned = {e.stage: e for e in make_plan(cfg, "cpu").stages}
+    assert set(planned) == set(STAGE_ORDER)
+    for stage in STAGE_ORDER:
+        fixed = cpu.get(f"fixed_{stage}_s", 0.0)
+        want = fixed + cpu[f"speed_{stage}"] * variable[stage]
+        assert planned[stage].seconds == pytest.approx(want, rel=1e-6), stage
+        assert "plan_calibration-cpu.json" in " ".join(planned[stage].calibrated_by)
+    assert any(abs(cpu[f"speed_{s}"] - 1) > 0.1 for s in STAGE_ORDER)  # the factors are not all 1
+    on_h200 = {e.stage: e for e in make_plan(load_config("smollm2-gpu", []), "h200").stages}
+    assert not any("plan_calibration-cpu.json" in " ".join(e.calibrated_by) for e in on_h200.values())

@@ -7,7 +7,7 @@ measured is an assumption, and each estimate lists the ones it used."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aerie.config import PipelineConfig
 from aerie.plan.facts import Hardware, Rate, TargetFacts, hardware, rates
@@ -122,20 +122,41 @@ class Model:
 def estimate(
     cfg: PipelineConfig, target: TargetFacts, sizes: Sizes, hw: Hardware, use_fixed: bool = True
 ) -> list[StageEstimate]:
-    """Every stage's estimate; `use_fixed` False leaves out the CPU stages' fixed seconds (what their
-    calibration subtracts from a measured run)."""
-    model = Model(cfg, target, hw, use_fixed)
-    out = [
-        _generate(model, sizes),
-        _merge(model, sizes),
-        _extract(model, sizes),
-        _train(model, sizes),
-    ]
+    """Every stage's estimate; `use_fixed` False leaves out the CPU stages' fixed seconds and speed
+    factors (the variable part their calibration fits against measured runs)."""
+    out = _stages(Model(cfg, target, hw, use_fixed), sizes)
+    if hw.gpu or not use_fixed:
+        return out
+    variable = _stages(Model(cfg, target, hw, use_fixed=False), sizes)
+    measured = rates(hw.name) or {}
+    return [_at_machine_speed(e, v.seconds, measured) for e, v in zip(out, variable, strict=True)]
+
+
+def _stages(model: Model, sizes: Sizes) -> list[StageEstimate]:
+    cfg = model.cfg
+    out = [_generate(model, sizes), _merge(model, sizes), _extract(model, sizes), _train(model, sizes)]
     if cfg.evaluate.enabled:
         out.append(_evaluate(model, sizes))
     if cfg.deploy.enabled:
         out.append(_deploy(model, sizes))
     return out
+
+
+def _at_machine_speed(est: StageEstimate, variable_s: float, measured: dict[str, Rate]) -> StageEstimate:
+    """A CPU stage's variable part times its speed factor: how much longer than its benchmark rates say
+    the stage's work took on the machine of the calibration runs (two short runs: a factor per stage,
+    since a machine slower at matrix products need not be slower at tokenizing). CPU records come from
+    machines of differing speeds; the factor ties the estimate to one machine, the calibration's."""
+    speed = measured.get(f"speed_{est.stage}")
+    if speed is None:
+        return est
+    fixed = est.seconds - variable_s
+    return replace(
+        est,
+        seconds=fixed + speed.value * variable_s,
+        formula=f"{est.formula}; its variable part x {speed.value:.2f} on this machine",
+        calibrated_by=[*est.calibrated_by, speed.cite()],
+    )
 
 
 def _generate(m: Model, sizes: Sizes) -> StageEstimate:
@@ -252,12 +273,9 @@ def _merge(m: Model, sizes: Sizes) -> StageEstimate:
     cites.append(per_mtok.cite())
     cores = HOST_CORES.get(m.hw.name, 16)
     workers = max(1, min(m.cfg.corpus.num_workers, cores))
-    cpu_fixed = rates("cpu") or {}
-    fixed = m.fixed(
-        "merge", cpu_fixed["fixed_merge_s"].value if "fixed_merge_s" in cpu_fixed else 0.0, notes, cites
-    )
+    fixed = m.fixed("merge", 0.0, notes, cites)
     if m.hw.gpu:
-        notes.append("the corpus build's fixed seconds as on the 2-core CPU (tokenizer load, Parquet writes)")
+        notes.append("no fixed part: the host's corpus benchmark's CPU-seconds per token include its start-up")
     busy = sizes.corpus_tokens / 1e6 * per_mtok.value / workers
     parent = m.rates["merge_parent_cpu_s"]
     serial = sizes.corpus_tokens * parent.value / m.rates["merge_bench_tokens"].value
@@ -396,8 +414,8 @@ def _evaluate(m: Model, sizes: Sizes) -> StageEstimate:
         lookup = m.rate("evaluate_prompt_lookup_tokens_per_s", "bandwidth", notes, cites)
         rate = 2 / (1 / eagle + 1 / lookup)
         notes.append("one prompt at a time (the record's batch size), the proposers' mean rate")
-        fixed = m.fixed("generate", 0.0, notes, cites)
-        notes.append("loading the target and drafter on CPU taken as long as the generation server's start")
+        fixed = m.fixed("evaluate", 0.0, notes, cites)
+        notes.append("loading the target and drafter: in the calibration's speed factor")
     elif m.same_target:
         # The measured stage: EVAL_BENCH_PASSES prompt-passes at up to 384 new tokens, batches of 32.
         bench_start = m.measured_start(cites)
@@ -435,7 +453,7 @@ def _deploy(m: Model, sizes: Sizes) -> StageEstimate:
     warmup = d.warmup_requests * d.max_new_tokens
     if not m.hw.gpu:
         steps = m.rate("decode_steps_per_s", "bandwidth", notes, cites)
-        start = m.fixed("generate", 0.0, notes, cites)
+        start = m.fixed("deploy", 0.0, notes, cites)
     elif m.same_target:
         steps = m.rate("decode_eager_steps_per_s", "bandwidth", notes, cites)
         start = m.server_start(notes, cites)
