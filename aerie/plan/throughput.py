@@ -275,7 +275,9 @@ def _merge(m: Model, sizes: Sizes) -> StageEstimate:
     workers = max(1, min(m.cfg.corpus.num_workers, cores))
     fixed = m.fixed("merge", 0.0, notes, cites)
     if m.hw.gpu:
-        notes.append("no fixed part: the host's corpus benchmark's CPU-seconds per token include its start-up")
+        notes.append(
+            "no fixed part: the host's corpus benchmark's CPU-seconds per token include its start-up"
+        )
     busy = sizes.corpus_tokens / 1e6 * per_mtok.value / workers
     parent = m.rates["merge_parent_cpu_s"]
     serial = sizes.corpus_tokens * parent.value / m.rates["merge_bench_tokens"].value
