@@ -144,15 +144,15 @@ def fit(runs: list[tuple[float, float]]) -> tuple[float, float]:
     differ (evaluation and deployment decode the same prompts in every run), the factor carries the fixed
     part too; where the actual hardly moves while the work doubles, the stage is its fixed part (a
     factor fitted to a second's noise would multiply it)."""
+    through_zero = 0.0, sum(a / v for v, a in runs) / len(runs)
     (v1, a1), (v2, a2) = sorted(runs)
     if v2 - v1 <= 0.1 * v2:
-        return 0.0, sum(a / v for v, a in runs) / len(runs)
+        return through_zero
     if a2 - a1 < 0.1 * a1:
         return sum(a - v for v, a in runs) / len(runs), 1.0
     speed = (a2 - a1) / (v2 - v1)
-    if a2 - speed * v2 < 0:  # a line through zero fits better than a negative start-up
-        return 0.0, sum(a / v for v, a in runs) / len(runs)
-    return a2 - speed * v2, speed
+    fixed = a2 - speed * v2
+    return through_zero if fixed < 0 else (fixed, speed)  # no negative start-up
 
 
 def calibrate(stores: list[Path], out: Path) -> None:
@@ -162,6 +162,8 @@ def calibrate(stores: list[Path], out: Path) -> None:
         raise SystemExit(
             f"--calibrate takes {len(CALIBRATION_RUNS)} stores, in the order of CALIBRATION_RUNS"
         )
+    from train import peak_flops  # benchmarks/train.py's probe of the machine; it imports torch
+
     per_stage: dict[str, list[dict[str, Any]]] = {}
     for overrides, store in zip(CALIBRATION_RUNS, stores, strict=True):
         plan = make_plan(load_config("smollm2-local", overrides), "cpu", fixed=False)
@@ -181,29 +183,13 @@ def calibrate(stores: list[Path], out: Path) -> None:
         stages[stage] = {"runs": runs, "fixed_s": round(fixed, 1), "speed": round(speed, 3)}
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": MACHINE + f", fp32 GEMM {gemm_gflops():.0f} GFLOPS",
+        "machine": MACHINE + f", fp32 GEMM {peak_flops('cpu')[0] / 1e9:.0f} GFLOPS",
         "command": "python benchmarks/plan_accuracy.py --calibrate " + " ".join(map(str, stores)),
         "runs": [f"aerie run smollm2-local --no-prefect {' '.join(o)}" for o in CALIBRATION_RUNS],
         "stages": stages,
     }
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(stages, indent=1))
-
-
-def gemm_gflops(n: int = 2048) -> float:
-    """This machine's fp32 matrix product, best of 5 (`benchmarks/train.py`'s probe): what tells one
-    machine's CPU records from another's."""
-    import time
-
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
 
 
 def main() -> None:

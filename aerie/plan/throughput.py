@@ -124,12 +124,12 @@ def estimate(
 ) -> list[StageEstimate]:
     """Every stage's estimate; `use_fixed` False leaves out the CPU stages' fixed seconds and speed
     factors (the variable part their calibration fits against measured runs)."""
-    out = _stages(Model(cfg, target, hw, use_fixed), sizes)
+    model = Model(cfg, target, hw, use_fixed)
+    out = _stages(model, sizes)
     if hw.gpu or not use_fixed:
         return out
     variable = _stages(Model(cfg, target, hw, use_fixed=False), sizes)
-    measured = rates(hw.name) or {}
-    return [_at_machine_speed(e, v.seconds, measured) for e, v in zip(out, variable, strict=True)]
+    return [_at_machine_speed(e, v.seconds, model.rates) for e, v in zip(out, variable, strict=True)]
 
 
 def _stages(model: Model, sizes: Sizes) -> list[StageEstimate]:

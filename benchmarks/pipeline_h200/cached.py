@@ -5,20 +5,29 @@
 A host restored from pack-outs resumes only where every stage's key matches what was packed: a key
 that differs (another tokenizer conversion, another config) would quietly redo the stage and every
 stage after it. This prints each stage's key and whether its manifest is there, and exits 1 when a stage
-up to `--expect` would run again. It reads the store only (the target is resolved, nothing is started).
+up to `--expect` would run again. It reads the store only (the target is resolved, nothing is started):
+the composer's own loop, each step a cache lookup.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 
-from aerie.pipeline import planned, rebuild_missing
+from aerie.manifest import StageResult
+from aerie.pipeline import compose, planned
 from aerie.presets import load_config
-from aerie.stage import StageContext, Upstream
+from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import open_store
 from aerie.targets import resolve_target
+
+
+class _ToRun(Exception):
+    """The first stage a run would do again: the dry run stops there."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(stage)
+        self.stage = stage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,18 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = load_config(args.preset, [*args.overrides, f"store.uri={args.home}/store"])
     ctx = StageContext(store=open_store(cfg.store), run=cfg.run, target=resolve_target(cfg.target))
-    stages = planned(cfg)
-    upstream = Upstream()
-    redo: list[str] = []
-    for i, stage in enumerate(stages):
-        stage_ctx = replace(ctx, rebuild_missing=rebuild_missing(cfg, ctx, stages, i, upstream))
-        key = stage.key(cfg, stage_ctx, upstream)
-        finished = stage.cached(cfg, stage_ctx, upstream)
-        print(f"cached: {stage.name:<9} {key}  {'finished' if finished else 'to run'}", flush=True)
-        if finished is None:
-            redo = [s.name for s in stages[i:]]
-            break
-        upstream = upstream.plus(stage.name, finished)
+
+    def finished(stage: Stage, stage_ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+        """The composer's step, dry: a stage's finished result, or stop at the first it would run."""
+        result = stage.cached(cfg, stage_ctx, upstream)
+        state = "finished" if result else "to run"
+        print(f"cached: {stage.name:<9} {stage.key(cfg, stage_ctx, upstream)}  {state}", flush=True)
+        if result is None:
+            raise _ToRun(stage.name)
+        return result
+
+    names = [s.name for s in planned(cfg)]
+    try:
+        compose(cfg, ctx, finished)
+        redo: list[str] = []
+    except _ToRun as stop:
+        redo = names[names.index(stop.stage) :]
     expected = [s.name for s in planned(cfg, args.expect)] if args.expect else []
     again = [s for s in expected if s in redo]
     if again:
