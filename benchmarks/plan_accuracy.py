@@ -42,6 +42,7 @@ from aerie.presets import load_config
 RESULTS = Path(__file__).parent / "results"
 MACHINE = f"{platform.machine()} VM, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
+TRAIN_STEP_FIGURES = ("steps", "train_tokens", "loop_s")  # carried beside a train row: what a step cost
 # The calibration runs: a quarter and half of the default's conversations and epochs.
 CALIBRATION_RUNS = [
     ["generate.datasets.0.num_samples=6", "train.epochs=3"],
@@ -62,6 +63,10 @@ def store_actuals(store: Path, run: str) -> dict[str, dict[str, Any]]:
         entry = {"seconds": float(seconds), "manifest": str(manifest)}
         if data.get("stage") == "extract":
             entry["bytes"] = data["figures"]["bytes"]
+        if data.get("stage") == "train":  # its steps, tokens and loop seconds: what a step cost
+            figures = data["figures"]
+            entry |= {"steps": figures["steps"], "train_tokens": figures["train_tokens"]}
+            entry["loop_s"] = figures["train_wall_s"]
         out[stage_of(manifest.parent.parent.name)] = entry
     return out
 
@@ -121,6 +126,7 @@ def rows(preset: str, plan: Plan, actuals: dict[str, dict[str, Any]]) -> list[di
                 "actual": round(actual["seconds"], 1),
                 "error": round(est.seconds / actual["seconds"] - 1, 3),
                 "actual_from": actual.get("source") or actual.get("manifest"),
+                **{k: actual[k] for k in TRAIN_STEP_FIGURES if k in actual},
             }
         )
     if "bytes" in actuals.get("extract", {}):
@@ -175,6 +181,7 @@ def calibrate(stores: list[Path], out: Path) -> None:
                         "overrides": " ".join(overrides),
                         "actual_s": round(actuals[est.stage]["seconds"], 3),
                         "variable_estimate_s": round(est.seconds, 3),
+                        **{k: actuals[est.stage][k] for k in TRAIN_STEP_FIGURES if k in actuals[est.stage]},
                     }
                 )
     stages = {}
