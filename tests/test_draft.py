@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from aerie.draft.attention import DocCausalMask, ttt_attention
+from aerie.draft.attention import PAD_DOC, DocCausalMask, ttt_attention
 from aerie.draft.export import EXPORT_KEYS, draft_config_for, export_drafter, load_drafter
 from aerie.draft.model import DraftConfig, DraftKVCache, Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
@@ -105,6 +105,34 @@ def test_packed_documents_do_not_see_each_other() -> None:
     for k in range(3):  # rows whose step-k token x_{t+1+k} is still inside document b
         valid = b_len - 1 - k
         torch.testing.assert_close(packed[k][a_len : a_len + valid], alone[k][:valid])
+
+
+def test_padding_is_skipped_without_changing_the_real_rows() -> None:
+    """The dense path skips the padding document's attention: the real rows' logits and gradients equal
+    those of the same rows packed without padding, and the padding rows stay finite (zeros, not NaN).
+    Compared are the rows whose step-k token is still inside the document (the last ones shift past it)."""
+    drafter = random_drafter()
+    torch.manual_seed(3)
+    real, pad, steps = 11, 7, 3
+    valid = real - steps
+    aux = torch.randn(real + pad, 3 * CFG.hidden_size, dtype=torch.float64)
+    ids = torch.randint(0, CFG.vocab_size, (real + pad,))
+    pos = torch.cat([torch.arange(real), torch.arange(pad)])
+    doc = torch.cat([torch.zeros(real), torch.full((pad,), PAD_DOC)]).int()
+
+    def real_rows_loss(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        drafter.zero_grad()
+        logits = drafter(aux[:n], ids[:n], pos[:n], doc[:n], ttt_length=steps)
+        sum(step[:valid].logsumexp(-1).sum() for step in logits).backward()
+        return [step.detach() for step in logits], [p.grad.clone() for p in drafter.parameters()]
+
+    padded, padded_grads = real_rows_loss(real + pad)
+    alone, alone_grads = real_rows_loss(real)
+    for k in range(steps):
+        torch.testing.assert_close(padded[k][:valid], alone[k][:valid])
+        assert torch.isfinite(padded[k][real:]).all()
+    for got, want in zip(padded_grads, alone_grads, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_inference_chain_sees_what_training_saw() -> None:

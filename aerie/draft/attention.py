@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+PAD_DOC = -1  # the document id of a packed row's padding: never supervised, so never attended
 
 def cached_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
     """q [n, nh, hd] at positions start..start+n-1; keys/values [L, nkv, hd] the cache including them.
@@ -40,7 +41,9 @@ class DocCausalMask:
     """Causal attention within documents of a packed row: row t sees rows s <= t with doc[s] == doc[t].
 
     `backend` "flex" builds a block mask for torch's flex_attention (CUDA; compiled); "dense" splits the
-    row into its documents for plain matmul attention per document (CPU and tests).
+    row into its documents for plain matmul attention per document (CPU and tests). The dense path skips
+    the padding document (`PAD_DOC`): its rows are never supervised and no other row sees them, and its
+    length-squared cost would otherwise dominate a short epoch's padded last row.
     """
 
     def __init__(self, doc_ids: Tensor, backend: str) -> None:
@@ -62,6 +65,7 @@ class DocCausalMask:
             starts = torch.nonzero(doc_ids[1:] != doc_ids[:-1]).flatten() + 1
             bounds = [0, *starts.tolist(), t]
             self.sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            self.padding = [bool(doc_ids[a] == PAD_DOC) for a in bounds[:-1]]
         else:
             raise ValueError(f"unknown attention backend {backend!r} (flex or dense)")
 
@@ -74,8 +78,12 @@ def causal_doc_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocCausalMask) -
         )  # out [1, nh, T, hd], lse [1, nh, T]
         return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()
     outs, lses = [], []
-    for qd, kd, vd in zip(q.split(mask.sizes), k.split(mask.sizes), v.split(mask.sizes), strict=True):
-        out, lse = _dense_causal_attention(qd, kd, vd)
+    parts = zip(q.split(mask.sizes), k.split(mask.sizes), v.split(mask.sizes), mask.padding, strict=True)
+    for qd, kd, vd, padding in parts:
+        if padding:  # zeros with lse 0: finite, so the TTT merge and its gradients stay finite
+            out, lse = torch.zeros_like(qd), qd.new_zeros(qd.shape[:2], dtype=torch.float32)
+        else:
+            out, lse = _dense_causal_attention(qd, kd, vd)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

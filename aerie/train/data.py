@@ -28,13 +28,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from aerie.draft.attention import PAD_DOC
 from aerie.errors import DataError
 from aerie.fp8 import dequantize_fp8
 from aerie.progress import ProgressFn, no_progress
 from aerie.shards.reader import ShardReader
 from aerie.store import ArtifactStore
-
-PAD_DOC = -1
 
 
 @dataclass(frozen=True)
