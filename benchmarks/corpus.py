@@ -15,6 +15,15 @@ shared: the load average before and after is recorded, and 1-minute load above t
 the figures understate what an idle machine does.
 
     .venv/bin/python benchmarks/corpus.py [--tokens 100e6] [--workers 2] [--max-length 4096] [--hardware cpu]
+
+`--conversations FILE` times the merge on a real generation instead (a `conversations.parquet` as the
+generation stage wrote it, taken as it is): at each `--fractions` share of its conversations (a seeded
+sample), `--repeat` times each, in one warm process. The record keeps every run and the line through
+the runs of the smaller shares (fixed seconds + seconds per million tokens at `--workers`), and checks
+that line against the whole generation's runs, which it did not see.
+
+    python benchmarks/corpus.py --conversations .../conversations.parquet --workers 8 --max-length 2048 \
+        --hardware h200 --fractions 0.25 0.5 1 --repeat 2
 """
 
 from __future__ import annotations
@@ -189,6 +198,115 @@ class TreeRss:
         self._thread.join()
 
 
+def generation_inputs(store: LocalStore, path: str, fraction: float, seed: int) -> list:
+    """A seeded `fraction` of a generation's conversations as one generate-like stage result (cached)."""
+    name = "generate-real"
+    stage = StageDir(
+        store, "bench", name, stage_key(name, {"path": path, "fraction": fraction, "seed": seed})
+    )
+    if (cached := stage.cached_result()) is not None:
+        return [cached]
+    frame = pl.read_parquet(path)
+    frame = frame.sample(fraction=fraction, seed=seed, shuffle=True) if fraction < 1 else frame
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "conversations.parquet"
+        frame.write_parquet(out, compression="zstd")
+        store.put_file(stage.path("conversations.parquet"), out)
+    return [stage.finish({"figures": {"conversations": frame.height}})]
+
+
+def timed_build(cfg: CorpusConfig, store: LocalStore, target, inputs: list, cache_dir: str) -> dict:
+    """One merge, timed from the upstream results to the manifest: wall and CPU seconds, peak RSS."""
+    run_name = f"out-{os.getpid()}"
+    try:
+        load_before = os.getloadavg()
+        cpu_before = psutil.cpu_times()
+        own_before = sum(psutil.Process().cpu_times()[:4])
+        parent_before = sum(psutil.Process().cpu_times()[:2])
+        with TreeRss() as rss:
+            start = time.perf_counter()
+            result = run(cfg, store=store, run_name=run_name, target=target, inputs=inputs)
+            seconds = time.perf_counter() - start
+        cpu_after = psutil.cpu_times()
+        load_after = os.getloadavg()
+        manifest = json.loads(Path(result.manifest_uri).read_text())
+    finally:
+        shutil.rmtree(Path(cache_dir) / run_name, ignore_errors=True)
+    # user+system of this process and its workers (joined at shutdown, so counted as children)
+    own_cpu = sum(psutil.Process().cpu_times()[:4]) - own_before
+    parent_cpu = sum(psutil.Process().cpu_times()[:2]) - parent_before
+    busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+    figures = manifest["figures"]
+    tokens = figures["tokens"]
+    cores = psutil.cpu_count() or 1
+    return {
+        "corpus": figures["text"],
+        "input_conversations": figures["input_rows"],
+        "records": figures["records"],
+        "tokens": tokens,
+        "supervised_fraction": figures["supervised_fraction"],
+        "tokens_cut_by_max_length": manifest["notes"].get("tokens_cut", 0),
+        "max_length": cfg.max_length,
+        "workers": cfg.num_workers,
+        "seconds": round(seconds, 1),
+        "tokens_per_s": round(tokens / seconds),
+        "peak_rss_tree_mib": round(rss.peak / 2**20),
+        "peak_rss_parent_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_rss_largest_worker_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
+        "cpu_seconds_this_benchmark": round(own_cpu, 1),
+        "cpu_seconds_parent": round(parent_cpu, 1),
+        "cpu_seconds_per_million_tokens": round(own_cpu / tokens * 1e6, 2),
+        "cpu_seconds_whole_machine": round(busy, 1),
+        "share_of_machine_cpu": round(own_cpu / busy, 2) if busy else None,
+        # Derived, not measured: what the measured CPU cost per token allows if every core were ours.
+        "estimate_tokens_per_s_if_every_core_were_ours": round(cores * tokens / own_cpu) if own_cpu else None,
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in load_after],
+    }
+
+
+def line_through(runs: list[dict]) -> dict[str, float]:
+    """Least squares seconds = fixed + tokens x slope over the runs (at least two sizes)."""
+    xs = [r["tokens"] / 1e6 for r in runs]
+    ys = [r["seconds"] for r in runs]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return {"fixed_s": round(my - slope * mx, 2), "s_per_million_tokens": round(slope, 3)}
+
+
+def generation_figures(args: argparse.Namespace, cfg: CorpusConfig, store: LocalStore, target) -> dict:
+    runs = []
+    for fraction in sorted(args.fractions):
+        inputs = generation_inputs(store, args.conversations, fraction, args.seed)
+        for repeat in range(args.repeat):
+            figures = {
+                "fraction": fraction,
+                "repeat": repeat,
+                **timed_build(cfg, store, target, inputs, args.cache_dir),
+            }
+            print(
+                json.dumps({k: figures[k] for k in ("fraction", "records", "tokens", "seconds")}), flush=True
+            )
+            runs.append(figures)
+    whole = max(args.fractions)
+    fit = line_through([r for r in runs if r["fraction"] < whole])
+    checks = [r for r in runs if r["fraction"] == whole]
+    tokens = sum(r["tokens"] for r in checks) / len(checks)
+    predicted = fit["fixed_s"] + tokens / 1e6 * fit["s_per_million_tokens"]
+    measured = sum(r["seconds"] for r in checks) / len(checks)
+    return {
+        "fit": {**fit, "from": f"the runs at fractions below {whole}", "workers": cfg.num_workers},
+        "check": {
+            "fraction": whole,
+            "tokens": round(tokens),
+            "predicted_s": round(predicted, 1),
+            "mean_measured_s": round(measured, 1),
+            "error": round(predicted / measured - 1, 3),
+        },
+        "runs": runs,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=float, default=100e6, help="approximate input tokens")
@@ -207,74 +325,45 @@ def main() -> None:
         default=[],
         help="conversations.parquet files to draw turns from (default ShareGPT)",
     )
+    parser.add_argument("--conversations", help="a generation's conversations.parquet, merged as it is")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 1.0])
+    parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--out", help="the results file (default benchmarks/results/corpus-HARDWARE.json)")
     args = parser.parse_args()
 
     store = LocalStore(args.cache_dir)
-    inputs = build_inputs(store, args.tokens, args.sources, args.seed, args.turns)
     target = resolve_target("smollm2-135m-instruct")
+    cfg = CorpusConfig(max_length=args.max_length, num_workers=args.workers, eval_fraction=0.01)
+    if args.conversations:
+        for fraction in args.fractions:  # built before any timing
+            generation_inputs(store, args.conversations, fraction, args.seed)
+    else:
+        inputs = build_inputs(store, args.tokens, args.sources, args.seed, args.turns)
     # Untimed, as in a pipeline, whose merge runs in a process that has imported transformers (and torch)
     # already: the first tokenizer load costs seconds of imports on a cold interpreter.
     target.load_tokenizer()
-    cfg = CorpusConfig(max_length=args.max_length, num_workers=args.workers, eval_fraction=0.01)
-    run_name = f"out-{os.getpid()}"
-    try:
-        load_before = os.getloadavg()
-        cpu_before = psutil.cpu_times()
-        own_before = sum(psutil.Process().cpu_times()[:4])
-        parent_before = sum(psutil.Process().cpu_times()[:2])
-        with TreeRss() as rss:
-            start = time.perf_counter()
-            result = run(cfg, store=store, run_name=run_name, target=target, inputs=inputs)
-            seconds = time.perf_counter() - start
-        cpu_after = psutil.cpu_times()
-        load_after = os.getloadavg()
-        manifest = json.loads(Path(result.manifest_uri).read_text())
-    finally:
-        shutil.rmtree(Path(args.cache_dir) / run_name, ignore_errors=True)
-    # user+system of this process and its workers (joined at shutdown, so counted as children)
-    own_cpu = sum(psutil.Process().cpu_times()[:4]) - own_before
-    parent_cpu = sum(psutil.Process().cpu_times()[:2]) - parent_before
-    busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
-    figures = manifest["figures"]
-    tokens = figures["tokens"]
-    cores = psutil.cpu_count() or 1
-    floor = tokenizer_floor(inputs, store, target)
-    result_figures = {
-        "corpus": figures["text"],
-        "input_conversations": figures["input_rows"],
-        "records": figures["records"],
-        "tokens": tokens,
-        "supervised_fraction": figures["supervised_fraction"],
-        "tokens_cut_by_max_length": manifest["notes"].get("tokens_cut", 0),
-        "max_length": args.max_length,
-        "workers": args.workers,
-        "seconds": round(seconds, 1),
-        "tokens_per_s": round(tokens / seconds),
-        "peak_rss_tree_mib": round(rss.peak / 2**20),
-        "peak_rss_parent_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        "peak_rss_largest_worker_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024),
-        "cpu_seconds_this_benchmark": round(own_cpu, 1),
-        "cpu_seconds_parent": round(parent_cpu, 1),
-        "cpu_seconds_per_million_tokens": round(own_cpu / tokens * 1e6, 2),
-        "cpu_seconds_whole_machine": round(busy, 1),
-        "share_of_machine_cpu": round(own_cpu / busy, 2) if busy else None,
-        # Derived, not measured: what the measured CPU cost per token allows if every core were ours.
-        "estimate_tokens_per_s_if_every_core_were_ours": round(cores * tokens / own_cpu) if own_cpu else None,
-        **floor,
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in load_after],
-        "goal": ">= 1M tokens/s and <= 4 GB peak RSS",
-    }
+    if args.conversations:
+        result_figures = generation_figures(args, cfg, store, target)
+        default_out = RESULTS / f"corpus_generation-{args.hardware}.json"
+    else:
+        result_figures = {
+            **timed_build(cfg, store, target, inputs, args.cache_dir),
+            **tokenizer_floor(inputs, store, target),
+            "goal": ">= 1M tokens/s and <= 4 GB peak RSS",
+        }
+        default_out = RESULTS / f"corpus-{args.hardware}.json"
     out_json = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} {psutil.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": (
+            "" if args.hardware == "cpu" else f"the CPUs of an {args.hardware.upper()} host (no GPU used): "
+        )
+        + f"{platform.node()} {platform.machine()} {psutil.cpu_count()} CPUs, Python {platform.python_version()}",
         "command": "python " + " ".join(sys.argv),
         "figures": result_figures,
     }
     print(json.dumps(out_json, indent=2))
     if not args.no_write:
-        out = Path(args.out) if args.out else RESULTS / f"corpus-{args.hardware}.json"
+        out = Path(args.out) if args.out else default_out
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(out_json, indent=2) + "\n")
 
