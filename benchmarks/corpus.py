@@ -223,9 +223,15 @@ def timed_build(cfg: CorpusConfig, store: LocalStore, target, inputs: list, cach
         cpu_before = psutil.cpu_times()
         own_before = sum(psutil.Process().cpu_times()[:4])
         parent_before = sum(psutil.Process().cpu_times()[:2])
+        phases: list[tuple[float, str]] = []  # where the time goes: the seconds each phase began at
+
+        def progress(_: float, message: str) -> None:
+            if not phases or phases[-1][1].split()[0] != message.split()[0]:
+                phases.append((round(time.perf_counter() - start, 2), message))
+
         with TreeRss() as rss:
             start = time.perf_counter()
-            result = run(cfg, store=store, run_name=run_name, target=target, inputs=inputs)
+            result = run(cfg, store=store, run_name=run_name, target=target, inputs=inputs, progress=progress)
             seconds = time.perf_counter() - start
         cpu_after = psutil.cpu_times()
         load_after = os.getloadavg()
@@ -262,6 +268,7 @@ def timed_build(cfg: CorpusConfig, store: LocalStore, target, inputs: list, cach
         "estimate_tokens_per_s_if_every_core_were_ours": round(cores * tokens / own_cpu) if own_cpu else None,
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in load_after],
+        "phases_s": [list(p) for p in phases],
     }
 
 
@@ -289,6 +296,8 @@ def generation_figures(args: argparse.Namespace, cfg: CorpusConfig, store: Local
             )
             runs.append(figures)
     whole = max(args.fractions)
+    if len(args.fractions) < 3:
+        return {"runs": runs}  # the line needs two smaller shares, and the whole to check it against
     fit = line_through([r for r in runs if r["fraction"] < whole])
     checks = [r for r in runs if r["fraction"] == whole]
     tokens = sum(r["tokens"] for r in checks) / len(checks)
