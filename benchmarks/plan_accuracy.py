@@ -36,10 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from aerie.plan import make_plan
+from aerie.plan.machine import gemm_gflops
 from aerie.plan.plan import Plan
 from aerie.presets import load_config
 
 RESULTS = Path(__file__).parent / "results"
+CALIBRATION = Path(__file__).resolve().parents[1] / "aerie" / "plan" / "data" / "calibration.json"
 MACHINE = f"{platform.machine()} VM, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
 TRAIN_STEP_FIGURES = ("steps", "train_tokens", "loop_s")  # carried beside a train row: what a step cost
@@ -168,8 +170,6 @@ def calibrate(stores: list[Path], out: Path) -> None:
         raise SystemExit(
             f"--calibrate takes {len(CALIBRATION_RUNS)} stores, in the order of CALIBRATION_RUNS"
         )
-    from train import peak_flops  # benchmarks/train.py's probe of the machine; it imports torch
-
     per_stage: dict[str, list[dict[str, Any]]] = {}
     for overrides, store in zip(CALIBRATION_RUNS, stores, strict=True):
         plan = make_plan(load_config("smollm2-local", overrides), "cpu", fixed=False)
@@ -190,13 +190,33 @@ def calibrate(stores: list[Path], out: Path) -> None:
         stages[stage] = {"runs": runs, "fixed_s": round(fixed, 1), "speed": round(speed, 3)}
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": MACHINE + f", fp32 GEMM {peak_flops('cpu')[0] / 1e9:.0f} GFLOPS",
+        "machine": MACHINE,
+        # The probe a CPU plan repeats to say how far its machine is from this one (aerie.plan.machine).
+        "machine_gemm_gflops": round(gemm_gflops(), 1),
         "command": "python benchmarks/plan_accuracy.py --calibrate " + " ".join(map(str, stores)),
         "runs": [f"aerie run smollm2-local --no-prefect {' '.join(o)}" for o in CALIBRATION_RUNS],
         "stages": stages,
     }
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(stages, indent=1))
+    follow_calibration(record, out.name)
+
+
+def follow_calibration(record: dict[str, Any], source: str) -> None:
+    """Set every figure of aerie/plan/data/calibration.json that cites `source` to the new record's (the
+    file keeps one entry a line; tests/test_plan.py checks each against its record)."""
+    lines = CALIBRATION.read_text().splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if f'"source": "{source}"' not in line:
+            continue
+        head, entry = line.split(": ", 1)
+        body = json.loads(entry.rstrip().rstrip(","))
+        at: Any = record
+        for part in body["path"].split("/"):
+            at = at[int(part)] if isinstance(at, list) else at[part]
+        body["value"] = at
+        lines[i] = f"{head}: {json.dumps(body)}{',' if entry.rstrip().endswith(',') else ''}\n"
+    CALIBRATION.write_text("".join(lines))
 
 
 def main() -> None:

@@ -290,3 +290,25 @@ def test_a_cpu_stage_is_its_fixed_seconds_plus_its_work_at_this_machines_speed()
     assert any(abs(cpu[f"speed_{s}"] - 1) > 0.1 for s in STAGE_ORDER)  # the factors are not all 1
     on_h200 = {e.stage: e for e in make_plan(load_config("smollm2-gpu", []), "h200").stages}
     assert not any("plan_calibration-cpu.json" in " ".join(e.calibrated_by) for e in on_h200.values())
+
+
+def test_a_cpu_plan_says_how_far_this_machine_is_from_the_calibrated_one(monkeypatch, caplog) -> None:
+    """A CPU plan measures this machine's multiply rate and sets it beside the calibration machine's;
+    more than 25% apart, the table, the record and the pipeline's log say to recalibrate."""
+    from aerie.plan import machine, track
+
+    calibrated = calibration_entries()["cpu"]["calibration_gemm_gflops"]["value"]
+    assert machine.gemm_gflops() > 0  # the real probe, on this machine
+    cfg = load_config("smollm2-local", [])
+    monkeypatch.setattr(machine, "gemm_gflops", lambda: calibrated * 1.1)
+    near = make_plan(cfg, "cpu")
+    assert near.machine is not None and not near.machine.far
+    assert "machine: fp32 matrix multiply" in table(near) and "recalibrate" not in table(near)
+    monkeypatch.setattr(machine, "gemm_gflops", lambda: calibrated / 2)
+    far = make_plan(cfg, "cpu")
+    assert far.machine is not None and far.machine.far
+    assert far.record()["machine"]["ratio"] == pytest.approx(0.5)
+    assert "WARNING machine:" in table(far) and "recalibrate on this machine" in table(far)
+    assert track.plan_for(cfg) is not None
+    assert "recalibrate on this machine" in caplog.text
+    assert make_plan(load_config("smollm2-gpu", []), "h200").machine is None  # a GPU host is not here

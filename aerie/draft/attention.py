@@ -20,6 +20,7 @@ from torch import Tensor
 
 PAD_DOC = -1  # the document id of a packed row's padding: never supervised, so never attended
 
+
 def cached_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
     """q [n, nh, hd] at positions start..start+n-1; keys/values [L, nkv, hd] the cache including them.
 

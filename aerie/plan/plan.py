@@ -9,6 +9,7 @@ from aerie.config import PipelineConfig
 from aerie.errors import ContextLengthError, GpuMemoryError, NotEnoughDiskError, PlanError
 from aerie.plan import disk, sizes, throughput
 from aerie.plan.facts import Hardware, TargetFacts, hardware, rates, target_facts
+from aerie.plan.machine import MachineSpeed, machine_speed
 from aerie.plan.prices import Cost, api_cost
 
 # Share of a GPU's memory a server may give its weights (SGLang's --mem-fraction-static leaves the rest
@@ -27,6 +28,7 @@ class Plan:
     cost: Cost
     stages: list[throughput.StageEstimate]
     disk: disk.DiskPlan
+    machine: MachineSpeed | None = None  # a CPU plan: this machine against the calibration's
     refusals: list[PlanError] = field(default_factory=list)
 
     @property
@@ -73,6 +75,13 @@ class Plan:
             ],
             "s3_bytes": self.disk.s3_bytes,
             "s3_requests": self.disk.s3_requests,
+            "machine": None
+            if self.machine is None
+            else {
+                "gemm_gflops_now": round(self.machine.gflops_now, 1),
+                "gemm_gflops_calibrated": self.machine.gflops_calibrated,
+                "ratio": round(self.machine.ratio, 3),
+            },
             "refusals": [str(r) for r in self.refusals],
         }
 
@@ -97,6 +106,7 @@ def make_plan(cfg: PipelineConfig, hardware_name: str | None = None, *, fixed: b
         cost=api_cost(cfg.generate.endpoint, size),
         stages=throughput.estimate(cfg, target, size, hw, fixed),
         disk=disk.estimate(cfg, target, size),
+        machine=None if hw.gpu else machine_speed(rates(hw.name) or {}),
     )
     plan.refusals = [*_context(cfg, target), *_gpu_memory(cfg, target, hw), *_disk(plan)]
     return plan

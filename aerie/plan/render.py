@@ -25,9 +25,10 @@ def table(plan: Plan) -> str:
     lines = [
         f"aerie plan '{cfg.run}' ({cfg.preset}) on {plan.hardware.name} ({plan.hardware.description}); "
         f"target {plan.target.name} (facts from {plan.target.source})",
-        "",
-        "sizes",
     ]
+    if plan.machine is not None:
+        lines.append(("WARNING " if plan.machine.far else "") + "machine: " + plan.machine.line())
+    lines += ["", "sizes"]
     for d in s.datasets:
         what = "regenerated" if d.regenerate else "kept as is"
         lines.append(

@@ -22,10 +22,13 @@ WARN_RATIO = 2.0  # an actual above this multiple of its estimate warns
 
 def plan_for(cfg: PipelineConfig) -> Plan | None:
     try:
-        return make_plan(cfg)
+        plan = make_plan(cfg)
     except Exception as exc:  # noqa: BLE001 -- any failure to plan leaves the run as it was
         log.warning("no plan for run %s (%s): its stages run without estimates", cfg.run, exc)
         return None
+    if plan.machine is not None and plan.machine.far:
+        log.warning("this machine: %s", plan.machine.line())
+    return plan
 
 
 def refined(plan: Plan | None, stage: str, results: list[StageResult]) -> Plan | None:
