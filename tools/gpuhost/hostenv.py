@@ -43,6 +43,9 @@ def shipped_site() -> str:
     return os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
 
 
+KEEP_BYTECODE = "PYTHONDONTWRITEBYTECODE"  # unset in the host environment
+
+
 def host_environ(
     home: Home, cache_dir: Path | None = None, base: dict[str, str] | None = None
 ) -> dict[str, str]:
@@ -60,6 +63,9 @@ def host_environ(
         TRANSFORMERS_OFFLINE="1",
         PYTHONUNBUFFERED="1",
     )
+    # Keep the byte code Python compiles: host images that set PYTHONDONTWRITEBYTECODE and ship torch
+    # without .pyc files make every process compile torch again (16-17 s to load a tokenizer cold).
+    env.pop(KEEP_BYTECODE, None)
     return env
 
 
