@@ -67,6 +67,6 @@ class MachineSpeed:
 def machine_speed(measured: dict[str, Rate]) -> MachineSpeed | None:
     """This machine against the calibration's, when the rates name the calibration machine's speed."""
     calibrated = measured.get("calibration_gemm_gflops")
-    if calibrated is None:
+    if calibrated is None or calibrated.value <= 0:
         return None
     return MachineSpeed(gemm_gflops(), calibrated.value, calibrated.source)

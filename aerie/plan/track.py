@@ -23,11 +23,11 @@ WARN_RATIO = 2.0  # an actual above this multiple of its estimate warns
 def plan_for(cfg: PipelineConfig) -> Plan | None:
     try:
         plan = make_plan(cfg)
+        if plan.machine is not None and plan.machine.far:
+            log.warning("this machine: %s", plan.machine.line())
     except Exception as exc:  # noqa: BLE001 -- any failure to plan leaves the run as it was
         log.warning("no plan for run %s (%s): its stages run without estimates", cfg.run, exc)
         return None
-    if plan.machine is not None and plan.machine.far:
-        log.warning("this machine: %s", plan.machine.line())
     return plan
 
 
