@@ -45,6 +45,7 @@ CALIBRATION = Path(__file__).resolve().parents[1] / "aerie" / "plan" / "data" / 
 MACHINE = f"{platform.machine()} VM, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
 TRAIN_STEP_FIGURES = ("steps", "train_tokens", "loop_s")  # carried beside a train row: what a step cost
+RUN_FIGURES = (*TRAIN_STEP_FIGURES, "server_start_s")  # carried beside a calibration run
 # The calibration runs: a quarter and half of the default's conversations and epochs.
 CALIBRATION_RUNS = [
     ["generate.datasets.0.num_samples=6", "train.epochs=3"],
@@ -65,6 +66,8 @@ def store_actuals(store: Path, run: str) -> dict[str, dict[str, Any]]:
         entry = {"seconds": float(seconds), "manifest": str(manifest)}
         if data.get("stage") == "extract":
             entry["bytes"] = data["figures"]["bytes"]
+        if "server_start_s" in data.get("figures", {}):  # a fixed part the stage measured itself
+            entry["server_start_s"] = data["figures"]["server_start_s"]
         if data.get("stage") == "train":  # its steps, tokens and loop seconds: what a step cost
             figures = data["figures"]
             entry |= {"steps": figures["steps"], "train_tokens": figures["train_tokens"]}
@@ -148,17 +151,24 @@ def rows(preset: str, plan: Plan, actuals: dict[str, dict[str, Any]]) -> list[di
     return out
 
 
-def fit(runs: list[tuple[float, float]]) -> tuple[float, float]:
+def fit(runs: list[tuple[float, float]], measured_fixed: list[float] | None = None) -> tuple[float, float]:
     """(fixed seconds, speed factor) of one stage from its calibration runs' (variable estimate, actual):
-    the line through the two where their work differs and the actual follows it. Where the work does not
-    differ (evaluation and deployment decode the same prompts in every run), the factor carries the fixed
-    part too; where the actual hardly moves while the work doubles, the stage is its fixed part (a
-    factor fitted to a second's noise would multiply it)."""
+    the line through the two where their work differs and the actual follows it.
+    - A fixed part the stage measured itself (the generation's server start) is taken as measured, and
+      the factor from what is left of each run.
+    - Where the work does not differ (evaluation and deployment decode the same prompts in every run),
+      the factor carries the fixed part too.
+    - Where the actual hardly moves while the work doubles, or the work is a sliver of the actual (the
+      merge's tokenizing of a few dozen conversations), the stage is its fixed part: a factor fitted to
+      a second's noise would multiply it."""
+    if measured_fixed:
+        fixed = sum(measured_fixed) / len(measured_fixed)
+        return fixed, sum((a - f) / v for (v, a), f in zip(runs, measured_fixed, strict=True)) / len(runs)
     through_zero = 0.0, sum(a / v for v, a in runs) / len(runs)
     (v1, a1), (v2, a2) = sorted(runs)
     if v2 - v1 <= 0.1 * v2:
         return through_zero
-    if a2 - a1 < 0.1 * a1:
+    if a2 - a1 < 0.1 * a1 or v2 < 0.05 * a1:
         return sum(a - v for v, a in runs) / len(runs), 1.0
     speed = (a2 - a1) / (v2 - v1)
     fixed = a2 - speed * v2
@@ -183,12 +193,16 @@ def calibrate(stores: list[Path], out: Path) -> None:
                         "overrides": " ".join(overrides),
                         "actual_s": round(actuals[est.stage]["seconds"], 3),
                         "variable_estimate_s": round(est.seconds, 3),
-                        **{k: actuals[est.stage][k] for k in TRAIN_STEP_FIGURES if k in actuals[est.stage]},
+                        **{k: actuals[est.stage][k] for k in RUN_FIGURES if k in actuals[est.stage]},
                     }
                 )
     stages = {}
     for stage, runs in per_stage.items():
-        fixed, speed = fit([(r["variable_estimate_s"], r["actual_s"]) for r in runs])
+        starts = [r["server_start_s"] for r in runs if "server_start_s" in r]
+        fixed, speed = fit(
+            [(r["variable_estimate_s"], r["actual_s"]) for r in runs],
+            starts if len(starts) == len(runs) else None,
+        )
         stages[stage] = {"runs": runs, "fixed_s": round(fixed, 1), "speed": round(speed, 3)}
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
