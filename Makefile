@@ -23,7 +23,7 @@ setup: $(STAMP)
 PIP := $(PY) -m pip install -q --no-compile
 # ...as long as it may write what it compiled: where the environment sets PYTHONDONTWRITEBYTECODE (some
 # containers and CI images do), every process would compile torch and transformers from source again
-# (14 s of a 25 s merge-only run on a 2-core machine).
+# (most of a merge-only run's time on a 2-core machine).
 unexport PYTHONDONTWRITEBYTECODE
 
 $(STAMP): pyproject.toml Makefile
