@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from aerie.plan import make_plan
+from aerie.plan.facts import figure_at
 from aerie.plan.machine import gemm_gflops
 from aerie.plan.plan import Plan
 from aerie.presets import load_config
@@ -227,10 +228,7 @@ def follow_calibration(record: dict[str, Any], source: str) -> None:
             continue
         head, entry = line.split(": ", 1)
         body = json.loads(entry.rstrip().rstrip(","))
-        at: Any = record
-        for part in body["path"].split("/"):
-            at = at[int(part)] if isinstance(at, list) else at[part]
-        body["value"] = at
+        body["value"] = figure_at(record, body["path"])
         lines[i] = f"{head}: {json.dumps(body)}{',' if entry.rstrip().endswith(',') else ''}\n"
     CALIBRATION.write_text("".join(lines))
 

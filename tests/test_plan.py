@@ -14,7 +14,7 @@ from aerie.cli import main
 from aerie.errors import ConfigError, ContextLengthError, GpuMemoryError, NotEnoughDiskError
 from aerie.plan import check, make_plan
 from aerie.plan.disk import drafter_params, dumps_in_flight_bytes, shard_bytes_per_token
-from aerie.plan.facts import calibration_entries, hardware, target_facts
+from aerie.plan.facts import calibration_entries, figure_at, hardware, target_facts
 from aerie.plan.render import table
 from aerie.presets import load_config
 
@@ -24,19 +24,15 @@ KIMI_SMALL = ["generate.datasets.0.num_samples=50"]
 STAGE_ORDER = ("generate", "merge", "extract", "train", "evaluate", "deploy")
 
 
-def _at(record: object, path: str) -> object:
-    for part in path.split("/"):
-        record = record[int(part)] if isinstance(record, list) else record[part]  # type: ignore[index]
-    return record
-
-
 @pytest.mark.parametrize(
     ("hardware", "key"), [(hw, key) for hw, rates in calibration_entries().items() for key in rates]
 )
 def test_every_calibration_figure_is_its_records(hardware: str, key: str) -> None:
     entry = calibration_entries()[hardware][key]
     record = json.loads((RESULTS / entry["source"]).read_text())
-    assert _at(record, entry["path"]) == entry["value"], f"{hardware}.{key} differs from {entry['source']}"
+    assert figure_at(record, entry["path"]) == entry["value"], (
+        f"{hardware}.{key} differs from {entry['source']}"
+    )
 
 
 def test_shard_and_dump_bytes_follow_the_extractor() -> None:

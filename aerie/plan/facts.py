@@ -132,3 +132,10 @@ def rates(hardware_name: str) -> dict[str, Rate] | None:
 def calibration_entries() -> dict[str, dict[str, dict[str, Any]]]:
     """The raw calibration table (what the tests compare with the benchmark records)."""
     return _data("calibration.json")["hardware"]  # type: ignore[no-any-return]
+
+
+def figure_at(record: Any, path: str) -> Any:
+    """The figure a calibration entry cites: `path` is keys and list indices joined by '/'."""
+    for part in path.split("/"):
+        record = record[int(part)] if isinstance(record, list) else record[part]
+    return record
