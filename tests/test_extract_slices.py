@@ -75,8 +75,8 @@ def test_slices_run_apart_and_assemble_into_the_single_host_stage(tmp_path, smol
     store = LocalStore(tmp_path / "store")
     splits, corpus = _corpus(store, smollm2.load_tokenizer(), 14)
     corpus_tokens = sum(len(r["input_ids"]) for rs in splits.values() for r in rs)
-    # Two servers start at once beside the suite's other workers on two cores: one outran the default
-    # deadline once; what is tested here is how slices split and assemble, not how fast a server starts.
+    # Two servers start at once beside the suite's other workers on two cores: one can outrun the default
+    # deadline; what is tested here is how slices split and assemble, not how fast a server starts.
     server = ServerConfig(backend="reference", device="cpu", port=free_port_pair(), startup_timeout_s=600)
     cfg = _cfg(tmp_path, num_slices=2)
     common = {"store": store, "run_name": "s", "target": smollm2, "corpus": corpus, "server": server}
