@@ -98,7 +98,7 @@ def test_extract_stage_with_the_reference_server_in_the_worker_image(
         port=free_port(),
         memory_limit="4g",
         # A container's start beside the suite's other workers on two cores can outrun the default
-        # once (import, weights); what is tested here is the container's work, not its start's speed.
+        # deadline (import, weights); what is tested here is the container's work, not its start's speed.
         startup_timeout_s=600,
     )
     work, _ = extract_in_a_container(tmp_path, smollm2, server, batch_tokens=256)
