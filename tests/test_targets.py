@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,29 @@ def test_trust_remote_code_reaches_the_tokenizer_and_the_model(smollm2, tmp_path
         untrusted.load_tokenizer()
     # A known architecture falls back to transformers' own class when the directory's code is not trusted.
     assert type(untrusted.load_model("cpu")).__name__ == "LlamaForCausalLM"
+
+
+def test_a_generic_fast_tokenizer_loads_without_torch_and_tokenizes_as_autotokenizer(smollm2):
+    """A tokenizer.json named TokenizersBackend loads as that class directly, in a process that never
+    imports torch (AutoTokenizer's look at the model config would), with the same ids and template."""
+    probe = (
+        "import json, sys; from aerie.targets import resolve_target; "
+        "tok = resolve_target(sys.argv[1]).load_tokenizer(); "
+        "print(json.dumps([type(tok).__name__, 'torch' in sys.modules]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, smollm2.path], capture_output=True, text=True, timeout=120, check=True
+    )
+    from transformers import AutoTokenizer
+
+    direct, auto = smollm2.load_tokenizer(), AutoTokenizer.from_pretrained(smollm2.path)
+    assert json.loads(done.stdout.splitlines()[-1]) == [type(auto).__name__, False]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Owls and tides: a short note on rivers, ünïcödé and 数字 123."},
+        {"role": "assistant", "content": "Rivers run; owls hoot.\n\n- one\n- two"},
+    ]
+    text = auto.apply_chat_template(messages, tokenize=False)
+    assert direct.apply_chat_template(messages, tokenize=False) == text
+    assert direct(text)["input_ids"] == auto(text)["input_ids"]
+    assert direct.all_special_ids == auto.all_special_ids and direct.eos_token_id == auto.eos_token_id
