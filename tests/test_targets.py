@@ -92,6 +92,7 @@ def test_trust_remote_code_reaches_the_tokenizer_and_the_model(smollm2, tmp_path
     assert type(untrusted.load_model("cpu")).__name__ == "LlamaForCausalLM"
 
 
+@pytest.mark.integration  # the load runs in a child process, where torch was never imported
 def test_a_generic_fast_tokenizer_loads_without_torch_and_tokenizes_as_autotokenizer(smollm2):
     """A tokenizer.json named TokenizersBackend loads as that class directly, in a process that never
     imports torch (AutoTokenizer's look at the model config would), with the same ids and template."""
