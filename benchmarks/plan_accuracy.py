@@ -45,8 +45,9 @@ RESULTS = Path(__file__).parent / "results"
 CALIBRATION = Path(__file__).resolve().parents[1] / "aerie" / "plan" / "data" / "calibration.json"
 MACHINE = f"{platform.machine()} VM, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
-TRAIN_STEP_FIGURES = ("steps", "train_tokens", "loop_s")  # carried beside a train row: what a step cost
-RUN_FIGURES = (*TRAIN_STEP_FIGURES, "server_start_s")  # carried beside a calibration run
+# Carried beside a row: what a train step cost, and the extraction's steady rate (against the record's).
+STEP_FIGURES = ("steps", "train_tokens", "loop_s", "steady_tokens_per_s")
+RUN_FIGURES = (*STEP_FIGURES, "server_start_s")  # carried beside a calibration run
 # The calibration runs: a quarter and half of the default's conversations and epochs.
 CALIBRATION_RUNS = [
     ["generate.datasets.0.num_samples=6", "train.epochs=3"],
@@ -67,6 +68,7 @@ def store_actuals(store: Path, run: str) -> dict[str, dict[str, Any]]:
         entry = {"seconds": float(seconds), "manifest": str(manifest)}
         if data.get("stage") == "extract":
             entry["bytes"] = data["figures"]["bytes"]
+            entry["steady_tokens_per_s"] = data["figures"]["steady_tokens_per_s"]
         if "server_start_s" in data.get("figures", {}):  # a fixed part the stage measured itself
             entry["server_start_s"] = data["figures"]["server_start_s"]
         if data.get("stage") == "train":  # its steps, tokens and loop seconds: what a step cost
@@ -134,7 +136,7 @@ def rows(preset: str, plan: Plan, actuals: dict[str, dict[str, Any]]) -> list[di
                 "actual": round(actual["seconds"], 1),
                 "error": round(est.seconds / actual["seconds"] - 1, 3),
                 "actual_from": actual.get("source") or actual.get("manifest"),
-                **{k: actual[k] for k in TRAIN_STEP_FIGURES if k in actual},
+                **{k: actual[k] for k in STEP_FIGURES if k in actual},
             }
         )
     if "bytes" in actuals.get("extract", {}):
@@ -159,9 +161,10 @@ def fit(runs: list[tuple[float, float]], measured_fixed: list[float] | None = No
       the factor from what is left of each run.
     - Where the work does not differ (evaluation and deployment decode the same prompts in every run),
       the factor carries the fixed part too.
-    - Where the actual hardly moves while the work doubles, or the work is a sliver of the actual (the
-      merge's tokenizing of a few dozen conversations), the stage is its fixed part: a factor fitted to
-      a second's noise would multiply it."""
+    - Where the work is a sliver of the actual (the merge's tokenizing of a few dozen conversations), or
+      the actual does not grow with it, the stage is its fixed part plus the variable part at the
+      benchmark's rate: a factor fitted to noise would multiply it. An actual that grows less than the
+      work does is a machine faster than the benchmark's, and the line says by how much."""
     if measured_fixed:
         fixed = sum(measured_fixed) / len(measured_fixed)
         return fixed, sum((a - f) / v for (v, a), f in zip(runs, measured_fixed, strict=True)) / len(runs)
@@ -169,7 +172,7 @@ def fit(runs: list[tuple[float, float]], measured_fixed: list[float] | None = No
     (v1, a1), (v2, a2) = sorted(runs)
     if v2 - v1 <= 0.1 * v2:
         return through_zero
-    if a2 - a1 < 0.1 * a1 or v2 < 0.05 * a1:
+    if v2 < 0.05 * a1 or a2 <= a1:
         return sum(a - v for v, a in runs) / len(runs), 1.0
     speed = (a2 - a1) / (v2 - v1)
     fixed = a2 - speed * v2

@@ -288,6 +288,24 @@ def test_a_cpu_stage_is_its_fixed_seconds_plus_its_work_at_this_machines_speed()
     assert not any("plan_calibration-cpu.json" in " ".join(e.calibrated_by) for e in on_h200.values())
 
 
+def test_training_is_planned_by_the_positions_its_steps_compute() -> None:
+    """Every step is a row of train.batch_tokens, an epoch's last row padded, and the trainer computes each
+    position of it: a corpus that fills a quarter of a row costs a whole row per epoch."""
+    small = ["generate.datasets.0.num_samples=6", "train.epochs=3"]
+    plan = make_plan(load_config("smollm2-local", small), "cpu", fixed=False)
+    train, batch = plan.stage("train"), plan.cfg.train.batch_tokens
+    assert train is not None and plan.sizes.train_tokens < 3 * batch / 2
+    assert f"3 steps of {batch:,}-token rows compute {3 * batch:,} positions" in " ".join(train.assumptions)
+    # Twice the row with the same tokens: every step costs twice as much.
+    wide = make_plan(
+        load_config("smollm2-local", [*small, f"train.batch_tokens={2 * batch}"]), "cpu", fixed=False
+    )
+    assert wide.stage("train").seconds == pytest.approx(2 * train.seconds)  # type: ignore[union-attr]
+    # Twice the epochs: twice the steps.
+    longer = make_plan(load_config("smollm2-local", [*small[:1], "train.epochs=6"]), "cpu", fixed=False)
+    assert longer.stage("train").seconds == pytest.approx(2 * train.seconds)  # type: ignore[union-attr]
+
+
 def test_a_cpu_plan_says_how_far_this_machine_is_from_the_calibrated_one(monkeypatch, caplog) -> None:
     """A CPU plan measures this machine's multiply rate and sets it beside the calibration machine's;
     more than 25% apart, the table, the record and the pipeline's log say to recalibrate."""
