@@ -362,10 +362,10 @@ def _trained_positions(cfg: PipelineConfig, sizes: Sizes, world: int) -> tuple[i
 def _train(m: Model, sizes: Sizes) -> StageEstimate:
     cfg, notes, cites = m.cfg, [], []  # type: ignore[var-annotated]
     gpus = cfg.train.num_gpus if m.hw.gpu else 0
-    steps, tokens = _trained_positions(cfg, sizes, max(1, gpus))
-    if tokens > 1.05 * sizes.train_tokens:
+    steps, positions = _trained_positions(cfg, sizes, max(1, gpus))
+    if positions > 1.05 * sizes.train_tokens:
         notes.append(
-            f"{steps:,} steps of {cfg.train.batch_tokens:,}-token rows compute {tokens:,} positions for "
+            f"{steps:,} steps of {cfg.train.batch_tokens:,}-token rows compute {positions:,} positions for "
             f"{sizes.train_tokens:,} tokens trained: each epoch's last row is padded"
         )
     # Sequences average about half the cap: attention is counted at max_length / 2.
@@ -390,9 +390,9 @@ def _train(m: Model, sizes: Sizes) -> StageEstimate:
             + (f", {gpus} GPUs at {MULTI_GPU_EFFICIENCY:.0%} scaling" if gpus > 1 else "")
         )
         fixed = SERVER_START_S
-    seconds = fixed + tokens / rate
+    seconds = fixed + positions / rate
     return StageEstimate(
-        "train", seconds, gpus, f"{fixed:.0f} s + {tokens:,} positions / {rate:,.0f}/s", cites, notes
+        "train", seconds, gpus, f"{fixed:.0f} s + {positions:,} positions / {rate:,.0f}/s", cites, notes
     )
 
 
