@@ -14,13 +14,14 @@ What calibrates what (no estimate is fitted to the actual it is compared with):
 - smollm2-local: rates from the CPU records (decode-cpu, refserver-cpu, train-cpu, spec_decode-cpu,
   corpus-cpu), recorded on machines of differing speeds, tied to this machine by two *different* local
   runs with a quarter and half of the conversations and epochs: per stage, the line through their
-  actuals against the plan's variable part gives its fixed seconds (start-up, loading) and a speed
+  actuals against the plan's variable part (after the merge, planned from the run's own corpus, as a
+  run re-plans) gives its fixed seconds (start-up, loading) and a speed
   factor (`--calibrate STORE_QUARTER STORE_HALF` writes plan_calibration-cpu.json from their manifests;
   aerie/plan/data/calibration.json carries the figures). Evaluation and deployment do the same work in
   both runs, so their factor carries their fixed part too.
 
     python benchmarks/plan_accuracy.py --calibrate /tmp/recal/q/artifacts /tmp/recal/h/artifacts
-    python benchmarks/plan_accuracy.py --local-store /tmp/plan-default/artifacts
+    python benchmarks/plan_accuracy.py --local-store /tmp/plan-default/artifacts [--spread-stores MORE ...]
     python benchmarks/plan_accuracy.py   # the smollm2-gpu rows only; the smollm2-local rows are kept
 """
 
@@ -38,7 +39,7 @@ from typing import Any
 from aerie.plan import make_plan
 from aerie.plan.facts import figure_at
 from aerie.plan.machine import gemm_gflops
-from aerie.plan.plan import Plan
+from aerie.plan.plan import Plan, with_corpus
 from aerie.presets import load_config
 
 RESULTS = Path(__file__).parent / "results"
@@ -71,6 +72,8 @@ def store_actuals(store: Path, run: str) -> dict[str, dict[str, Any]]:
             entry["steady_tokens_per_s"] = data["figures"]["steady_tokens_per_s"]
         if "server_start_s" in data.get("figures", {}):  # a fixed part the stage measured itself
             entry["server_start_s"] = data["figures"]["server_start_s"]
+        if data.get("stage") == "merge":  # the corpus it made, which the calibration plans from
+            entry["corpus"] = data["figures"]
         if data.get("stage") == "train":  # its steps, tokens and loop seconds: what a step cost
             figures = data["figures"]
             entry |= {"steps": figures["steps"], "train_tokens": figures["train_tokens"]}
@@ -96,6 +99,8 @@ def h200_actuals() -> dict[str, dict[str, Any]]:
 # batch (longest conversations first, 512 running), in input order at 256, which no plan of today models.
 SHORT_RUN_OVERRIDES = ["generate.datasets.0.num_samples=3000"]
 SHORT_RUN_RECORD = "peer-drafter-h200.json"
+# Full default runs beside the one the goal's rows come from, made with the same code on the same machine.
+SPREAD = "another full run of the same code on this machine: how far one run is from the next"
 
 
 def short_run_row() -> dict[str, Any]:
@@ -114,11 +119,11 @@ def short_run_row() -> dict[str, Any]:
     }
 
 
-def kept_local_rows(out: Path) -> list[dict[str, Any]]:
-    """The smollm2-local rows of an earlier record: they need a full local pipeline run to redo."""
+def kept_local_rows(out: Path, key: str) -> list[dict[str, Any]]:
+    """The smollm2-local rows of an earlier record's `key`: they need full local pipeline runs to redo."""
     if not out.is_file():
         return []
-    return [r for r in json.loads(out.read_text())["stages"] if r["preset"] == "smollm2-local"]
+    return [r for r in json.loads(out.read_text()).get(key, []) if r["preset"] == "smollm2-local"]
 
 
 def rows(preset: str, plan: Plan, actuals: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -181,15 +186,18 @@ def fit(runs: list[tuple[float, float]], measured_fixed: list[float] | None = No
 
 def calibrate(stores: list[Path], out: Path) -> None:
     """Each CPU stage's fixed seconds and speed factor (`fit`) from two calibration runs on this machine,
-    against the plan's variable part (the plan made with every fixed part at zero)."""
+    against the plan's variable part (the plan made with every fixed part at zero). The stages after
+    the merge are planned from the run's own corpus, as a run re-plans them: the factors measure the
+    machine, not how far a sample's estimate of the corpus was from it."""
     if len(stores) != len(CALIBRATION_RUNS):
         raise SystemExit(
             f"--calibrate takes {len(CALIBRATION_RUNS)} stores, in the order of CALIBRATION_RUNS"
         )
     per_stage: dict[str, list[dict[str, Any]]] = {}
     for overrides, store in zip(CALIBRATION_RUNS, stores, strict=True):
-        plan = make_plan(load_config("smollm2-local", overrides), "cpu", fixed=False)
         actuals = store_actuals(store, "smollm2-local")
+        plan = make_plan(load_config("smollm2-local", overrides), "cpu", fixed=False)
+        plan = with_corpus(plan, actuals["merge"]["corpus"], fixed=False)
         for est in plan.stages:
             if est.stage in actuals:
                 per_stage.setdefault(est.stage, []).append(
@@ -242,6 +250,13 @@ def main() -> None:
     )
     parser.add_argument("--local-store", type=Path, help="the store of an `aerie run smollm2-local`")
     parser.add_argument(
+        "--spread-stores",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="the stores of more such runs on this machine, recorded apart (other_runs): the spread",
+    )
+    parser.add_argument(
         "--calibrate", type=Path, nargs="+", help="write plan_calibration-cpu.json from these stores"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "plan-accuracy.json")
@@ -250,13 +265,17 @@ def main() -> None:
         calibrate(args.calibrate, RESULTS / "plan_calibration-cpu.json")
         return
     table = rows("smollm2-gpu", make_plan(load_config("smollm2-gpu", []), "h200"), h200_actuals())
-    speed = None
+    speed, others = None, [short_run_row()]
     if args.local_store:
         local = make_plan(load_config("smollm2-local", []), "cpu")
         table += rows("smollm2-local", local, store_actuals(args.local_store, "smollm2-local"))
         speed = local.record()["machine"]  # this machine when the CPU rows were planned
+        for store in args.spread_stores:
+            spread = rows("smollm2-local", local, store_actuals(store, "smollm2-local"))
+            others += [{**r, "apart_because": SPREAD} for r in spread]
     else:
-        table += kept_local_rows(args.out)
+        table += kept_local_rows(args.out, "stages")
+        others += kept_local_rows(args.out, "other_runs")
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": MACHINE + " (plans need no GPU)",
@@ -265,7 +284,7 @@ def main() -> None:
         "within_25_percent": sum(abs(r["error"]) <= 0.25 for r in table),
         "rows": len(table),
         "stages": table,
-        "other_runs": [short_run_row()],
+        "other_runs": others,
         "cpu_rows_machine": speed,
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")

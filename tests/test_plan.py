@@ -239,6 +239,7 @@ def test_once_the_corpus_exists_the_later_stages_are_planned_from_it(caplog) -> 
         "supervised_tokens": 3 * est.supervised_tokens,
         "train_tokens": 3 * (est.corpus_tokens - est.eval_tokens),
         "eval_tokens": 3 * est.eval_tokens,
+        "eval_records": est.eval_records + 1,
     }
     merge = StageResult(
         stage="merge",
@@ -256,6 +257,7 @@ def test_once_the_corpus_exists_the_later_stages_are_planned_from_it(caplog) -> 
     assert refined.sizes.train_tokens == round(
         3 * (est.corpus_tokens - est.eval_tokens) * cfg.train.train_fraction * cfg.train.epochs
     )
+    assert refined.sizes.eval_records == est.eval_records + 1
     for name in ("generate", "merge"):  # what already ran keeps its estimate
         assert refined.stage(name) == plan.stage(name)
     # Three times the tokens: training about three times as long; extraction longer (its start is fixed).
@@ -304,6 +306,26 @@ def test_training_is_planned_by_the_positions_its_steps_compute() -> None:
     # Twice the epochs: twice the steps.
     longer = make_plan(load_config("smollm2-local", [*small[:1], "train.epochs=6"]), "cpu", fixed=False)
     assert longer.stage("train").seconds == pytest.approx(2 * train.seconds)  # type: ignore[union-attr]
+
+
+def test_the_held_out_prompts_are_the_eval_split_up_to_their_limit() -> None:
+    """The evaluator draws its held-out prompts from the corpus's eval split: a corpus with fewer eval
+    records than `evaluate.heldout_samples` evaluates fewer prompts, and the plan counts those."""
+    small = ["generate.datasets.0.num_samples=6"]
+
+    def evaluate_s(*more: str) -> float:
+        plan = make_plan(load_config("smollm2-local", [*small, *more]), "cpu", fixed=False)
+        return plan.stage("evaluate").seconds  # type: ignore[union-attr]
+
+    plan = make_plan(load_config("smollm2-local", small), "cpu", fixed=False)
+    held, mtbench = plan.sizes.eval_records, plan.cfg.evaluate.mtbench_questions
+    assert mtbench and 0 < held < plan.cfg.evaluate.heldout_samples
+    assert evaluate_s() == pytest.approx(
+        evaluate_s("evaluate.heldout_samples=0") * (mtbench + held) / mtbench
+    )
+    assert evaluate_s("evaluate.heldout_samples=400") == pytest.approx(
+        evaluate_s()
+    )  # the split is all there is
 
 
 def test_a_cpu_plan_says_how_far_this_machine_is_from_the_calibrated_one(monkeypatch, caplog) -> None:

@@ -112,10 +112,10 @@ def make_plan(cfg: PipelineConfig, hardware_name: str | None = None, *, fixed: b
     return plan
 
 
-def with_corpus(plan: Plan, figures: dict[str, Any]) -> Plan:
+def with_corpus(plan: Plan, figures: dict[str, Any], *, fixed: bool = True) -> Plan:
     """The plan once the corpus exists: its measured records and tokens (the merge stage's figures) in
     place of the estimate from a sample, and the later stages' seconds and disk from them; the stages
-    before it keep their estimates."""
+    before it keep their estimates. `fixed` as in `make_plan`."""
     cfg, est = plan.cfg, plan.sizes
     measured = replace(
         est,
@@ -124,8 +124,10 @@ def with_corpus(plan: Plan, figures: dict[str, Any]) -> Plan:
         supervised_tokens=int(figures["supervised_tokens"]),
         train_tokens=round(int(figures["train_tokens"]) * cfg.train.train_fraction * cfg.train.epochs),
         eval_tokens=int(figures["eval_tokens"]),
+        # A corpus stored before the merge counted its eval records keeps the estimate.
+        eval_records=int(figures.get("eval_records", est.eval_records)),
     )
-    later = {s.stage: s for s in throughput.estimate(cfg, plan.target, measured, plan.hardware)}
+    later = {s.stage: s for s in throughput.estimate(cfg, plan.target, measured, plan.hardware, fixed)}
     done = ("generate", "merge")
     stages = [s if s.stage in done else later.get(s.stage, s) for s in plan.stages]
     return replace(plan, sizes=measured, stages=stages, disk=disk.estimate(cfg, plan.target, measured))

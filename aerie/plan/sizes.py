@@ -60,6 +60,7 @@ class Sizes:
     supervised_tokens: int
     train_tokens: int
     eval_tokens: int
+    eval_records: int  # the held-out split, which also bounds the evaluation's held-out prompts
     chars_per_token: float
     chars_per_token_source: str
 
@@ -203,6 +204,7 @@ def estimate(cfg: PipelineConfig, target: TargetFacts) -> Sizes:
         supervised_tokens=supervised,
         train_tokens=train_tokens,
         eval_tokens=eval_tokens,
+        eval_records=round(records * cfg.corpus.eval_fraction),
         chars_per_token=ratio,
         chars_per_token_source=ratio_source,
     )

@@ -408,7 +408,8 @@ EVAL_BENCH_PASSES = (80 + 40) * 2 * 2
 
 def _eval_passes(cfg: PipelineConfig, sizes: Sizes) -> tuple[int, float]:
     """(prompt-passes, tokens per prompt): every prompt is decoded once per proposer, chain length and
-    temperature; an answer is as long as the generation's mean answer, capped at max_new_tokens."""
+    temperature; an answer is as long as the generation's mean answer, capped at max_new_tokens. The
+    held-out prompts are the corpus's eval split, up to their limit."""
     from aerie.datasets import load_mtbench
 
     ev = cfg.evaluate
@@ -416,7 +417,9 @@ def _eval_passes(cfg: PipelineConfig, sizes: Sizes) -> tuple[int, float]:
     for s in ev.prompt_sets():
         if s.kind == "mtbench":
             prompts += min(s.limit or len(load_mtbench()), len(load_mtbench()))
-        else:
+        elif s.kind == "heldout":  # the corpus's eval split, up to the limit
+            prompts += min(s.limit or sizes.eval_records, sizes.eval_records)
+        else:  # a file's prompts are not counted here: its limit, or as many as the held-out default
             prompts += s.limit or ev.heldout_samples
     passes = len(ev.proposers) * len(ev.num_steps) * len(ev.temperatures)
     mean_answer = sizes.completion_tokens / max(1, sizes.turns)
