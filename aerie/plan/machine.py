@@ -4,11 +4,13 @@ The CPU stages' rates are calibrated on one machine (`benchmarks/plan_accuracy.p
 runs), which records its fp32 matrix-multiply rate. A plan for the CPU measures the same rate here, in a
 fraction of a second, and says how far apart the two are. It does not rescale the estimates by it: the
 stages that decode a token at a time follow memory latency more than the multiply rate, so the figure is
-a warning to recalibrate, not a factor.
+a warning to recalibrate, not a factor. Other work on the cores slows the probe too, so a slow reading
+taken while they were busy says to plan again when they are idle first.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -18,6 +20,7 @@ from aerie.plan.facts import Rate
 PROBE_SIZE = 1024  # a 2-GFLOP product: tens of milliseconds on a laptop core
 PROBE_REPEATS = 5  # the best of these: the machine's rate, not its neighbours' load
 FAR = 1.25  # apart by more than this either way, the plan says to recalibrate
+BUSY = 0.5  # a load average per core above this: other work shared the cores the probe timed
 
 
 @cache
@@ -37,11 +40,17 @@ def gemm_gflops() -> float:
     return 2 * PROBE_SIZE**3 / best / 1e9
 
 
+def load_per_core() -> float:
+    """The last minute's load average per core: how much other work the probe shared the cores with."""
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class MachineSpeed:
     gflops_now: float
     gflops_calibrated: float
     source: str
+    load_per_core: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -56,7 +65,13 @@ class MachineSpeed:
             f"fp32 matrix multiply at {self.gflops_now:.0f} GFLOP/s here now, {self.gflops_calibrated:.0f} on "
             f"the machine the CPU rates were calibrated on ({self.source}): {self.ratio:.2f}x"
         )
-        if self.far:
+        if self.far and self.ratio < 1 and self.load_per_core > BUSY:
+            said += (
+                f"; more than {FAR - 1:.0%} apart, but the cores were busy (load {self.load_per_core:.1f} a "
+                "core over the last minute), which slows the probe: plan again when they are idle, and "
+                "recalibrate on this machine if it still reads slow"
+            )
+        elif self.far:
             said += (
                 f"; more than {FAR - 1:.0%} apart, so the CPU estimates below may be off by as much: "
                 "recalibrate on this machine (benchmarks/plan_accuracy.py --calibrate, two short runs)"
@@ -69,4 +84,4 @@ def machine_speed(measured: dict[str, Rate]) -> MachineSpeed | None:
     calibrated = measured.get("calibration_gemm_gflops")
     if calibrated is None or calibrated.value <= 0:
         return None
-    return MachineSpeed(gemm_gflops(), calibrated.value, calibrated.source)
+    return MachineSpeed(gemm_gflops(), calibrated.value, calibrated.source, load_per_core())
