@@ -112,12 +112,9 @@ class TargetInfo(BaseModel):
 
     def _generic_fast_tokenizer(self) -> bool:
         """The directory's tokenizer is transformers' generic fast one, built from its tokenizer.json."""
-        config = Path(self.path) / "tokenizer_config.json"
-        if (
-            self.trust_remote_code
-            or not (Path(self.path) / "tokenizer.json").is_file()
-            or not config.is_file()
-        ):
+        folder = Path(self.path)
+        config = folder / "tokenizer_config.json"
+        if self.trust_remote_code or not (folder / "tokenizer.json").is_file() or not config.is_file():
             return False
         try:
             settings = json.loads(config.read_text())

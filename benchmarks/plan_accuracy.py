@@ -67,15 +67,14 @@ def store_actuals(store: Path, run: str) -> dict[str, dict[str, Any]]:
         data = json.loads(manifest.read_text())
         seconds = data.get("throughput", {}).get("wall_seconds") or data["seconds"]
         entry = {"seconds": float(seconds), "manifest": str(manifest)}
-        if data.get("stage") == "extract":
-            entry["bytes"] = data["figures"]["bytes"]
-            entry["steady_tokens_per_s"] = data["figures"]["steady_tokens_per_s"]
-        if "server_start_s" in data.get("figures", {}):  # a fixed part the stage measured itself
-            entry["server_start_s"] = data["figures"]["server_start_s"]
-        if data.get("stage") == "merge":  # the corpus it made, which the calibration plans from
-            entry["corpus"] = data["figures"]
-        if data.get("stage") == "train":  # its steps, tokens and loop seconds: what a step cost
-            figures = data["figures"]
+        stage, figures = data.get("stage"), data.get("figures", {})
+        if stage == "extract":
+            entry |= {"bytes": figures["bytes"], "steady_tokens_per_s": figures["steady_tokens_per_s"]}
+        if "server_start_s" in figures:  # a fixed part the stage measured itself
+            entry["server_start_s"] = figures["server_start_s"]
+        if stage == "merge":  # the corpus it made, which the calibration plans from
+            entry["corpus"] = figures
+        if stage == "train":  # its steps, tokens and loop seconds: what a step cost
             entry |= {"steps": figures["steps"], "train_tokens": figures["train_tokens"]}
             entry["loop_s"] = figures["train_wall_s"]
         out[stage_of(manifest.parent.parent.name)] = entry

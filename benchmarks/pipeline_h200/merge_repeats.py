@@ -64,6 +64,14 @@ def one_merge(home: Path, preset: str, run: str) -> dict[str, Any]:
     }
 
 
+def cold_tokenizer_load_s(target: str) -> float:
+    """Seconds a fresh interpreter takes to import aerie and load the target's tokenizer."""
+    done = subprocess.run(
+        [sys.executable, "-c", COLD_LOAD, target], capture_output=True, text=True, check=True
+    )
+    return round(float(done.stdout), 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--home", type=Path, required=True)
@@ -74,20 +82,7 @@ def main() -> None:
     cfg = load_config(args.preset, [f"store.uri={args.home}/store"])
     runs = [one_merge(args.home, args.preset, cfg.run) for _ in range(args.runs)]
     resolve_target(cfg.target)  # converted already by the runs: the loads below time loading alone
-    cold = [
-        round(
-            float(
-                subprocess.run(
-                    [sys.executable, "-c", COLD_LOAD, cfg.target.name],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                ).stdout
-            ),
-            2,
-        )
-        for _ in range(3)
-    ]
+    cold = [cold_tokenizer_load_s(cfg.target.name) for _ in range(3)]
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"the CPUs of an H200 host (no GPU used): {platform.node()} {platform.machine()}, Python {platform.python_version()}",

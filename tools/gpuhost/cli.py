@@ -14,7 +14,7 @@ from tools.gpuhost import limits
 from tools.gpuhost.home import DEFAULT_HOME, Home
 from tools.gpuhost.hostconfig import host_config
 from tools.gpuhost.hostenv import (
-    KEEP_BYTECODE,
+    NO_BYTECODE,
     check_environment,
     host_environ,
     install,
@@ -61,7 +61,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
     for key, value in env.items():
         suffix = "${PYTHONPATH:+:$PYTHONPATH}" if key == "PYTHONPATH" else ""
         print(f'export {key}="{value}{suffix}"')
-    print(f"unset {KEEP_BYTECODE}")
+    print(f"unset {NO_BYTECODE}")
     return 0
 
 

@@ -43,7 +43,7 @@ def shipped_site() -> str:
     return os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
 
 
-KEEP_BYTECODE = "PYTHONDONTWRITEBYTECODE"  # unset in the host environment
+NO_BYTECODE = "PYTHONDONTWRITEBYTECODE"  # forbids writing byte code: unset in the host environment
 
 
 def host_environ(
@@ -65,7 +65,7 @@ def host_environ(
     )
     # Keep the byte code Python compiles: host images that set PYTHONDONTWRITEBYTECODE and ship torch
     # without .pyc files make every process compile torch again (16-17 s to load a tokenizer cold).
-    env.pop(KEEP_BYTECODE, None)
+    env.pop(NO_BYTECODE, None)
     return env
 
 
