@@ -331,13 +331,13 @@ def test_the_held_out_prompts_are_the_eval_split_up_to_their_limit() -> None:
 def test_a_cpu_plan_says_how_far_this_machine_is_from_the_calibrated_one(monkeypatch, caplog) -> None:
     """A CPU plan measures this machine's multiply rate and sets it beside the calibration machine's;
     more than 25% apart, the table, the record and the pipeline's log say to recalibrate, unless the
-    reading was slow while the cores were busy: then they say to plan again when they are idle."""
+    reading was slow while other work used the cores: then they say to plan again when they are idle."""
     from aerie.plan import machine, track
 
     calibrated = calibration_entries()["cpu"]["calibration_gemm_gflops"]["value"]
-    assert machine.gemm_gflops() > 0 and machine.load_per_core() >= 0  # the real probes, on this machine
+    assert machine.gemm_gflops() > 0 and 0 <= machine.others_share() <= 1  # the real probe, on this machine
     cfg = load_config("smollm2-local", [])
-    monkeypatch.setattr(machine, "load_per_core", lambda: 0.1)  # idle, whatever the suite runs beside it
+    monkeypatch.setattr(machine, "others_share", lambda: 0.1)  # idle, whatever the suite runs beside it
     monkeypatch.setattr(machine, "gemm_gflops", lambda: calibrated * 1.1)
     near = make_plan(cfg, "cpu")
     assert near.machine is not None and not near.machine.far
@@ -349,10 +349,10 @@ def test_a_cpu_plan_says_how_far_this_machine_is_from_the_calibrated_one(monkeyp
     assert "WARNING machine:" in table(far) and "recalibrate on this machine" in table(far)
     assert track.plan_for(cfg) is not None
     assert "recalibrate on this machine" in caplog.text
-    monkeypatch.setattr(machine, "load_per_core", lambda: 1.5)
+    monkeypatch.setattr(machine, "others_share", lambda: 0.6)
     busy = make_plan(cfg, "cpu")
-    assert busy.machine is not None and busy.machine.far and busy.record()["machine"]["load_per_core"] == 1.5
-    assert "cores were busy (load 1.5 a core" in table(busy) and "plan again when they are idle" in table(
+    assert busy.machine is not None and busy.machine.far and busy.record()["machine"]["others_share"] == 0.6
+    assert "other work used 60% of the cores" in table(busy) and "plan again when they are idle" in table(
         busy
     )
     monkeypatch.setattr(machine, "gemm_gflops", lambda: calibrated * 2)  # fast is never the load's doing

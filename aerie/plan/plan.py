@@ -81,7 +81,7 @@ class Plan:
                 "gemm_gflops_now": round(self.machine.gflops_now, 1),
                 "gemm_gflops_calibrated": self.machine.gflops_calibrated,
                 "ratio": round(self.machine.ratio, 3),
-                "load_per_core": round(self.machine.load_per_core, 2),
+                "others_share": round(self.machine.others_share, 2),
             },
             "refusals": [str(r) for r in self.refusals],
         }
