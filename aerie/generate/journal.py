@@ -98,14 +98,16 @@ class Journal:
         self._thread = threading.Thread(target=self._write_loop, name="aerie-journal", daemon=True)
         self._thread.start()
 
-    def records(self) -> Iterator[dict[str, Any]]:
-        """Every finished record of earlier runs (and this one, once flushed), first copy of each id."""
-        seen: set[str] = set()
+    def records(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """Every finished record of earlier runs (and this one, once flushed) under these parameters,
+        by (id, input digest): the first copy of each. A record of a journal written before records
+        carried their input's digest has none and matches no conversation (it is generated again)."""
+        found: dict[tuple[str, str], dict[str, Any]] = {}
         for path in sorted(self.dir.glob(PART_GLOB)):
             for rec in read_jsonl(path):
-                if rec.get("params_hash") == self.params_hash and rec["id"] not in seen:
-                    seen.add(rec["id"])
-                    yield rec
+                if rec.get("params_hash") == self.params_hash:
+                    found.setdefault((rec["id"], rec.get("input_sha256") or ""), rec)
+        return found
 
     def record_seconds(self, seconds: float) -> None:
         """This run's time so far, its `lead_s` included (rewritten as it grows, so a killed run keeps
@@ -134,8 +136,9 @@ class Journal:
                     seconds += float(rec.get("seconds", 0.0))
         return runs, seconds
 
-    def done(self) -> set[str]:
-        return {rec["id"] for rec in self.records()}
+    def done(self) -> set[tuple[str, str]]:
+        """(id, input digest) of every finished record: what a conversation resumes from."""
+        return set(self.records())
 
     def append(self, record: dict[str, Any]) -> None:
         self._check()

@@ -30,7 +30,9 @@ class Outcome:
     """What one run did. Token and request figures count this run's work only."""
 
     requested_ids: list[str] = field(default_factory=list)  # usable conversations, input order
-    done_before: int = 0
+    inputs: dict[str, str] = field(default_factory=dict)  # id -> digest of what it is generated from
+    done_before: int = 0  # reused: the journal holds the same id generated from the same input
+    changed: int = 0  # the journal holds the id, generated from another input: generated again
     done_now: int = 0
     failures: dict[str, dict[str, Any]] = field(default_factory=dict)
     skipped: Counter[str] = field(default_factory=Counter)
@@ -59,9 +61,12 @@ class _BudgetExceeded(Exception):
 
 
 def select(
-    conversations: Iterable[Conversation], spec: DatasetSpec, done: set[str], outcome: Outcome
+    conversations: Iterable[Conversation], spec: DatasetSpec, done: set[tuple[str, str]], outcome: Outcome
 ) -> list[Prepared]:
-    """The conversations still to generate, in input order; fills the outcome's counts."""
+    """The conversations still to generate, in input order; fills the outcome's counts. A conversation
+    resumes only from a record of the same id and the same input: one whose turns changed since (a
+    source fixed in place) is generated again, never answered with what its old text gave."""
+    done_ids = {conversation_id for conversation_id, _ in done}
     seen: set[str] = set()
     pending: list[Prepared] = []
     for conversation in conversations:
@@ -74,10 +79,13 @@ def select(
             outcome.skipped[prepared] += 1
             continue
         outcome.requested_ids.append(prepared.id)
-        if prepared.id in done:
+        outcome.inputs[prepared.id] = prepared.input_sha256
+        if (prepared.id, prepared.input_sha256) in done:
             outcome.done_before += 1
-        else:
-            pending.append(prepared)
+            continue
+        if prepared.id in done_ids:
+            outcome.changed += 1
+        pending.append(prepared)
     return pending
 
 

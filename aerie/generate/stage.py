@@ -421,9 +421,9 @@ def _finish(
     errors_info: dict[str, Any],
     progress: ProgressFn,
 ) -> StageResult:
-    wanted = set(outcome.requested_ids)
-    by_id = {rec["id"]: rec for rec in journal.records() if rec["id"] in wanted}
-    ordered = [by_id[i] for i in outcome.requested_ids if i in by_id]
+    found = journal.records()
+    wanted = ((i, outcome.inputs[i]) for i in outcome.requested_ids)
+    ordered = [found[key] for key in wanted if key in found]
     tmp = journal.dir / f".{CONVERSATIONS}.tmp"
     rows = write_conversations(ordered, tmp)
     info = stage_dir.store.put_file(stage_dir.path(CONVERSATIONS), tmp)
@@ -458,6 +458,11 @@ def _finish(
         "requested": outcome.requested,
         "done": rows,
         "done_in_earlier_runs": outcome.done_before,
+        # Resume by id and input: reused from the journal; generated (or, kept as is, read) in this
+        # run; of those, the ones the journal held from another input (their source changed).
+        "reused": outcome.done_before,
+        "regenerated": outcome.done_now,
+        "changed": outcome.changed,
         "failed": len(outcome.failures),
         "skipped_by_loader": report.total_skipped if report else 0,
         "skipped": dict(outcome.skipped),

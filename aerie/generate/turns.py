@@ -8,6 +8,8 @@ but never fed back (the providers ask for that, and it is what the model sees wh
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,14 @@ class Prepared:
     id: str
     source: str
     messages: tuple[Message, ...]
+
+    @property
+    def input_sha256(self) -> str:
+        """What the conversation was generated from: its turns as sent (or kept), in order. A record
+        resumes only under the same id *and* this digest, so a prompt (or a kept answer) edited in
+        place is generated again instead of keeping what the old text gave."""
+        turns = [[m.role, m.content] for m in self.messages]
+        return hashlib.sha256(json.dumps(turns, ensure_ascii=False).encode()).hexdigest()[:24]
 
 
 def prepare(conversation: Conversation, spec: DatasetSpec) -> Prepared | str:
@@ -92,6 +102,7 @@ def record(prepared: Prepared, params_hash: str, messages: list[Message], **usag
         "id": prepared.id,
         "source": prepared.source,
         "params_hash": params_hash,
+        "input_sha256": prepared.input_sha256,
         "messages": [{"role": m.role, "content": m.content, "reasoning": m.reasoning} for m in messages],
         "finish_reasons": usage.get("finish_reasons", []),
         "prompt_tokens": usage.get("prompt_tokens", 0),
