@@ -60,6 +60,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from aerie.evaluate.drafter_files import family_of
     from aerie.evaluate.standalone import evaluate_drafter, prompt_set_for_file, summary_lines
+    from aerie.families import DEFAULT
     from aerie.progress import terminal_progress
     from aerie.targets import resolve_target
 
@@ -70,7 +71,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         raise ConfigError(f"two prompt files have the same name {names}: rename one")
     # The drafter directory says which family's proposer measures it.
     name = family_of(Path(args.drafter))
-    proposers = [name if p == "eagle3" else p for p in cfg.evaluate.proposers]
+    proposers = [name if p == DEFAULT else p for p in cfg.evaluate.proposers]
     evaluate_cfg = type(cfg.evaluate).model_validate(
         {**cfg.evaluate.model_dump(), "proposers": proposers, "datasets": [s.model_dump() for s in sets]}
     )

@@ -16,6 +16,7 @@ from aerie.deploy.config import DeployConfig
 from aerie.errors import ConfigError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.extract.config import ExtractConfig, server_quantization_problem
+from aerie.families import family_of
 from aerie.generate.config import GenerateConfig
 from aerie.serving.config import ALL_LAUNCHES, ServerConfig, flag_conflict, launcher_problem
 from aerie.store import StoreConfig
@@ -55,6 +56,17 @@ class PipelineConfig(StrictModel):
         )
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _deploy_serves_the_family(self) -> PipelineConfig:
+        # At load, not after training and evaluation: the deploy stage serves only some families.
+        drafter = family_of(self.train.drafter)
+        if self.deploy.enabled and not drafter.deployable:
+            raise ValueError(
+                f"the deploy stage does not serve {drafter.name} drafters (train.drafter.family): set "
+                "deploy.enabled=false (the evaluate stage measures it)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -152,7 +164,14 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
             return
         if isinstance(holder, dict) and holder.get(key) is None:
             holder[key] = {}  # a new mapping (an unset dict field); pydantic names a wrong one
+        elif isinstance(holder, dict) and isinstance(holder[key], str) and _tagged(parts[: depth + 1]):
+            holder[key] = {"family": holder[key]}  # a tagged section given by its tag: train.drafter=dflash
         node = holder[key]
+
+
+def _tagged(path: list[str]) -> bool:
+    """Whether the section at `path` is tagged by a `family` field (`train.drafter`)."""
+    return "family" in (_fields_at(tuple(path)) or ())
 
 
 def _fields_at(loc: tuple[int | str, ...]) -> list[str] | None:

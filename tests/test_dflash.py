@@ -15,7 +15,7 @@ from aerie.draft.target_weights import load_embedding, load_lm_head
 from aerie.engine.speculative.decoder import SpecDecoder, greedy_reference
 from aerie.engine.speculative.dflash import DFlashProposer
 from aerie.errors import ConfigError, EvaluationError
-from aerie.families import FAMILIES, eagle3_layers, family, spread_layers
+from aerie.families import DFlashSettings, eagle3_layers, family, names, spread_layers
 from aerie.targets import TargetInfo
 from aerie.train.config import TrainConfig
 from aerie.train.data import PAD_DOC, Batch
@@ -78,10 +78,13 @@ def packed_batch(lengths: list[int], seed: int = 0, prompt: int = 2) -> Batch:
 
 
 def test_train_config_takes_the_dflash_family_and_refuses_unknown_fields() -> None:
-    cfg = TrainConfig(drafter="dflash", dflash={"block_size": 16, "anchors_per_sequence": 64})
-    assert (cfg.drafter, cfg.dflash.block_size, cfg.dflash.num_target_layers) == ("dflash", 16, 5)
-    with pytest.raises(pydantic.ValidationError):
-        TrainConfig(dflash={"block": 8})
+    cfg = TrainConfig(drafter={"family": "dflash", "block_size": 16, "anchors_per_sequence": 64})
+    assert isinstance(cfg.drafter, DFlashSettings)
+    assert (cfg.drafter.family, cfg.drafter.block_size, cfg.drafter.num_target_layers) == ("dflash", 16, 5)
+    with pytest.raises(pydantic.ValidationError, match="block: not a dflash setting"):
+        TrainConfig(drafter={"family": "dflash", "block": 8})
+    with pytest.raises(pydantic.ValidationError, match="not a eagle3 setting"):
+        TrainConfig(drafter={"block_size": 8})  # the default family has no block
     with pytest.raises(pydantic.ValidationError):
         TrainConfig(drafter="medusa")
 
@@ -98,9 +101,9 @@ def test_capture_layers_per_family() -> None:
 
 
 def test_every_family_part_resolves() -> None:
-    for fam in FAMILIES.values():
-        for part in ("model", "objective", "export", "loader", "proposer"):
-            assert callable(fam.load(part)), (fam.name, part)
+    for fam in map(family, names()):
+        for part in (fam.model, fam.objective, fam.export, fam.loader, fam.proposer):
+            assert callable(part.load()), (fam.name, part.ref)
 
 
 # -- masks and model ----------------------------------------------------------------------------------
@@ -338,8 +341,14 @@ def test_the_family_fields_leave_eagle3_stage_keys_as_they_were() -> None:
     target = TargetInfo.model_construct(revision="r")
     before = cfg.model_dump(mode="json", exclude=stage._NOT_KEYED)
     before.pop("drafter")
-    before.pop("dflash")
     assert stage.key_of(cfg, target, up, up) == stage.stage_key(
         stage.STAGE, before, ["a" * 64, "a" * 64, "r"]
     )
-    assert stage.key_of(TrainConfig(drafter="dflash"), target, up, up) != stage.key_of(cfg, target, up, up)
+    dflash = TrainConfig(drafter="dflash")
+    assert stage.key_of(dflash, target, up, up) != stage.key_of(cfg, target, up, up)
+    # A DFlash run's key as it was when its settings were the section `train.dflash`.
+    settings = dflash.drafter.model_dump(mode="json", exclude={"family"})
+    old = {**before, "drafter": "dflash", "dflash": settings}
+    assert stage.key_of(dflash, target, up, up) == stage.stage_key(
+        stage.STAGE, old, ["a" * 64, "a" * 64, "r"]
+    )

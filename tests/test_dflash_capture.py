@@ -25,7 +25,7 @@ from aerie.shards.schema import SHARD_SCHEMA_VERSION, bytes_per_token
 from aerie.shards.writer import ShardWriter
 
 H = 32
-DFLASH = ["train.drafter=dflash", "train.dflash.num_target_layers=5"]
+DFLASH = ["train.drafter=dflash", "train.drafter.num_target_layers=5", "deploy.enabled=false"]
 
 
 def sample(i: int, t: int, layers: int) -> HiddenSample:
@@ -126,7 +126,7 @@ def test_the_planner_counts_a_dflash_drafter_s_parameters(smollm2) -> None:
     from aerie.plan.disk import drafter_params
     from aerie.train.dflash_objective import DFlashObjective
 
-    cfg = load_config("smollm2-local", [*DFLASH, "train.dflash.num_layers=2"])
+    cfg = load_config("smollm2-local", [*DFLASH, "train.drafter.num_layers=2"])
     drafter = DFlashObjective(cfg.train).drafter(smollm2, smollm2.vocab_size)
     matrices = sum(p.numel() for p in drafter.parameters() if p.dim() == 2)
     assert drafter_params(cfg, target_facts(cfg.target)) == matrices

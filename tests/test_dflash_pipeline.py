@@ -26,8 +26,9 @@ pytestmark = pytest.mark.integration  # reference servers (generation and extrac
 
 DFLASH = [
     "train.drafter=dflash",
-    "train.dflash.block_size=4",
-    "train.dflash.anchors_per_sequence=32",
+    "train.drafter.block_size=4",
+    "train.drafter.anchors_per_sequence=32",
+    "deploy.enabled=false",
     "evaluate.temperatures=[0]",
 ]
 

@@ -52,7 +52,7 @@ def not_from_file(loaded: dict[str, torch.Tensor], exported: dict[str, torch.Ten
 
 
 def exported(target: TargetInfo, out: Path) -> Path:
-    objective = DFlashObjective(TrainConfig(drafter="dflash", dflash={"num_layers": 2}))
+    objective = DFlashObjective(TrainConfig(drafter={"family": "dflash", "num_layers": 2}))
     torch.manual_seed(0)
     drafter = objective.drafter(target, target.vocab_size)
     with torch.no_grad():

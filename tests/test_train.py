@@ -614,4 +614,6 @@ def test_shards_for_another_layer_convention_are_refused(tiny) -> None:
     stage._check_extract(eagle3, target, TrainConfig())
     # EAGLE-3's three layers do not feed a DFlash drafter, which reads its own.
     with pytest.raises(DataError, match="a train.drafter=dflash drafter reads"):
-        stage._check_extract(eagle3, target, TrainConfig(drafter="dflash", dflash={"num_target_layers": 3}))
+        stage._check_extract(
+            eagle3, target, TrainConfig(drafter={"family": "dflash", "num_target_layers": 3})
+        )

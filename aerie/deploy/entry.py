@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aerie.errors import ConfigError
 from aerie.manifest import StageResult
 from aerie.stage import Stage, StageContext, Upstream
 
@@ -27,14 +26,6 @@ class DeployStage(Stage):
 
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.deploy.stage import deploy
-
-        if cfg.train.drafter != "eagle3":
-            # The served benchmark launches EAGLE-3 speculative decoding; a DFlash drafter would be
-            # served under the wrong algorithm rather than refused by the server.
-            raise ConfigError(
-                f"the deploy stage serves EAGLE-3 drafters, train.drafter is {cfg.train.drafter!r}: run "
-                "with --until evaluate, or deploy.enabled=false"
-            )
 
         return [
             deploy(

@@ -8,10 +8,12 @@ from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
 from aerie.datasets import SourceSpec
+from aerie.families import DEFAULT
+from aerie.families import names as family_names
 
 # A trained drafter's proposer is named by its family (`aerie.families`); prompt lookup needs none.
-ProposerName = Literal["eagle3", "dflash", "prompt_lookup"]
-PROPOSERS: tuple[ProposerName, ...] = ("eagle3", "prompt_lookup")  # the default: an EAGLE-3 run's
+PROMPT_LOOKUP = "prompt_lookup"
+PROPOSERS: tuple[str, ...] = (DEFAULT, PROMPT_LOOKUP)  # the default: the default family's run's
 
 
 class PromptLookupConfig(StrictModel):
@@ -76,12 +78,12 @@ class EvaluateConfig(StrictModel):
         description="Sampling temperatures measured: 0 is greedy (and checks losslessness output by "
         "output); above 0 the drafts are verified by speculative sampling's rejection rule, as served.",
     )
-    proposers: list[ProposerName] = Field(
+    proposers: list[str] = Field(
         default_factory=lambda: list(PROPOSERS),
         min_length=1,
         description="Proposers measured by the same evaluator (prompt lookup is the training-free baseline). "
-        "A drafter is named by its family: a pipeline with train.drafter=dflash measures dflash where "
-        "eagle3 is listed.",
+        "A drafter is named by its family (aerie.families): a pipeline training another family than the "
+        "default (eagle3) measures its own where the default is listed.",
     )
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
     mtbench_questions: int | None = Field(
@@ -120,7 +122,12 @@ class EvaluateConfig(StrictModel):
             raise ValueError(f"temperatures must list values >= 0, got {self.temperatures}")
         if len(set(self.temperatures)) != len(self.temperatures):
             raise ValueError(f"temperatures lists a value twice: {self.temperatures}")
-        drafters = [p for p in self.proposers if p != "prompt_lookup"]
+        unknown = [p for p in self.proposers if p != PROMPT_LOOKUP and p not in family_names()]
+        if unknown:
+            raise ValueError(
+                f"proposers {unknown} are neither a drafter family ({', '.join(family_names())}) nor {PROMPT_LOOKUP}"
+            )
+        drafters = [p for p in self.proposers if p != PROMPT_LOOKUP]
         if len(set(drafters)) > 1:
             raise ValueError(f"proposers name two drafter families {drafters}: one drafter is evaluated")
         if self.datasets is not None:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from aerie.errors import EvaluationError
+from aerie.families import DEFAULT
 from aerie.manifest import StageResult
 from aerie.store import ArtifactStore
 
@@ -14,13 +15,13 @@ REQUIRED = ("config.json", "model.safetensors")
 
 
 def family_of(drafter_dir: Path) -> str:
-    """The family an exported drafter belongs to, from its provenance (`aerie.json`; an EAGLE-3
-    export written before families existed has none)."""
+    """The family an exported drafter belongs to, from its provenance (`aerie.json`; an export of the
+    default family written before families existed has none)."""
     try:
         provenance = json.loads((Path(drafter_dir) / "aerie.json").read_text())
     except (OSError, ValueError):
-        return "eagle3"
-    return str(provenance.get("family", "eagle3")) if isinstance(provenance, dict) else "eagle3"
+        return DEFAULT
+    return str(provenance.get("family", DEFAULT)) if isinstance(provenance, dict) else DEFAULT
 
 
 def drafter_keys(store: ArtifactStore, train: StageResult) -> list[str]:

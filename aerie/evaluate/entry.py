@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from aerie.families import DEFAULT
 from aerie.manifest import StageResult
 from aerie.stage import Stage, StageContext, Upstream
 
@@ -14,12 +15,12 @@ if TYPE_CHECKING:
 
 
 def evaluate_config(cfg: PipelineConfig) -> EvaluateConfig:
-    """`cfg.evaluate` measuring the drafter this run trains: its family's proposer where `eagle3` is
-    listed (an EAGLE-3 run's config, and key, stay as they are)."""
-    ev, name = cfg.evaluate, cfg.train.drafter
-    if name == "eagle3" or "eagle3" not in ev.proposers:
+    """`cfg.evaluate` measuring the drafter this run trains: its family's proposer where the default
+    family is listed (a default-family run's config, and key, stay as they are)."""
+    ev, name = cfg.evaluate, cfg.train.drafter.family
+    if name == DEFAULT or DEFAULT not in ev.proposers:
         return ev
-    proposers = [name if p == "eagle3" else p for p in ev.proposers]
+    proposers = [name if p == DEFAULT else p for p in ev.proposers]
     return ev.model_copy(update={"proposers": proposers})
 
 

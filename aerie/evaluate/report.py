@@ -11,6 +11,7 @@ from typing import Any
 
 from aerie.diskspace import writing
 from aerie.errors import EvaluationError
+from aerie.evaluate.config import PROMPT_LOOKUP
 
 ACCEPTANCE_PNG = "acceptance.png"
 
@@ -114,7 +115,8 @@ def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[s
             (
                 r["accept_length"]
                 for r in results
-                if (r["dataset"], proposer_label(r), r["num_steps"]) == (dataset, "eagle3", k)
+                if (r["dataset"], r["num_steps"]) == (dataset, k)
+                and proposer_label(r) == r["proposer"] != PROMPT_LOOKUP
             ),
             None,
         )
@@ -234,7 +236,7 @@ def plot_acceptance(results: list[dict[str, Any]], path: Path) -> Path:
             cond = r["conditional_acceptance"]
             xs = [j + 1 for j, c in enumerate(cond) if c is not None]
             ys = [c for c in cond if c is not None]
-            style = "-" if r["proposer"] == "eagle3" else "--"
+            style = "--" if r["proposer"] == PROMPT_LOOKUP else "-"
             ax.plot(
                 xs,
                 ys,

@@ -26,7 +26,7 @@ from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.drafter_files import fetch_drafter
 from aerie.evaluate.prompts import ALL_ROWS, EvalPrompt, heldout_prompts, prompt_set
 from aerie.evaluate.report import ACCEPTANCE_PNG, acceptance_by_group, evaluation_markdown, plot_acceptance
-from aerie.families import FAMILIES, family
+from aerie.families import family, names
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.store import ArtifactStore
@@ -165,7 +165,9 @@ class _Models:
 class _Measured:
     results: list[dict[str, Any]] = field(default_factory=list)
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
-    answers: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # the longest eagle3 run's
+    answers: dict[str, dict[str, list[int]]] = field(
+        default_factory=dict
+    )  # the diagnosed drafter's longest greedy run
 
 
 def _measure_all(
@@ -207,7 +209,7 @@ def _measure_all(
         done += len(datasets[name])
         out.results.append(part["result"])
         out.per_prompt += part["per_prompt"]
-        if proposer_name == "eagle3" and k == max(cfg.num_steps) and not temperature and "answers" in part:
+        if k == max(cfg.num_steps) and not temperature and "answers" in part:
             out.answers[name] = part["answers"]
         progress(done / total, f"{setting}: τ={part['result']['accept_length']:.2f}")
     return out
@@ -271,7 +273,7 @@ def _load(
 
 def drafter_family(cfg: EvaluateConfig) -> str | None:
     """The drafter family `cfg.proposers` measures (`aerie.families`), or None (prompt lookup only)."""
-    return next((p for p in cfg.proposers if p in FAMILIES), None)
+    return next((p for p in cfg.proposers if p in names()), None)
 
 
 def load_drafter_of(
@@ -281,21 +283,21 @@ def load_drafter_of(
     another family's drafter, naming it)."""
     name = drafter_family(cfg)
     assert name is not None
-    return {"drafter": family(name).load("loader")(path, target, device=device, dtype=dtype)}
+    return {"drafter": family(name).loader.load()(path, target, device=device, dtype=dtype)}
 
 
 def make_proposer(
     name: str, cfg: EvaluateConfig, loaded: dict[str, Any]
 ) -> tuple[Proposer, list[int] | None]:
     """A fresh proposer and the target hidden states it reads (HF hidden_states indices)."""
-    if name in FAMILIES:
-        proposer = family(name).load("proposer")(loaded["drafter"])
+    if name in names():
+        proposer = family(name).proposer.load()(loaded["drafter"])
         return proposer, proposer.aux_layers
     if name == "prompt_lookup":
         from aerie.engine.speculative.prompt_lookup import PromptLookupProposer
 
         return PromptLookupProposer(cfg.prompt_lookup.max_ngram, cfg.prompt_lookup.min_ngram), None
-    raise EvaluationError(f"unknown proposer {name!r} ({', '.join(FAMILIES)} or prompt_lookup)")
+    raise EvaluationError(f"unknown proposer {name!r} ({', '.join(names())} or prompt_lookup)")
 
 
 def measure_setting(
@@ -318,7 +320,8 @@ def measure_setting(
     rows: list[dict[str, Any]] = []
     answers: dict[str, list[int]] = {}
     # Where acceptance is lost: a target token outside the draft vocabulary can never be drafted.
-    in_vocab = loaded["drafter"].t2d.cpu() if proposer_name == "eagle3" else None
+    drafting = family(proposer_name) if proposer_name in names() else None
+    in_vocab = loaded["drafter"].t2d.cpu() if drafting and drafting.vocabulary == "draft" else None
     covered = 0
     started = time.perf_counter()
     for start in range(0, len(prompts), cfg.batch_size):
@@ -366,7 +369,7 @@ def measure_setting(
     if in_vocab is not None:
         result["draft_vocab_coverage"] = round(covered / max(1, stats.completion_tokens), 4)
     part: dict[str, Any] = {"result": result, "per_prompt": rows}
-    if proposer_name == "eagle3" and not temperature:
+    if drafting and drafting.diagnosed and not temperature:
         part["answers"] = answers  # what the teacher-forced diagnosis replays (greedy answers)
     return part
 

@@ -124,7 +124,7 @@ class ExtractConfig(StrictModel):
         None,
         min_length=1,
         description="Target layers the servers capture, output-of-layer ids (SGLang's convention). None = "
-        "the layers train.drafter's family names: EAGLE-3's three, or train.dflash.num_target_layers "
+        "the layers train.drafter's family names: EAGLE-3's three, or train.drafter.num_target_layers "
         "spread over the target (the pipeline fills it in).",
     )
 

@@ -17,11 +17,13 @@ if TYPE_CHECKING:
 
 def extract_config(cfg: PipelineConfig, target: TargetInfo) -> ExtractConfig:
     """`cfg.extract` with the layers to capture filled in from `train.drafter`'s family (unless set):
-    the shards hold what the drafter reads. An EAGLE-3 run's stays None (its key is unchanged)."""
+    the shards hold what the drafter reads. Where those are extraction's own default (EAGLE-3's three,
+    `TargetInfo.aux_layers_output`) it stays None, so the key is unchanged."""
     ex = cfg.extract
-    if ex.capture_layers is not None or cfg.train.drafter == "eagle3":
+    layers = cfg.train.capture_layers(target.num_layers)
+    if ex.capture_layers is not None or layers == target.aux_layers_output:
         return ex
-    return ex.model_copy(update={"capture_layers": cfg.train.capture_layers(target.num_layers)})
+    return ex.model_copy(update={"capture_layers": layers})
 
 
 class ExtractStage(Stage):

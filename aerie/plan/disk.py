@@ -13,6 +13,7 @@ from pathlib import Path
 
 from aerie.config import PipelineConfig
 from aerie.diskspace import existing_parent
+from aerie.families import family_of
 from aerie.plan.facts import TargetFacts
 from aerie.plan.sizes import Sizes
 
@@ -27,7 +28,7 @@ MIB = 1 << 20
 
 def aux_layers(cfg: PipelineConfig, target: TargetFacts) -> int:
     """Layers a token's captured states hold: `extract.capture_layers`, else what `train.drafter`'s
-    family reads (EAGLE-3: 3; DFlash: `train.dflash.num_target_layers`)."""
+    family reads (EAGLE-3: 3; DFlash: `train.drafter.num_target_layers`)."""
     if cfg.extract.capture_layers is not None:
         return len(cfg.extract.capture_layers)
     return len(cfg.train.capture_layers(target.num_layers))
@@ -59,17 +60,8 @@ def dumps_in_flight_bytes(cfg: PipelineConfig, target: TargetFacts) -> int:
 
 
 def drafter_params(cfg: PipelineConfig, target: TargetFacts) -> int:
-    """Trainable drafter parameters. EAGLE-3: fc, one decoder layer (its q/k/v read embeddings and
-    hidden states together), the draft lm_head. DFlash: fc over its k layers and its decoder layers
-    (norms left out: a few H each)."""
-    h, t = target.hidden_size, cfg.train
-    inter = t.draft_intermediate_size or target.intermediate_size
-    heads, kv, hd = target.num_attention_heads, target.num_key_value_heads, target.head_dim
-    if t.drafter == "dflash":  # k-layer fc and its decoder layers; the embedding and head are the target's
-        attention = h * (heads + 2 * kv) * hd + heads * hd * h
-        return aux_layers(cfg, target) * h * h + t.dflash.num_layers * (attention + 3 * h * inter)
-    attention = 2 * h * (heads + 2 * kv) * hd + heads * hd * h
-    return 3 * h * h + attention + 3 * h * inter + h * min(t.draft_vocab_size, target.vocab_size)
+    """Trainable drafter parameters, as `train.drafter`'s family counts them (`Family.draft_params`)."""
+    return family_of(cfg.train.drafter).draft_params(cfg.train.drafter, cfg.train, target)
 
 
 @dataclass

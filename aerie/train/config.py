@@ -7,41 +7,18 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
-
-DrafterFamily = Literal["eagle3", "dflash"]
-
-
-class DFlashTrainConfig(StrictModel):
-    """The DFlash block drafter: a block of mask tokens after an anchor, all predicted in one forward."""
-
-    block_size: int = Field(
-        8, ge=2, le=64, description="Tokens per block: the anchor and block_size - 1 positions drafted."
-    )
-    num_layers: int = Field(1, ge=1, le=8, description="Draft decoder layers.")
-    num_target_layers: int = Field(
-        5, ge=1, le=16, description="Target layers captured for the context features (evenly spaced)."
-    )
-    anchors_per_sequence: int = Field(
-        512, ge=1, description="Anchors sampled per document of a packed row (fewer when it is shorter)."
-    )
-    mask_token_id: int | None = Field(
-        None,
-        ge=0,
-        description="Token id filling the block after the anchor; None = the target's last vocabulary id "
-        "(a rare token: its frozen embedding only has to mark the unknown positions).",
-    )
-    loss_decay: float = Field(
-        4.0, gt=0, description="Block position j (1..block_size-1) weighs exp(-(j - 1) / loss_decay)."
-    )
+from aerie.families import DrafterSection, default_settings, family_of
 
 
 class TrainConfig(StrictModel):
     """Train a drafter (EAGLE-3, or the DFlash block drafter) on extracted hidden states."""
 
-    drafter: DrafterFamily = Field(
-        "eagle3", description="Drafter family (aerie.families): eagle3 chains, dflash blocks."
+    drafter: DrafterSection = Field(
+        default_factory=default_settings,
+        description="The drafter family and its own settings (aerie.families), tagged by `family`: eagle3 "
+        "chains, dflash blocks (block_size, num_layers, num_target_layers, ...). A family's name alone "
+        "(train.drafter=dflash) takes its defaults.",
     )
-    dflash: DFlashTrainConfig = Field(default_factory=DFlashTrainConfig)
 
     draft_vocab_size: int = Field(32000, ge=16, description="Draft vocabulary size (capped at the target's).")
     draft_intermediate_size: int | None = Field(
@@ -94,9 +71,7 @@ class TrainConfig(StrictModel):
 
     def capture_layers(self, num_layers: int) -> list[int]:
         """The target layers this drafter family reads, output-of-layer ids (what extraction captures)."""
-        from aerie.families import family
-
-        return family(self.drafter).layers(num_layers, self.dflash.num_target_layers)
+        return family_of(self.drafter).layers(self.drafter, num_layers)
 
     @model_validator(mode="after")
     def _a_batch_holds_an_unroll(self) -> TrainConfig:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from aerie.draft.dflash import DFlashDrafter
 from aerie.draft.dflash_export import dflash_config_for
 from aerie.draft.target_weights import load_embedding, load_lm_head
+from aerie.families import DFlashSettings
 from aerie.targets import TargetInfo
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
@@ -158,8 +159,9 @@ class DFlashObjective:
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.block = cfg.dflash
-        self.width = cfg.dflash.block_size - 1  # metric columns: one per drafted slot
+        assert isinstance(cfg.drafter, DFlashSettings), cfg.drafter
+        self.block = cfg.drafter
+        self.width = cfg.drafter.block_size - 1  # metric columns: one per drafted slot
 
     def drafter(
         self, target: TargetInfo, draft_vocab_size: int, dtype: torch.dtype = torch.float32

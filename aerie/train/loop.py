@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from aerie.errors import ConfigError, TrainingError
-from aerie.families import family
+from aerie.families import family_of
 from aerie.targets import TargetInfo
 from aerie.train.checkpoint import TrainState, checkpoint_name, load_checkpoint, save_checkpoint, save_weights
 from aerie.train.config import TrainConfig
@@ -74,7 +74,7 @@ class Objective(Protocol):
 
 def objective_for(cfg: TrainConfig) -> Objective:
     """`cfg.drafter`'s family part of the loop."""
-    return cast(Objective, family(cfg.drafter).load("objective")(cfg))
+    return family_of(cfg.drafter).objective.load()(cfg)
 
 
 class TrainSpec(BaseModel):

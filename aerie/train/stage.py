@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from aerie.diskspace import writing
 from aerie.draft.vocab import VocabMap, build_vocab_map, load_token_counts
 from aerie.errors import DataError, ObjectNotFoundError, TrainingError
-from aerie.families import family
+from aerie.families import DEFAULT, family_of
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.settings import get_settings
@@ -75,8 +75,8 @@ def run(
     extract = load_manifest(store, shards.prefix)
     _check_extract(extract, target, cfg)
     train_keys, eval_keys = shard_keys(extract, shards.prefix)
-    # A DFlash drafter drafts over the target's whole vocabulary (its head is the target's).
-    draft_vocab = cfg.draft_vocab_size if cfg.drafter == "eagle3" else target.vocab_size
+    # A family drafting over the target's whole vocabulary (DFlash: its head is the target's) maps none.
+    draft_vocab = cfg.draft_vocab_size if family_of(cfg.drafter).vocabulary == "draft" else target.vocab_size
     vocab = build_vocab_map(load_token_counts(store, corpus, target.vocab_size), draft_vocab)
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else get_settings().cache_dir / "train"
@@ -120,9 +120,12 @@ def key_of(cfg: TrainConfig, target: TargetInfo, shards: StageResult, corpus: St
     the target's revision. Computed without touching the shards (the pipeline asks whether training
     is done before it needs them)."""
     keyed = cfg.model_dump(mode="json", exclude=_NOT_KEYED)
-    if cfg.drafter == "eagle3":  # the family fields came later: an EAGLE-3 run keeps the key it had
-        keyed.pop("drafter")
-        keyed.pop("dflash")
+    # Keyed as before families were one tagged section: the default family's runs leave it out, another
+    # family's name and its settings are two fields.
+    settings = keyed.pop("drafter")
+    name = settings.pop("family")
+    if name != DEFAULT:
+        keyed.update({"drafter": name, name: settings})
     return stage_key(STAGE, keyed, [shards.manifest_sha256, corpus.manifest_sha256, target.revision])
 
 
@@ -140,7 +143,7 @@ def _check_extract(extract: dict[str, Any], target: TargetInfo, cfg: TrainConfig
         want = cfg.capture_layers(target.num_layers)
         if out is not None and list(out) != want:
             raise DataError(
-                f"extract captured output-of-layer ids {out}, a train.drafter={cfg.drafter} drafter reads "
+                f"extract captured output-of-layer ids {out}, a train.drafter={cfg.drafter.family} drafter reads "
                 f"{want} (extract.capture_layers, or leave it unset to take the family's)"
             )
 
@@ -304,7 +307,7 @@ def _finish(
     drafter.load_state_dict(load_file(str(best_file)))
     best_figures = {name: best[name] for name in ("accept_length_rounds", "accept_length")}
     provenance = {"best_step": best["step"], **best_figures, **vocab.figures()}
-    out = family(cfg.drafter).load("export")(drafter, work / "drafter", target, provenance)
+    out = family_of(cfg.drafter).export.load()(drafter, work / "drafter", target, provenance)
     drafter_files = sorted(p.name for p in out.iterdir() if p.is_file())
     for name in drafter_files:
         store.put_file(sd.path(f"drafter/{name}"), out / name)

@@ -1,0 +1,111 @@
+"""Drafter families: a typed registry of what differs between drafters (`aerie.families.spec.Family`).
+
+    family("dflash").objective.load()(cfg)      a part, imported when used
+    family_of(cfg.train.drafter).deployable     the family a `train.drafter` section names
+
+A family is its parts (model, objective, export and loader, proposer: modules of its own) plus one
+`Family` declaration and one line in `BUILTIN` below, or a `register(...)` call before the config
+loads (`docs/extending.md`). Nothing outside this package branches on a family's name; the config
+checks what a family cannot do (deploy, captures) when it loads.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, SerializeAsAny, ValidationError
+
+from aerie.errors import ConfigError
+from aerie.families.dflash import DFLASH, DFlashSettings, spread_layers
+from aerie.families.eagle3 import EAGLE3, Eagle3Settings, eagle3_layers
+from aerie.families.spec import DrafterSettings, Family, Part
+
+__all__ = [
+    "DEFAULT",
+    "DFlashSettings",
+    "DrafterSettings",
+    "DrafterSection",
+    "Eagle3Settings",
+    "Family",
+    "Part",
+    "default_settings",
+    "eagle3_layers",
+    "family",
+    "family_of",
+    "names",
+    "register",
+    "spread_layers",
+    "unregister",
+]
+
+BUILTIN: tuple[Family, ...] = (EAGLE3, DFLASH)
+# The family a config names when it names none; the evaluator's default proposer list names it too, and
+# a run training another family measures its own drafter in its place.
+DEFAULT = EAGLE3.name
+
+_REGISTRY: dict[str, Family] = {f.name: f for f in BUILTIN}
+
+
+def register(entry: Family) -> Family:
+    """Add a family (a name taken by another declaration is refused)."""
+    known = _REGISTRY.get(entry.name)
+    if known is not None and known is not entry:
+        raise ConfigError(f"drafter family {entry.name!r} is registered already")
+    _REGISTRY[entry.name] = entry
+    return entry
+
+
+def unregister(name: str) -> None:
+    """Remove a family added with `register` (the built-in ones stay)."""
+    if name in {f.name for f in BUILTIN}:
+        raise ConfigError(f"drafter family {name!r} is built in")
+    _REGISTRY.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def family(name: str) -> Family:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown drafter family {name!r}; allowed: {', '.join(_REGISTRY)}") from None
+
+
+def family_of(settings: DrafterSettings) -> Family:
+    return family(settings.family)
+
+
+def default_settings() -> DrafterSettings:
+    return family(DEFAULT).config.model_validate({})
+
+
+def _settings(value: Any) -> Any:
+    """`train.drafter` as its family's config: a family's name alone takes its defaults; a mapping
+    names its family under `family` (the default family where it names none)."""
+    if isinstance(value, DrafterSettings):
+        return value
+    if isinstance(value, str):
+        value = {"family": value}
+    if not isinstance(value, dict):
+        raise ValueError(f"a drafter family's name or a mapping of its settings, got {value!r}")
+    name = value.get("family", DEFAULT)
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter family {name!r}; allowed: {', '.join(_REGISTRY)}")
+    config = _REGISTRY[name].config
+    try:
+        return config.model_validate({**value, "family": name})
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                problems.append(f"{where}: not a {name} setting; allowed: {', '.join(config.model_fields)}")
+            else:
+                problems.append(f"{where}: {err['msg']} [got {err.get('input')!r}]")
+        raise ValueError(f"{name}: " + "; ".join(problems)) from None
+
+
+# The type of `train.drafter`: validated by the family it names, serialized with all its fields.
+DrafterSection = Annotated[SerializeAsAny[DrafterSettings], BeforeValidator(_settings)]

@@ -1,0 +1,50 @@
+"""EAGLE-3: a one-layer drafter chained step by step over three target layers, a draft vocabulary.
+
+Parts: `aerie.draft.model` (model), `aerie.train.objective` (training), `aerie.draft.export`
+(export, loader), `aerie.engine.speculative.eagle` (proposer).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from aerie.families.spec import DrafterSettings, Family, Part, TargetShape
+
+if TYPE_CHECKING:
+    from aerie.train.config import TrainConfig
+
+
+class Eagle3Settings(DrafterSettings):
+    """EAGLE-3's settings beyond the training ones it shares (`train.ttt_length`, `train.draft_vocab_size`)."""
+
+    family: Literal["eagle3"] = "eagle3"
+
+
+def eagle3_layers(num_layers: int, count: int = 3) -> list[int]:
+    """EAGLE-3's low, middle and high layers: outputs of 1, N//2-1 and N-4 (inputs of 2, N//2, N-3)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def _params(settings: Eagle3Settings, train: TrainConfig, target: TargetShape) -> int:
+    """fc, one decoder layer (its q/k/v read embeddings and hidden states together), the draft lm_head."""
+    h, inter = target.hidden_size, train.draft_intermediate_size or target.intermediate_size
+    heads, kv, hd = target.num_attention_heads, target.num_key_value_heads, target.head_dim
+    attention = 2 * h * (heads + 2 * kv) * hd + heads * hd * h
+    return 3 * h * h + attention + 3 * h * inter + h * min(train.draft_vocab_size, target.vocab_size)
+
+
+EAGLE3 = Family(
+    name="eagle3",
+    config=Eagle3Settings,
+    capture_layers=lambda settings, num_layers: eagle3_layers(num_layers),
+    vocabulary="draft",
+    served_algorithm="EAGLE3",
+    deployable=True,
+    draft_params=_params,
+    model=Part("aerie.draft.model:Eagle3Drafter"),
+    objective=Part("aerie.train.objective:Eagle3Objective"),
+    export=Part("aerie.draft.export:export_drafter"),
+    loader=Part("aerie.draft.export:load_drafter"),
+    proposer=Part("aerie.engine.speculative.eagle:EagleProposer"),
+    diagnosed=True,
+)
