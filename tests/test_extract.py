@@ -4,6 +4,7 @@ canary's checks against a real transformers forward of the embedded target."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -285,6 +286,22 @@ def test_canary_names_the_off_by_one_layer(smollm2, reference):
     middle = torch.cat([hs[2], hs[16], hs[27]], -1)
     with pytest.raises(CanaryError, match=r"aux block 1 matches hidden_states\[16\], not \[15\]"):
         compare_layers(middle, hs[-1], hs, smollm2.aux_layers_input, rtol=0.05)
+
+
+def test_canary_matching_no_layer_says_what_it_measured_not_an_offset(smollm2, reference):
+    """States that agree with no layer (a broken forward) name the best match, its error and the
+    tolerance; a layer offset would be a guess."""
+    ids, hs = reference
+    torch.manual_seed(0)
+    noise = torch.cat(
+        [hs[i] + 3 * torch.randn_like(hs[i]) * hs[i].std() for i in smollm2.aux_layers_input], -1
+    )
+    with pytest.raises(CanaryError) as err:
+        compare_layers(noise, hs[-1], hs, smollm2.aux_layers_input, rtol=0.05)
+    message = str(err.value)
+    assert "matches no layer of the reference forward within tolerance" in message, message
+    assert re.search(r"best match hidden_states\[\d+\] at rel err \d", message), message
+    assert "tolerance canary_rtol 0.05" in message and "off by" not in message, message
 
 
 def test_canary_catches_a_pre_norm_last_hidden(smollm2, reference):

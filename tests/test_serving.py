@@ -608,6 +608,31 @@ def test_check_alive_reports_a_crash_while_serving(tmp_path: Path) -> None:
     assert_gone(server.launcher, spec.port)
 
 
+@pytest.mark.integration
+def test_only_vital_processes_are_watched_compiler_children_may_come_and_go(tmp_path: Path) -> None:
+    """A child that exits while the server serves (torch.compile's g++ beside SGLang's scheduler) is no
+    crash; the loss of the scheduler is, named by its process title."""
+    vital = ("sglang::scheduler", "sglang::detokenizer")
+    spec = fake_spec(tmp_path, "--child", "--compiler-child", "0.6", vital_children=vital)
+    with ModelServer(spec) as server:
+        launcher = server.launcher
+        assert isinstance(launcher, ProcessLauncher)
+        children = psutil.Process(launcher.pid).children(recursive=True)
+        compiler = [c for c in children if c.name() != "sglang::scheduler"]
+        (scheduler,) = [c for c in children if c.name() == "sglang::scheduler"]
+        assert len(compiler) == 1
+        assert compiler[0].wait(timeout=10) is None  # it came and went (reaped) while the server served
+        time.sleep(3 * spec.poll_interval_s)
+        server.check_alive()
+        scheduler.kill()
+        deadline = time.monotonic() + 10
+        while server.crash_detected_at is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(ServerCrashedError, match=rf"lost pid {scheduler.pid} \(sglang::scheduler\)"):
+            server.check_alive()
+    assert_gone(launcher, spec.port)
+
+
 DRIVER = """
 import sys, time
 from pathlib import Path

@@ -125,19 +125,23 @@ def compare_layers(
         blocks.append(
             {"block": k, "expected": want, "best": best, "rel_err": errs[want], "best_rel_err": errs[best]}
         )
+        measured = (
+            f"best match hidden_states[{best}] at rel err {errs[best]:.3g}, the expected [{want}] at "
+            f"{errs[want]:.3g}, tolerance canary_rtol {rtol}"
+        )
+        if errs[best] > rtol:
+            # No layer agrees: a layer offset would be a guess. Wrong weights, dtype or a broken forward.
+            raise CanaryError(
+                f"aux block {k} (input of layer {want}) matches no layer of the reference forward within "
+                f"tolerance ({measured}): the server's hidden states are wrong or far less precise than "
+                "expected"
+            )
         if best != want:
             off = best - want
             what = "off by one" if abs(off) == 1 else f"off by {off}"
             raise CanaryError(
                 f"aux block {k} matches hidden_states[{best}], not [{want}]: the server captures layer "
-                f"outputs {what} (rel err {errs[best]:.3g} vs {errs[want]:.3g}; hidden_states[i] is the "
-                f"residual stream entering layer i)"
-            )
-        if errs[want] > rtol:
-            raise CanaryError(
-                f"aux block {k} (input of layer {want}) differs from the reference forward by rel err "
-                f"{errs[want]:.3g} > canary_rtol {rtol}: the server's hidden states are wrong or far less "
-                "precise than expected"
+                f"outputs {what} ({measured}; hidden_states[i] is the residual stream entering layer i)"
             )
     last_err = rel_err(last, hidden_states[-1])
     if last_err > rtol:

@@ -117,8 +117,9 @@ class Launcher(ABC):
         """How the server ended, for messages; a container also knows whether the OOM killer did it."""
         return describe_exit(code)
 
-    def watch_members(self) -> None:
-        """Remember the processes the server runs now (once it is ready), for `lost_members`."""
+    def watch_members(self, vital: tuple[str, ...]) -> None:
+        """Remember the processes the server runs now (once it is ready) whose names start with one of
+        `vital`, for `lost_members`."""
         return None
 
     def lost_members(self) -> list[str]:
@@ -280,7 +281,7 @@ class ProcessLauncher(Launcher):
     def describe(self) -> str:
         return f"pid {self.pid} (process group {self.pgid})" if self._proc else "not started"
 
-    def watch_members(self) -> None:
+    def watch_members(self, vital: tuple[str, ...]) -> None:
         if self._proc is None:
             return
         try:
@@ -290,7 +291,9 @@ class ProcessLauncher(Launcher):
         self._members = []
         for child in children:
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                self._members.append((child, child.name()))
+                name = child.name()
+                if name.startswith(vital):
+                    self._members.append((child, name))
 
     def lost_members(self) -> list[str]:
         lost = []

@@ -95,6 +95,15 @@ class Requirement:
     allow_untested_env: str | None = None  # set to 1 there: any version is accepted
 
 
+# SGLang's processes (setproctitle names) whose loss leaves its HTTP process unable to answer: the
+# schedulers (one per rank, "sglang::scheduler_TP0..."), the detokenizer, the data-parallel controller,
+# the tokenizer workers. The tokenizer manager runs in the HTTP process itself, whose exit is watched.
+SGLANG_VITAL_PROCESSES = (
+    "sglang::scheduler",
+    "sglang::detokenizer",
+    "sglang::data_parallel_controller",
+    "sglang::tokenizer",
+)
 SGLANG_REQUIREMENT = Requirement(
     distribution="sglang",
     versions=SUPPORTED_SGLANG,
@@ -120,9 +129,10 @@ class ServerSpec:
     image: str | None = None
     module: str | None = None  # the Python module the interpreter must be able to import
     requires: Requirement | None = None  # what the interpreter must have installed (process launches)
-    # Every process the server has started by the time it is ready must live while it serves: one that
-    # dies (SGLang's scheduler, detokenizer) leaves a server that can no longer answer.
-    vital_children: bool = False
+    # The names (prefixes) of the child processes whose loss leaves a server that can no longer answer
+    # (SGLang's schedulers, detokenizer, tokenizer workers). Other children may come and go: SGLang's
+    # torch.compile'd MoE router runs short-lived compiler processes (g++) while it serves.
+    vital_children: tuple[str, ...] = ()
     cwd: str | None = None  # working directory (docker: inside the container)
     dump_dir: Path | None = None
     clean_dump_dir: bool = False
@@ -396,7 +406,7 @@ def spec_for(
         image=cfg.image if docker else None,
         module=server_module,
         requires=SGLANG_REQUIREMENT if cfg.backend == "sglang" and not docker else None,
-        vital_children=cfg.backend == "sglang",
+        vital_children=SGLANG_VITAL_PROCESSES if cfg.backend == "sglang" else (),
         dump_dir=dump,
         clean_dump_dir=clean_dump_dir,
         grace_s=cfg.grace_s,

@@ -3,7 +3,8 @@
 SGLang's scheduler runs in a child process. When it dies (the OOM killer, a kill -9, a C++ abort), the
 HTTP process lives on: SGLang's own watchdog notices within a second, then sleeps five more for crash
 diagnostics before ending the server, and requests in flight hang meanwhile. The watch sees the child
-gone at its next poll (the process launcher remembers the server's processes once it is ready), or
+gone at its next poll (the process launcher remembers the server's vital processes, by name, once it is
+ready; other children, such as the compiler processes torch.compile starts, may come and go), or
 SGLang's own crash line in the log, or the main process's exit; it then reports the crash and ends the
 server, so clients fail at once with the server's own last words.
 """
@@ -34,14 +35,14 @@ class ServingWatch:
         tail: LogTail,
         tail_lock: threading.Lock,
         poll_s: float,
-        vital_children: bool,
+        vital_children: tuple[str, ...],
         on_crash: Callable[[str, float], None],
     ) -> None:
         self._launcher = launcher
         self._tail = tail
         self._lock = tail_lock
         self._poll_s = poll_s
-        self._vital_children = vital_children and launcher.host_pids
+        self._vital_children = vital_children if launcher.host_pids else ()
         self._on_crash = on_crash
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -52,7 +53,7 @@ class ServingWatch:
 
     def start(self) -> None:
         if self._vital_children:
-            self._launcher.watch_members()
+            self._launcher.watch_members(self._vital_children)
         self._thread = threading.Thread(target=self._run, name="aerie-serving-watch", daemon=True)
         self._thread.start()
 

@@ -61,6 +61,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-health-generate", action="store_true", help="404 on /health_generate (old server)")
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--child", action="store_true", help="leave a scheduler-like child in the group")
+    p.add_argument(
+        "--compiler-child",
+        type=float,
+        default=None,
+        help="a short-lived child (as torch.compile's g++) that exits this many seconds after it started",
+    )
     p.add_argument("--shm-dir", default=None, help="create sgl_shm_* segments here (unlinked on SIGTERM)")
     p.add_argument(
         "--orphan-keeps-port",
@@ -70,6 +76,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pid-file", default=None, help="write our pid here once started")
     p.add_argument("--events-file", default=None, help="append '<event> <unix time>' (ready, crash) here")
     return p.parse_args()
+
+
+def _named(title: str, code: str) -> list[str]:
+    """argv of a Python child that names itself `title` as SGLang's setproctitle does: the kernel's
+    15-character name plus argv[0], from which psutil reads the full name back."""
+    rename = f"import ctypes; ctypes.CDLL(None).prctl(15, {title[:15].encode()!r}, 0, 0, 0)\n"
+    return [title, "-c", rename + code]
 
 
 class State:
@@ -178,7 +191,10 @@ def main() -> None:
             + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if args.ignore_sigterm else "")
             + "time.sleep(3600)"
         )
-        child = subprocess.Popen([sys.executable, "-c", code])
+        child = subprocess.Popen(_named("sglang::scheduler", code), executable=sys.executable)
+    if args.compiler_child is not None:
+        compiler = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({args.compiler_child})"])
+        threading.Thread(target=compiler.wait, daemon=True).start()  # reaped, as its compiling parent does
     segments = make_segments(args.shm_dir)
     load(args)
 

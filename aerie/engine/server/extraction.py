@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from aerie.engine.server.packed import Pack, choose_backend, make_pack, packed_attention
+from aerie.engine.server.packed import Pack, choose_backend, make_pack, packed_attention, refusal
 from aerie.fp8 import quantize_fp8
 
 if TYPE_CHECKING:
@@ -96,6 +96,8 @@ class HiddenStateCapture:
         self.aux_layers = tuple(aux_layers)
         self.device = device
         self.dump_dtype = dump_dtype
+        # Packed prefill covers Llama-like attention; other architectures are prefilled per sequence.
+        self.packed_refusal = refusal(model)
         # Where the device->host copies run, beside the forward passes (CUDA only; None = synchronous).
         overlap = str(device).startswith("cuda") and os.environ.get(SYNC_COPY_ENV, "") in ("", "0")
         self._copy_stream = torch.cuda.Stream(device) if overlap else None
@@ -108,6 +110,8 @@ class HiddenStateCapture:
             for i in set(self.aux_layers)
         ]
         try:
+            if self.packed_refusal:
+                return self._forward_each(pack, captured)
             with packed_attention(self.model):
                 out = self.base(
                     input_ids=pack.input_ids,
@@ -124,6 +128,18 @@ class HiddenStateCapture:
         aux = torch.cat([captured[i][0] for i in self.aux_layers], dim=-1)
         return aux, out.last_hidden_state[0]
 
+    def _forward_each(
+        self, pack: Pack, captured: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed row's sequences one at a time through the model's own attention (no padding)."""
+        bounds = pack.cu_seqlens.tolist()
+        aux, last = [], []
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            out = self.base(input_ids=pack.input_ids[:, start:end], use_cache=False)
+            aux.append(torch.cat([captured[i][0] for i in self.aux_layers], dim=-1))
+            last.append(out.last_hidden_state[0])
+        return torch.cat(aux), torch.cat(last)
+
     def host_tensors(self, aux: torch.Tensor, last: torch.Tensor) -> list[torch.Tensor]:
         """What goes to the host for a pack, still on the model's device: [aux, last], or with fp8
         dumps [aux codes, last codes, aux scales, last scales]. Queued on the current stream, no sync."""
@@ -135,7 +151,10 @@ class HiddenStateCapture:
 
     def choose_attention(self) -> str:
         """Pick the packed-prefill kernel on a probe of two sequences (`packed.choose_backend`: the
-        fused varlen kernel only where it runs and agrees with the per-sequence loop)."""
+        fused varlen kernel only where it runs and agrees with the per-sequence loop); "per-sequence"
+        for a model packed prefill refuses."""
+        if self.packed_refusal:
+            return "per-sequence"
         pack = make_pack([list(range(10, 30)), list(range(40, 47))], self.device)
         with torch.inference_mode():
             return choose_backend(lambda: self.forward_pack(pack)[1])

@@ -128,7 +128,13 @@ def _start(args: RefServerArgs) -> Any:
     backend = build_backend(args, loaded)
     # Packed prefill serves extraction and the slot decoder's admissions; the other decoders use SDPA.
     if capture is not None or isinstance(backend, slots.SlotDecoder):
-        backend_name = (capture or HiddenStateCapture(loaded.model, aux, loaded.device)).choose_attention()
+        prefill = capture or HiddenStateCapture(loaded.model, aux, loaded.device)
+        if prefill.packed_refusal:
+            logger.info(
+                f"Packed prefill does not cover {loaded.architecture}: {prefill.packed_refusal}; "
+                "prefilling one sequence at a time through the model's own attention"
+            )
+        backend_name = prefill.choose_attention()
         reason = packed.backend_reason()
         logger.info(f"Packed prefill attention: {backend_name}" + (f" ({reason})" if reason else ""))
     else:
@@ -170,10 +176,16 @@ def build_backend(args: RefServerArgs, loaded: Any) -> Any:
         return _spec_decode_module().create_backend(loaded, args)
     supported = slots.supports(loaded.model)
     use_slots = args.decode_backend != "batched" and supported
+    covered = f"model types {', '.join(sorted(slots.SUPPORTED_MODEL_TYPES))} without sliding windows"
     if args.decode_backend == "slots" and not supported:
         raise ArgsError(
-            f"--decode-backend slots: {loaded.model_type} models are not supported "
-            f"({', '.join(sorted(slots.SUPPORTED_MODEL_TYPES))} are); use auto or batched"
+            f"--decode-backend slots: the slot decoder does not cover {loaded.architecture} "
+            f"(model type {loaded.model_type}; it covers {covered}); use auto or batched"
+        )
+    if args.decode_backend == "auto" and not supported:
+        logger.info(
+            f"The slot decoder does not cover {loaded.architecture} (model type {loaded.model_type}; it "
+            f"covers {covered}): decoding with BatchedDecoder"
         )
     common: dict[str, Any] = {
         "eos_token_ids": loaded.eos_token_ids,

@@ -126,7 +126,7 @@ def _load_sharded(path: Path, config: Any, device: str, dtype: torch.dtype, trus
     files = shard_files(path)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust
+            config, dtype=dtype, attn_implementation=attention_implementation(config), trust_remote_code=trust
         )
     _move_buffers(model, device)
     bar = shard_bar(len(files))
@@ -146,9 +146,30 @@ def _load_sharded(path: Path, config: Any, device: str, dtype: torch.dtype, trus
         f"(e.g. {unassigned[0]}); loading with from_pretrained instead."
     )
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust
+        path, dtype=dtype, attn_implementation=attention_implementation(config), trust_remote_code=trust
     )
     return model.to(device)  # type: ignore[arg-type]
+
+
+def attention_implementation(config: Any) -> str:
+    """SDPA where the architecture's transformers class supports it, else its eager attention (GPT-OSS:
+    attention sinks, which SDPA has no input for). A class from the model's own code is asked the same."""
+    from transformers import AutoModelForCausalLM
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    mapping = AutoModelForCausalLM._model_mapping  # type: ignore[attr-defined]
+    auto_map = getattr(config, "auto_map", None) or {}
+    cls: Any
+    try:
+        if type(config) in mapping:
+            cls = mapping[type(config)]
+        elif "AutoModelForCausalLM" in auto_map:
+            cls = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], config.name_or_path)
+        else:
+            return "sdpa"
+    except (OSError, ValueError, KeyError):
+        return "sdpa"  # from_config names what is wrong with the architecture
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def _move_buffers(model: torch.nn.Module, device: str) -> None:

@@ -112,6 +112,25 @@ def _varlen_api() -> tuple[dict[str, Any], bool]:
     return causal, "enable_gqa" in params
 
 
+def refusal(model: PreTrainedModel) -> str:
+    """Why packed prefill cannot run this model exactly ("" when it can). The packed row is attended
+    by causal SDPA per segment: attention sinks (GPT-OSS) and sliding windows shorter than the context
+    are not in it. Such a model is prefilled one sequence at a time through its own attention."""
+    cfg = model.config
+    if any(getattr(m, "sinks", None) is not None for m in model.modules()):
+        return "its attention has sinks"
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return "some layers attend through a sliding window"
+    window = getattr(cfg, "sliding_window", None)
+    if (
+        window
+        and getattr(cfg, "use_sliding_window", True)
+        and window < getattr(cfg, "max_position_embeddings", 0)
+    ):
+        return f"it attends through a sliding window of {window} tokens"
+    return ""
+
+
 def register() -> None:
     """Make `aerie_packed` known to transformers' attention dispatch (idempotent)."""
     from transformers import AttentionInterface

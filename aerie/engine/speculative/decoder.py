@@ -255,7 +255,11 @@ class TargetCache:
         from transformers import DynamicCache
 
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        # A sliding window (GPT-OSS) is measured in slots: exact only while each row's live slots are
+        # contiguous, so such a cache is compacted whenever a hole opens, and keeps every slot (a sliding
+        # cache layer keeps only the window, which the live mask could not follow).
+        self.windowed = _has_sliding_window(model.config)
+        self.cache = DynamicCache() if self.windowed else DynamicCache(config=model.config)
         self.live: Tensor | None = None  # [B, S] bool: slots a query may attend to
         self._kwarg = _cache_kwarg(model)
 
@@ -336,7 +340,11 @@ class TargetCache:
             return
         counts = self.live.sum(dim=1)
         longest = int(counts.max().item()) if counts.numel() else 0
-        if self.live.shape[1] <= _COMPACT_FACTOR * longest + _COMPACT_SLACK:
+        if self.windowed:
+            # A live slot followed by a dead one: a hole the window would count.
+            if not bool((self.live[:, :-1] & ~self.live[:, 1:]).any()):
+                return
+        elif self.live.shape[1] <= _COMPACT_FACTOR * longest + _COMPACT_SLACK:
             return
         index, live = compaction_index(self.live)
         for layer in self.cache.layers:
@@ -344,11 +352,22 @@ class TargetCache:
             values: Any = getattr(layer, "values", None)
             if keys is None or values is None:  # a layer that was never written (KV sharing)
                 continue
-            # keys/values [B, heads, S, hd]: gather each row's live slots along S.
-            gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
-            layer.keys = keys.gather(2, gather)  # type: ignore[union-attr]
-            layer.values = values.gather(2, gather)  # type: ignore[union-attr]
+            layer.keys = _gather_slots(keys, index)  # type: ignore[union-attr]
+            layer.values = _gather_slots(values, index)  # type: ignore[union-attr]
         self.live = live
+
+
+def _has_sliding_window(config: Any) -> bool:
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return True
+    return bool(getattr(config, "sliding_window", None)) and bool(getattr(config, "use_sliding_window", True))
+
+
+def _gather_slots(t: Tensor, index: Tensor) -> Tensor:
+    """Each row's live slots along S of a [B, heads, S, width] cache tensor. Keys and values are gathered
+    each with its own width: an MLA cache holds a latent and a rope key of different widths."""
+    gather = index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+    return t.gather(2, gather)
 
 
 def _pad_slots(t: Tensor, n: int, dim: int) -> Tensor:
