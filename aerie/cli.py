@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -163,6 +165,14 @@ def main(argv: Sequence[str] | None = None, *, run_flow: FlowRunner | None = Non
         close_terminal_bars()
         print(f"aerie: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        # Ctrl-C: one line (what the stopped stage kept, how to resume), no traceback.
+        close_terminal_bars()
+        print(f"aerie: interrupted: {exc}" if str(exc) else "aerie: interrupted", file=sys.stderr)
+        # Leaving may still wait on others' cleanup (an ephemeral Prefect API stopping): Ctrl-C again
+        # ends the process at once.
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+        return 130
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ there: ``aerie.diskspace.writing``)::
     │   └── ContextLengthError      a sequence length beyond the target's context
     └── HostSetupError              preparing the offline GPU host: wheel download, install, the
                                     environment check, the host's config (`tools.gpuhost`)
+
+``Interrupted`` is a ``KeyboardInterrupt``, not an ``AerieError``: Ctrl-C stopped a stage, which kept
+what it finished; its message is one line saying what is kept and how to resume.
 """
 
 from __future__ import annotations
@@ -167,3 +170,7 @@ class ContextLengthError(PlanError):
 
 class HostSetupError(AerieError):
     """Preparing the offline GPU host failed (wheels, install, environment check, host config)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a stage; `str()` is one line: what is kept, and how to resume."""

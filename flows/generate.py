@@ -25,6 +25,7 @@ from prefect.context import TaskRunContext
 from aerie.errors import ConfigError, DataError, EndpointAuthError, EndpointError, EndpointRequestError
 from aerie.generate import stage as generate_stage
 from aerie.generate.config import DatasetSpec, GenerateConfig
+from aerie.generate.interrupt import wait_or_interrupt
 from aerie.manifest import StageResult
 from aerie.store import StoreConfig, open_store
 from flows.reporting import artifact_key, notify_failure, prefect_progress, stage_table
@@ -106,7 +107,8 @@ def generate_all(
     names = [spec.name for spec in cfg.datasets]
     if len(set(names)) != len(names):
         raise ConfigError(f"generate.datasets: dataset names must be unique, got {names}")
-    with ThreadPoolExecutor(max_workers=cfg.max_parallel_datasets, thread_name_prefix="generate") as pool:
+    pool = ThreadPoolExecutor(max_workers=cfg.max_parallel_datasets, thread_name_prefix="generate")
+    try:
         futures = [
             pool.submit(
                 contextvars.copy_context().run,
@@ -119,12 +121,16 @@ def generate_all(
             )
             for spec in cfg.datasets
         ]
-        outcomes: list[StageResult | BaseException] = []
-        for future in futures:
-            try:
-                outcomes.append(future.result())
-            except Exception as exc:  # collected: the other datasets keep running
-                outcomes.append(exc)
+        # Ctrl-C: the datasets' requests are cancelled and one line says what each kept.
+        wait_or_interrupt(futures, generate_stage.cancel_running)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    outcomes: list[StageResult | BaseException] = []
+    for future in futures:
+        try:
+            outcomes.append(future.result())
+        except Exception as exc:  # collected: the other datasets kept running
+            outcomes.append(exc)
     results = [o for o in outcomes if isinstance(o, StageResult)]
     create_table_artifact(
         [_row(spec, outcome) for spec, outcome in zip(cfg.datasets, outcomes, strict=True)],

@@ -101,10 +101,12 @@ async def generate_conversations(
     progress_interval_s: float = 1.0,
     on_tick: Callable[[], None] | None = None,
     tick_interval_s: float = 60.0,
+    outcome: Outcome | None = None,
 ) -> Outcome:
     """Generate every conversation the journal does not hold yet. `client` may be None only for a
-    dataset that keeps its own assistant turns. Raises `EndpointAuthError`/`EndpointRequestError`."""
-    outcome = Outcome()
+    dataset that keeps its own assistant turns. Raises `EndpointAuthError`/`EndpointRequestError`.
+    `outcome`, when given, is filled as the run goes (a caller can say what a cancelled run kept)."""
+    outcome = Outcome() if outcome is None else outcome
     pending = select(conversations, spec, journal.done(), outcome)
     outcome.allowed_failures = math.floor(max_failure_fraction * outcome.requested)
     started = time.monotonic()
@@ -160,7 +162,15 @@ async def _run_workers(
     workers = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(pending)))]
     if not workers:
         return
-    done, running = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+    try:
+        done, running = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        # Ctrl-C: the requests in flight are abandoned now (their conversations are asked again on
+        # resume), before the client closes under them.
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        raise
     for task in running:
         task.cancel()
     await asyncio.gather(*running, return_exceptions=True)

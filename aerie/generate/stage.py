@@ -29,9 +29,10 @@ from dotenv import dotenv_values
 
 from aerie.conversation import Conversation
 from aerie.datasets import LoadReport, check_yield, describe_skips, iter_conversations, source_fingerprint
-from aerie.errors import ConfigError, EndpointError
+from aerie.errors import ConfigError, EndpointError, Interrupted
 from aerie.generate.client import ChatClient, public_url
 from aerie.generate.config import DatasetSpec, GenerateConfig
+from aerie.generate.interrupt import RESUME, Active, wait_or_interrupt
 from aerie.generate.journal import Journal
 from aerie.generate.output import SCHEMA, write_conversations
 from aerie.generate.runner import Outcome, generate_conversations, progress_message
@@ -190,7 +191,8 @@ def _run_parallel(
     server_start_s: float,
 ) -> list[tuple[int, BaseException]]:
     errors: list[tuple[int, BaseException]] = []
-    with ThreadPoolExecutor(max_workers=cfg.max_parallel_datasets, thread_name_prefix="generate") as pool:
+    pool = ThreadPoolExecutor(max_workers=cfg.max_parallel_datasets, thread_name_prefix="generate")
+    try:
         futures = {
             i: pool.submit(
                 run,
@@ -204,18 +206,19 @@ def _run_parallel(
             )
             for i in todo
         }
+        # Ctrl-C or SIGTERM in the caller: the generating threads stop now (what they journaled is kept
+        # and resumed next time) instead of the pool's exit waiting for them to finish.
+        wait_or_interrupt(futures.values(), cancel_running)
+    except BaseException:
+        cancel_running()
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    for i, future in futures.items():
         try:
-            for i, future in futures.items():
-                try:
-                    results[i] = future.result()
-                except Exception as exc:  # collected: the other datasets keep running
-                    errors.append((i, exc))
-        except BaseException:
-            # SIGTERM/Ctrl-C in the caller: stop the generating threads now (what they journaled is
-            # kept and resumed next time) instead of letting the pool's exit wait for them to finish.
-            _cancel_running()
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+            results[i] = future.result()
+        except Exception as exc:  # collected: the other datasets kept running
+            errors.append((i, exc))
     return errors
 
 
@@ -223,14 +226,15 @@ _RUNNING: set[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = set()
 _RUNNING_LOCK = threading.Lock()
 
 
-def _cancel_running() -> None:
+def cancel_running() -> None:
+    """Cancel every generation running in this process (each in its thread's event loop)."""
     with _RUNNING_LOCK:
         for loop, task in _RUNNING:
             loop.call_soon_threadsafe(task.cancel)
 
 
 async def _registered(coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` as a task that `_cancel_running` can cancel from another thread."""
+    """Run `coro` as a task that `cancel_running` can cancel from another thread."""
     entry = (asyncio.get_running_loop(), asyncio.current_task())
     assert entry[1] is not None
     with _RUNNING_LOCK:
@@ -273,11 +277,14 @@ def generate_dataset(
     if mirror is not None:
         mirror.pull()
     progress(0.0, f"generating {spec.name}")
-    with Journal(local_dir, phash, lead_s=server_start_s) as journal:
+    outcome = Outcome()
+    with Active(), Journal(local_dir, phash, lead_s=server_start_s) as journal:
         try:
-            outcome, client_stats = _run_sync(
-                _generate(conversations, cfg, spec, journal, url, progress, mirror)
+            client_stats = _run_sync(
+                _generate(conversations, cfg, spec, journal, url, progress, mirror, outcome)
             )
+        except (KeyboardInterrupt, asyncio.CancelledError) as exc:
+            raise Interrupted(_kept_line(spec, outcome, mirror, local_dir)) from exc
         finally:
             journal.flush()
             if mirror is not None:
@@ -297,14 +304,16 @@ async def _generate(
     url: str | None,
     progress: ProgressFn,
     mirror: JournalMirror | None,
-) -> tuple[Outcome, dict[str, Any]]:
+    outcome: Outcome,
+) -> dict[str, Any]:
+    """Fills `outcome` as it goes; returns the client's figures."""
     client = (
         ChatClient(cfg.endpoint, url, read_api_key(cfg.endpoint.api_key_env))
         if spec.regenerate and url
         else None
     )
     try:
-        outcome = await generate_conversations(
+        await generate_conversations(
             conversations,
             spec,
             journal,
@@ -314,6 +323,7 @@ async def _generate(
             progress=progress,
             on_tick=mirror.push if mirror else None,
             tick_interval_s=cfg.journal_upload_interval_s,
+            outcome=outcome,
         )
     finally:
         if client is not None:
@@ -325,7 +335,17 @@ async def _generate(
             "retries_by_kind": dict(client.stats.retries),
             "models_served": dict(client.stats.models),
         }
-    return outcome, stats
+    return stats
+
+
+def _kept_line(spec: DatasetSpec, outcome: Outcome, mirror: JournalMirror | None, local_dir: Path) -> str:
+    """What a stopped generation kept, in one line (with the resume hint when it stands alone)."""
+    where = mirror.store.uri(mirror.prefix) if mirror is not None else str(local_dir)
+    total = f" of {outcome.requested}" if outcome.requested else ""
+    return (
+        f"dataset {spec.name!r}: {outcome.finished}{total} conversations kept ({outcome.done_now} "
+        f"finished in this run) in {where}; {RESUME}"
+    )
 
 
 def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
