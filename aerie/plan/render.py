@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from aerie.plan import served
 from aerie.plan.plan import Plan
 
 
@@ -60,6 +61,11 @@ def table(plan: Plan) -> str:
         lines.append(f"  {loc.name}: {nbytes(loc.need)}{free} ({parts}){flag}")
     if plan.disk.s3_bytes:
         lines.append(f"  S3: {nbytes(plan.disk.s3_bytes)} in about {plan.disk.s3_requests:,} requests")
+    d = cfg.deploy
+    lines += [
+        "",
+        *served.for_plan(plan.target, plan.hardware.name, plan.hardware.gpu, d.num_steps, d.concurrency),
+    ]
     notes = sorted({n for st in plan.stages for n in st.assumptions})
     cites = sorted({c for st in plan.stages for c in st.calibrated_by})
     if notes:

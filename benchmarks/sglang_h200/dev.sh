@@ -2,6 +2,10 @@
 # Device side: rebuild SGLang 0.5.23's set from the copied parts, check it, run the measurements.
 #   bash dev.sh install   (in /tmp/parts: S.tgz scripts+aerie+corpus, G.* the GGUF, A.* SGLang's set as tar.zst parts)
 #   bash dev.sh extract OUT | serve OUT
+# The set alone, part by part (one part per copy when each copy is size-limited), unpacked as parts land:
+#   bash dev.sh receive DIR        (DIR holds manifest.sha256; unpacks A.* into /tmp/sgl in the background)
+#   bash dev.sh part FILE          (moves a copied part into /tmp/parts, checks its sha256, marks it landed)
+#   bash dev.sh spec-cost OUT ARGS (waits for the set to be unpacked, runs benchmarks/spec_cost.py run)
 set -u
 P=/tmp/parts
 export PYTHONPATH=/tmp/sgl:/tmp/small/aerie-src:/tmp/small/pkgs
@@ -19,6 +23,30 @@ import sys, zstandard
 zstandard.ZstdDecompressor(max_window_size=1<<27).copy_stream(sys.stdin.buffer, sys.stdout.buffer, read_size=1<<22, write_size=1<<22)" | tar -x -C "$2"; fi
 }
 case "$1" in
+receive)
+  mkdir -p $P /tmp/sgl && cp "$2"/manifest.sha256 $P/ || exit 3
+  rm -f /tmp/sgl.done /tmp/sgl.failed
+  # Parts are read in order as they are marked landed; zstd streams them into tar meanwhile.
+  setsid nohup bash -c "
+    for f in \$(awk '{print \$2}' $P/manifest.sha256 | grep '^A[.]'); do
+      while [ ! -f $P/\$f.ok ]; do sleep 0.3; done; cat $P/\$f; done |
+    if command -v zstd >/dev/null; then zstd -d -q --long=27; else
+      PYTHONPATH=/tmp/zs python3 -c 'import sys, zstandard; zstandard.ZstdDecompressor(max_window_size=1<<27).copy_stream(sys.stdin.buffer, sys.stdout.buffer, read_size=1<<22, write_size=1<<22)'; fi |
+    tar -x -C /tmp/sgl && touch /tmp/sgl.done || touch /tmp/sgl.failed" > /tmp/receive.log 2>&1 < /dev/null &
+  command -v zstd || echo "no zstd CLI: python zstandard from /tmp/zs"
+  ;;
+part)
+  f=$(basename "$2"); mv "$2" $P/$f.tmp && mv $P/$f.tmp $P/$f || exit 3
+  (cd $P && grep " $f\$" manifest.sha256 | sha256sum -c --quiet) || { echo "SHA256 MISMATCH $f"; exit 3; }
+  touch $P/$f.ok; echo "landed $f: $(ls $P/*.ok | wc -l) of $(grep -c ' A[.]' $P/manifest.sha256)"
+  ;;
+spec-cost)
+  out=$2; shift 2
+  for _ in $(seq 600); do [ -f /tmp/sgl.done ] || [ -f /tmp/sgl.failed ] && break; sleep 0.5; done
+  [ -f /tmp/sgl.done ] || { echo "set not unpacked"; cat /tmp/receive.log; exit 5; }
+  mkdir -p $out
+  python3 "$(dirname "$0")/../spec_cost.py" run --out $out "$@" 2>&1 | tee $out/spec_cost.log
+  ;;
 install)
   t0=$(date +%s)
   cd $P && sha256sum -c --quiet manifest.sha256 || { echo "SHA256 MISMATCH"; exit 3; }

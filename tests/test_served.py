@@ -1,0 +1,145 @@
+"""The served speed-up model (aerie/plan/served.py): its arithmetic on a small table, its table against the
+benchmark records it was folded from, and its lines in `aerie plan` and the deploy stage."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from aerie.errors import ConfigError
+from aerie.plan import served
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A table of the data file's form, its figures chosen for easy arithmetic (not measurements).
+TABLE = {
+    "cards": {
+        "x100": {
+            "source": "spec_cost-x100.json",
+            "shapes": {
+                "small": {
+                    "active_params": 1e8,
+                    "moe": False,
+                    "levels": {
+                        "1": {"step_ms": 2.0, "round_ms": {"3": 5.0, "7": 9.0}},
+                        "8": {"step_ms": 2.0, "round_ms": {"3": 6.0, "7": 10.0}},
+                    },
+                },
+                "large": {
+                    "active_params": 1e10,
+                    "moe": False,
+                    "levels": {
+                        "1": {"step_ms": 8.0, "round_ms": {"3": 12.0, "7": 20.0}},
+                        "8": {"step_ms": 8.0, "round_ms": {"3": 16.0, "7": 24.0}},
+                    },
+                },
+                "experts": {
+                    "active_params": 3e9,
+                    "moe": True,
+                    "levels": {"1": {"step_ms": 10.0, "round_ms": {"3": 15.0, "7": 25.0}}},
+                },
+            },
+        }
+    }
+}
+
+
+def est(params: float, k: int = 3, levels: list[int] | None = None, moe: bool = False, **kw):
+    return served.estimate(served.Shape("t", params, moe), "x100", k, levels or [1, 8], table=TABLE, **kw)
+
+
+def test_measured_shape_gives_its_own_times_and_the_speedup_formula():
+    e = est(1e8, accept_length=2.5)
+    c1, c8 = e.predictions
+    assert (c1.step_ms, c1.round_ms) == (2.0, 5.0)
+    assert c1.break_even == pytest.approx(2.5)
+    assert c1.speedup == pytest.approx(1.0)  # accept length = break-even: no gain
+    assert c8.break_even == pytest.approx(3.0)
+    assert c8.speedup == pytest.approx(2.5 / 3.0)
+    assert "the measured small shape" in e.basis
+
+
+def test_between_shapes_interpolates_in_log_params_and_log_time():
+    mid = est(1e9).predictions[0]  # halfway in log(params) between 1e8 and 1e10
+    assert mid.step_ms == pytest.approx(math.sqrt(2.0 * 8.0))
+    assert mid.round_ms == pytest.approx(math.sqrt(5.0 * 12.0))
+    assert "between the measured small and large" in est(1e9).basis
+
+
+def test_outside_the_measured_range_takes_the_nearest_shape():
+    assert est(1e7).predictions[0].step_ms == 2.0
+    assert est(1e12).predictions[0].round_ms == 12.0
+    assert "nearest measured shape large" in est(1e12).basis
+
+
+def test_moe_targets_use_the_measured_moe():
+    p = est(2e10, moe=True, levels=[1]).predictions[0]
+    assert (p.step_ms, p.round_ms) == (10.0, 15.0)
+
+
+def test_step_counts_are_linear_between_and_beyond_the_measured_ones():
+    assert est(1e8, k=5).predictions[0].round_ms == pytest.approx(7.0)
+    assert est(1e8, k=1).predictions[0].round_ms == pytest.approx(3.0)
+    assert est(1e8, k=7).predictions[0].round_ms == pytest.approx(9.0)
+
+
+def test_concurrency_between_levels_interpolates_and_outside_clamps():
+    e = est(1e10, levels=[1, 8, 64, 3])
+    by = {p.concurrency: p for p in e.predictions}
+    assert by[64].round_ms == 16.0
+    assert 12.0 < by[3].round_ms < 16.0
+
+
+def test_per_level_accept_lengths():
+    e = est(1e8, accept_length={1: 2.5, 8: 3.0})
+    assert [p.speedup for p in e.predictions] == [pytest.approx(1.0), pytest.approx(1.0)]
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"k": 0}, "num_steps 0"),
+        ({"levels": [0]}, "concurrency"),
+        ({"accept_length": 0.5}, "accept length 0.5"),
+        ({"accept_length": 4.5}, "between 1 and 4"),
+    ],
+)
+def test_bad_input_is_refused_with_what_and_where(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        est(1e8, **kw)
+
+
+def test_lines_name_the_card_the_basis_and_the_record():
+    text = "\n".join(served.estimate(served.Shape("t", 1e8, False), "h999", 3, [1], 2.0, table=TABLE).lines())
+    assert "measured on x100, for h999" in text
+    assert "pays above 2.50 accepted tokens per round" in text
+    assert "at 2.00: 0.80x" in text
+    assert "benchmarks/results/spec_cost-x100.json" in text
+
+
+def test_evaluated_accept_length_prefers_mtbench_greedy_at_the_served_steps():
+    figures = {
+        "accept_heldout_eagle3_k3": 1.7,
+        "accept_mtbench_eagle3_k3": 1.6,
+        "accept_mtbench_eagle3_k3_t1": 1.2,
+        "accept_mtbench_prompt_lookup_k3": 1.1,
+        "accept_mtbench_eagle3_k7": 1.9,
+    }
+    assert served.evaluated_accept_length(figures, 3) == (1.6, "accept_mtbench_eagle3_k3")
+    assert served.evaluated_accept_length({"accept_heldout_eagle3_k7": 2.0}, 7) == (
+        2.0,
+        "accept_heldout_eagle3_k7",
+    )
+    assert served.evaluated_accept_length(figures, 5) is None
+
+
+def test_moe_is_recognised_by_architecture_or_by_weights_far_above_active_params():
+    info = SimpleNamespace(name="q", architecture="Qwen3MoeForCausalLM", size_bytes=6.1e10)
+    assert served.shape_of_target(info).moe
+    dense = SimpleNamespace(name="l", architecture="LlamaForCausalLM", size_bytes=1.6e10)
+    assert served.shape_of_target(dense) == served.Shape("l", 8e9, False)
+    facts = SimpleNamespace(name="k", active_params=3.2e10, weight_bytes=5.95e11)
+    assert served.shape_of_target(facts).moe
