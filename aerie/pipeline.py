@@ -25,7 +25,7 @@ from aerie.evaluate.entry import EVALUATE
 from aerie.extract.entry import EXTRACT
 from aerie.generate.entry import GENERATE, generation_pending
 from aerie.manifest import StageResult
-from aerie.plan import track
+from aerie.plan import served, track
 from aerie.plan.plan import Plan
 from aerie.progress import ProgressFactory, terminal_progress
 from aerie.stage import Stage, StageContext, Upstream
@@ -122,7 +122,10 @@ def compose(
         stage_ctx = replace(ctx, rebuild_missing=rebuild_missing(cfg, ctx, stages, i, upstream))
         # The one place every stage of every run passes through: its estimate before, the actual after.
         track.before(plan, stage.name)
+        deploying = stage.name == "deploy"
+        predicted = served.before_deploy(cfg.deploy, ctx.target, upstream.evaluation) if deploying else None
         done = track.after(plan, ctx.store, stage.name, step(stage, stage_ctx, upstream))
+        done = served.after_deploy(predicted, done)
         plan = track.refined(plan, stage.name, done)
         results += done
         upstream = upstream.plus(stage.name, done)

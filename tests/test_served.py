@@ -143,3 +143,27 @@ def test_moe_is_recognised_by_architecture_or_by_weights_far_above_active_params
     assert served.shape_of_target(dense) == served.Shape("l", 8e9, False)
     facts = SimpleNamespace(name="k", active_params=3.2e10, weight_bytes=5.95e11)
     assert served.shape_of_target(facts).moe
+
+
+def test_deploy_prediction_uses_the_evaluated_accept_length_and_lands_in_the_figures(monkeypatch):
+    monkeypatch.setattr(served, "_table", lambda: TABLE)
+    target = SimpleNamespace(name="t", architecture="LlamaForCausalLM", size_bytes=2e8)
+    deploy = SimpleNamespace(num_steps=3, concurrency=[1, 8])
+    evaluation = SimpleNamespace(figures={"accept_mtbench_eagle3_k3": 2.5, "accept_mtbench_eagle3_k7": 3.5})
+    predicted = served.before_deploy(deploy, target, evaluation)
+    assert predicted is not None and [p.accept_length for p in predicted.predictions] == [2.5, 2.5]
+    assert "c1 1.00x" in predicted.summary()
+    result = SimpleNamespace(figures={"speedup": 0.9}, model_copy=lambda update: update["figures"])
+    (figures,) = served.after_deploy(predicted, [result])
+    assert figures == {"speedup": 0.9, "predicted_speedup_c1": 1.0, "predicted_speedup_c8": 0.833}
+    bare = served.before_deploy(deploy, target, None)
+    assert bare is not None and bare.predictions[0].speedup is None
+
+
+def test_no_measurements_leave_the_plan_a_line_and_the_deploy_stage_no_prediction(monkeypatch):
+    monkeypatch.setattr(served, "_table", lambda: {"cards": {}})
+    facts = SimpleNamespace(name="t", active_params=1e8, weight_bytes=2e8)
+    (line,) = served.for_plan(facts, "h200", True, 3, [1])
+    assert "not predicted" in line and "benchmarks/spec_cost.py" in line
+    target = SimpleNamespace(name="t", architecture="LlamaForCausalLM", size_bytes=2e8)
+    assert served.before_deploy(SimpleNamespace(num_steps=3, concurrency=[1]), target, None) is None

@@ -30,7 +30,6 @@ from aerie.errors import EvaluationError
 from aerie.evaluate.drafter_files import drafter_keys, fetch_drafter
 from aerie.evaluate.prompts import mtbench_prompts
 from aerie.manifest import StageDir, StageResult, stage_key
-from aerie.plan import served
 from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ModelServer, ServerConfig, ServerSpec, SpeculativeArgs, spec_for
 from aerie.store import ArtifactStore
@@ -147,12 +146,6 @@ def deploy(
     if not cfg.enabled:
         return sd.finish({"enabled": False, "figures": {"deployed": False}})
     drafter_keys(store, drafter)  # a missing drafter fails here, before any server starts
-    # What the measured step and round times predict for this target and acceptance, before serving.
-    predicted = served.for_deploy(
-        target, cfg.num_steps, cfg.concurrency, evaluation.figures if evaluation else None
-    )
-    if predicted is not None:
-        progress(0.0, predicted.summary())
 
     prompts = [p.input_ids for p in mtbench_prompts(target.load_tokenizer(), None, 4096)]
     prompts = [prompts[i % len(prompts)] for i in range(cfg.num_prompts)]
@@ -183,7 +176,6 @@ def deploy(
         "ttft_method": TTFT_METHOD,
         "rows": rows,
         "same_outputs": same,
-        "predicted": predicted.record() if predicted else None,
         "promotion": {
             "promoted": decision.promoted,
             "reason": decision.reason,
@@ -201,10 +193,7 @@ def deploy(
         progress(0.99, "promoting the drafter")
         promote(store, run_name, drafter, evaluation, body, markdown)
     progress(1.0, decision.reason)
-    figures = _figures(rows, decision, same)
-    for p in predicted.predictions if predicted else []:
-        figures[f"predicted_speedup_c{p.concurrency}"] = None if p.speedup is None else round(p.speedup, 3)
-    return sd.finish({**body, "figures": figures})
+    return sd.finish({**body, "figures": _figures(rows, decision, same)})
 
 
 def _benchmark_server(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 from dataclasses import dataclass
 from functools import cache
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from aerie.errors import ConfigError
+
+log = logging.getLogger("aerie.plan")
 
 DATA = Path(__file__).parent / "data" / "spec_cost.json"
 # Architecture names of mixture-of-experts targets (their decode cost follows the experts a batch touches,
@@ -307,3 +310,27 @@ def for_deploy(
         return estimate(shape_of_target(target), this_card() or "h200", num_steps, concurrency, tau)
     except ConfigError:  # no measurements to predict from: the deployment measures anyway
         return None
+
+
+def before_deploy(deploy: Any, target: Any, evaluation: Any) -> ServedEstimate | None:
+    """Logged by the composer before the deploy stage serves: the speed-up the measured step and round
+    times predict for this target at the evaluated acceptance length (`evaluation`: the evaluate stage's
+    result, None when it did not run)."""
+    predicted = for_deploy(
+        target, deploy.num_steps, deploy.concurrency, evaluation.figures if evaluation else None
+    )
+    if predicted is not None:
+        log.info("deploy: %s", predicted.summary())
+    return predicted
+
+
+def after_deploy(predicted: ServedEstimate | None, results: list[Any]) -> list[Any]:
+    """The deploy stage's results with the prediction among their figures, beside the measured speed-up
+    (`predicted_speedup_c<level>`)."""
+    if predicted is None:
+        return results
+    extra = {
+        f"predicted_speedup_c{p.concurrency}": None if p.speedup is None else round(p.speedup, 3)
+        for p in predicted.predictions
+    }
+    return [r.model_copy(update={"figures": {**r.figures, **extra}}) for r in results]
