@@ -28,6 +28,7 @@ from aerie.manifest import StageResult
 from aerie.plan import served, track
 from aerie.plan.plan import Plan
 from aerie.progress import ProgressFactory, terminal_progress
+from aerie.reasoning import reasoning_line
 from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import ArtifactStore, open_store
 from aerie.targets import resolve_target
@@ -55,6 +56,8 @@ class PipelineReport:
         for r in self.results:
             figures = ", ".join(f"{k}={figure_text(v)}" for k, v in r.figures.items())
             lines.append(f"{r.stage:22s} {r.seconds:7.1f}s {'hit' if r.cache_hit else 'run':>6s}  {figures}")
+            if (reasoning := reasoning_line(r.figures)) is not None:
+                lines.append(f"{'':22s} {'':>8s} {'':>6s}  {reasoning}")
             if r.cache_hit and r.original_seconds is not None:
                 figures = (
                     f"(this run {r.seconds:.1f} s; the stage took {r.original_seconds:.1f} s when it ran)"

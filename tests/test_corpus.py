@@ -207,13 +207,13 @@ def test_prefix_aligner_agrees_with_offsets_including_a_boundary_merge(tok, smol
     slow_aligner = make_aligner(dataclasses.replace(spec, backend=None, target=smollm2))
     assert isinstance(slow_aligner, PrefixAligner)
     slow = slow_aligner.encode(samples)
-    for (ids_a, mask_a, straddled_a), (ids_b, mask_b, straddled_b) in zip(fast, slow, strict=True):
-        assert ids_a.tolist() == ids_b.tolist()
-        assert mask_a.tolist() == mask_b.tolist()
-        assert straddled_a == straddled_b
-    assert [s for _, _, s in fast] == [0, 1]  # " x" after "\n" does not merge; "    indented" does
+    for a, b in zip(fast, slow, strict=True):
+        assert a.ids.tolist() == b.ids.tolist()
+        assert a.mask.tolist() == b.mask.tolist()
+        assert a.straddled == b.straddled
+    assert [e.straddled for e in fast] == [0, 1]  # " x" after "\n" does not merge; "    indented" does
     # The straddling token is supervised: no answer character is left out.
-    ids, mask, _ = fast[1]
+    ids, mask = fast[1].ids, fast[1].mask
     assert "    indented\n  code<|im_end|>\n" in tok.decode(ids[mask == 1].tolist())
 
 
@@ -249,16 +249,30 @@ def test_trailing_user_turns_are_trimmed():
     assert checked.truncated_turns == frozenset({1})
 
 
-def test_a_reasoning_only_answer_is_quarantined_not_trained_on():
+def test_a_reasoning_only_answer_is_a_truncated_turn_never_a_complete_one():
+    conversation = [
+        msg("user", "q"),
+        msg("assistant", "", reasoning="thinking cut off"),
+        msg("user", "more?"),
+    ]
+    # Even when the endpoint said it stopped: reasoning without an answer is not a finished turn.
+    checked = check_conversation(
+        conversation, truncated=False, finish_reasons=["stop"], truncated_policy="keep"
+    )
+    assert checked.truncated_turns == frozenset({1})
+    assert checked.messages[1] == {"role": "assistant", "content": "", "reasoning": "thinking cut off"}
+    with pytest.raises(Rejected) as err:
+        check_conversation(conversation, truncated=False, finish_reasons=["stop"], truncated_policy="drop")
+    assert err.value.code == "truncated"
     with pytest.raises(Rejected) as err:
         check_conversation(
-            [msg("user", "q"), msg("assistant", "", reasoning="thinking cut off"), msg("user", "more?")],
-            truncated=True,
-            finish_reasons=["length"],
-            truncated_policy="keep",
+            conversation, truncated=False, finish_reasons=[], truncated_policy="keep", reasoning_policy="drop"
         )
     assert err.value.code == "empty_content"
-    assert err.value.detail == "message 1 (assistant) has only reasoning and no final answer"
+    assert (
+        err.value.detail
+        == "message 1 (assistant) has only reasoning and no final answer (corpus.reasoning=drop)"
+    )
 
 
 @pytest.mark.parametrize(

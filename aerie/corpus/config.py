@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from aerie.configbase import StrictModel
+from aerie.reasoning import parser_named
 
 # Fields that change how fast the corpus is built, never what it contains: left out of the stage key.
 EXECUTION_FIELDS = frozenset({"num_workers", "batch_rows", "spill_mb"})
@@ -33,6 +34,24 @@ class CorpusConfig(StrictModel):
         "strips old reasoning): split = one extra sample per such turn, rendered as the server saw it; "
         "mask = leave that turn unsupervised.",
     )
+    reasoning: Literal["train", "drop", "refuse"] = Field(
+        "train",
+        description="A thinking model's reasoning (the `reasoning` field of a turn, or `<think>` inline in "
+        "its content): train = supervised like the answer, each assistant turn rendered the way the target "
+        "wrote it, even where the template blanks it; drop = removed, only answers are trained on; refuse "
+        "= a conversation that carries reasoning is quarantined.",
+    )
+    reasoning_parser: str = Field(
+        "auto",
+        description="How reasoning inline in a turn's content is split from the answer, by SGLang's "
+        "--reasoning-parser names (qwen3, deepseek-r1, kimi_k2, ...): auto = the target's family, read from "
+        "its architecture and chat template; none = content is never split.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="A chat template file (Jinja) used instead of the target's own, e.g. a corrected one; "
+        "its hash is part of the stage key. None = the target's template.",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra variables for the chat template (e.g. {'enable_thinking': true}), as the "
@@ -44,3 +63,10 @@ class CorpusConfig(StrictModel):
     spill_mb: int = Field(
         256, ge=8, description="Tokenized rows buffered in memory before they are spilled to disk (MiB)."
     )
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_parser(cls, value: str) -> str:
+        if value not in ("auto", "none"):
+            parser_named(value)  # raises, naming the parsers aerie knows
+        return value

@@ -19,7 +19,7 @@ import polars as pl
 
 from aerie.corpus.schema import SPILL
 from aerie.corpus.shuffle import Layout
-from aerie.corpus.template import Aligner, ChatRenderer, Sample, TemplateSpec, make_aligner
+from aerie.corpus.template import Aligner, ChatRenderer, Encoded, Sample, TemplateSpec, make_aligner
 from aerie.corpus.validate import Rejected, check_conversation, content_hash
 
 
@@ -29,6 +29,7 @@ class EncodeOptions:
     truncated_policy: str
     history_mismatch: str
     layout: Layout
+    reasoning: str = "train"  # corpus.reasoning: train | drop | refuse
 
 
 @dataclass
@@ -70,19 +71,21 @@ class BatchEncoder:
         result.frame = self._rows(pending, encoded, result)
         return result
 
-    def _rows(
-        self, pending: list[_Pending], encoded: list[tuple[np.ndarray, np.ndarray, int]], result: BatchResult
-    ) -> pl.DataFrame:
+    def _rows(self, pending: list[_Pending], encoded: list[Encoded], result: BatchResult) -> pl.DataFrame:
         """Truncate to max_length, drop samples left with nothing to learn, assemble the spill frame."""
         limit = self.options.max_length
         columns: dict[str, list[Any]] = {name: [] for name in (*SPILL, "split", "bucket")}
-        for p, (ids, mask, straddled) in zip(pending, encoded, strict=True):
-            result.counts["boundary_tokens"] += straddled
+        for p, e in zip(pending, encoded, strict=True):
+            ids, mask, thought = e.ids, e.mask, e.reasoning
+            result.counts["boundary_tokens"] += e.straddled
+            # The reasoning in the data (cut or not) and what of it is supervised once cut to max_length.
+            reasoning_tokens = int(thought.sum()) + self.aligner.count(p.sample.unrendered)
             if len(ids) > limit:
                 result.counts["samples_cut_to_max_length"] += 1
                 result.counts["tokens_cut"] += len(ids) - limit
-                ids, mask = ids[:limit], mask[:limit]
+                ids, mask, thought = ids[:limit], mask[:limit], thought[:limit]
             supervised = int(mask.sum())
+            reasoning_supervised = int((mask & thought).sum())
             sample_id = p.row["id"] if p.sample.whole else f"{p.row['id']}#m{p.sample.end_message}"
             if supervised == 0:
                 detail = f"no assistant token within max_length={limit}"
@@ -101,6 +104,8 @@ class BatchEncoder:
                 ("loss_mask", mask),
                 ("n_tokens", len(ids)),
                 ("n_supervised", supervised),
+                ("n_reasoning", reasoning_tokens),
+                ("n_reasoning_supervised", reasoning_supervised),
                 ("split", split),
                 ("bucket", bucket),
             ):
@@ -115,7 +120,10 @@ class BatchEncoder:
             truncated=row["truncated"],
             finish_reasons=row["finish_reasons"],
             truncated_policy=self.options.truncated_policy,
+            reasoning_policy=self.options.reasoning,
+            parser=self.renderer.parser,
         )
+        counts.update(checked.notes)
         counts["trailing_user_turns_trimmed"] += checked.trimmed
         counts["truncated_turns"] += len(checked.truncated_turns)
         try:

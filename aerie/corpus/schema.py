@@ -52,6 +52,8 @@ SPILL: dict[str, pl.DataType] = {
     "sub": pl.Int32(),  # 0 = the whole conversation; k > 0 = extra sample ending at message k
     "hash": pl.Binary(),  # content hash of the messages (dedupe key)
     "order": pl.UInt64(),  # shuffle key
+    "n_reasoning": pl.Int32(),  # reasoning tokens in the data the sample carries (counted, not written)
+    "n_reasoning_supervised": pl.Int32(),  # of them, supervised within max_length
     **CORPUS,
 }
 

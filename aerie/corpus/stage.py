@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -30,9 +31,10 @@ from aerie.corpus.shuffle import SPLITS, Layout, Spill, dedupe_and_order
 from aerie.corpus.stats import SplitStats, TokenCounter, describe, length_histogram
 from aerie.corpus.template import TemplateSpec
 from aerie.diskspace import writing
-from aerie.errors import DataError
+from aerie.errors import ConfigError, DataError
 from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.progress import ProgressFn, no_progress
+from aerie.reasoning import ReasoningParser, parser_for, reasoning_warning
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
 
@@ -42,6 +44,8 @@ TOKEN_COUNTS = "token_counts.parquet"
 QUARANTINE = "quarantine.jsonl"
 LENGTH_HIST = "length_hist.png"
 ROW_GROUP = 2048  # rows per Parquet row group: what a streaming reader holds at once
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -76,12 +80,37 @@ def tokenizer_sha256(target: TargetInfo) -> str:
     return h.hexdigest()
 
 
+def template_override(cfg: CorpusConfig) -> str | None:
+    """The text of `corpus.chat_template`, or None when the target's own template is used."""
+    if cfg.chat_template is None:
+        return None
+    path = Path(cfg.chat_template).expanduser()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"corpus.chat_template: cannot read {path}: {exc}") from exc
+    if not text.strip():
+        raise ConfigError(f"corpus.chat_template: {path} is empty")
+    return text
+
+
+def template_sha256(cfg: CorpusConfig, target: TargetInfo) -> str:
+    """The hash of the template the corpus is rendered with: the override's, else the target's."""
+    override = template_override(cfg)
+    return target.chat_template_sha256 if override is None else hashlib.sha256(override.encode()).hexdigest()
+
+
+def reasoning_parser(cfg: CorpusConfig, target: TargetInfo, template: str) -> ReasoningParser | None:
+    return parser_for(target.architecture, template, cfg.reasoning_parser)
+
+
 def key_of(cfg: CorpusConfig, target: TargetInfo, inputs: list[StageResult]) -> str:
-    content = cfg.model_dump(mode="json", exclude=set(EXECUTION_FIELDS))
+    # The override's path is not content (its hash is): moving the file keeps the cache.
+    content = cfg.model_dump(mode="json", exclude={*EXECUTION_FIELDS, "chat_template"})
     config = {
         "corpus": content,
         "tokenizer": tokenizer_sha256(target),
-        "chat_template": target.chat_template_sha256,
+        "chat_template": template_sha256(cfg, target),
     }
     return stage_key(STAGE, config, [r.manifest_sha256 for r in inputs])
 
@@ -147,9 +176,12 @@ def _build(
     layout = Layout.plan(
         sum(rows_per_input), seed=cfg.seed, eval_fraction=cfg.eval_fraction, rows_per_shard=cfg.rows_per_shard
     )
+    tokenizer = target.load_tokenizer()
+    override = template_override(cfg)
     spec = TemplateSpec.from_tokenizer(
-        target.load_tokenizer(), extra_kwargs=cfg.chat_template_kwargs, target=target
+        tokenizer, extra_kwargs=cfg.chat_template_kwargs, target=target, template=override
     )
+    spec.parser = reasoning_parser(cfg, target, spec.chat_template)
     build = _Build(cfg, store, stage, work, progress, TokenCounter(target.vocab_size))
     with open(work / QUARANTINE, "w") as build.quarantine:
         spill = build.tokenize(pl.concat(frames, how="vertical"), spec, layout, sum(rows_per_input))
@@ -187,7 +219,9 @@ class _Build:
     ) -> Spill:
         """Stream batches through the workers into the spill (90% of the progress bar)."""
         cfg = self.cfg
-        options = EncodeOptions(cfg.max_length, cfg.truncated_policy, cfg.history_mismatch, layout)
+        options = EncodeOptions(
+            cfg.max_length, cfg.truncated_policy, cfg.history_mismatch, layout, reasoning=cfg.reasoning
+        )
         spill = Spill(self.work / "spill", cfg.spill_mb << 20)
         done_rows = done_tokens = 0
         self.progress(0.01, f"tokenizing {total_rows:,} conversations with {cfg.num_workers} worker(s)")
@@ -221,6 +255,8 @@ class _Build:
                         {"id": row["id"], "source": row["source"], "reason": "duplicate", "detail": detail}
                     )
                 self.counts["dropped.duplicate"] += duplicates.height
+                self.counts["reasoning_tokens"] += int(kept["n_reasoning"].sum())
+                self.counts["reasoning_tokens_supervised"] += int(kept["n_reasoning_supervised"].sum())
                 file = self._write(name, kept.select(list(CORPUS)))
                 spill.release(split, bucket)
                 self.progress(0.9 + 0.1 * done / max(total, 1), f"wrote {file}")
@@ -283,13 +319,28 @@ def _manifest(
     tokens = sum(s["tokens"] for s in splits.values())
     supervised = sum(s["supervised_tokens"] for s in splits.values())
     dropped = build.dropped()
+    reasoning = {
+        name: build.counts.pop(name, 0) for name in ("reasoning_tokens", "reasoning_tokens_supervised")
+    }
     notes = {k: v for k, v in sorted(build.counts.items()) if not k.startswith("dropped.")}
     train = splits["train"]
+    warning = reasoning_warning(
+        reasoning["reasoning_tokens"], reasoning["reasoning_tokens_supervised"], cfg.reasoning
+    )
+    if warning:
+        log.warning("merge: %s", warning)
     return {
         "target": {"name": target.name, "revision": target.revision, "vocab_size": target.vocab_size},
         "tokenizer_sha256": tokenizer_sha256(target),
         "chat_template_sha256": hashlib.sha256(spec.chat_template.encode()).hexdigest(),
+        "chat_template_override": cfg.chat_template,
         "chat_template_kwargs": cfg.chat_template_kwargs,
+        "reasoning": {
+            "policy": cfg.reasoning,
+            "parser": spec.parser.name if spec.parser else None,
+            **reasoning,
+            "warning": warning,
+        },
         "max_length": cfg.max_length,
         "seed": cfg.seed,
         "config": cfg.model_dump(mode="json"),
@@ -323,5 +374,6 @@ def _manifest(
             "dropped": sum(dropped.values()),
             "duplicates": dropped.get("duplicate", 0),
             "sources": len({src for s in splits.values() for src in s["by_source"]}),
+            **reasoning,
         },
     }

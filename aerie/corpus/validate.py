@@ -1,16 +1,27 @@
 """Per-conversation checks: what makes a conversation unusable for training, and why.
 
 A conversation is usable when, after an optional system turn, roles alternate user/assistant starting
-with a user, every turn has text (an assistant turn has a final answer, not only reasoning), and at least one assistant turn remains once trailing user turns
+with a user, every turn has text, and at least one assistant turn remains once trailing user turns
 (which nothing answers, so nothing is supervised there) are trimmed. A rejected conversation is
 quarantined with a reason code (counted in the manifest) and a detail naming the message.
+
+Reasoning: inline `<think>…</think>` in an assistant turn's content is split off by the target's
+reasoning parser (`aerie.reasoning`), so it lands where the `reasoning` field would have put it. An
+assistant turn with reasoning and no answer (cut off inside its reasoning, or one that only reasoned) is
+never a complete answer: it is a truncated turn, by the same rule as an answer cut off at max_tokens.
+The reasoning policy (`corpus.reasoning`) then keeps its reasoning (train), removes all reasoning
+(drop: such a turn has nothing left and the conversation is quarantined) or quarantines any
+conversation that carries reasoning (refuse).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
+
+from aerie.reasoning import ReasoningParser
 
 ROLES = ("system", "user", "assistant")
 
@@ -30,6 +41,25 @@ class Checked:
     messages: list[dict[str, str]]
     truncated_turns: frozenset[int]  # message indices of assistant turns that hit max_tokens
     trimmed: int = 0  # trailing user turns removed
+    notes: Counter[str] = field(default_factory=Counter)  # what was noticed about reasoning
+
+
+def _assistant_turn(
+    content: str, reasoning: str | None, parser: ReasoningParser | None, notes: Counter[str]
+) -> tuple[str, str | None]:
+    """An assistant turn's answer and reasoning, inline reasoning split off by the target's parser."""
+    if parser is None:
+        return content, reasoning
+    split = parser.split(content)
+    if split.reasoning is None:
+        return content, reasoning
+    notes["reasoning_inline_parsed"] += 1
+    if reasoning and reasoning.strip():
+        # Both: the field is what the endpoint's parser returned; the inline block is dropped so the
+        # template does not render a second one inside the answer.
+        notes["reasoning_inline_and_field"] += 1
+        return split.answer, reasoning
+    return split.answer, split.reasoning
 
 
 def check_conversation(
@@ -38,11 +68,15 @@ def check_conversation(
     truncated: bool | None,
     finish_reasons: list[str] | None,
     truncated_policy: str,
+    reasoning_policy: str = "train",
+    parser: ReasoningParser | None = None,
 ) -> Checked:
     """Validate one conversation; raise `Rejected` with the reason if it cannot be trained on."""
     if not messages:
         raise Rejected("no_messages", "the conversation has no messages")
     out: list[dict[str, str]] = []
+    notes: Counter[str] = Counter()
+    unanswered: set[int] = set()  # assistant turns with reasoning and no answer
     for i, m in enumerate(messages):
         role, content, reasoning = m.get("role"), m.get("content"), m.get("reasoning")
         if role not in ROLES:
@@ -53,11 +87,27 @@ def check_conversation(
                 "bad_order", f"message {i} ({role}) breaks the turn order: a {expected} turn belongs there"
             )
         text = content if isinstance(content, str) else ""
-        if not text.strip():
-            # Reasoning alone is not an answer: training on it would teach an empty assistant turn
-            # (and a template without a reasoning field would render nothing at all there).
-            only = role == "assistant" and reasoning and reasoning.strip()
-            has = "only reasoning and no final answer" if only else "no text"
+        dropped = False
+        if role == "assistant":
+            text, reasoning = _assistant_turn(text, reasoning, parser, notes)
+            reasoning = reasoning if reasoning and reasoning.strip() else None
+            if reasoning is not None:
+                notes["reasoning_turns"] += 1
+                if reasoning_policy == "refuse":
+                    raise Rejected(
+                        "reasoning_refused",
+                        f"message {i} (assistant) carries reasoning (corpus.reasoning=refuse)",
+                    )
+                if reasoning_policy == "drop":
+                    notes["reasoning_dropped"] += 1
+                    reasoning, dropped = None, True
+                elif not text.strip():
+                    # Reasoning and no answer: cut off inside it (or it only reasoned). Not a complete
+                    # answer: truncated, so the end of turn it never wrote is not supervised.
+                    unanswered.add(len(out))
+                    text = ""
+        if not text.strip() and len(out) not in unanswered:
+            has = "only reasoning and no final answer (corpus.reasoning=drop)" if dropped else "no text"
             raise Rejected("empty_content", f"message {i} ({role}) has {has}")
         msg = {"role": role, "content": text}
         if reasoning:
@@ -70,9 +120,18 @@ def check_conversation(
     if not any(m["role"] == "assistant" for m in out):
         raise Rejected("no_assistant_turn", "the conversation has no assistant turn to learn from")
     cut = _truncated_turns(out, bool(truncated), finish_reasons or [])
+    unanswered = {i for i in unanswered if i < len(out)}
+    if unanswered:
+        notes["reasoning_without_answer"] += len(unanswered)
+        cut = cut | frozenset(unanswered)
     if cut and truncated_policy == "drop":
-        raise Rejected("truncated", "a generation stopped at max_tokens (truncated_policy=drop)")
-    return Checked(messages=out, truncated_turns=cut, trimmed=trimmed)
+        why = (
+            "an assistant turn has reasoning and no answer"
+            if unanswered
+            else "a generation stopped at max_tokens"
+        )
+        raise Rejected("truncated", f"{why} (truncated_policy=drop)")
+    return Checked(messages=out, truncated_turns=cut, trimmed=trimmed, notes=notes)
 
 
 def _expected_role(previous: list[dict[str, str]]) -> str:
