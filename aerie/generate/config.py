@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import date
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
@@ -29,6 +30,33 @@ class SamplingParams(StrictModel):
         description="Extra request fields passed through verbatim, e.g. {'reasoning': {'effort': 'low'}} "
         "(OpenRouter) or {'chat_template_kwargs': {'enable_thinking': False}} (SGLang/vLLM).",
     )
+
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with an endpoint URL (scheme, host), or None."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return (
+            f"the scheme must be http or https, got {parts.scheme!r}"
+            if parts.scheme
+            else "no scheme: write it in full, e.g. https://openrouter.ai/api/v1"
+        )
+    if not parts.hostname:
+        return "no host"
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def sends_key_in_clear(url: str) -> bool:
+    """Whether a key sent to `url` would cross a network in cleartext (http:// to another machine)."""
+    parts = urlsplit(url)
+    return parts.scheme == "http" and (parts.hostname or "").lower() not in LOOPBACK_HOSTS
 
 
 class EndpointConfig(StrictModel):
@@ -82,12 +110,26 @@ class EndpointConfig(StrictModel):
     prices_date: date | None = Field(
         None, description="When the prices were taken (prices change; the plan prints the date)."
     )
+    allow_insecure: bool = Field(
+        False,
+        description="Send the API key over plain http:// to a host other than this machine (it travels "
+        "in cleartext); off: such a run is refused before any request.",
+    )
     launch_args: list[str] = Field(
         default_factory=list,
         description="With base_url None: flags of server.backend for the generation server only, after "
         "server.extra_args (e.g. the reference server's --cuda-graphs, which the deploy stage's servers "
         "must not get: its speculative backend has no graphs, so only its baseline would be sped up).",
     )
+
+    @model_validator(mode="after")
+    def _base_url_is_a_url(self) -> EndpointConfig:
+        # At load: `htps://...` or a URL without a scheme would otherwise fail after 45 s of retries.
+        if self.base_url is not None:
+            problem = url_problem(self.base_url)
+            if problem:
+                raise ValueError(f"base_url {self.base_url!r}: {problem}")
+        return self
 
     @model_validator(mode="after")
     def _prices_are_dated(self) -> EndpointConfig:

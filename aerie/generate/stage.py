@@ -31,7 +31,7 @@ from aerie.conversation import Conversation
 from aerie.datasets import LoadReport, check_yield, describe_skips, iter_conversations, source_fingerprint
 from aerie.errors import ConfigError, EndpointError, Interrupted
 from aerie.generate.client import ChatClient, public_url
-from aerie.generate.config import DatasetSpec, GenerateConfig
+from aerie.generate.config import DatasetSpec, GenerateConfig, sends_key_in_clear, url_problem
 from aerie.generate.interrupt import RESUME, Active, wait_or_interrupt
 from aerie.generate.journal import Journal
 from aerie.generate.output import SCHEMA, write_conversations
@@ -253,7 +253,23 @@ def _endpoint_url(cfg: GenerateConfig, spec: DatasetSpec, base_url: str | None) 
             f"dataset {spec.name!r} is regenerated but no endpoint is set: give generate.endpoint.base_url "
             "(e.g. https://openrouter.ai/api/v1) or let the pipeline launch the reference server"
         )
+    if spec.regenerate and url:
+        _check_key_transport(cfg, url)
     return url
+
+
+def _check_key_transport(cfg: GenerateConfig, url: str) -> None:
+    """Refuse to send the API key in cleartext to another machine, unless allowed in the config."""
+    problem = url_problem(url)
+    if problem:
+        raise ConfigError(f"generation endpoint {public_url(url)}: {problem}")
+    key_env = cfg.endpoint.api_key_env
+    if sends_key_in_clear(url) and not cfg.endpoint.allow_insecure and read_api_key(key_env):
+        raise ConfigError(
+            f"generation endpoint {public_url(url)} is plain http:// on another machine: the API key in "
+            f"${key_env} would travel in cleartext. Use https://, or set "
+            "generate.endpoint.allow_insecure=true if this network is trusted"
+        )
 
 
 def generate_dataset(
