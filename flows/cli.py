@@ -19,7 +19,7 @@ def run_flow(cfg: PipelineConfig) -> str:
     """The pipeline flow, locally (an ephemeral Prefect API unless PREFECT_API_URL is set)."""
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_START_S)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline: no telemetry to send
-    from flows.pipeline import run_pipeline  # Prefect is imported only when a run is asked for
+    from .pipeline import run_pipeline  # Prefect is imported only when a run is asked for
 
     return run_pipeline(cfg)
 

@@ -12,8 +12,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from aerie.manifest import StageResult
 from aerie.store import ArtifactStore
-from flows.policy import StagePolicy
-from flows.reporting import artifact_key
+
+from .policy import StagePolicy
+from .reporting import artifact_key
 
 
 def report(result: StageResult, store: ArtifactStore) -> None:

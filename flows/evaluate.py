@@ -14,8 +14,9 @@ from prefect.artifacts import create_markdown_artifact
 from aerie.evaluate.report import ACCEPTANCE_PNG
 from aerie.manifest import StageResult
 from aerie.store import ArtifactStore
-from flows.policy import StagePolicy
-from flows.reporting import artifact_key, image_artifact
+
+from .policy import StagePolicy
+from .reporting import artifact_key, image_artifact
 
 
 def report(result: StageResult, store: ArtifactStore) -> None:

@@ -36,9 +36,10 @@ from aerie.serving.config import ServerConfig
 from aerie.stage import StageContext, Upstream
 from aerie.store import StoreConfig, open_store
 from aerie.targets import TargetInfo
-from flows.policy import StagePolicy
-from flows.reporting import artifact_key, notify_failure, prefect_progress, stage_table
-from flows.retrying import retry_unless
+
+from .policy import StagePolicy
+from .reporting import artifact_key, notify_failure, prefect_progress, stage_table
+from .retrying import retry_unless
 
 
 def _summary(result: StageResult) -> str:

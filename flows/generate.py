@@ -28,9 +28,10 @@ from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.generate.interrupt import wait_or_interrupt
 from aerie.manifest import StageResult
 from aerie.store import StoreConfig, open_store
-from flows.reporting import artifact_key, notify_failure, prefect_progress, stage_table
-from flows.retrying import retry_unless
-from flows.stagecache import cache_key, run_cached
+
+from .reporting import artifact_key, notify_failure, prefect_progress, stage_table
+from .retrying import retry_unless
+from .stagecache import cache_key, run_cached
 
 # A missing or malformed source fails the same way on every attempt (DataError covers both).
 NOT_RETRIED = (EndpointAuthError, EndpointRequestError, ConfigError, DataError)

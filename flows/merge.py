@@ -20,8 +20,9 @@ from prefect.artifacts import create_table_artifact
 from aerie.errors import ConfigError, DataError
 from aerie.manifest import StageResult, load_manifest
 from aerie.store import ArtifactStore
-from flows.policy import StagePolicy
-from flows.reporting import artifact_key, image_artifact
+
+from .policy import StagePolicy
+from .reporting import artifact_key, image_artifact
 
 
 def split_rows(manifest: dict[str, Any]) -> list[dict[str, Any]]:

@@ -30,10 +30,11 @@ from aerie.presets import get_preset
 from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import open_store
 from aerie.targets import TargetConfig, TargetInfo, resolve_target
-from flows.extract import extract_flow
-from flows.generate import generate_all
-from flows.reporting import artifact_key, notify_failure
-from flows.stage import run_stage
+
+from .extract import extract_flow
+from .generate import generate_all
+from .reporting import artifact_key, notify_failure
+from .stage import run_stage
 
 
 def pipeline_config(

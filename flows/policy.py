@@ -21,3 +21,9 @@ class StagePolicy:
     not_retried: tuple[type[BaseException], ...] = ()
     # Artifacts beyond the figures table (report tables, plots), from the stage's output in the store.
     report: Callable[[StageResult, ArtifactStore], None] | None = None
+
+
+def default_policy(stage: str) -> StagePolicy:
+    """The policy of a stage whose flow module defines none: named after the stage, never retried (a
+    new stage says what a retry can fix before it gets one), no reports beyond its figures."""
+    return StagePolicy(task=stage, title=f"running {stage}", summary=lambda result: f"{stage}: figures")

@@ -6,8 +6,8 @@ deploy): the library's stage (`aerie.stage`) as a task with its cache key, retri
 The task is cached across runs on the stage's own key plus the store and run (`flows.stagecache`);
 when the stage has work to do (`Stage.needs`: no manifest, or extraction's shards gone while the next
 stage reads them) Prefect's cache is skipped and the library decides what is left to do. Each stage's
-policy (`flows.<stage>.POLICY`) names its task, retries (never for failures a retry cannot fix) and
-reports; the subflow adds a progress artifact, a table of the figures and the stage's reports.
+policy (`flows.<stage>.POLICY`, else `flows.policy.default_policy`) names its task, retries (never for
+failures a retry cannot fix) and reports; the subflow adds a progress artifact, a table of the figures and the stage's reports.
 Generation and the extraction's fan-out over hosts keep their own modules (`flows.generate`,
 `flows.extract`).
 """
@@ -27,11 +27,12 @@ from aerie.progress import ProgressFn
 from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import StoreConfig, open_store
 from aerie.targets import TargetInfo
-from flows import deploy, evaluate, extract, merge, train
-from flows.policy import StagePolicy
-from flows.reporting import artifact_key, notify_failure, prefect_progress, stage_table
-from flows.retrying import retry_unless
-from flows.stagecache import cache_key, run_cached
+
+from . import deploy, evaluate, extract, merge, train
+from .policy import StagePolicy, default_policy
+from .reporting import artifact_key, notify_failure, prefect_progress, stage_table
+from .retrying import retry_unless
+from .stagecache import cache_key, run_cached
 
 POLICIES: dict[str, StagePolicy] = {
     "merge": merge.POLICY,
@@ -41,6 +42,11 @@ POLICIES: dict[str, StagePolicy] = {
     "deploy": deploy.POLICY,
 }
 _BY_NAME: dict[str, Stage] = {stage.name: stage for stage in STAGES}
+
+
+def policy_of(stage: str) -> StagePolicy:
+    """The stage's policy (`flows.<stage>.POLICY`), or the default one for a stage without."""
+    return POLICIES.get(stage) or default_policy(stage)
 
 
 def _context(cfg: PipelineConfig, target: TargetInfo, rebuild_missing: bool = False) -> StageContext:
@@ -59,7 +65,7 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
 def stage_task(
     stage: str, cfg: PipelineConfig, target: TargetInfo, upstream: Upstream, rebuild_missing: bool
 ) -> StageResult:
-    title = POLICIES[stage].title
+    title = policy_of(stage).title
 
     def progress(name: str) -> ProgressFn:
         return prefect_progress(artifact_key(cfg.run, name), title)
@@ -71,7 +77,7 @@ def stage_task(
 
 @task(retries=2, retry_delay_seconds=5)
 def report_task(stage: str, result: StageResult, store_cfg: StoreConfig) -> None:
-    report = POLICIES[stage].report
+    report = policy_of(stage).report
     if report is not None:
         report(result, open_store(store_cfg))
 
@@ -85,7 +91,7 @@ def stage_flow(
     rebuild_missing: bool = False,
 ) -> StageResult:
     """Run one stage (or find it cached); returns its result."""
-    policy, upstream = POLICIES[stage], upstream or Upstream()
+    policy, upstream = policy_of(stage), upstream or Upstream()
     ctx = _context(cfg, target, rebuild_missing)
     runner = stage_task.with_options(
         name=policy.task,

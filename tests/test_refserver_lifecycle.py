@@ -5,8 +5,6 @@ fail before any loading."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
 import signal
 import subprocess
@@ -19,6 +17,7 @@ import httpx
 import pytest
 
 from aerie.engine.server.args import ArgsError, RefServerArgs, parse_args
+from aerie.engine.server.sglang_log import READY_LINE
 from tests.refserver_support import ROOT, RefServer, launch, port_free, port_open
 
 NONCE = "run-lifecycle-0123"
@@ -210,23 +209,15 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
-def _spec_backend_exists() -> bool:
-    if importlib.util.find_spec("aerie.engine.speculative.backend") is None:
-        return False
-    return callable(
-        getattr(importlib.import_module("aerie.engine.speculative.backend"), "create_backend", None)
-    )
-
-
-@pytest.mark.skipif(_spec_backend_exists(), reason="aerie.engine.speculative.backend.create_backend exists")
-def test_speculative_flags_fail_clearly_until_the_backend_exists(smollm2, tmp_path: Path) -> None:
+@pytest.mark.integration
+def test_a_draft_directory_without_a_drafter_fails_the_start_naming_it(smollm2, tmp_path: Path) -> None:
     done = _run_cli(
         "--model-path", smollm2.path, "--speculative-algorithm", "EAGLE3",
         "--speculative-draft-model-path", str(tmp_path), "--speculative-num-steps", "3",
     )  # fmt: skip
-    assert done.returncode == 2
-    assert "speculative mode not available yet" in done.stderr
-    assert "Load weight begin" not in done.stderr  # refused before any loading
+    assert done.returncode == 1
+    assert "Initialization failed" in done.stderr and str(tmp_path / "config.json") in done.stderr
+    assert READY_LINE not in done.stderr
 
 
 @pytest.mark.integration

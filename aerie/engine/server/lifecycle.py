@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
-import importlib.util
 import signal
 import sys
 import threading
@@ -38,12 +36,6 @@ from aerie.engine.server.sglang_log import READY_LINE, avail_mem_gb, logger, set
 from aerie.engine.server.trace import PackTrace
 from aerie.errors import TargetError
 
-SPEC_DECODE_MODULE = "aerie.engine.speculative.backend"
-
-
-class SpeculativeUnavailable(ArgsError):
-    """--speculative-algorithm was given but no speculative backend is installed."""
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -53,8 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging(args.log_level)
         if args.gil_switch_us:
             sys.setswitchinterval(args.gil_switch_us / 1e6)
-        if args.speculative_algorithm:
-            _spec_decode_module()
     except ArgsError as exc:
         logger.error(f"Invalid arguments: {exc}")
         return 2
@@ -81,21 +71,6 @@ def _pack_trace(args: RefServerArgs, device: str) -> PackTrace | None:
 def _exit_during_startup(signum: int, frame: FrameType | None) -> None:
     logger.info(f"Signal {signum} received during startup; exiting.")
     raise SystemExit(0)
-
-
-def _spec_decode_module() -> Any:
-    """The speculative backend's module, or a clear refusal (it is built by the evaluation stage)."""
-    if importlib.util.find_spec(SPEC_DECODE_MODULE) is None:
-        raise SpeculativeUnavailable(
-            f"speculative mode not available yet: --speculative-algorithm needs {SPEC_DECODE_MODULE}, "
-            "which is not installed"
-        )
-    module = importlib.import_module(SPEC_DECODE_MODULE)
-    if not callable(getattr(module, "create_backend", None)):
-        raise SpeculativeUnavailable(
-            f"speculative mode not available yet: {SPEC_DECODE_MODULE} has no create_backend(loaded, args)"
-        )
-    return module
 
 
 def _start(args: RefServerArgs) -> Any:
@@ -164,16 +139,15 @@ def _start(args: RefServerArgs) -> Any:
 
 
 def build_backend(args: RefServerArgs, loaded: Any) -> Any:
-    """The generation backend: EAGLE-3 speculative decoding when asked for, else plain batched decoding.
-
-    Seam for the evaluation stage: `aerie.engine.speculative.backend.create_backend(loaded, args)` returns an
-    object implementing `aerie.engine.generation.GenerationBackend`.
-    """
+    """The generation backend (`aerie.engine.generation.GenerationBackend`): EAGLE-3 speculative
+    decoding when asked for, else the slot or plain batched decoder."""
     from aerie.engine.generation import BatchedDecoder
     from aerie.engine.server import slots
 
     if args.speculative_algorithm:
-        return _spec_decode_module().create_backend(loaded, args)
+        from aerie.engine.speculative.backend import create_backend
+
+        return create_backend(loaded, args)
     supported = slots.supports(loaded.model)
     use_slots = args.decode_backend != "batched" and supported
     covered = f"model types {', '.join(sorted(slots.SUPPORTED_MODEL_TYPES))} without sliding windows"
