@@ -316,3 +316,14 @@ def test_a_kimi_style_target_supervises_every_turns_reasoning_and_the_summary_sa
     assert again["reasoning"]["reasoning_tokens_supervised"] == 0
     assert "none is supervised" in again["reasoning"]["warning"]
     assert "WARNING" in PipelineReport(PipelineConfig(), results=[overridden]).table()
+
+
+def test_every_reasoning_shape_an_endpoint_returns_is_read():
+    from aerie.generate.client import message_reasoning
+
+    assert message_reasoning({"content": "A", "reasoning_content": "R"}) == "R"
+    assert message_reasoning({"content": "A", "reasoning": "R"}) == "R"
+    details = [{"type": "reasoning.text", "text": "R1 "}, {"type": "reasoning.summary", "summary": "R2"}]
+    assert message_reasoning({"content": "A", "reasoning_details": details}) == "R1 R2"
+    assert message_reasoning({"content": "A", "reasoning_details": [{"type": "reasoning.encrypted"}]}) is None
+    assert message_reasoning({"content": "A"}) is None

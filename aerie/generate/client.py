@@ -309,7 +309,7 @@ class ChatClient:
             choice = choices[0]
             message = choice.get("message") or {}
             content = message.get("content") or ""
-            reasoning = message.get("reasoning_content") or message.get("reasoning") or None
+            reasoning = message_reasoning(message)
             finish = choice.get("finish_reason") or "unknown"
             usage = data.get("usage") or {}
             cost = usage.get("cost")
@@ -334,6 +334,19 @@ class ChatClient:
 
     def _scrub(self, text: str) -> str:
         return text.replace(self._api_key, "***") if self._api_key else text
+
+
+def message_reasoning(message: dict[str, Any]) -> Any:
+    """A response message's reasoning in any of the shapes endpoints use: `reasoning_content` (SGLang,
+    vLLM), `reasoning` (OpenRouter), or OpenRouter's `reasoning_details` parts (`text`, else `summary`)."""
+    found = message.get("reasoning_content") or message.get("reasoning")
+    if found:
+        return found
+    details = message.get("reasoning_details")
+    if isinstance(details, list):
+        parts = [d.get("text") or d.get("summary") for d in details if isinstance(d, dict)]
+        return "".join(p for p in parts if isinstance(p, str)) or None
+    return None
 
 
 def _names_context(detail: str) -> bool:
