@@ -27,8 +27,31 @@ def _cmd_presets(_: argparse.Namespace) -> int:
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    print(to_yaml(load_config(args.preset, args.overrides)), end="")
+    cfg = load_config(args.preset, args.overrides)
+    print(to_yaml(cfg), end="")
+    print("\n".join(_drafter_shape_lines(cfg)))
     return 0
+
+
+def _drafter_shape_lines(cfg: PipelineConfig) -> list[str]:
+    """YAML comments: the draft layer `train.draft` resolves to for this target, where its geometry is
+    on this machine (the same code the train stage and the planner resolve it with)."""
+    from aerie.targets import geometry_for
+
+    found = geometry_for(cfg.target)
+    if found is None:
+        return [f"# train.draft: resolved when the target {cfg.target.name} is on this machine"]
+    geometry, source = found
+    shape = cfg.train.draft.resolve(geometry)
+    att = geometry.attention
+    scaling = shape.rope.scaling or {}
+    return [
+        f"# target {cfg.target.name} ({source}): {geometry.num_layers} layers, hidden {geometry.hidden_size}, "
+        f"{att.kind} attention of {att.num_heads} heads, vocab {geometry.vocab_size}",
+        f"# train.draft resolves to: {shape.num_heads} heads, {shape.num_kv_heads} kv heads, head_dim "
+        f"{shape.head_dim}, intermediate {shape.intermediate_size}, rope_theta {shape.rope.theta:g}"
+        + (f", {scaling['rope_type']} x{scaling.get('factor', 1):g}" if scaling else ""),
+    ]
 
 
 # Runs the pipeline through an orchestrator and returns its summary (`flows.cli` passes Prefect's).

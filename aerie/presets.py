@@ -129,7 +129,7 @@ def smollm2_gpu() -> PipelineConfig:
     # with the 32K vocabulary (89.7M tokens, ~670 s): MT-Bench 3.10, held-out 4.11, the pipeline about
     # 27.5 GPU minutes.
     cfg.train.epochs = 6
-    cfg.train.draft_intermediate_size = 4608
+    cfg.train.draft.intermediate_size = 4608
     cfg.train.lr = 1e-3
     cfg.train.init_head_from_target = True
     cfg.train.batch_tokens = 32768
@@ -182,6 +182,11 @@ def kimi_k25_8gpu() -> PipelineConfig:
     _on_cuda(cfg)
     _gpu_extraction(cfg)
     cfg.train.num_gpus = 8
+    # The draft layer: the default for an MLA target (64 heads, 64 K/V heads of 128, the target's YaRN
+    # RoPE: aerie.targets.TargetGeometry.default_drafter) with the MLP of TorchSpec's Kimi-K2.5 drafter,
+    # configs/draft_models/kimi_k25_eagle3.json (lightseekorg/kimi-k2.5-eagle3: MT-Bench accept length 2.69
+    # served by SGLang at 3 steps), 12288 where SpecForge's kimi-k25-eagle3.json keeps the dense 18432.
+    cfg.train.draft.intermediate_size = 12288
     cfg.train.epochs = 10
     cfg.train.lr = 5e-5
     cfg.train.batch_tokens = 16384

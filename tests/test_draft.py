@@ -15,6 +15,7 @@ from aerie.draft.model import DraftConfig, DraftKVCache, Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
 from aerie.draft.vocab import build_vocab_map, counts_from_table, coverage_by_size
 from aerie.errors import DataError, TargetError
+from aerie.train.config import DraftShapeConfig
 from tests.train_support import tiny_target
 
 CFG = DraftConfig(
@@ -258,14 +259,17 @@ def test_load_refuses_a_drafter_for_another_target(tmp_path, smollm2) -> None:
         load_drafter(out, smollm2)
 
 
-def test_a_wider_draft_mlp_is_exported_and_loaded(tmp_path) -> None:
+def test_a_draft_shape_of_its_own_is_exported_and_loaded(tmp_path) -> None:
     target, _ = tiny_target(tmp_path)
-    drafter = Eagle3Drafter(draft_config_for(target, 64, intermediate_size=3 * target.intermediate_size),
-                            load_embedding(target))  # fmt: skip
-    out = export_drafter(drafter, tmp_path / "drafter", target)
-    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 3 * target.intermediate_size
-    loaded = load_drafter(out, target, dtype=torch.float32)
-    assert tuple(loaded.midlayer.mlp.up_proj.weight.shape) == (
-        3 * target.intermediate_size,
-        target.hidden_size,
+    wide = 3 * target.intermediate_size
+    shape = DraftShapeConfig(num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=wide)
+    drafter = Eagle3Drafter(
+        draft_config_for(target, 64, shape.resolve(target.geometry)), load_embedding(target)
     )
+    out = export_drafter(drafter, tmp_path / "drafter", target)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 16)
+    assert config["intermediate_size"] == wide and config["hidden_size"] == target.hidden_size
+    loaded = load_drafter(out, target, dtype=torch.float32)
+    assert tuple(loaded.midlayer.mlp.up_proj.weight.shape) == (wide, target.hidden_size)
+    assert tuple(loaded.midlayer.self_attn.k_proj.weight.shape) == (16, 2 * target.hidden_size)

@@ -19,7 +19,7 @@ from aerie.draft.vocab import build_vocab_map
 from aerie.errors import DataError
 from aerie.store import StoreConfig, open_store
 from aerie.train import fused, objective, stage
-from aerie.train.config import TrainConfig
+from aerie.train.config import DraftShapeConfig, TrainConfig
 from aerie.train.data import PAD_DOC, Batch, BatchReader, EpochPlans, SampleIndex, plan_epoch
 from aerie.train.distributed import DistInfo
 from aerie.train.loop import TrainSpec, _indices, run_training
@@ -473,7 +473,7 @@ def test_stage_on_s3_downloads_shards_and_uploads_everything(tiny, tmp_path, s3_
     store = open_store(s3_config)
     up = make_upstream(tmp_path, target, train, held, store=store)
     # A draft MLP narrower than the target's (128): the exported drafter must carry its own width.
-    cfg = small_cfg(epochs=2, cache_dir=str(tmp_path / "cache"), draft_intermediate_size=96)
+    cfg = small_cfg(epochs=2, cache_dir=str(tmp_path / "cache"), draft=DraftShapeConfig(intermediate_size=96))
     result = stage.run(cfg, store=store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
     cached = sorted(p.name for p in (tmp_path / "cache" / "shards").rglob("*.safetensors"))
     assert cached == ["shard-00000.safetensors", "shard-00000.safetensors"]  # one train, one eval

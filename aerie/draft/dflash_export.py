@@ -26,7 +26,7 @@ from aerie.draft.dflash import DFlashConfig, DFlashDrafter
 from aerie.draft.export import CONFIG, PROVENANCE, WEIGHTS, draft_config_for, load_exported
 from aerie.draft.target_weights import load_embedding, load_lm_head
 from aerie.errors import TargetError
-from aerie.targets import TargetInfo
+from aerie.targets import DrafterShape, TargetInfo
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -80,12 +80,12 @@ def dflash_config_for(
     block_size: int,
     num_layers: int,
     mask_token_id: int | None,
-    intermediate_size: int | None = None,
+    shape: DrafterShape | None = None,
 ) -> DFlashConfig:
-    """The drafter geometry for a target: its attention shape, its vocabulary, its RoPE (as EAGLE-3's
-    `draft_config_for` derives them from the `TargetInfo`), and the block."""
+    """The drafter geometry for a target: the draft layers' `shape` (None = the target's default), its
+    vocabulary and hidden size (as EAGLE-3's `draft_config_for` derives them), and the block."""
     return DFlashConfig.of(
-        draft_config_for(target, target.vocab_size, intermediate_size),
+        draft_config_for(target, target.vocab_size, shape),
         mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
         num_target_layers=target.num_layers,
         target_layer_ids=tuple(target_layer_ids),

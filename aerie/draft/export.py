@@ -26,7 +26,7 @@ from torch import Tensor
 from aerie.draft.model import DraftConfig, Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
 from aerie.errors import TargetError
-from aerie.targets import TargetInfo
+from aerie.targets import DrafterShape, TargetInfo
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -57,21 +57,23 @@ EXPORT_KEYS: dict[str, Any] = {
 
 
 def draft_config_for(
-    target: TargetInfo, draft_vocab_size: int, intermediate_size: int | None = None
+    target: TargetInfo, draft_vocab_size: int, shape: DrafterShape | None = None
 ) -> DraftConfig:
-    """The drafter geometry for a target: one Llama layer with the target's attention shape. The MLP
-    width is free (SGLang reads it from the drafter's own config.json); None takes the target's."""
+    """The drafter for a target: one Llama layer of `shape` (None = the target's default,
+    `TargetGeometry.default_drafter`) on the target's hidden size, vocab, norm eps and context length.
+    SGLang reads every field of the shape from the drafter's own config.json."""
+    shape = shape or target.geometry.default_drafter()
     return DraftConfig(
         hidden_size=target.hidden_size,
-        intermediate_size=intermediate_size or target.intermediate_size,
-        num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads,
-        head_dim=target.head_dim,
+        intermediate_size=shape.intermediate_size,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
         vocab_size=target.vocab_size,
         draft_vocab_size=min(draft_vocab_size, target.vocab_size),
         rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope_theta,
-        rope_scaling=target.rope_scaling,
+        rope_theta=shape.rope.theta,
+        rope_scaling=shape.rope.scaling,
         max_position_embeddings=target.max_position_embeddings,
         aux_layer_ids=tuple(target.aux_layers_output),
     )

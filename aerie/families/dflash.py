@@ -60,8 +60,8 @@ def spread_layers(num_layers: int, count: int) -> list[int]:
 def _params(settings: DFlashSettings, train: TrainConfig, target: TargetShape) -> int:
     """fc over its k layers and its decoder layers (norms left out: a few H each); the embedding and
     head are the target's."""
-    h, inter = target.hidden_size, train.draft_intermediate_size or target.intermediate_size
-    heads, kv, hd = target.num_attention_heads, target.num_key_value_heads, target.head_dim
+    h, shape = target.hidden_size, train.draft.resolve(target.geometry)
+    inter, heads, kv, hd = shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
     attention = h * (heads + 2 * kv) * hd + heads * hd * h
     return settings.num_target_layers * h * h + settings.num_layers * (attention + 3 * h * inter)
 

@@ -27,8 +27,8 @@ def eagle3_layers(num_layers: int, count: int = 3) -> list[int]:
 
 def _params(settings: Eagle3Settings, train: TrainConfig, target: TargetShape) -> int:
     """fc, one decoder layer (its q/k/v read embeddings and hidden states together), the draft lm_head."""
-    h, inter = target.hidden_size, train.draft_intermediate_size or target.intermediate_size
-    heads, kv, hd = target.num_attention_heads, target.num_key_value_heads, target.head_dim
+    h, shape = target.hidden_size, train.draft.resolve(target.geometry)
+    inter, heads, kv, hd = shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
     attention = 2 * h * (heads + 2 * kv) * hd + heads * hd * h
     return 3 * h * h + attention + 3 * h * inter + h * min(train.draft_vocab_size, target.vocab_size)
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from aerie.engine.speculative.decoder import Proposer
-    from aerie.targets import TargetInfo
+    from aerie.targets import TargetGeometry, TargetInfo
     from aerie.train.config import TrainConfig
     from aerie.train.loop import Objective
 
@@ -60,6 +60,8 @@ class TargetShape(Protocol):
     def head_dim(self) -> int: ...
     @property
     def vocab_size(self) -> int: ...
+    @property
+    def geometry(self) -> TargetGeometry: ...
 
 
 class Exporter(Protocol):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from aerie.errors import ConfigError, TargetError
-from aerie.targets import TargetConfig
+from aerie.targets import TargetConfig, TargetGeometry, geometry_of
 
 DATA = Path(__file__).parent / "data"
 
@@ -22,21 +22,55 @@ def _data(name: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TargetFacts:
-    """The target's sizes the estimates need."""
+    """The target the estimates are for: its geometry (from its config.json, the one `aerie.targets`
+    reads for the stages) and what the geometry cannot say: its checkpoint's bytes."""
 
     name: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    active_params: float
+    geometry: TargetGeometry
     weight_bytes: float
     source: str
     tokenizer_path: str | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.geometry.hidden_size
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.geometry.intermediate_size
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.geometry.attention.num_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.geometry.attention.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.geometry.attention.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.geometry.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.geometry.max_position_embeddings
+
+    @property
+    def active_params(self) -> float:
+        """Weights one token runs through (MoE: its active and shared experts), from the geometry."""
+        return float(self.geometry.params()[1])
+
+    @property
+    def total_params(self) -> float:
+        return float(self.geometry.params()[0])
 
 
 @dataclass(frozen=True)
@@ -54,39 +88,30 @@ def _known(name: str) -> dict[str, Any] | None:
 
 
 def target_facts(cfg: TargetConfig) -> TargetFacts:
-    """The target's facts: from its own config when it resolves on this machine (no download, no
-    torch), else from the planner's table of known targets."""
-    from aerie.targets import resolve_target
+    """The target's facts: from its own directory when it resolves on this machine (no download, no
+    torch), else from the config.json aerie ships for the targets the planner knows
+    (`aerie/known_targets`) and the checkpoint bytes in `data/targets.json`."""
+    from aerie.targets import known_target_dir, resolve_target
 
     try:
         info = resolve_target(cfg)
     except TargetError:
-        known = _known(cfg.name)
-        if known is None:
+        known, folder = _known(cfg.name), known_target_dir(cfg.name)
+        if known is None or folder is None:
             raise ConfigError(
                 f"target {cfg.name!r} is not on this machine and not among the targets the planner knows "
                 f"({', '.join(_data('targets.json')['targets'])}): put it in the local HF cache first"
             ) from None
-        fields = {k: v for k, v in known.items() if k in TargetFacts.__dataclass_fields__}
         return TargetFacts(
-            name=cfg.name, source="the planner's table (aerie/plan/data/targets.json)", **fields
+            name=cfg.name,
+            geometry=geometry_of(folder),
+            weight_bytes=float(known["weight_bytes"]),
+            source=f"the config aerie ships ({folder.name}/config.json) and data/targets.json",
         )
-    # Parameters from the weights' bytes where the table does not know the target: 2 bytes each, as
-    # the embedded bf16 conversion and most HF checkpoints store them.
-    known = _known(cfg.name)
-    params = known["active_params"] if known else info.size_bytes / 2
     tokenizer = Path(info.path) / "tokenizer.json"
     return TargetFacts(
         name=info.name,
-        num_layers=info.num_layers,
-        hidden_size=info.hidden_size,
-        intermediate_size=info.intermediate_size,
-        num_attention_heads=info.num_attention_heads,
-        num_key_value_heads=info.num_key_value_heads,
-        head_dim=info.head_dim,
-        vocab_size=info.vocab_size,
-        max_position_embeddings=info.max_position_embeddings,
-        active_params=float(params),
+        geometry=info.geometry,
         weight_bytes=float(info.size_bytes),
         source=f"its config at {info.path}",
         tokenizer_path=str(tokenizer) if tokenizer.is_file() else None,

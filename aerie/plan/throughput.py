@@ -58,8 +58,10 @@ def train_flops_per_token(
 
 
 def prefill_flops_per_token(target: TargetFacts, seq_len: int) -> float:
-    """2 x active parameters, plus attention over ~seq/2 keys in every layer."""
-    attention = 4 * target.num_layers * target.num_attention_heads * target.head_dim * seq_len / 2
+    """2 x active parameters, plus attention over ~seq/2 keys in every layer: q.k over the query/key
+    width and p.v over the value width of each head (MLA: 192 and 128)."""
+    att = target.geometry.attention
+    attention = 2 * target.num_layers * att.num_heads * (att.head_dim + att.v_head_dim) * seq_len / 2
     return 2 * target.active_params + attention
 
 
@@ -337,12 +339,13 @@ def _extract(m: Model, sizes: Sizes) -> StageEstimate:
 
 def _draft_flops(m: Model, seq_len: int) -> float:
     t, train = m.target, m.cfg.train
+    shape = train.draft.resolve(t.geometry)
     return train_flops_per_token(
         t.hidden_size,
-        t.num_attention_heads,
-        t.num_key_value_heads,
-        t.head_dim,
-        train.draft_intermediate_size or t.intermediate_size,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.intermediate_size,
         min(train.draft_vocab_size, t.vocab_size),
         seq_len,
         train.ttt_length,

@@ -2,12 +2,70 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
 from aerie.families import DrafterSection, default_settings, family_of
+from aerie.targets import DrafterShape, RopeGeometry, TargetGeometry
+
+
+class DraftShapeConfig(StrictModel):
+    """The draft decoder layer's shape. Each field left None takes the target's default
+    (`aerie.targets.TargetGeometry.default_drafter`: the target's attention for a dense or GQA target,
+    the public Kimi drafters' shape for an MLA one); the hidden size and vocab are always the target's."""
+
+    num_heads: int | None = Field(None, ge=1, description="Query heads; None = the target's.")
+    num_kv_heads: int | None = Field(
+        None, ge=1, description="K/V heads (divides num_heads); None = the target's (MLA: one per head)."
+    )
+    head_dim: int | None = Field(
+        None, ge=2, description="Width of one head; None = the target's (MLA: its v_head_dim)."
+    )
+    intermediate_size: int | None = Field(
+        None, ge=1, description="MLP width; None = the target's dense MLP's (MoE: its dense layers')."
+    )
+    rope_theta: float | None = Field(None, gt=0, description="RoPE base; None = the target's.")
+    rope_scaling: dict[str, Any] | Literal["none"] | None = Field(
+        None,
+        description="RoPE scaling with its rope_type (yarn, llama3, linear, ...); none = unscaled; "
+        "None = the target's.",
+    )
+
+    def resolve(self, geometry: TargetGeometry) -> DrafterShape:
+        """The shape for this target: the fields set here over the target's defaults."""
+        base = geometry.default_drafter()
+        scaling = base.rope.scaling if self.rope_scaling is None else self.rope_scaling
+        shape = DrafterShape(
+            num_heads=self.num_heads or base.num_heads,
+            num_kv_heads=self.num_kv_heads or base.num_kv_heads,
+            head_dim=self.head_dim or base.head_dim,
+            intermediate_size=self.intermediate_size or base.intermediate_size,
+            rope=RopeGeometry(
+                theta=self.rope_theta or base.rope.theta, scaling=None if scaling == "none" else scaling
+            ),
+        )
+        if shape.num_heads % shape.num_kv_heads:
+            raise ValueError(
+                f"train.draft: num_heads {shape.num_heads} is not a multiple of num_kv_heads "
+                f"{shape.num_kv_heads} (for target {geometry.architecture})"
+            )
+        if shape.head_dim % 2:
+            raise ValueError(f"train.draft.head_dim {shape.head_dim} must be even (RoPE rotates pairs)")
+        return shape
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> DraftShapeConfig:
+        if self.num_heads and self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"train.draft.num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if isinstance(self.rope_scaling, dict) and not (
+            self.rope_scaling.get("rope_type") or self.rope_scaling.get("type")
+        ):
+            raise ValueError("train.draft.rope_scaling needs its rope_type (yarn, llama3, linear, ...)")
+        return self
 
 
 class TrainConfig(StrictModel):
@@ -21,8 +79,8 @@ class TrainConfig(StrictModel):
     )
 
     draft_vocab_size: int = Field(32000, ge=16, description="Draft vocabulary size (capped at the target's).")
-    draft_intermediate_size: int | None = Field(
-        None, ge=1, description="MLP width of the draft layer; None = the target's intermediate size."
+    draft: DraftShapeConfig = Field(
+        default_factory=DraftShapeConfig, description="The draft layer's shape (defaults: the target's)."
     )
     ttt_length: int = Field(7, ge=1, description="Training-time-test unroll steps.")
     step_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of step k is step_decay**k.")

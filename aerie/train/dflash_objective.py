@@ -173,7 +173,7 @@ class DFlashObjective:
             block_size=self.block.block_size,
             num_layers=self.block.num_layers,
             mask_token_id=self.block.mask_token_id,
-            intermediate_size=self.cfg.draft_intermediate_size,
+            shape=self.cfg.draft.resolve(target.geometry),
         )
         return DFlashDrafter(config, load_embedding(target, dtype), load_lm_head(target, dtype))
 

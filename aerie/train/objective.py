@@ -307,7 +307,7 @@ class Eagle3Objective:
         self, target: TargetInfo, draft_vocab_size: int, dtype: torch.dtype = torch.float32
     ) -> Eagle3Drafter:
         """A fresh drafter for `target` (seed first for reproducible weights)."""
-        draft_cfg = draft_config_for(target, draft_vocab_size, self.cfg.draft_intermediate_size)
+        draft_cfg = draft_config_for(target, draft_vocab_size, self.cfg.draft.resolve(target.geometry))
         return Eagle3Drafter(draft_cfg, load_embedding(target, dtype))
 
     def build(

@@ -143,7 +143,7 @@ sglang_result = None
 
 def train_drafter(target, store, corpus, shards, work: Path, out: Path, args) -> None:
     """aerie's train stage on the SGLang shards (the preset smollm2-gpu's training settings, fewer epochs)."""
-    from aerie.train.config import TrainConfig
+    from aerie.train.config import DraftShapeConfig, TrainConfig
     from aerie.train.stage import run as run_train
 
     t = time.perf_counter()
@@ -151,7 +151,7 @@ def train_drafter(target, store, corpus, shards, work: Path, out: Path, args) ->
         tcfg = TrainConfig(
             device=args.train_device,
             draft_vocab_size=32768,
-            draft_intermediate_size=4608,
+            draft=DraftShapeConfig(intermediate_size=4608),
             lr=1e-3,
             init_head_from_target=True,
             batch_tokens=32768,
