@@ -327,3 +327,15 @@ def test_every_reasoning_shape_an_endpoint_returns_is_read():
     assert message_reasoning({"content": "A", "reasoning_details": details}) == "R1 R2"
     assert message_reasoning({"content": "A", "reasoning_details": [{"type": "reasoning.encrypted"}]}) is None
     assert message_reasoning({"content": "A"}) is None
+
+
+def test_sglang_generation_is_launched_with_the_targets_reasoning_parser(tmp_path, smollm2):
+    from aerie.generate.entry import reasoning_args
+
+    thinking = target_with_template(smollm2, QWEN3, THINK_TAGS, tmp_path / "qwen3-like")
+    sglang = PipelineConfig().model_copy(
+        update={"server": PipelineConfig().server.model_copy(update={"backend": "sglang"})}
+    )
+    assert reasoning_args(sglang, thinking) == ["--reasoning-parser", "qwen3"]
+    assert reasoning_args(sglang, smollm2) == []  # its template writes no think block
+    assert reasoning_args(PipelineConfig(), thinking) == []  # the reference server takes no such flag

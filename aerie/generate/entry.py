@@ -42,9 +42,27 @@ def generation_spec(cfg: PipelineConfig, target: TargetInfo) -> ServerSpec:
         model_path=target.path,
         mode="serve",
         name=f"{cfg.server.backend}-generate",
-        extra_args=cfg.generate.endpoint.launch_args,
+        extra_args=reasoning_args(cfg, target) + list(cfg.generate.endpoint.launch_args),
         trust_remote_code=target.trust_remote_code,
     )
+
+
+def reasoning_args(cfg: PipelineConfig, target: TargetInfo) -> list[str]:
+    """SGLang's `--reasoning-parser` for a thinking target, so answers come back with their reasoning
+    in `reasoning_content` (the corpus parses by the same name); none when the launch names one."""
+    from pathlib import Path
+
+    from aerie.reasoning import parser_for
+
+    given = cfg.generate.endpoint.launch_args + cfg.server.extra_args
+    if cfg.server.backend != "sglang" or any(a.split("=", 1)[0] == "--reasoning-parser" for a in given):
+        return []
+    override = cfg.corpus.chat_template
+    template = (
+        Path(override).expanduser().read_text() if override else target.load_tokenizer().get_chat_template()
+    )
+    parser = parser_for(target.architecture, str(template), cfg.corpus.reasoning_parser)
+    return ["--reasoning-parser", parser.name] if parser is not None else []
 
 
 @contextlib.contextmanager
