@@ -219,9 +219,28 @@ def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig
     return validate(data, where=f"overrides {' '.join(overrides)}")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice: lines {first[key]} and {line}",
+                    key_node.start_mark,
+                )
+            first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> PipelineConfig:
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     if not isinstance(data, dict):
