@@ -26,7 +26,12 @@ MIB = 1 << 20
 class StoreConfig(StrictModel):
     """Where artifacts go: a local directory or `s3://bucket/prefix`."""
 
-    uri: str = Field("./artifacts", description="Root: a local directory or s3://bucket/prefix.")
+    uri: str = Field(
+        "./artifacts",
+        pattern=r"\S",
+        description="Root: a local directory or s3://bucket/prefix (an empty one is refused: it would "
+        "write into whatever directory the command runs in).",
+    )
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint for MinIO/moto; None = AWS.")
     s3_region: str | None = Field(None, description="S3 region; None = boto3's default.")
     multipart_chunk_mb: int = Field(64, ge=5, description="Multipart upload part size (MiB).")

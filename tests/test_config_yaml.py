@@ -22,3 +22,10 @@ def test_the_same_key_in_two_sections_is_fine(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text("run: first\ntrain:\n  epochs: 2\n")
     assert load_yaml(path).train.epochs == 2
+
+
+def test_an_empty_store_uri_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("store:\n  uri: ''\n")
+    with pytest.raises(ConfigError, match=r"store.uri"):
+        load_yaml(path)

@@ -512,6 +512,9 @@ def _finish(
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "cost_usd": round(sum(costs), 6) if costs else None,
+        # Some answers priced, some not: the sum is a lower bound, and says so.
+        "cost_usd_partial": bool(costs) and len(costs) < rows,
+        "unpriced": rows - len(costs) if costs else 0,
         "truncated": truncated,
         "requests_per_s": throughput["this_run"]["requests_per_s"],
         "tokens_per_s": throughput["completion_tokens_per_s"],
