@@ -110,17 +110,17 @@ def parser_for(architecture: str, chat_template: str, setting: str = "auto") -> 
     if setting != "auto":
         return parser_named(setting)
     name = None
-    for prefix, parser in _BY_ARCHITECTURE:
+    for prefix, family in _BY_ARCHITECTURE:
         if architecture.startswith(prefix):
-            name = parser
+            name = family
     if name == "deepseek-r1" and _KIMI_MARKER in chat_template:
         name = "kimi_k2"
     if name is None and _THINK[1] in chat_template:
         name = "qwen3"
     if name is None:
         return None
-    parser = PARSERS[name]
-    return parser if parser.end in chat_template else None
+    found = PARSERS[name]
+    return found if found.end in chat_template else None
 
 
 def reasoning_line(figures: dict[str, Any]) -> str | None:
