@@ -7,7 +7,9 @@ against a plain transformers forward."""
 
 from __future__ import annotations
 
+import json
 import random
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +22,11 @@ from aerie.engine.server.extraction import HiddenStateCapture
 from aerie.engine.server.loader import attention_implementation
 from aerie.engine.server.packed import make_pack, refusal
 from aerie.engine.speculative.decoder import SpecDecoder, TargetCache, greedy_reference
-from tests.tiny_targets import ARCHITECTURES, tiny_config, tiny_model
+from aerie.errors import ConfigError
+from aerie.serving import ServerConfig
+from aerie.serving.spec import spec_for
+from aerie.sglang_plugin.compat import default_config_fields
+from tests.tiny_targets import ARCHITECTURES, MLA, tiny_config, tiny_model
 
 VOCAB = 512
 MAX_NEW = 120  # with 8 slots a round and ~2.75 accepted, holes dominate after ~45 rounds
@@ -160,3 +166,35 @@ def test_hidden_state_capture_matches_a_plain_forward(model):
             torch.testing.assert_close(aux[start:end], want, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(last[start:end], out.hidden_states[-1][0], atol=1e-4, rtol=1e-4)
             start = end
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_sglang_on_the_cpu_refuses_mla_targets_naming_its_limitation(arch: str, tmp_path) -> None:
+    """Before any launch: an MLA target (DeepSeek-V3, Kimi) is refused for SGLang on the CPU with the
+    ways that work; every other architecture gets its launch."""
+    tiny_config(arch, VOCAB).save_pretrained(tmp_path)
+    cfg = ServerConfig(backend="sglang", device="cpu", python=sys.executable)
+    if arch in MLA:
+        with pytest.raises(
+            ConfigError, match=r"MLA attention .* SGLang 0.5.23 does not support on the CPU"
+        ) as err:
+            spec_for(cfg, model_path=str(tmp_path), mode="extract")
+        assert "server.backend=reference" in str(err.value)
+    else:
+        assert spec_for(cfg, model_path=str(tmp_path), mode="extract").model_path == str(tmp_path)
+    # On a GPU SGLang runs MLA: no refusal there.
+    spec_for(cfg.model_copy(update={"device": "cuda"}), model_path=str(tmp_path), mode="extract")
+
+
+def test_sglang_gets_the_deepseek_config_field_transformers_does_not_write(tmp_path) -> None:
+    """SGLang 0.5.23 reads `moe_layer_freq` from a DeepSeek-V3 config; transformers writes none. The
+    plugin gives the config class a default; a config.json that has the field keeps its value."""
+    from transformers import AutoConfig
+
+    tiny_config("deepseek_v3", VOCAB).save_pretrained(tmp_path)
+    assert "moe_layer_freq" not in (tmp_path / "config.json").read_text()
+    default_config_fields()
+    assert AutoConfig.from_pretrained(tmp_path).moe_layer_freq == 1
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "moe_layer_freq": 2}))
+    assert AutoConfig.from_pretrained(tmp_path).moe_layer_freq == 2

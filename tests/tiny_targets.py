@@ -1,6 +1,6 @@
 """Tiny random-weight targets of every architecture aerie handles, built in the tests with transformers
 (seeded, saved with `save_pretrained`): Llama-3, Qwen3, Qwen3-MoE, DeepSeek-V3, a Kimi-shaped one
-(DeepSeek-V3 backbone, Kimi's tiktoken tokenizer as its own code, a K2.5-style thinking template) and
+(DeepSeek-V3 backbone, Kimi's tiktoken tokenizer as its own code, the K2.5-style thinking template of tests/fixtures/chat_templates) and
 GPT-OSS. Each keeps what makes its architecture itself at toy sizes: Qwen3's head_dim != hidden/heads,
 MoE routing, MLA's latent and rope key of different widths, GPT-OSS's attention sinks and sliding
 layers, Llama-3's and YaRN's RoPE scaling. Import-side-effect free.
@@ -73,21 +73,9 @@ KIMI_SPECIALS = {
     254: "[UNK]",
     255: "[PAD]",
 }
-# A K2.5-style template: turns as <|im_role|>role<|im_middle|>...<|im_end|>; history assistant turns keep
-# an empty <think></think>, the last one its reasoning; the generation prompt opens <think>.
-KIMI_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'system' -%}<|im_system|>system<|im_middle|>{{ message.content }}<|im_end|>"
-    "{%- elif message.role == 'user' -%}<|im_user|>user<|im_middle|>{{ message.content }}<|im_end|>"
-    "{%- elif message.role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if loop.last and message.reasoning_content -%}<think>{{ message.reasoning_content }}</think>"
-    "{%- else -%}<think></think>{%- endif -%}{{ message.content }}<|im_end|>"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
-    "{%- endif -%}"
-)
+# The K2.5-style chat template written for aerie's tests (turns as <|im_role|>role<|im_middle|>...<|im_end|>,
+# finished assistant turns with an empty <think></think>, the generation prompt opening <think>).
+KIMI_TEMPLATE = Path(__file__).resolve().parent / "fixtures" / "chat_templates" / "kimi_k25.jinja"
 # The byte-pair merges are learned from this text (and the pipeline prompts tokenize to a few hundred
 # ids, not one per byte).
 _BPE_TEXT = (
@@ -279,5 +267,5 @@ def write_kimi_tokenizer(out: Path) -> tuple[int, int]:
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    (out / "chat_template.jinja").write_text(KIMI_TEMPLATE)
+    shutil.copy(KIMI_TEMPLATE, out / "chat_template.jinja")
     return base + 256, base + 2

@@ -8,6 +8,7 @@ printed, tested and launched.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -302,6 +303,28 @@ def _container_volumes(
     return volumes, read_only
 
 
+def refuse_mla_on_cpu(model_path: str) -> None:
+    """SGLang 0.5.23's CPU path has no MLA attention of its own: without Intel AMX and sgl_kernel a
+    DeepSeek-V3-style model (Kimi's backbone) takes another backend's handler; its hidden states did
+    not match a transformers forward. Refuse before a launch, naming the ways that work."""
+    config = Path(model_path).expanduser() / "config.json"
+    if not config.is_file():
+        return
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return  # the server names what is wrong with it
+    text = raw.get("text_config") or raw
+    if text.get("kv_lora_rank") is None:
+        return
+    arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
+    raise ConfigError(
+        f"{model_path}: {arch} uses MLA attention (kv_lora_rank {text['kv_lora_rank']}), which SGLang "
+        "0.5.23 does not support on the CPU (its CPU MLA paths need Intel AMX and sgl_kernel). Use "
+        "server.backend=reference on the CPU, or SGLang on a GPU (server.device=cuda)"
+    )
+
+
 def spec_for(
     cfg: ServerConfig,
     *,
@@ -366,6 +389,8 @@ def spec_for(
             command += speculative.to_args()
         server_module = module or REFERENCE_MODULE
     else:
+        if cfg.device == "cpu":
+            refuse_mla_on_cpu(model_path)
         server_module = module or (
             cfg.sglang_extract_module if mode == "extract" else cfg.sglang_serve_module
         )

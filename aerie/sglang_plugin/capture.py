@@ -32,7 +32,12 @@ from typing import Any
 
 import torch
 
-from aerie.sglang_plugin.compat import ATTACH_POINTS, check_sglang_version, installed_sglang_version
+from aerie.sglang_plugin.compat import (
+    ATTACH_POINTS,
+    check_sglang_version,
+    default_config_fields,
+    installed_sglang_version,
+)
 from aerie.sglang_plugin.dumps import PLUGIN_ERROR_FILE, DumpWriter, split_packed, valid_rid
 
 logger = logging.getLogger("aerie.sglang_plugin")
@@ -220,6 +225,7 @@ def install() -> None:
         return
     try:
         check_sglang_version(installed_sglang_version())
+        default_config_fields()
         _patch(Path(dump_dir))
         _installed = True
     except Exception as exc:

@@ -51,3 +51,14 @@ def check_sglang_version(version: str | None, environ: dict[str, str] | None = N
         f"Use the pinned image (docker/sglang-extract.Dockerfile), or set {ALLOW_UNTESTED_ENV}=1 to try "
         "anyway (the extraction canary then checks the hidden states)"
     )
+
+
+def default_config_fields() -> None:
+    """Fields SGLang 0.5.23 reads from a DeepSeek-V3 config that transformers does not write:
+    `moe_layer_freq` (every layer past `first_k_dense_replace` is MoE: 1, what DeepSeek's own config
+    says). Set as a class default of transformers' config, so a config.json that has the field keeps
+    its value and the user's files are never edited."""
+    from transformers import DeepseekV3Config
+
+    if not hasattr(DeepseekV3Config, "moe_layer_freq"):
+        DeepseekV3Config.moe_layer_freq = 1  # type: ignore[attr-defined]
