@@ -105,8 +105,8 @@ def smollm2_gpu() -> PipelineConfig:
         launch_args=["--cuda-graphs", "--max-running-requests", str(GENERATE_RUNNING)],
     )
     # The first three user turns of every conversation: 2.4x the tokens of the first turn alone (15.1M vs
-    # 6.2M), MT-Bench acceptance 2.54 vs 2.12 at 7 steps, and the whole pipeline about 20 GPU minutes
-    # (generation 450 s with CUDA graphs). All turns would roughly double generation and training.
+    # 6.2M) and MT-Bench acceptance 2.54 vs 2.12 at 7 steps; generation took 514 s in one call with CUDA
+    # graphs (benchmarks/results/h200-pipeline.json). All turns would roughly double generation and training.
     cfg.generate.datasets = _sharegpt(SamplingParams(temperature=0.0, max_tokens=384), max_turns=3)
     cfg.corpus.max_length = 2048  # three turns: 1024 would cut most conversations short
     cfg.corpus.eval_fraction = 0.01
@@ -126,8 +126,8 @@ def smollm2_gpu() -> PipelineConfig:
     # that drafter beat a 2-epoch one on the same 8 prompts at 128 tokens: 1.61 vs 1.43.
     # 3 epochs of the three-turn corpus (44.8M tokens, 266 s) left the held-out acceptance still rising at
     # the schedule's end (3.43 -> 3.51 over its last 300 steps) and MT-Bench at 2.54 (7 steps). 6 epochs
-    # with the 32K vocabulary (89.7M tokens, ~670 s): MT-Bench 3.10, held-out 4.11, the pipeline about
-    # 27.5 GPU minutes.
+    # with the 32K vocabulary (88.9M tokens, 618 s): MT-Bench 3.15, held-out 3.60, the whole pipeline
+    # 1,577 GPU-seconds with every call counted (benchmarks/results/h200-pipeline.json).
     cfg.train.epochs = 6
     cfg.train.draft.intermediate_size = 4608
     cfg.train.lr = 1e-3

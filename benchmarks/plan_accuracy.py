@@ -1,10 +1,14 @@
-"""How close `aerie plan`'s estimates come to what the stages took.
+"""How close `aerie plan`'s estimates come to what the stages took: calibration rows and validation rows.
 
-Two presets: the embedded default `smollm2-local`, measured on this machine (the manifests of an `aerie
-run smollm2-local` store), and `smollm2-gpu` on an H200, whose actuals are recorded in
-benchmarks/results/h200-pipeline.json (every stage, each over every call that worked on it).
+- `calibration`: runs the plan's figures were fitted to, or that were in view while its model was
+  revised; they show how well the model fits, not how well it predicts. Each row says why it is here.
+- `validation`: runs made after the model was settled, of another size, preset or machine than any
+  calibration run, whose estimate is the plan printed before the run started (`aerie plan ... --json`),
+  with the machine's load while it ran. Every validation row is kept, misses included; a stage whose
+  work is the same as a calibration run's (so that its estimate would be an earlier timing of the
+  same work) is not a validation row.
 
-What calibrates what (no estimate is fitted to the actual it is compared with):
+What calibrates what:
 - smollm2-gpu: rates from other H200 records -- decode_context-h200.json (generation, by mean
   decode context), extract-h200.json (extraction on a synthetic corpus, and the server start-up),
   train_sweep-h200.json (a 3-epoch training of the same preset), pipeline-h200.json (an earlier whole
@@ -12,17 +16,17 @@ What calibrates what (no estimate is fitted to the actual it is compared with):
   decode-h200.json's eager steps/s (deploy); the token counts come from ShareGPT itself.
 - smollm2-gpu's merge: the corpus build's CPU-seconds per token on the H200 host's CPUs (corpus-h200.json).
 - smollm2-local: rates from the CPU records (decode-cpu, refserver-cpu, train-cpu, spec_decode-cpu,
-  corpus-cpu), recorded on machines of differing speeds, tied to this machine by two *different* local
-  runs with a quarter and half of the conversations and epochs: per stage, the line through their
-  actuals against the plan's variable part (after the merge, planned from the run's own corpus, as a
-  run re-plans) gives its fixed seconds (start-up, loading) and a speed
-  factor (`--calibrate STORE_QUARTER STORE_HALF` writes plan_calibration-cpu.json from their manifests;
-  aerie/plan/data/calibration.json carries the figures). Evaluation and deployment do the same work in
-  both runs, so their factor carries their fixed part too.
+  corpus-cpu), recorded on machines of differing speeds, tied to one machine by two local runs with a
+  quarter and half of the conversations and epochs: per stage, the line through their actuals against
+  the plan's variable part (after the merge, planned from the run's own corpus, as a run re-plans)
+  gives its fixed seconds (start-up, loading) and a speed factor (`--calibrate STORE_QUARTER
+  STORE_HALF` writes plan_calibration-cpu.json from their manifests; aerie/plan/data/calibration.json
+  carries the figures). Evaluation and deployment do the same work in both runs, so their factor
+  carries their fixed part too.
 
     python benchmarks/plan_accuracy.py --calibrate /tmp/recal/q/artifacts /tmp/recal/h/artifacts
-    python benchmarks/plan_accuracy.py --local-store /tmp/plan-default/artifacts [--spread-stores MORE ...]
-    python benchmarks/plan_accuracy.py   # the smollm2-gpu rows only; the smollm2-local rows are kept
+    python benchmarks/plan_accuracy.py --validate STORE --plan PLAN.json --load LOAD.txt --overrides "k=v ..."
+    python benchmarks/plan_accuracy.py   # recompute the smollm2-gpu calibration rows; the rest is kept
 """
 
 from __future__ import annotations
@@ -94,12 +98,19 @@ def h200_actuals() -> dict[str, dict[str, Any]]:
 
 
 # A complete generation of 3,000 conversations in one call on the H200: the peer run's, whose record keeps
-# each stage's seconds. Kept apart from the goal's rows: it ran before the generation's present order and
-# batch (longest conversations first, 512 running), in input order at 256, which no plan of today models.
+# each stage's seconds. It ran before the generation's present order and batch (longest conversations
+# first, 512 running), in input order at 256, and was in view while the generation model was revised.
 SHORT_RUN_OVERRIDES = ["generate.datasets.0.num_samples=3000"]
 SHORT_RUN_RECORD = "peer-drafter-h200.json"
-# Full default runs beside the one the goal's rows come from, made with the same code on the same machine.
-SPREAD = "another full run of the same code on this machine: how far one run is from the next"
+WHY_H200 = "the H200 model was revised while this run's actuals were known"
+WHY_H200_EVALUATE = "its estimate is an earlier whole run's evaluate stage: the same prompts and settings"
+WHY_SHORT = "in view while the generation model was revised; an earlier generation order (input order, 256)"
+WHY_CPU_FULL = (
+    "a full default run made after the last recalibration, but the CPU model had been revised after "
+    "earlier such runs were seen"
+)
+WHY_CPU_SAME_WORK = "the same prompts as both calibration runs: its estimate is their timing of the same work"
+SAME_WORK_STAGES = ("evaluate", "deploy")  # the default's and the calibration runs' prompts are the same
 
 
 def short_run_row() -> dict[str, Any]:
@@ -108,25 +119,49 @@ def short_run_row() -> dict[str, Any]:
     actual = json.loads((RESULTS / SHORT_RUN_RECORD).read_text())["stage_seconds"]["generate-sharegpt"]
     return {
         "preset": "smollm2-gpu " + " ".join(SHORT_RUN_OVERRIDES),
+        "hardware": "h200",
         "stage": "generate",
         "unit": "seconds",
         "estimate": round(est.seconds, 1),
         "actual": round(actual, 1),
         "error": round(est.seconds / actual - 1, 3),
         "actual_from": f"{SHORT_RUN_RECORD} stage_seconds.generate-sharegpt (one call)",
-        "apart_because": "an earlier generation order and batch: input order at 256 running",
+        "why_calibration": WHY_SHORT,
     }
 
 
-def kept_local_rows(out: Path, key: str) -> list[dict[str, Any]]:
-    """The smollm2-local rows of an earlier record's `key`: they need full local pipeline runs to redo."""
+def fit_rows() -> list[dict[str, Any]]:
+    """The two CPU calibration runs against the line fitted through them (exact where two points fix it)."""
+    record = json.loads((RESULTS / "plan_calibration-cpu.json").read_text())
+    out = []
+    for stage, fitted in record["stages"].items():
+        for run in fitted["runs"]:
+            estimate = fitted["fixed_s"] + fitted["speed"] * run["variable_estimate_s"]
+            out.append(
+                {
+                    "preset": f"smollm2-local {run['overrides']}",
+                    "hardware": "cpu",
+                    "stage": stage,
+                    "unit": "seconds",
+                    "estimate": round(estimate, 1),
+                    "actual": round(run["actual_s"], 1),
+                    "error": round(estimate / run["actual_s"] - 1, 3),
+                    "actual_from": "plan_calibration-cpu.json",
+                    "why_calibration": "fitted: the stage's fixed seconds and speed factor come from this run",
+                }
+            )
+    return out
+
+
+def kept_rows(out: Path, key: str, preset_prefix: str) -> list[dict[str, Any]]:
+    """An earlier record's `key` rows of one preset (runs that need a whole pipeline to redo)."""
     if not out.is_file():
         return []
-    return [r for r in json.loads(out.read_text()).get(key, []) if r["preset"] == "smollm2-local"]
+    return [r for r in json.loads(out.read_text()).get(key, []) if r["preset"].startswith(preset_prefix)]
 
 
 def rows(preset: str, plan: Plan, actuals: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     for est in plan.stages:
         actual = actuals.get(est.stage)
         if actual is None:
@@ -134,6 +169,7 @@ def rows(preset: str, plan: Plan, actuals: dict[str, dict[str, Any]]) -> list[di
         out.append(
             {
                 "preset": preset,
+                "hardware": plan.hardware.name,
                 "stage": est.stage,
                 "unit": "seconds",
                 "estimate": round(est.seconds, 1),
@@ -148,6 +184,7 @@ def rows(preset: str, plan: Plan, actuals: dict[str, dict[str, Any]]) -> list[di
         out.append(
             {
                 "preset": preset,
+                "hardware": plan.hardware.name,
                 "stage": "extract shards",
                 "unit": "bytes",
                 "estimate": shards,
@@ -243,52 +280,128 @@ def follow_calibration(record: dict[str, Any], source: str) -> None:
     CALIBRATION.write_text("".join(lines))
 
 
+def h200_calibration() -> list[dict[str, Any]]:
+    table = rows("smollm2-gpu", make_plan(load_config("smollm2-gpu", []), "h200"), h200_actuals())
+    for r in table:
+        r["why_calibration"] = WHY_H200_EVALUATE if r["stage"] == "evaluate" else WHY_H200
+    return [*table, short_run_row()]
+
+
+def mean_load(path: Path, start: str, end: str) -> dict[str, Any]:
+    """The 1-minute load average sampled while the run ran (`date +%s` and /proc/loadavg's first field)."""
+    t0 = datetime.fromisoformat(start.replace("Z", "+00:00")).timestamp()
+    t1 = datetime.fromisoformat(end.replace("Z", "+00:00")).timestamp()
+    samples = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and t0 <= float(parts[0]) <= t1:
+            samples.append(float(parts[1]))
+    if not samples:
+        return {"samples": 0}
+    return {
+        "samples": len(samples),
+        "load_1m_mean": round(sum(samples) / len(samples), 2),
+        "load_1m_max": round(max(samples), 2),
+        "cores": os.cpu_count(),
+    }
+
+
+def validation_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One fresh run against the plan printed before it started (its --json), with the machine's load."""
+    overrides = args.overrides.split()
+    before = json.loads(args.plan.read_text())
+    actuals = store_actuals(args.validate, "smollm2-local")
+    times = {k: (args.validate.parent / k).read_text().strip() for k in ("start", "end", "commit")}
+    load = mean_load(args.load, times["start"], times["end"]) if args.load else {}
+    replanned = {
+        stage_of(m.parent.parent.name): json.loads(m.read_text()).get("plan", {}).get("estimate_s")
+        for m in (args.validate / "smollm2-local").glob("*/*/manifest.json")
+    }
+    out = []
+    for est in before["stages"]:
+        actual = actuals.get(est["stage"])
+        if actual is None:
+            continue
+        out.append(
+            {
+                "preset": "smollm2-local " + " ".join(overrides),
+                "hardware": before["hardware"],
+                "stage": est["stage"],
+                "unit": "seconds",
+                "estimate": round(est["seconds"], 1),
+                "actual": round(actual["seconds"], 1),
+                "error": round(est["seconds"] / actual["seconds"] - 1, 3),
+                "estimate_after_merge": replanned.get(est["stage"]),
+                "actual_from": actual["manifest"],
+                "run": {"start": times["start"], "end": times["end"], "model_commit": times["commit"]},
+                "machine_at_plan": before.get("machine"),
+                "load_while_running": load,
+            }
+        )
+    return out
+
+
+def summary(table: list[dict[str, Any]]) -> dict[str, Any]:
+    timed = [r for r in table if r["unit"] == "seconds"]
+    worst = max(timed, key=lambda r: abs(r["error"]), default=None)
+    return {
+        "rows": len(timed),
+        "within_25_percent": sum(abs(r["error"]) <= 0.25 for r in timed),
+        "worst": {k: worst[k] for k in ("preset", "stage", "error")} if worst else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--local-store", type=Path, help="the store of an `aerie run smollm2-local`")
-    parser.add_argument(
-        "--spread-stores",
-        type=Path,
-        nargs="*",
-        default=[],
-        help="the stores of more such runs on this machine, recorded apart (other_runs): the spread",
-    )
+    parser.add_argument("--local-store", type=Path, help="a full default run's store: a calibration row")
+    parser.add_argument("--spread-stores", type=Path, nargs="*", default=[], help="more such stores")
     parser.add_argument(
         "--calibrate", type=Path, nargs="+", help="write plan_calibration-cpu.json from these stores"
     )
+    parser.add_argument("--validate", type=Path, help="the store of a fresh run to validate against")
+    parser.add_argument("--plan", type=Path, help="the plan printed before that run (aerie plan --json)")
+    parser.add_argument("--load", type=Path, help="its load samples: `date +%%s` and /proc/loadavg lines")
+    parser.add_argument("--overrides", default="", help="the run's overrides, as one string")
     parser.add_argument("--out", type=Path, default=RESULTS / "plan-accuracy.json")
     args = parser.parse_args()
     if args.calibrate:
         calibrate(args.calibrate, RESULTS / "plan_calibration-cpu.json")
         return
-    table = rows("smollm2-gpu", make_plan(load_config("smollm2-gpu", []), "h200"), h200_actuals())
-    speed, others = None, [short_run_row()]
+    calibration = [*h200_calibration(), *fit_rows()]
     if args.local_store:
         local = make_plan(load_config("smollm2-local", []), "cpu")
-        table += rows("smollm2-local", local, store_actuals(args.local_store, "smollm2-local"))
-        speed = local.record()["machine"]  # this machine when the CPU rows were planned
-        for store in args.spread_stores:
-            spread = rows("smollm2-local", local, store_actuals(store, "smollm2-local"))
-            others += [{**r, "apart_because": SPREAD} for r in spread]
+        for store in [args.local_store, *args.spread_stores]:
+            for r in rows("smollm2-local", local, store_actuals(store, "smollm2-local")):
+                same = r["stage"] in SAME_WORK_STAGES
+                calibration.append({**r, "why_calibration": WHY_CPU_SAME_WORK if same else WHY_CPU_FULL})
     else:
-        table += kept_local_rows(args.out, "stages")
-        others += kept_local_rows(args.out, "other_runs")
+        for r in kept_rows(args.out, "calibration", "smollm2-local"):
+            if "=" not in r["preset"]:  # a full default run (the fitted runs are rows of fit_rows)
+                same = r["stage"] in SAME_WORK_STAGES
+                r.setdefault("why_calibration", WHY_CPU_SAME_WORK if same else WHY_CPU_FULL)
+                calibration.append(r)
+    validation = kept_rows(args.out, "validation", "")
+    if args.validate:
+        validation += validation_rows(args)
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": MACHINE + " (plans need no GPU)",
         "command": "python " + " ".join(sys.argv),
-        "calibration": (__doc__ or "").split("What calibrates what")[1].split("    python")[0].strip(),
-        "within_25_percent": sum(abs(r["error"]) <= 0.25 for r in table),
-        "rows": len(table),
-        "stages": table,
-        "other_runs": others,
-        "cpu_rows_machine": speed,
+        "method": (__doc__ or "").split("    python")[0].strip(),
+        "validation_summary": summary(validation),
+        "validation": validation,
+        "calibration_summary": summary(calibration),
+        "calibration": calibration,
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-    for r in table:
-        print(f"{r['preset']:14s} {r['stage']:15s} {r['estimate']:>14,} {r['actual']:>14,} {r['error']:+.1%}")
+    for name, table in (("validation", validation), ("calibration", calibration)):
+        print(name)
+        for r in table:
+            print(
+                f"  {r['preset'][:60]:60s} {r['stage']:15s} {r['estimate']:>14,} {r['actual']:>14,} {r['error']:+.1%}"
+            )
 
 
 if __name__ == "__main__":
