@@ -61,10 +61,10 @@ def table(plan: Plan) -> str:
         lines.append(f"  {loc.name}: {nbytes(loc.need)}{free} ({parts}){flag}")
     if plan.disk.s3_bytes:
         lines.append(f"  S3: {nbytes(plan.disk.s3_bytes)} in about {plan.disk.s3_requests:,} requests")
-    d = cfg.deploy
+    dep = cfg.deploy
     lines += [
         "",
-        *served.for_plan(plan.target, plan.hardware.name, plan.hardware.gpu, d.num_steps, d.concurrency),
+        *served.for_plan(plan.target, plan.hardware.name, plan.hardware.gpu, dep.num_steps, dep.concurrency),
     ]
     lines += online.lines(plan)
     notes = sorted({n for st in plan.stages for n in st.assumptions})
