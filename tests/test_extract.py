@@ -349,7 +349,7 @@ def test_server_quantization_is_refused_where_it_cannot_apply():
     from aerie.extract.plan import check_server_quantization
     from aerie.presets import get_preset
     from aerie.serving import ServerConfig
-    from aerie.targets import TargetInfo
+    from aerie.targets import TargetGeometry, TargetInfo
 
     base = get_preset("smollm2-local")
     # At load: bf16 storage would make the shards carry fp8's rounding.
@@ -363,7 +363,8 @@ def test_server_quantization_is_refused_where_it_cannot_apply():
     fp8 = ExtractConfig(storage_dtype="fp8", quantize_on_server=True)
     reference, sglang = ServerConfig(backend="reference"), ServerConfig(backend="sglang")
     check_server_quantization(fp8, reference)
-    target = TargetInfo.model_construct(num_layers=30)  # EAGLE-3's layers: no --aux-layers
+    geometry = TargetGeometry.model_construct(num_layers=30)
+    target = TargetInfo.model_construct(geometry=geometry)  # EAGLE-3's layers: no --aux-layers
     assert _server_args(reference, fp8, target) == ["--max-batch-tokens", "16384", "--dump-dtype", "fp8"]
     assert _server_args(reference, fp8.model_copy(update={"quantize_on_server": False}), target) == [
         "--max-batch-tokens",

@@ -344,7 +344,7 @@ def _finish(
                 "step_loss": last_train.get("step_loss"),
                 "eval": last_eval,
             },
-            "family": cfg.drafter,
+            "family": cfg.drafter.family,
             "drafter_config": json.loads((out / "config.json").read_text()),
             "files": {
                 "drafter": [f"drafter/{n}" for n in drafter_files],
