@@ -177,19 +177,12 @@ def run_pipeline(
 
 
 def missing_secrets(cfg: PipelineConfig, store: ArtifactStore) -> list[str]:
-    """What this run needs from the environment and does not have, one line each (variable names, never
-    values): the endpoint's API key when a dataset still has to be generated through an endpoint that
-    is not on this machine, and AWS credentials for an S3 store."""
+    """What this run needs from the environment and does not have, every one of them, one line each
+    (variable names, never values): AWS credentials for an S3 store, and the endpoint's API key when a
+    dataset still has to be generated through an endpoint that is not on this machine."""
     from aerie.generate.stage import read_api_key
 
     missing = []
-    endpoint = cfg.generate.endpoint
-    remote = endpoint.base_url is not None and _host_of(endpoint.base_url) not in _LOCAL_HOSTS
-    if remote and read_api_key(endpoint.api_key_env) is None and generation_pending(cfg, store):
-        missing.append(
-            f"{endpoint.api_key_env} is not set: generation through {endpoint.base_url} needs it "
-            "(set it in the environment or in .env, see .env.example)"
-        )
     if cfg.store.uri.startswith("s3://"):
         import boto3
 
@@ -198,6 +191,15 @@ def missing_secrets(cfg: PipelineConfig, store: ArtifactStore) -> list[str]:
                 f"no AWS credentials for the store {cfg.store.uri}: set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment or .env"
             )
+    endpoint = cfg.generate.endpoint
+    remote = endpoint.base_url is not None and _host_of(endpoint.base_url) not in _LOCAL_HOSTS
+    # Whether generation is still pending is read from the store; a store without its credentials
+    # cannot say, so the key is named too (else the second secret would be found only on the next try).
+    if remote and read_api_key(endpoint.api_key_env) is None and (missing or generation_pending(cfg, store)):
+        missing.append(
+            f"{endpoint.api_key_env} is not set: generation through {endpoint.base_url} needs it "
+            "(set it in the environment or in .env, see .env.example)"
+        )
     return missing
 
 
@@ -213,4 +215,9 @@ def _host_of(url: str) -> str:
 def check_secrets(cfg: PipelineConfig, store: ArtifactStore) -> None:
     """Refuse to start a run that would fail later for want of a secret (before any stage starts)."""
     if missing := missing_secrets(cfg, store):
-        raise ConfigError("; ".join(missing))
+        head = (
+            "a secret this run needs is missing"
+            if len(missing) == 1
+            else f"{len(missing)} secrets this run needs are missing"
+        )
+        raise ConfigError(f"{head}:\n  " + "\n  ".join(missing))

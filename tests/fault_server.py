@@ -36,6 +36,7 @@ class Fault:
     content: str | None = None  # a normal answer with this visible text instead (an empty answer: "")
     reasoning: str | None = None  # ... and this `reasoning_content`
     finish_reason: str | None = None  # ... and this finish_reason
+    unpriced: bool = False  # ... without a cost in its usage, even when the server prices answers
 
 
 OK = Fault()
@@ -148,7 +149,7 @@ class FaultServer:
             "prompt_tokens": sum(len(m["content"].split()) for m in messages),
             "completion_tokens": len(content.split()),
         }
-        if self.cost is not None:
+        if self.cost is not None and not fault.unpriced:
             usage["cost"] = self.cost
         return {
             "id": "chatcmpl-fault",

@@ -34,6 +34,7 @@ from tests.fault_server import (
     IN_BAND_ERROR,
     MALFORMED,
     REASONING_ONLY,
+    Fault,
     FaultServer,
     answer_for,
     slow,
@@ -541,3 +542,29 @@ def test_parse_retry_after():
     when = email.utils.formatdate(1_000_030.0, usegmt=True)
     assert parse_retry_after(when, now=1_000_000.0) == pytest.approx(30.0)
     assert parse_retry_after(email.utils.formatdate(10.0, usegmt=True), now=1_000.0) == 0.0
+
+
+@pytest.mark.integration
+def test_a_cost_summed_over_some_priced_answers_says_it_is_partial(server: FaultServer, tmp_path: Path):
+    """An endpoint that prices some answers and not others: `cost_usd` is the priced ones' sum, marked
+    `cost_usd_partial` with the `unpriced` count; all priced, or none, is not partial."""
+    store = LocalStore(tmp_path / "store")
+
+    def figures(name: str) -> dict[str, Any]:
+        cfg, spec = config(server.url), spec_for(name)
+        result = generate_dataset(
+            conversations(3, turns=1), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+        )
+        return load_manifest(store, result.prefix)["figures"]
+
+    server.cost = 0.001
+    server.plan = {"question 1.0": [Fault(unpriced=True)]}
+    partial = figures("partial")
+    assert partial["cost_usd"] == pytest.approx(0.002)
+    assert partial["cost_usd_partial"] is True and partial["unpriced"] == 1
+    whole = figures("whole")
+    assert whole["cost_usd"] == pytest.approx(0.003)
+    assert whole["cost_usd_partial"] is False and whole["unpriced"] == 0
+    server.cost = None  # a local server prices nothing: no cost, nothing to call partial
+    unpriced = figures("unpriced")
+    assert unpriced["cost_usd"] is None and unpriced["cost_usd_partial"] is False

@@ -55,3 +55,15 @@ def test_a_local_endpoint_needs_no_key_and_an_s3_store_needs_credentials(no_env_
     )
     [problem] = missing_secrets(cfg, LocalStore(no_env_files / "store"))
     assert problem.startswith("no AWS credentials for the store s3://bucket/p")
+
+
+def test_every_missing_secret_is_named_at_once(no_env_files, capsys):
+    """Neither AWS credentials for an S3 store nor the endpoint's key: one error names both (the store,
+    which cannot be read without its credentials, is not asked whether generation is still pending)."""
+    code = main(["run", "kimi-k2.5-8gpu", "--no-prefect", "store.uri=s3://bucket/p", *OPENROUTER])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "2 secrets this run needs are missing" in err
+    assert "no AWS credentials for the store s3://bucket/p" in err
+    assert "OPENROUTER_API_KEY is not set: generation through https://openrouter.ai/api/v1" in err
+    assert "cannot download" not in err  # the store was never read
