@@ -6,6 +6,7 @@
 #   bash dev.sh receive DIR        (DIR holds manifest.sha256; unpacks A.* into /tmp/sgl in the background)
 #   bash dev.sh part FILE          (moves a copied part into /tmp/parts, checks its sha256, marks it landed)
 #   bash dev.sh spec-cost OUT ARGS (waits for the set to be unpacked, runs benchmarks/spec_cost.py run)
+#   bash dev.sh targets OUT ARGS   (same wait; benchmarks/targets_gpu.py from the checkout: tiny MLA targets)
 set -u
 P=/tmp/parts
 export PYTHONPATH=/tmp/sgl:/tmp/small/aerie-src:/tmp/small/pkgs
@@ -40,12 +41,14 @@ part)
   (cd $P && grep " $f\$" manifest.sha256 | sha256sum -c --quiet) || { echo "SHA256 MISMATCH $f"; exit 3; }
   touch $P/$f.ok; echo "landed $f: $(ls $P/*.ok | wc -l) of $(grep -c ' A[.]' $P/manifest.sha256)"
   ;;
-spec-cost)
-  out=$2; shift 2
+spec-cost|targets)
+  cmd=$1; out=$2; shift 2
   for _ in $(seq 600); do [ -f /tmp/sgl.done ] || [ -f /tmp/sgl.failed ] && break; sleep 0.5; done
   [ -f /tmp/sgl.done ] || { echo "set not unpacked"; cat /tmp/receive.log; exit 5; }
   mkdir -p $out
-  python3 "$(dirname "$0")/../spec_cost.py" run --out $out "$@" 2>&1 | tee $out/spec_cost.log
+  if [ "$cmd" = targets ]; then
+    PYTHONPATH=/tmp/sgl:$PWD python3 "$(dirname "$0")/../targets_gpu.py" --out $out "$@" 2>&1 | tee $out/targets.log
+  else python3 "$(dirname "$0")/../spec_cost.py" run --out $out "$@" 2>&1 | tee $out/spec_cost.log; fi
   ;;
 install)
   t0=$(date +%s)
