@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from aerie.config import PipelineConfig
-from aerie.corpus.entry import MERGE
-from aerie.deploy.entry import DEPLOY
+from aerie.corpus.stage import MERGE
+from aerie.deploy.stage import DEPLOY
 from aerie.errors import ConfigError
-from aerie.evaluate.entry import EVALUATE
-from aerie.extract.entry import EXTRACT
-from aerie.generate.entry import GENERATE, generation_pending
+from aerie.evaluate.stage import EVALUATE
+from aerie.extract.stage import EXTRACT
+from aerie.generate.stage import GENERATE, generation_pending
 from aerie.manifest import StageResult
 from aerie.plan import served, track
 from aerie.plan.plan import Plan
@@ -32,7 +32,7 @@ from aerie.reasoning import reasoning_line
 from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import ArtifactStore, open_store
 from aerie.targets import resolve_target
-from aerie.train.entry import TRAIN
+from aerie.train.stage import TRAIN
 
 STAGES: tuple[Stage, ...] = (GENERATE, MERGE, EXTRACT, TRAIN, EVALUATE, DEPLOY)
 STAGE_NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)
@@ -180,7 +180,7 @@ def missing_secrets(cfg: PipelineConfig, store: ArtifactStore) -> list[str]:
     """What this run needs from the environment and does not have, every one of them, one line each
     (variable names, never values): AWS credentials for an S3 store, and the endpoint's API key when a
     dataset still has to be generated through an endpoint that is not on this machine."""
-    from aerie.generate.stage import read_api_key
+    from aerie.generate.work import read_api_key
 
     missing = []
     if cfg.store.uri.startswith("s3://"):

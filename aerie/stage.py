@@ -1,6 +1,6 @@
 """The typed contract every pipeline stage keeps, and the context it runs in.
 
-A stage is one object (each stage package exports one: `aerie.generate.entry.GENERATE`, ...) with a
+A stage is one object (each stage package exports one: `aerie.generate.stage.GENERATE`, ...) with a
 `name` and three methods over the whole `PipelineConfig`, a `StageContext` (where and for what it runs)
 and its `Upstream` (the results of the stages before it in this run):
 
@@ -36,7 +36,7 @@ def _no_progress(name: str) -> ProgressFn:
 
 
 class StageArgs(TypedDict):
-    """The keyword arguments every stage function of the library takes (`aerie.corpus.stage.run`, ...)."""
+    """The keyword arguments every stage function of the library takes (`aerie.corpus.work.run`, ...)."""
 
     store: ArtifactStore
     run_name: str

@@ -49,7 +49,7 @@ import psutil
 
 from aerie.corpus.config import CorpusConfig
 from aerie.corpus.schema import CONVERSATIONS
-from aerie.corpus.stage import run
+from aerie.corpus.work import run
 from aerie.datasets import SourceSpec, iter_conversations
 from aerie.manifest import StageDir, stage_key
 from aerie.store import LocalStore

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from aerie.deploy.bench import TTFT_METHOD, benchmark  # noqa: E402
 from aerie.deploy.config import DeployConfig  # noqa: E402
-from aerie.deploy.stage import server_specs  # noqa: E402
+from aerie.deploy.work import server_specs  # noqa: E402
 from aerie.evaluate.prompts import mtbench_prompts  # noqa: E402
 from aerie.serving import ModelServer, ServerConfig  # noqa: E402
 from aerie.targets import TargetInfo, resolve_target  # noqa: E402

@@ -81,12 +81,12 @@ import torch
 from hardware import hardware_name
 from safetensors.torch import save_file
 
-from aerie.corpus.stage import ROW_GROUP
+from aerie.corpus.work import ROW_GROUP
 from aerie.engine.server.extraction import SYNC_COPY_ENV
 from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
 from aerie.extract.plan import dump_root
-from aerie.extract.stage import run as run_extract
+from aerie.extract.work import run as run_extract
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.serving import ServerConfig
 from aerie.shards.format import HiddenSample, ShardInfo

@@ -58,7 +58,7 @@ from aerie.errors import AerieError, StoreError  # noqa: E402
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams  # noqa: E402
 from aerie.generate.journal import read_jsonl  # noqa: E402
 from aerie.generate.output import read_conversations  # noqa: E402
-from aerie.generate.stage import run as generate  # noqa: E402
+from aerie.generate.work import run as generate  # noqa: E402
 from aerie.serving import ModelServer  # noqa: E402
 from aerie.serving.probe import port_is_free  # noqa: E402
 from aerie.store import ArtifactStore, LocalStore, StoreConfig, open_store  # noqa: E402
@@ -276,7 +276,7 @@ def case_empty_answers(work: Path) -> Case:
 CHILD = """
 import resource, signal, sys
 from aerie.generate.config import DatasetSpec, GenerateConfig
-from aerie.generate.stage import run
+from aerie.generate.work import run
 from aerie.store import LocalStore
 if len(sys.argv) > 5:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -131,7 +131,7 @@ def _stage_run(url: str, requests: int, concurrency: int, root: Path) -> None:
     from aerie.conversation import Conversation, Message
     from aerie.datasets import SourceSpec
     from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
-    from aerie.generate.stage import generate_dataset, key_of, stage_name
+    from aerie.generate.work import generate_dataset, key_of, stage_name
     from aerie.manifest import StageDir
     from aerie.store import LocalStore
 

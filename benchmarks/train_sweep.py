@@ -39,7 +39,7 @@ from aerie.manifest import StageResult, load_manifest
 from aerie.pipeline import run_pipeline
 from aerie.presets import load_config
 from aerie.store import ArtifactStore, open_store
-from aerie.train.stage import METRICS
+from aerie.train.work import METRICS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

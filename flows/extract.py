@@ -29,8 +29,8 @@ from aerie.config import PipelineConfig
 from aerie.errors import ConfigError, ExtractionError, PreflightError
 from aerie.extract import slices
 from aerie.extract.config import ExtractConfig
-from aerie.extract.entry import EXTRACT, extract_config
 from aerie.extract.preflight import human_bytes
+from aerie.extract.stage import EXTRACT, extract_config
 from aerie.manifest import StageDir, StageResult
 from aerie.serving.config import ServerConfig
 from aerie.stage import StageContext, Upstream

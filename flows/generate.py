@@ -1,6 +1,6 @@
 """Prefect flows of the generation stage: one subflow per dataset, datasets in parallel up to a limit.
 
-Thin on purpose: `aerie.generate.stage.run` does the work. The generation task retries (a re-run
+Thin on purpose: `aerie.generate.work.run` does the work. The generation task retries (a re-run
 resumes from the journal, so a retry costs only the requests in flight), except for errors that a
 retry cannot fix: a rejected key, a wrong URL or model, a bad config. Each dataset gets a progress
 artifact and a table of its figures; `generate_all` adds one table over all datasets. The task is
@@ -23,7 +23,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.context import TaskRunContext
 
 from aerie.errors import ConfigError, DataError, EndpointAuthError, EndpointError, EndpointRequestError
-from aerie.generate import stage as generate_stage
+from aerie.generate import work as generate_work
 from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.generate.interrupt import wait_or_interrupt
 from aerie.manifest import StageResult
@@ -45,7 +45,7 @@ _worth_retrying = retry_unless(*NOT_RETRIED)
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     """The library's own stage key (what decides the output), plus where the output lives."""
     spec: DatasetSpec = parameters["spec"]
-    key = generate_stage.key_of(parameters["cfg"], spec)
+    key = generate_work.key_of(parameters["cfg"], spec)
     return cache_key(f"generate-{spec.name}", parameters["store_cfg"].uri, parameters["run_name"], key)
 
 
@@ -60,9 +60,9 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
 def generate_task(
     cfg: GenerateConfig, spec: DatasetSpec, store_cfg: StoreConfig, run_name: str, base_url: str | None
 ) -> StageResult:
-    stage = generate_stage.stage_name(spec)
+    stage = generate_work.stage_name(spec)
     progress = prefect_progress(artifact_key(run_name, stage), f"generating {spec.name}")
-    return generate_stage.run(
+    return generate_work.run(
         cfg, spec, store=open_store(store_cfg), run_name=run_name, base_url=base_url, progress=progress
     )
 
@@ -123,7 +123,7 @@ def generate_all(
             for spec in cfg.datasets
         ]
         # Ctrl-C: the datasets' requests are cancelled and one line says what each kept.
-        wait_or_interrupt(futures, generate_stage.cancel_running)
+        wait_or_interrupt(futures, generate_work.cancel_running)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     outcomes: list[StageResult | BaseException] = []

@@ -20,8 +20,8 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from aerie.config import PipelineConfig, apply_overrides
-from aerie.extract.entry import EXTRACT
-from aerie.generate.entry import GENERATE, generate_config, generation_endpoint
+from aerie.extract.stage import EXTRACT
+from aerie.generate.stage import GENERATE, generate_config, generation_endpoint
 from aerie.manifest import StageResult
 from aerie.pipeline import PipelineReport, check_secrets, compose, figure_text
 from aerie.plan import track

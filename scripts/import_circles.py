@@ -5,7 +5,7 @@
 
 Every import counts, at module level or inside a function (a deferred import hides a circle from the
 interpreter, not from a reader), except those under `if TYPE_CHECKING:` (they never run). Two graphs
-are checked: modules (`aerie.extract.stage` -> `aerie.extract.slices`) and packages (`aerie.extract`
+are checked: modules (`aerie.extract.work` -> `aerie.extract.slices`) and packages (`aerie.extract`
 -> `aerie.serving`, a top-level module such as `aerie.store` is its own package). A package's
 `__init__` re-exporting its own submodules is no circle: edges inside one package are left out of the
 package graph, and the implicit import of a parent package by its submodules is not an edge.
@@ -91,7 +91,7 @@ def module_graph(root: Path, packages: Iterable[str]) -> Graph:
 
 
 def package_of(module: str, packages: set[str]) -> str:
-    """`aerie.extract.stage` -> `aerie.extract`; `aerie.store` (a module at the top) -> itself."""
+    """`aerie.extract.work` -> `aerie.extract`; `aerie.store` (a module at the top) -> itself."""
     parts = module.split(".")
     return ".".join(parts[:2]) if len(parts) > 1 or module in packages else module
 

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import sys
 from aerie.generate.config import DatasetSpec, GenerateConfig
-from aerie.generate.stage import run
+from aerie.generate.work import run
 from aerie.store import LocalStore
 cfg = GenerateConfig.model_validate_json(sys.argv[1])
 spec = DatasetSpec.model_validate_json(sys.argv[2])

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from aerie.deploy.config import DeployConfig
-from aerie.deploy.stage import decide_promotion, deploy, key_of, promote, server_specs
+from aerie.deploy.work import decide_promotion, deploy, key_of, promote, server_specs
 from aerie.errors import ConfigError, EvaluationError
 from aerie.manifest import StageDir, load_manifest
 from aerie.serving import ServerConfig

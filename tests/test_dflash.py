@@ -334,21 +334,17 @@ def test_a_drafter_trained_on_an_answer_drafts_it_back(tiny) -> None:
 
 def test_the_family_fields_leave_eagle3_stage_keys_as_they_were() -> None:
     from aerie.manifest import StageResult
-    from aerie.train import stage
+    from aerie.train import work
 
     cfg = TrainConfig()
     up = StageResult.model_construct(manifest_sha256="a" * 64)
     target = TargetInfo.model_construct(revision="r")
-    before = cfg.model_dump(mode="json", exclude=stage._NOT_KEYED)
+    before = cfg.model_dump(mode="json", exclude=work._NOT_KEYED)
     before.pop("drafter")
-    assert stage.key_of(cfg, target, up, up) == stage.stage_key(
-        stage.STAGE, before, ["a" * 64, "a" * 64, "r"]
-    )
+    assert work.key_of(cfg, target, up, up) == work.stage_key(work.STAGE, before, ["a" * 64, "a" * 64, "r"])
     dflash = TrainConfig(drafter="dflash")
-    assert stage.key_of(dflash, target, up, up) != stage.key_of(cfg, target, up, up)
+    assert work.key_of(dflash, target, up, up) != work.key_of(cfg, target, up, up)
     # A DFlash run's key as it was when its settings were the section `train.dflash`.
     settings = dflash.drafter.model_dump(mode="json", exclude={"family"})
     old = {**before, "drafter": "dflash", "dflash": settings}
-    assert stage.key_of(dflash, target, up, up) == stage.stage_key(
-        stage.STAGE, old, ["a" * 64, "a" * 64, "r"]
-    )
+    assert work.key_of(dflash, target, up, up) == work.stage_key(work.STAGE, old, ["a" * 64, "a" * 64, "r"])

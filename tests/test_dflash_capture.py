@@ -9,9 +9,9 @@ import torch
 from aerie.errors import ExtractionError
 from aerie.extract import preflight
 from aerie.extract.config import ExtractConfig
-from aerie.extract.entry import extract_config
 from aerie.extract.fleet import _server_args, _server_env
 from aerie.extract.plan import extract_key
+from aerie.extract.stage import extract_config
 from aerie.manifest import StageResult, stage_key
 from aerie.plan.disk import aux_layers, dumps_in_flight_bytes, shard_bytes_per_token
 from aerie.plan.facts import target_facts

@@ -13,7 +13,7 @@ from aerie.conversation import Conversation, Message
 from aerie.datasets import SourceSpec
 from aerie.errors import ConfigError
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig
-from aerie.generate.stage import generate_dataset, key_of, stage_name
+from aerie.generate.work import generate_dataset, key_of, stage_name
 from aerie.manifest import StageDir
 from aerie.presets import load_config
 from aerie.store import LocalStore

@@ -13,7 +13,7 @@ from aerie.engine.speculative.decoder import SpecDecoder
 from aerie.errors import EvaluationError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.prompts import spread_over_categories
-from aerie.evaluate.stage import run
+from aerie.evaluate.work import run
 from aerie.manifest import StageDir, load_manifest
 from aerie.store import LocalStore
 from tests.evaluate_support import corpus_result, train_result

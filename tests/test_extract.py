@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from aerie.errors import CanaryError, ExtractionError, IntegrityError, PreflightError
-from aerie.extract import plan, preflight, stage
+from aerie.extract import plan, preflight, work
 from aerie.extract.canary import ExtractionCanary, _dequantized, compare_layers, reference_hidden_states
 from aerie.extract.client import make_batches, to_sample
 from aerie.extract.config import ExtractConfig
@@ -190,7 +190,7 @@ def test_a_second_process_on_the_same_slice_is_refused_before_any_server_starts(
     p = plan.plan(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
     held = rf"another process \(pid {os.getpid()}\) is extracting {p.stage.prefix} with servers s0-s0"
     with HostLock(p.work / ".lock-s0-s0"), pytest.raises(ExtractionError, match=held):
-        stage.run(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
+        work.run(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
     assert not list((tmp_path / "work").rglob("*.log"))  # no server was launched
     with HostLock(p.work / ".lock-s0-s0"):  # the lock file is left behind, the lock is not
         pass

@@ -18,7 +18,7 @@ import torch
 
 from aerie.extract.canary import reference_hidden_states
 from aerie.extract.config import ExtractConfig
-from aerie.extract.stage import run as extract
+from aerie.extract.work import run as extract
 from aerie.manifest import load_manifest
 from aerie.serving import ServerConfig
 from aerie.serving.container import LABEL_SERVER

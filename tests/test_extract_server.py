@@ -21,7 +21,7 @@ from aerie.extract.canary import reference_hidden_states
 from aerie.extract.config import ExtractConfig
 from aerie.extract.phases import COMMIT_PATH
 from aerie.extract.resume import ProgressFile
-from aerie.extract.stage import run
+from aerie.extract.work import run
 from aerie.manifest import load_manifest
 from aerie.serving import ServerConfig
 from aerie.shards.reader import ShardReader

@@ -28,7 +28,7 @@ from aerie.extract.corpus_rows import slice_bounds
 from aerie.extract.phases import PhaseTotals
 from aerie.extract.resume import ProgressFile
 from aerie.extract.slices import SliceMissingError, SliceRecord, assemble, record_name, run_slice
-from aerie.extract.stage import run
+from aerie.extract.work import run
 from aerie.manifest import StageResult, load_manifest
 from aerie.serving import ServerConfig
 from aerie.stage import Upstream

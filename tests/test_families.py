@@ -100,9 +100,9 @@ def test_what_a_family_cannot_do_fails_when_the_config_loads(toy: Family) -> Non
 
 
 def test_the_stages_reach_the_family_through_the_registry(toy: Family, smollm2) -> None:
-    from aerie.evaluate.entry import evaluate_config
-    from aerie.evaluate.stage import drafter_family, make_proposer
-    from aerie.extract.entry import extract_config
+    from aerie.evaluate.stage import evaluate_config
+    from aerie.evaluate.work import drafter_family, make_proposer
+    from aerie.extract.stage import extract_config
     from aerie.plan.disk import drafter_params
     from aerie.plan.facts import target_facts
 

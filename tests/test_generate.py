@@ -20,11 +20,11 @@ from aerie.datasets import SourceSpec
 from aerie.errors import EndpointAuthError, EndpointError, EndpointRequestError, StoreError
 from aerie.generate.client import parse_retry_after
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
-from aerie.generate.entry import generate_config
 from aerie.generate.output import SCHEMA, read_conversations
 from aerie.generate.runner import longest_first
-from aerie.generate.stage import generate_dataset, key_of, run, stage_name
+from aerie.generate.stage import generate_config
 from aerie.generate.turns import prepare
+from aerie.generate.work import generate_dataset, key_of, run, stage_name
 from aerie.manifest import StageDir, load_manifest
 from aerie.store import LocalStore
 from tests.fault_server import (

@@ -17,7 +17,7 @@ import pytest
 
 from aerie.datasets import SourceSpec
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
-from aerie.generate.stage import run_all
+from aerie.generate.work import run_all
 from aerie.store import LocalStore
 from tests.fault_server import FaultServer, slow
 from tests.generate_support import journal_ids
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import sys
 from aerie.generate.config import GenerateConfig
-from aerie.generate.stage import run_all
+from aerie.generate.work import run_all
 from aerie.store import LocalStore
 cfg = GenerateConfig.model_validate_json(sys.argv[1])
 try:

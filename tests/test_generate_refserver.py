@@ -11,7 +11,7 @@ from aerie.conversation import Conversation, Message
 from aerie.datasets import SourceSpec
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
 from aerie.generate.output import read_conversations
-from aerie.generate.stage import generate_dataset, key_of, stage_name
+from aerie.generate.work import generate_dataset, key_of, stage_name
 from aerie.manifest import StageDir
 from aerie.store import LocalStore
 from tests.refserver_support import launch, wait_ready
@@ -65,7 +65,7 @@ def test_the_launched_generation_server_gets_the_endpoints_launch_args(smollm2) 
 
     from aerie.config import apply_overrides
     from aerie.errors import ConfigError
-    from aerie.generate.entry import generation_endpoint
+    from aerie.generate.stage import generation_endpoint
     from aerie.presets import smollm2_local
     from tests.conftest import free_port
 

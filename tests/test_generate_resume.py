@@ -13,7 +13,7 @@ import pytest
 from aerie.datasets import SourceSpec
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
 from aerie.generate.output import read_conversations
-from aerie.generate.stage import run
+from aerie.generate.work import run
 from aerie.manifest import load_manifest
 from aerie.store import LocalStore
 from tests.fault_server import FaultServer, answer_for

@@ -11,7 +11,7 @@ import pytest
 from aerie.datasets import SourceSpec
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
 from aerie.generate.output import read_conversations
-from aerie.generate.stage import run
+from aerie.generate.work import run
 from aerie.store import StoreConfig, open_store
 from tests.fault_server import FaultServer
 

@@ -16,7 +16,7 @@ import pytest
 from aerie.datasets import SourceSpec
 from aerie.errors import DataError
 from aerie.generate.config import DatasetSpec, GenerateConfig
-from aerie.generate.stage import key_of, run
+from aerie.generate.work import key_of, run
 from aerie.manifest import load_manifest
 from aerie.store import LocalStore
 
@@ -110,7 +110,7 @@ def test_skipped_lines_are_reported_with_their_line_numbers(
     path = write_jsonl(tmp_path / "cut.jsonl", lines, cut_tail='{"id": "late", "conversations": [{"fr')
     cfg, spec = setup(path)
     store = LocalStore(tmp_path / "store")
-    with caplog.at_level(logging.WARNING, logger="aerie.generate.stage"):
+    with caplog.at_level(logging.WARNING, logger="aerie.generate.work"):
         result = run(cfg, spec, store=store, run_name="r")
     loader = load_manifest(store, result.prefix)["loader"]
     assert loader["skipped"] == {"not_a_dict": 1, "truncated_tail": 1}

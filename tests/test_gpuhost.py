@@ -256,13 +256,11 @@ def test_pack_out_takes_stages_whole_and_leaves_shards_behind(tmp_path: Path) ->
 
 def _pipeline_ready() -> bool:
     # aerie.pipeline imports these when it runs; until they exist, `run` cannot get past its imports.
-    return all(
-        importlib.util.find_spec(m) is not None for m in ("aerie.evaluate.stage", "aerie.deploy.stage")
-    )
+    return all(importlib.util.find_spec(m) is not None for m in ("aerie.evaluate.work", "aerie.deploy.work"))
 
 
 needs_pipeline = pytest.mark.skipif(
-    not _pipeline_ready(), reason="aerie.evaluate.stage or aerie.deploy.stage not written yet"
+    not _pipeline_ready(), reason="aerie.evaluate.work or aerie.deploy.work not written yet"
 )
 
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from aerie.config import PipelineConfig
-from aerie.deploy.stage import server_specs
+from aerie.deploy.work import server_specs
 from aerie.draft.export import export_drafter
 from aerie.extract.fleet import server_spec
-from aerie.generate.entry import generation_spec
+from aerie.generate.stage import generation_spec
 from aerie.presets import load_config
 from aerie.serving import ServerSpec
 from aerie.targets import TargetInfo

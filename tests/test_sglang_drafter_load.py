@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from aerie.deploy.stage import server_specs
+from aerie.deploy.work import server_specs
 from aerie.draft.export import WEIGHTS, draft_config_for, export_drafter
 from aerie.draft.model import Eagle3Drafter
 from aerie.draft.target_weights import load_embedding

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from aerie.extract.config import ExtractConfig
-from aerie.extract.stage import run
+from aerie.extract.work import run
 from aerie.manifest import StageResult, load_manifest
 from aerie.serving import ServerConfig
 from aerie.shards.format import HiddenSample

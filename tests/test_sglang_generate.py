@@ -13,9 +13,9 @@ import pytest
 
 from aerie.datasets import SourceSpec, iter_conversations
 from aerie.generate.config import DatasetSpec, GenerateConfig, SamplingParams
-from aerie.generate.entry import generation_endpoint
 from aerie.generate.output import read_conversations
-from aerie.generate.stage import run
+from aerie.generate.stage import generation_endpoint
+from aerie.generate.work import run
 from aerie.presets import load_config
 from aerie.store import LocalStore
 from tests.generate_support import check_resumed, journal_of, kill_mid_run

@@ -330,7 +330,7 @@ def test_every_reasoning_shape_an_endpoint_returns_is_read():
 
 
 def test_sglang_generation_is_launched_with_the_targets_reasoning_parser(tmp_path, smollm2):
-    from aerie.generate.entry import reasoning_args
+    from aerie.generate.stage import reasoning_args
 
     thinking = target_with_template(smollm2, QWEN3, THINK_TAGS, tmp_path / "qwen3-like")
     sglang = PipelineConfig().model_copy(

@@ -18,7 +18,7 @@ from aerie.draft.export import load_drafter
 from aerie.draft.vocab import build_vocab_map
 from aerie.errors import DataError
 from aerie.store import StoreConfig, open_store
-from aerie.train import fused, objective, stage
+from aerie.train import fused, objective, work
 from aerie.train.config import DraftShapeConfig, TrainConfig
 from aerie.train.data import PAD_DOC, Batch, BatchReader, EpochPlans, SampleIndex, plan_epoch
 from aerie.train.distributed import DistInfo
@@ -428,7 +428,7 @@ def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
     up = make_upstream(tmp_path, target, train, held, storage="fp8")
     seen: list[tuple[float, str]] = []
     cfg = small_cfg(draft_vocab_size=128, epochs=6)
-    result = stage.run(
+    result = work.run(
         cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus,
         progress=lambda f, m: seen.append((f, m)),
     )  # fmt: skip
@@ -462,7 +462,7 @@ def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
     assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 13))
     assert seen[-1][0] == 1.0 and any("eval accept length" in m for _, m in seen)
 
-    again = stage.run(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
+    again = work.run(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
     assert again.cache_hit and again.key == result.key and again.figures == result.figures
 
 
@@ -474,7 +474,7 @@ def test_stage_on_s3_downloads_shards_and_uploads_everything(tiny, tmp_path, s3_
     up = make_upstream(tmp_path, target, train, held, store=store)
     # A draft MLP narrower than the target's (128): the exported drafter must carry its own width.
     cfg = small_cfg(epochs=2, cache_dir=str(tmp_path / "cache"), draft=DraftShapeConfig(intermediate_size=96))
-    result = stage.run(cfg, store=store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
+    result = work.run(cfg, store=store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
     cached = sorted(p.name for p in (tmp_path / "cache" / "shards").rglob("*.safetensors"))
     assert cached == ["shard-00000.safetensors", "shard-00000.safetensors"]  # one train, one eval
     # The downloaded shards stay for the next training; the local work (checkpoints, optimizer state)
@@ -495,7 +495,7 @@ class Crash(Exception):
 
 
 def _run(up, cfg, target, **kw):
-    return stage.run(
+    return work.run(
         cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus, **kw
     )
 
@@ -591,7 +591,7 @@ def test_torchrun_workers_train_with_ddp(tiny, tmp_path) -> None:
     target, train, held = tiny
     up = make_upstream(tmp_path, target, train, held)
     cfg = small_cfg(epochs=4, num_gpus=2, eval_every=2, checkpoint_every=2)
-    result = stage.run(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
+    result = work.run(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
     manifest = json.loads(up.store.get_bytes(f"{result.prefix}/manifest.json"))
     assert manifest["training"]["total_steps"] == 4  # 8 rows over 2 ranks
     assert manifest["training"]["tokens"] == 4 * 2 * 96
@@ -607,13 +607,11 @@ def test_torchrun_workers_train_with_ddp(tiny, tmp_path) -> None:
 def test_shards_for_another_layer_convention_are_refused(tiny) -> None:
     target, _, _ = tiny
     with pytest.raises(DataError, match="output-of-layer ids"):
-        stage._check_extract({"layers": {"output_of_layer": target.aux_layers_input}}, target, TrainConfig())
+        work._check_extract({"layers": {"output_of_layer": target.aux_layers_input}}, target, TrainConfig())
     with pytest.raises(DataError, match="hidden size 128"):
-        stage._check_extract({"hidden_size": 128}, target, TrainConfig())
+        work._check_extract({"hidden_size": 128}, target, TrainConfig())
     eagle3 = {"layers": {"output_of_layer": target.aux_layers_output}, "hidden_size": 64}
-    stage._check_extract(eagle3, target, TrainConfig())
+    work._check_extract(eagle3, target, TrainConfig())
     # EAGLE-3's three layers do not feed a DFlash drafter, which reads its own.
     with pytest.raises(DataError, match="a train.drafter=dflash drafter reads"):
-        stage._check_extract(
-            eagle3, target, TrainConfig(drafter={"family": "dflash", "num_target_layers": 3})
-        )
+        work._check_extract(eagle3, target, TrainConfig(drafter={"family": "dflash", "num_target_layers": 3}))

@@ -15,10 +15,10 @@ import torch
 from aerie.draft.export import load_drafter
 from aerie.draft.model import DraftKVCache
 from aerie.extract.config import ExtractConfig
-from aerie.extract.stage import run as extract
+from aerie.extract.work import run as extract
 from aerie.serving import ServerConfig
 from aerie.store import LocalStore
-from aerie.train import stage
+from aerie.train import work
 from aerie.train.config import TrainConfig
 from tests.conftest import free_port
 from tests.extract_support import corpus_rows, write_corpus
@@ -52,7 +52,7 @@ def test_train_on_embedded_default_shards(tmp_path, smollm2):
         draft_vocab_size=512, ttt_length=3, epochs=2, lr=1e-3, batch_tokens=256, max_length=256,
         eval_every=2, checkpoint_every=2, device="cpu", cache_dir=str(tmp_path / "cache"),
     )  # fmt: skip
-    result = stage.run(cfg, store=store, run_name="e2e", target=smollm2, shards=shards, corpus=corpus)
+    result = work.run(cfg, store=store, run_name="e2e", target=smollm2, shards=shards, corpus=corpus)
     manifest = json.loads(store.get_bytes(f"{result.prefix}/manifest.json"))
     assert manifest["drafter_config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     assert manifest["drafter_config"]["max_position_embeddings"] == 8192

@@ -11,7 +11,8 @@ does not pull in Polars or transformers.
     encoding.py  one batch: check, place, render, tokenize; the worker process pool
     shuffle.py   hash-keyed split and shuffle, the bounded-memory spill, per-shard dedupe
     stats.py     records/tokens per source, supervised fraction, token counts, length histogram
-    stage.py     run(): key, cache, orchestration, manifest
+    work.py      run(): key, cache, orchestration, manifest
+    stage.py     MERGE: the stage in the pipeline
     imports.py   raw datasets (Conversation objects) as stage results merge can read
     reader.py    iter_corpus, corpus_shards, CorpusRow
 """
@@ -21,8 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "run": "aerie.corpus.stage",
-    "STAGE": "aerie.corpus.stage",
+    "run": "aerie.corpus.work",
+    "STAGE": "aerie.corpus.work",
     "iter_corpus": "aerie.corpus.reader",
     "corpus_shards": "aerie.corpus.reader",
     "CorpusRow": "aerie.corpus.reader",

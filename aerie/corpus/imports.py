@@ -14,7 +14,7 @@ from pathlib import Path
 
 from aerie.conversation import Conversation
 from aerie.corpus.schema import conversations_frame
-from aerie.corpus.stage import CONVERSATIONS
+from aerie.corpus.work import CONVERSATIONS
 from aerie.diskspace import writing
 from aerie.errors import DataError
 from aerie.manifest import StageDir, StageResult, stage_key

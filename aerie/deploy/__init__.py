@@ -2,12 +2,12 @@
 same prompts, and promote it only if it pays.
 
 Stage entry point: `deploy(cfg, store=..., run_name=..., target=..., drafter=..., evaluation=...,
-server=...)` (stage `deploy`; `entry.DEPLOY` in the pipeline). Kept import-free: `aerie.config`
+server=...)` (stage `deploy`; `stage.DEPLOY` in the pipeline). Kept import-free: `aerie.config`
 imports `aerie.deploy.config`.
 
     config.py   DeployConfig
     bench.py    the streaming `/generate` benchmark client (TTFT, ITL, output tokens/s, accept length)
-    stage.py    deploy(): baseline vs speculative server, promotion
+    work.py     deploy(): baseline vs speculative server, promotion
     report.py   the benchmark table and promotion as markdown
-    entry.py    DEPLOY: the stage in the pipeline
+    stage.py    DEPLOY: the stage in the pipeline
 """

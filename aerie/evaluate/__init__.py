@@ -1,14 +1,14 @@
 """Evaluate a trained drafter offline: lossless speculative decoding and its acceptance.
 
 Stage entry point: `run(cfg, store=..., run_name=..., target=..., drafter=..., corpus=...)` (stage
-`evaluate`; `entry.EVALUATE` in the pipeline). Serving the drafter is the deploy stage (`aerie.deploy`).
+`evaluate`; `stage.EVALUATE` in the pipeline). Serving the drafter is the deploy stage (`aerie.deploy`).
 Attributes load lazily so that importing the config does not pull in torch or transformers. The
 speculative decoder and its proposers live in `aerie.engine.speculative`.
 
     config.py         EvaluateConfig
     prompts.py        MT-Bench and held-out prompts as token ids
-    stage.py          run(): the offline evaluation stage
-    entry.py          EVALUATE: the stage in the pipeline
+    work.py           run(): the offline evaluation stage
+    stage.py          EVALUATE: the stage in the pipeline
     report.py         markdown tables, acceptance plot
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "run": "aerie.evaluate.stage",
+    "run": "aerie.evaluate.work",
     "SpecDecoder": "aerie.engine.speculative.decoder",
     "SpecStats": "aerie.engine.speculative.decoder",
     "PromptLookupProposer": "aerie.engine.speculative.prompt_lookup",

@@ -18,7 +18,7 @@ from aerie.errors import DataError, SchemaError
 from aerie.evaluate.config import EvaluateConfig, PromptSet
 from aerie.evaluate.prompts import prompt_set
 from aerie.evaluate.report import acceptance_by_group, acceptance_table, proposer_label
-from aerie.evaluate.stage import drafter_family, load_drafter_of, measure_setting
+from aerie.evaluate.work import drafter_family, load_drafter_of, measure_setting
 from aerie.progress import ProgressFn, no_progress
 from aerie.targets import TargetInfo, resolve_device, resolve_dtype
 

@@ -1,6 +1,7 @@
 """Hidden-state extraction: the corpus through the target's server into compact, resumable shards.
 
-stage.py           `run(cfg, store=, run_name=, target=, corpus=, server=) -> StageResult`, top to bottom
+stage.py           EXTRACT: the stage in the pipeline
+work.py            `run(cfg, store=, run_name=, target=, corpus=, server=) -> StageResult`, top to bottom
 plan.py            what is decided before a server starts: key, dirs, row ranges, disk preflight
 fleet.py           one host's servers in threads, uploads behind them, teardown always
 stage_manifest.py  the manifest, checked against the corpus, and the run's figures

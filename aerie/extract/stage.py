@@ -1,90 +1,61 @@
-"""The extraction stage: corpus in, hidden-state shards and their manifest out.
-
-    run(cfg, store=..., run_name=..., target=..., corpus=..., server=...) -> StageResult
-
-plan (`aerie.extract.plan`: key, dirs, row ranges, the disk preflight before anything is launched) ->
-run the servers (`aerie.extract.fleet`: per server, in threads, launch + readiness + canary, stream
-batches, pack shards, upload them in the background, restart a dead server; teardown always) -> check
-the token counts against the corpus and write the manifest last (`aerie.extract.stage_manifest`).
-
-With `num_slices` > 1 the corpus is cut into num_slices x num_servers contiguous ranges and each slice
-(one host with its own servers) can run anywhere against the same store: see `aerie.extract.slices`.
-"""
+"""The extraction stage in the pipeline (`aerie.stage` contract): the corpus through the target's
+server into hidden-state shards. The work itself is `aerie.extract.work` (one host) or
+`aerie.extract.slices` (a slice per host), imported when it runs (torch)."""
 
 from __future__ import annotations
 
-import logging
-import time
-from typing import Any
+from typing import TYPE_CHECKING
 
-from aerie.extract import slices
-from aerie.extract.config import ExtractConfig
-from aerie.extract.fleet import extract
-from aerie.extract.plan import check_server_quantization, plan, stage_dir
-from aerie.extract.stage_manifest import manifest_body
-from aerie.manifest import StageDir, StageResult
-from aerie.progress import ProgressFn, no_progress
-from aerie.serving import ServerConfig
-from aerie.store import ArtifactStore
-from aerie.targets import TargetInfo
+from aerie.manifest import StageResult
+from aerie.stage import Stage, StageContext, Upstream
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from aerie.config import PipelineConfig
+    from aerie.extract.config import ExtractConfig
+    from aerie.targets import TargetInfo
 
 
-def run(
-    cfg: ExtractConfig,
-    *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
-    corpus: StageResult,
-    server: ServerConfig,
-    progress: ProgressFn = no_progress,
-    rebuild_missing: bool = False,
-) -> StageResult:
-    """Extract the corpus's hidden states into shards, or return the cached result. A cached result
-    whose shards are not all in the store is returned as it is unless `rebuild_missing`: then the
-    missing shards are extracted again (the same bytes: shards depend only on the corpus order and
-    the config) and the manifest is written anew. The pipeline asks for that only when a stage that
-    reads the shards has to run (`aerie.pipeline.rebuild_missing`)."""
-    check_server_quantization(cfg, server)
-    stage = stage_dir(cfg, store, run_name, target, corpus, server)
-    if rebuild_missing:
-        _forget_missing(stage, cfg.num_slices)
-    cached = stage.cached_result()
-    if cached is not None:
-        progress(1.0, "cached")
-        return cached
-    common: dict[str, Any] = {
-        "store": store,
-        "run_name": run_name,
-        "target": target,
-        "corpus": corpus,
-        "server": server,
-    }
-    if cfg.num_slices > 1:
-        return slices.run_all_here(cfg, progress=progress, **common)
-    began = time.monotonic()
-    progress(0.0, "reading the corpus, disk preflight")
-    p = plan(cfg, **common)
-    results, canary = extract(cfg, p, store=store, target=target, server=server, progress=progress)
-    canary_record = canary.result.record() if canary.result is not None else None
-    seconds = time.monotonic() - began
-    manifest = manifest_body(
-        cfg, target, corpus, server, p.splits, results, p.preflight.record(), canary_record, seconds
-    )
-    result = stage.finish(manifest)
-    progress(1.0, f"{manifest['figures']['tokens']:,} tokens in {manifest['figures']['shards']} shards")
-    return result
+def extract_config(cfg: PipelineConfig, target: TargetInfo) -> ExtractConfig:
+    """`cfg.extract` with the layers to capture filled in from `train.drafter`'s family (unless set):
+    the shards hold what the drafter reads. Where those are extraction's own default (EAGLE-3's three,
+    `TargetInfo.aux_layers_output`) it stays None, so the key is unchanged."""
+    ex = cfg.extract
+    layers = cfg.train.capture_layers(target.num_layers)
+    if ex.capture_layers is not None or layers == target.aux_layers_output:
+        return ex
+    return ex.model_copy(update={"capture_layers": layers})
 
 
-def _forget_missing(stage: StageDir, num_slices: int) -> None:
-    """A finished extraction whose shards are not all in the store becomes unfinished again."""
-    missing = slices.forget_missing(stage, num_slices)
-    if missing:
-        log.warning(
-            "extract %s: %d of its shards are not in the store (e.g. %s); extracting them again",
-            stage.prefix,
-            len(missing),
-            missing[0],
-        )
+class ExtractStage(Stage):
+    name = "extract"
+
+    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+        from aerie.extract.plan import extract_key
+
+        return extract_key(extract_config(cfg, ctx.target), cfg.server, ctx.target, upstream.corpus)
+
+    def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
+        """No manifest yet, or (with `ctx.rebuild_missing`) a manifest whose shards are not all in the
+        store: a manifest travels without its shards (`tools.gpuhost` never moves hidden states)."""
+        from aerie.shards.keys import missing_shards
+
+        cached = self.cached(cfg, ctx, upstream)
+        if cached is None:
+            return True
+        return ctx.rebuild_missing and bool(missing_shards(ctx.store, cached[0]))
+
+    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+        from aerie.extract.work import run
+
+        return [
+            run(
+                extract_config(cfg, ctx.target),
+                corpus=upstream.corpus,
+                server=cfg.server,
+                rebuild_missing=ctx.rebuild_missing,
+                **ctx.args(self.name),
+            )
+        ]
+
+
+EXTRACT = ExtractStage()

@@ -13,7 +13,8 @@ and its manifest.
     journal.py    the resumable append-only journal (group-committed, fsync'd)
     runner.py     one dataset's generation over any iterable of conversations
     output.py     the Parquet schema the corpus stage reads
-    stage.py      run()/run_all(): keys, cache, journal location, Parquet, errors, manifest
+    work.py       run()/run_all(): keys, cache, journal location, Parquet, errors, manifest
+    stage.py      GENERATE: the stage in the pipeline
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aerie.generate.stage import run, run_all, stage_name
+    from aerie.generate.work import run, run_all, stage_name
 
 __all__ = ["run", "run_all", "stage_name"]
 
@@ -30,7 +31,7 @@ def __getattr__(name: str) -> Any:
     # Lazy: `aerie.config` imports `aerie.generate.config`, and loading a config must not pay for
     # httpx and Polars.
     if name in __all__:
-        from aerie.generate import stage
+        from aerie.generate import work
 
-        return getattr(stage, name)
+        return getattr(work, name)
     raise AttributeError(f"module 'aerie.generate' has no attribute {name!r}")

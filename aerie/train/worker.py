@@ -13,7 +13,7 @@ from typing import Any
 
 from aerie.train.distributed import init_distributed, shutdown_distributed
 from aerie.train.loop import TrainSpec, run_training
-from aerie.train.stage import EVENTS
+from aerie.train.work import EVENTS
 
 
 def main(argv: list[str]) -> int:

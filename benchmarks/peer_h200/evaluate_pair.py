@@ -21,7 +21,7 @@ from aerie.draft.export import load_drafter
 from aerie.errors import DataError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.prompts import ALL_ROWS, EvalPrompt, heldout_prompts, prompt_set
-from aerie.evaluate.stage import measure_setting
+from aerie.evaluate.work import measure_setting
 from aerie.manifest import StageDir, StageResult
 from aerie.store import ArtifactStore, open_store
 from aerie.targets import TargetInfo, resolve_device, resolve_dtype, resolve_target

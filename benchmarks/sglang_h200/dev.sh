@@ -67,7 +67,7 @@ import torch
 print("torch", torch.__version__, torch.__file__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))
 print("nccl", torch.cuda.nccl.version(), "cudnn", torch.backends.cudnn.version())
 a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16); (a @ a).sum().item()
-for mod in ("triton", "sgl_kernel", "sgl_kernel.flash_attn", "flashinfer", "transformers", "torchvision", "sglang", "sglang.srt.managers.scheduler", "sglang.srt.model_executor.model_runner", "sglang.srt.speculative.eagle_worker_v2", "flash_mla", "sglang.srt.layers.attention.flashattention_backend", "polars", "pydantic", "aerie.extract.stage", "aerie.train.stage", "aerie.sglang_plugin.capture"):
+for mod in ("triton", "sgl_kernel", "sgl_kernel.flash_attn", "flashinfer", "transformers", "torchvision", "sglang", "sglang.srt.managers.scheduler", "sglang.srt.model_executor.model_runner", "sglang.srt.speculative.eagle_worker_v2", "flash_mla", "sglang.srt.layers.attention.flashattention_backend", "polars", "pydantic", "aerie.extract.work", "aerie.train.work", "aerie.sglang_plugin.capture"):
     try:
         m = __import__(mod, fromlist=["x"])
         print("import ok", mod, getattr(m, "__version__", ""), round(time.time() - t, 1))

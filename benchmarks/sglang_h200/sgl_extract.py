@@ -1,6 +1,6 @@
 """SGLang extraction through aerie's dump plugin, beside the roofline of benchmarks/extract.py.
 
-Runs the real extract stage (aerie.extract.stage.run) with server.backend=sglang over a ShareGPT corpus
+Runs the real extract stage (aerie.extract.work.run) with server.backend=sglang over a ShareGPT corpus
 (token ids in corpus.npz), and optionally the reference server over the same corpus; then, optionally,
 trains a drafter on the SGLang shards with aerie's train stage. Writes figures to --out as it goes.
 """
@@ -26,7 +26,7 @@ import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
 from aerie.extract.config import ExtractConfig  # noqa: E402
-from aerie.extract.stage import run as run_extract  # noqa: E402
+from aerie.extract.work import run as run_extract  # noqa: E402
 from aerie.manifest import StageDir, stage_key  # noqa: E402
 from aerie.serving import ServerConfig  # noqa: E402
 from aerie.store import LocalStore  # noqa: E402
@@ -144,7 +144,7 @@ sglang_result = None
 def train_drafter(target, store, corpus, shards, work: Path, out: Path, args) -> None:
     """aerie's train stage on the SGLang shards (the preset smollm2-gpu's training settings, fewer epochs)."""
     from aerie.train.config import DraftShapeConfig, TrainConfig
-    from aerie.train.stage import run as run_train
+    from aerie.train.work import run as run_train
 
     t = time.perf_counter()
     try:

@@ -1,0 +1,283 @@
+"""The deploy stage: serve the drafter with speculative decoding, benchmark it against the same server
+without speculation on the same prompts, promote the drafter only if it pays.
+
+    <run>/deploy/<key>/report.json, report.md, manifest.json (last)
+    <run>/promoted/drafter/*, report.md, report.json, evaluation.md, promotion.json   when promoted
+
+The servers are launched one after the other on the configured port through `aerie.serving.ModelServer`
+(readiness, launch nonce, teardown), so they never compete for the device: SGLang (docker or process)
+with `--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR --speculative-num-steps K
+--speculative-eagle-topk 1 --speculative-num-draft-tokens K+1`, or the reference server with the
+same flags it supports. The benchmark client is `aerie.deploy.bench` against `/generate`.
+
+Promotion: the speed-up (speculative output tokens/s over the baseline's) at the deciding concurrency
+level (`promote_concurrency`, default the lowest benchmarked: speculative decoding pays at low batch,
+large batches are compute-bound and the baseline catches up) must reach `promote_margin`.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aerie.deploy.bench import TTFT_METHOD, LevelResult, benchmark
+from aerie.deploy.config import DeployConfig
+from aerie.deploy.report import deployment_markdown
+from aerie.errors import EvaluationError
+from aerie.evaluate.drafter_files import drafter_keys, fetch_drafter
+from aerie.evaluate.prompts import mtbench_prompts
+from aerie.manifest import StageDir, StageResult, stage_key
+from aerie.progress import ProgressFn, no_progress
+from aerie.serving import ModelServer, ServerConfig, ServerSpec, SpeculativeArgs, spec_for
+from aerie.store import ArtifactStore
+from aerie.targets import TargetInfo
+
+STAGE = "deploy"
+PROMOTED = "promoted"
+# Server fields that say where a server runs, not what it computes: kept out of the stage key.
+_SERVER_NOT_KEYED = {"port", "host", "python", "startup_timeout_s", "grace_s", "poll_interval_s", "hf_cache"}
+
+
+@dataclass(frozen=True)
+class Promotion:
+    promoted: bool
+    reason: str
+    concurrency: int
+    speedup: float | None
+
+
+def speculative_args(cfg: DeployConfig, server: ServerConfig, drafter_dir: str) -> SpeculativeArgs:
+    """The speculative flags for the configured backend. SGLang gets all three (topk 1 is a chain of
+    num_steps drafts verified as num_steps+1 tokens); the reference server decodes chains and takes
+    only the step count."""
+    if server.backend == "sglang":
+        return SpeculativeArgs(
+            draft_model_path=drafter_dir,
+            num_steps=cfg.num_steps,
+            eagle_topk=cfg.eagle_topk,
+            num_draft_tokens=cfg.num_draft_tokens or cfg.num_steps + 1,
+        )
+    if cfg.eagle_topk != 1:
+        raise EvaluationError(
+            f"deploy.eagle_topk {cfg.eagle_topk}: the reference server drafts chains only (topk 1); "
+            "use server.backend=sglang for tree drafts"
+        )
+    return SpeculativeArgs(draft_model_path=drafter_dir, num_steps=cfg.num_steps)
+
+
+def server_specs(
+    cfg: DeployConfig, server: ServerConfig, target: TargetInfo, drafter_dir: str
+) -> dict[str, ServerSpec]:
+    """The baseline and speculative launches (same backend, model and port; launched one at a time)."""
+    return {
+        "baseline": spec_for(
+            server,
+            model_path=target.path,
+            mode="serve",
+            name=f"{server.backend}-baseline",
+            trust_remote_code=target.trust_remote_code,
+        ),
+        "speculative": spec_for(
+            server,
+            model_path=target.path,
+            mode="serve",
+            name=f"{server.backend}-eagle3",
+            speculative=speculative_args(cfg, server, drafter_dir),
+            trust_remote_code=target.trust_remote_code,
+        ),
+    }
+
+
+def decide_promotion(rows: list[dict[str, Any]], cfg: DeployConfig) -> Promotion:
+    """Promote when speculative tokens/s / baseline tokens/s >= promote_margin at the deciding level."""
+    level = cfg.promote_concurrency or min(cfg.concurrency)
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    spec, base = by.get(("speculative", level)), by.get(("baseline", level))
+    if spec is None or base is None:
+        return Promotion(False, f"no measurement of both servers at concurrency {level}", level, None)
+    if not base["output_tokens_per_s"]:
+        return Promotion(False, f"the baseline produced no tokens at concurrency {level}", level, None)
+    speedup = spec["output_tokens_per_s"] / base["output_tokens_per_s"]
+    verdict = speedup >= cfg.promote_margin
+    reason = (
+        f"speed-up {speedup:.3f}x at concurrency {level} "
+        f"{'>=' if verdict else '<'} the margin {cfg.promote_margin:.3f}x"
+    )
+    return Promotion(verdict, reason, level, round(speedup, 4))
+
+
+def key_of(
+    cfg: DeployConfig,
+    server: ServerConfig,
+    target: TargetInfo,
+    drafter: StageResult,
+    evaluation: StageResult | None,
+) -> str:
+    keyed = {
+        "deploy": cfg.model_dump(mode="json"),
+        "server": server.model_dump(mode="json", exclude=_SERVER_NOT_KEYED),
+    }
+    upstream = [
+        drafter.manifest_sha256,
+        *([evaluation.manifest_sha256] if evaluation else []),
+        target.revision,
+    ]
+    return stage_key(STAGE, keyed, upstream)
+
+
+def deploy(
+    cfg: DeployConfig,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    drafter: StageResult,
+    evaluation: StageResult | None,
+    server: ServerConfig,
+    progress: ProgressFn = no_progress,
+) -> StageResult:
+    """Benchmark the speculative server against the baseline; promote the drafter if it pays."""
+    sd = StageDir(store, run_name, STAGE, key_of(cfg, server, target, drafter, evaluation))
+    if (cached := sd.cached_result()) is not None:
+        return cached
+    if not cfg.enabled:
+        return sd.finish({"enabled": False, "figures": {"deployed": False}})
+    drafter_keys(store, drafter)  # a missing drafter fails here, before any server starts
+
+    prompts = [p.input_ids for p in mtbench_prompts(target.load_tokenizer(), None, 4096)]
+    prompts = [prompts[i % len(prompts)] for i in range(cfg.num_prompts)]
+    with tempfile.TemporaryDirectory(prefix="aerie-deploy-") as tmp:
+        drafter_dir = fetch_drafter(store, drafter, Path(tmp) / "drafter")
+        specs = server_specs(cfg, server, target, str(drafter_dir))
+        rows: list[dict[str, Any]] = []
+        outputs: dict[str, dict[int, list[list[int]]]] = {}
+        for i, (name, spec) in enumerate(specs.items()):
+
+            def report(fraction: float, message: str, base: float = i / len(specs)) -> None:
+                progress(base + fraction / len(specs), message)
+
+            results, outputs[name] = _benchmark_server(name, spec, prompts, cfg, report)
+            rows += [r.to_dict() for r in results]
+    _add_speedups(rows)
+    decision = decide_promotion(rows, cfg)
+    same = _same_outputs(outputs)
+    body: dict[str, Any] = {
+        "target": {"name": target.name, "revision": target.revision},
+        "drafter": f"{drafter.prefix}/drafter",
+        "evaluation": evaluation.prefix if evaluation else None,
+        "backend": server.backend,
+        "servers": {name: {"command": spec.describe()} for name, spec in specs.items()},
+        "num_prompts": cfg.num_prompts,
+        "max_new_tokens": cfg.max_new_tokens,
+        "num_steps": cfg.num_steps,
+        "ttft_method": TTFT_METHOD,
+        "rows": rows,
+        "same_outputs": same,
+        "promotion": {
+            "promoted": decision.promoted,
+            "reason": decision.reason,
+            "concurrency": decision.concurrency,
+            "speedup": decision.speedup,
+            "margin": cfg.promote_margin,
+        },
+    }
+    if decision.promoted:
+        body["promotion"]["promoted_prefix"] = store.uri(f"{run_name}/{PROMOTED}")
+    markdown = deployment_markdown(body)
+    store.put_bytes(sd.path("report.json"), json.dumps(body, indent=2).encode())
+    store.put_bytes(sd.path("report.md"), markdown.encode())
+    if decision.promoted:
+        progress(0.99, "promoting the drafter")
+        promote(store, run_name, drafter, evaluation, body, markdown)
+    progress(1.0, decision.reason)
+    return sd.finish({**body, "figures": _figures(rows, decision, same)})
+
+
+def _benchmark_server(
+    name: str, spec: ServerSpec, prompts: list[list[int]], cfg: DeployConfig, progress: ProgressFn
+) -> tuple[list[LevelResult], dict[int, list[list[int]]]]:
+    def starting(fraction: float, message: str) -> None:
+        progress(0.2 * fraction, f"{name}: {message}")
+
+    with ModelServer(spec, progress=starting) as live:
+        return benchmark(
+            live.url,
+            name,
+            prompts,
+            cfg.concurrency,
+            cfg.max_new_tokens,
+            warmup=cfg.warmup_requests,
+            timeout_s=cfg.request_timeout_s,
+            progress=lambda f, m: progress(0.2 + 0.8 * f, m),
+        )
+
+
+def _add_speedups(rows: list[dict[str, Any]]) -> None:
+    base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["server"] == "baseline"}
+    for r in rows:
+        b = base.get(r["concurrency"])
+        r["speedup"] = round(r["output_tokens_per_s"] / b, 4) if b else None
+
+
+def _same_outputs(outputs: dict[str, dict[int, list[list[int]]]]) -> dict[str, int]:
+    """Prompts whose greedy output is identical on both servers (a lossless server agrees on all, up
+    to floating-point differences between batch shapes on GPU)."""
+    base, spec = outputs.get("baseline", {}), outputs.get("speculative", {})
+    compared = identical = 0
+    for level, outs in spec.items():
+        for a, b in zip(outs, base.get(level, []), strict=False):
+            compared += 1
+            identical += a == b
+    return {"compared": compared, "identical": identical}
+
+
+def promote(
+    store: ArtifactStore,
+    run_name: str,
+    drafter: StageResult,
+    evaluation: StageResult | None,
+    report: dict[str, Any],
+    markdown: str,
+) -> str:
+    """Copy the drafter to the stable prefix `<run>/promoted/` with the reports beside it. The
+    `promotion.json` pointer is written last, so its presence means the copy is complete."""
+    prefix = f"{run_name}/{PROMOTED}"
+    with tempfile.TemporaryDirectory(prefix="aerie-promote-") as tmp:
+        for key in drafter_keys(store, drafter):
+            name = key.rsplit("/", 1)[-1]
+            local = store.get_file(key, Path(tmp) / name)
+            store.put_file(f"{prefix}/drafter/{name}", local)
+    store.put_bytes(f"{prefix}/report.json", json.dumps(report, indent=2).encode())
+    store.put_bytes(f"{prefix}/report.md", markdown.encode())
+    if evaluation is not None:
+        _copy_evaluation(store, evaluation, prefix)
+    pointer = {
+        "drafter": f"{drafter.prefix}/drafter",
+        "evaluation": evaluation.prefix if evaluation else None,
+        "speedup": report["promotion"]["speedup"],
+        "concurrency": report["promotion"]["concurrency"],
+    }
+    store.put_bytes(f"{prefix}/promotion.json", json.dumps(pointer, indent=2).encode())
+    return prefix
+
+
+def _copy_evaluation(store: ArtifactStore, evaluation: StageResult, prefix: str) -> None:
+    """The offline evaluation's reports beside the promoted drafter."""
+    for name in ("report.md", "report.json", "acceptance.png"):
+        key = f"{evaluation.prefix}/{name}"
+        if store.exists(key):
+            store.put_bytes(f"{prefix}/evaluation-{name}", store.get_bytes(key))
+
+
+def _figures(rows: list[dict[str, Any]], decision: Promotion, same: dict[str, int]) -> dict[str, Any]:
+    figures: dict[str, Any] = {"promoted": decision.promoted, "speedup": decision.speedup}
+    for r in rows:
+        tag = "spec" if r["server"] == "speculative" else "base"
+        figures[f"{tag}_tok_s_c{r['concurrency']}"] = round(r["output_tokens_per_s"], 2)
+        if r["server"] == "speculative" and r.get("accept_length") is not None:
+            figures[f"accept_length_c{r['concurrency']}"] = round(r["accept_length"], 3)
+    figures["same_outputs"] = f"{same['identical']}/{same['compared']}"
+    return figures
