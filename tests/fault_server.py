@@ -99,10 +99,11 @@ class FaultServer:
         assert self._httpd is not None
         return f"{self._scheme}://127.0.0.1:{self._httpd.server_address[1]}/v1"
 
-    def start(self, port: int = 0, tls: ssl.SSLContext | None = None) -> FaultServer:
-        """Serve on 127.0.0.1 (port 0 = any free one); with `tls`, serve HTTPS."""
+    def start(self, port: int = 0, tls: ssl.SSLContext | None = None, host: str = "127.0.0.1") -> FaultServer:
+        """Serve on `host` (0.0.0.0: every address, loopback and network) and `port` (0 = any free one);
+        with `tls`, serve HTTPS. `url` is always the loopback one."""
         handler = type("Handler", (_Handler,), {"server_state": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self._httpd = ThreadingHTTPServer((host, port), handler)
         self._httpd.daemon_threads = True
         if tls is not None:
             self._httpd.socket = tls.wrap_socket(self._httpd.socket, server_side=True)
