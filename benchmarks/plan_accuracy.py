@@ -27,6 +27,8 @@ What calibrates what:
     python benchmarks/plan_accuracy.py --calibrate /tmp/recal/q/artifacts /tmp/recal/h/artifacts
     python benchmarks/plan_accuracy.py --validate STORE --plan PLAN.json --load LOAD.txt --overrides "k=v ..."
     python benchmarks/plan_accuracy.py   # recompute the smollm2-gpu calibration rows; the rest is kept
+    python benchmarks/plan_accuracy.py --quote   # rewrite the READMEs' and docs/plan.md's rows from it
+    benchmarks/plan_validate.sh [PRESET k=v ...]   # a validation run: its plan, the run, its rows
 """
 
 from __future__ import annotations
@@ -40,14 +42,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from plan_quotes import quote  # the script's own folder is on sys.path
+
 from aerie.plan import make_plan
 from aerie.plan.facts import figure_at
 from aerie.plan.machine import gemm_gflops
 from aerie.plan.plan import Plan, with_corpus
 from aerie.presets import load_config
 
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
-CALIBRATION = Path(__file__).resolve().parents[1] / "aerie" / "plan" / "data" / "calibration.json"
+CALIBRATION = ROOT / "aerie" / "plan" / "data" / "calibration.json"
 MACHINE = f"{platform.machine()} VM, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
 # Carried beside a row: what a train step cost, and the extraction's steady rate (against the record's).
@@ -306,26 +311,63 @@ def mean_load(path: Path, start: str, end: str) -> dict[str, Any]:
     }
 
 
-def validation_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One fresh run against the plan printed before it started (its --json), with the machine's load."""
+# The runs the plan was fitted to or revised against, by preset: a validation run must be none of them.
+CALIBRATED = {
+    "smollm2-local": [[], *CALIBRATION_RUNS],
+    "smollm2-gpu": [[], SHORT_RUN_OVERRIDES],
+}
+
+
+def same_work_stages(preset: str, overrides: list[str]) -> list[str]:
+    """The stages whose settings equal a calibration run's (evaluation and deployment decode the same
+    prompts whatever the run's size): their estimate would be an earlier timing of the same work. A run
+    whose whole config is a calibration run's is refused."""
+    mine = load_config(preset, overrides).model_dump(mode="json")
+    seen = [load_config(preset, o).model_dump(mode="json") for o in CALIBRATED.get(preset, [])]
+    if mine in seen:
+        raise SystemExit(
+            f"{preset} {' '.join(overrides)}: the config of a calibration run, so not a validation run; "
+            "change its size (generate.datasets.0.num_samples, train.epochs) or another setting"
+        )
+    return [stage for stage in SAME_WORK_STAGES if any(mine[stage] == cfg[stage] for cfg in seen)]
+
+
+def validation_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One fresh run against the plan printed before it started (its --json), with the machine's load:
+    (its rows, the stages left out as the same work as a calibration run's)."""
     overrides = args.overrides.split()
+    left_out = same_work_stages(args.preset, overrides)
+    run_name = load_config(args.preset, overrides).run
     before = json.loads(args.plan.read_text())
-    actuals = store_actuals(args.validate, "smollm2-local")
+    actuals = store_actuals(args.validate, run_name)
+    if not actuals:
+        raise SystemExit(f"{args.validate / run_name}: no stage manifest; did the run finish?")
     times = {k: (args.validate.parent / k).read_text().strip() for k in ("start", "end", "commit")}
     load = mean_load(args.load, times["start"], times["end"]) if args.load else {}
     replanned = {
         stage_of(m.parent.parent.name): json.loads(m.read_text()).get("plan", {}).get("estimate_s")
-        for m in (args.validate / "smollm2-local").glob("*/*/manifest.json")
+        for m in (args.validate / run_name).glob("*/*/manifest.json")
     }
-    out = []
+    preset = f"{args.preset} {' '.join(overrides)}".strip()
+    common = {
+        "preset": preset,
+        "hardware": before["hardware"],
+        "run": {"start": times["start"], "end": times["end"], "model_commit": times["commit"]},
+        "machine_at_plan": before.get("machine"),
+        "load_while_running": load,
+    }
+    out, skipped = [], []
     for est in before["stages"]:
         actual = actuals.get(est["stage"])
         if actual is None:
             continue
+        if est["stage"] in left_out:
+            why = "the same settings as a calibration run: its estimate is their timing of the same work"
+            skipped.append({"preset": preset, "stage": est["stage"], "why": why})
+            continue
         out.append(
             {
-                "preset": "smollm2-local " + " ".join(overrides),
-                "hardware": before["hardware"],
+                **common,
                 "stage": est["stage"],
                 "unit": "seconds",
                 "estimate": round(est["seconds"], 1),
@@ -333,12 +375,21 @@ def validation_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "error": round(est["seconds"] / actual["seconds"] - 1, 3),
                 "estimate_after_merge": replanned.get(est["stage"]),
                 "actual_from": actual["manifest"],
-                "run": {"start": times["start"], "end": times["end"], "model_commit": times["commit"]},
-                "machine_at_plan": before.get("machine"),
-                "load_while_running": load,
             }
         )
-    return out
+    shards, written = before.get("shard_bytes"), actuals.get("extract", {}).get("bytes")
+    if shards and written:
+        out.append(
+            {
+                **common,
+                "stage": "extract shards",
+                "unit": "bytes",
+                "estimate": shards,
+                "actual": written,
+                "error": round(shards / written - 1, 3),
+            }
+        )
+    return out, skipped
 
 
 def summary(table: list[dict[str, Any]]) -> dict[str, Any]:
@@ -349,6 +400,25 @@ def summary(table: list[dict[str, Any]]) -> dict[str, Any]:
         "within_25_percent": sum(abs(r["error"]) <= 0.25 for r in timed),
         "worst": {k: worst[k] for k in ("preset", "stage", "error")} if worst else None,
     }
+
+
+def calibration_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The H200 rows recomputed, the fitted CPU rows, and the full default CPU runs (from their stores,
+    or kept from the record)."""
+    calibration = [*h200_calibration(), *fit_rows()]
+    if args.local_store:
+        local = make_plan(load_config("smollm2-local", []), "cpu")
+        for store in [args.local_store, *args.spread_stores]:
+            for r in rows("smollm2-local", local, store_actuals(store, "smollm2-local")):
+                same = r["stage"] in SAME_WORK_STAGES
+                calibration.append({**r, "why_calibration": WHY_CPU_SAME_WORK if same else WHY_CPU_FULL})
+    else:
+        for r in kept_rows(args.out, "calibration", "smollm2-local"):
+            if "=" not in r["preset"]:  # a full default run (the fitted runs are rows of fit_rows)
+                same = r["stage"] in SAME_WORK_STAGES
+                r.setdefault("why_calibration", WHY_CPU_SAME_WORK if same else WHY_CPU_FULL)
+                calibration.append(r)
+    return calibration
 
 
 def main() -> None:
@@ -363,28 +433,29 @@ def main() -> None:
     parser.add_argument("--validate", type=Path, help="the store of a fresh run to validate against")
     parser.add_argument("--plan", type=Path, help="the plan printed before that run (aerie plan --json)")
     parser.add_argument("--load", type=Path, help="its load samples: `date +%%s` and /proc/loadavg lines")
+    parser.add_argument("--preset", default="smollm2-local", help="the validation run's preset")
     parser.add_argument("--overrides", default="", help="the run's overrides, as one string")
     parser.add_argument("--out", type=Path, default=RESULTS / "plan-accuracy.json")
+    parser.add_argument(
+        "--docs", type=Path, default=ROOT, help="the checkout whose READMEs and docs/plan.md quote the rows"
+    )
+    parser.add_argument("--quote", action="store_true", help="only rewrite what quotes the record (--docs)")
     args = parser.parse_args()
+    if args.quote:
+        quote(json.loads(args.out.read_text()), args.out.name, args.docs)
+        return
     if args.calibrate:
         calibrate(args.calibrate, RESULTS / "plan_calibration-cpu.json")
         return
-    calibration = [*h200_calibration(), *fit_rows()]
-    if args.local_store:
-        local = make_plan(load_config("smollm2-local", []), "cpu")
-        for store in [args.local_store, *args.spread_stores]:
-            for r in rows("smollm2-local", local, store_actuals(store, "smollm2-local")):
-                same = r["stage"] in SAME_WORK_STAGES
-                calibration.append({**r, "why_calibration": WHY_CPU_SAME_WORK if same else WHY_CPU_FULL})
-    else:
-        for r in kept_rows(args.out, "calibration", "smollm2-local"):
-            if "=" not in r["preset"]:  # a full default run (the fitted runs are rows of fit_rows)
-                same = r["stage"] in SAME_WORK_STAGES
-                r.setdefault("why_calibration", WHY_CPU_SAME_WORK if same else WHY_CPU_FULL)
-                calibration.append(r)
     validation = kept_rows(args.out, "validation", "")
+    left_out = kept_rows(args.out, "validation_left_out", "")
     if args.validate:
-        validation += validation_rows(args)
+        # A validation run adds its rows; the calibration rows stay as they are.
+        calibration = kept_rows(args.out, "calibration", "")
+        new, skipped = validation_rows(args)
+        validation, left_out = [*validation, *new], [*left_out, *skipped]
+    else:
+        calibration = calibration_rows(args)
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": MACHINE + " (plans need no GPU)",
@@ -392,10 +463,12 @@ def main() -> None:
         "method": (__doc__ or "").split("    python")[0].strip(),
         "validation_summary": summary(validation),
         "validation": validation,
+        "validation_left_out": left_out,
         "calibration_summary": summary(calibration),
         "calibration": calibration,
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
+    quote(record, args.out.name, args.docs)
     for name, table in (("validation", validation), ("calibration", calibration)):
         print(name)
         for r in table:

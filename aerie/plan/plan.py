@@ -73,6 +73,7 @@ class Plan:
             "disk": [
                 {"location": loc.name, "need": loc.need, "free": loc.free} for loc in self.disk.locations
             ],
+            "shard_bytes": self.disk.shard_bytes,
             "s3_bytes": self.disk.s3_bytes,
             "s3_requests": self.disk.s3_requests,
             "machine": None

@@ -1,0 +1,106 @@
+"""benchmarks/plan_validate.sh's checks and what it writes: a validation run is never a calibration run's
+config, a stage doing a calibration run's work is left out, and the rows it appends are quoted in the
+READMEs in a form scripts/check_figures.py accepts (on planted copies of the READMEs and the record).
+The run itself takes minutes and is made by hand (docs/plan.md says how)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import plan_accuracy  # noqa: E402  (a script: its folder is on sys.path)
+
+from aerie.plan import make_plan  # noqa: E402
+from aerie.presets import load_config  # noqa: E402
+
+
+def script_default() -> list[str]:
+    """The overrides plan_validate.sh runs without arguments."""
+    text = (ROOT / "benchmarks" / "plan_validate.sh").read_text()
+    found = re.search(r"^\s*DEFAULT_OVERRIDES=\(([^)]*)\)", text, re.M)
+    assert found, "plan_validate.sh sets no DEFAULT_OVERRIDES=(...)"
+    return found.group(1).split()
+
+
+def checker() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_figures", ROOT / "scripts" / "check_figures.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("overrides", [[], *plan_accuracy.CALIBRATION_RUNS])
+def test_a_calibration_runs_config_is_refused(overrides: list[str]) -> None:
+    with pytest.raises(SystemExit, match="the config of a calibration run"):
+        plan_accuracy.same_work_stages("smollm2-local", overrides)
+
+
+def test_stages_doing_a_calibration_runs_work_are_left_out() -> None:
+    size_only = ["generate.datasets.0.num_samples=20", "train.epochs=16"]
+    assert plan_accuracy.same_work_stages("smollm2-local", size_only) == ["evaluate", "deploy"]
+    assert plan_accuracy.same_work_stages("smollm2-local", script_default()) == []
+
+
+def test_quoted_validation_rows_pass_the_figure_check(tmp_path: Path) -> None:
+    """A planted validation run (its estimates the script's default plan, its actuals made up) is written
+    into copies of README.md, benchmarks/README.md and docs/plan.md, and the READMEs' tables resolve
+    to the record."""
+    for rel in ("README.md", "benchmarks/README.md", "docs/plan.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "results")
+    record = json.loads((ROOT / "benchmarks" / "results" / "plan-accuracy.json").read_text())
+    plan = make_plan(load_config("smollm2-local", script_default()), "cpu")
+    run = {"start": "2026-01-02T03:04:05Z", "end": "2026-01-02T03:09:05Z", "model_commit": "0123456789abcdef"}
+    load = {"samples": 60, "load_1m_mean": 0.31, "load_1m_max": 1.07, "cores": 2}
+    for i, est in enumerate(plan.stages):
+        actual = round(est.seconds * (1.1 + 0.1 * i), 1)  # planted: a miss that grows stage by stage
+        record["validation"].append(
+            {
+                "preset": "smollm2-local " + " ".join(script_default()),
+                "hardware": "cpu",
+                "run": run,
+                "load_while_running": load,
+                "stage": est.stage,
+                "unit": "seconds",
+                "estimate": round(est.seconds, 1),
+                "actual": actual,
+                "error": round(est.seconds / actual - 1, 3),
+                "estimate_after_merge": None,
+            }
+        )
+    record["validation_summary"] = plan_accuracy.summary(record["validation"])
+    (tmp_path / "results" / "plan-accuracy.json").write_text(json.dumps(record))
+
+    plan_accuracy.quote(copy.deepcopy(record), "plan-accuracy.json", tmp_path)
+
+    check = checker()
+    for rel in ("README.md", "benchmarks/README.md"):
+        problems = list(check.check_file(tmp_path / rel, root=tmp_path, results=tmp_path / "results"))
+        assert problems == [], f"{rel}: {problems}"
+    readme = (tmp_path / "README.md").read_text()
+    summary = record["validation_summary"]
+    assert f"{summary['within_25_percent']} of {summary['rows']} within `25%`" in readme
+    docs = (tmp_path / "docs" / "plan.md").read_text()
+    assert "None is recorded yet" not in docs
+    for r in record["validation"]:
+        assert f"| {r['stage']} | {r['estimate']:.1f} s | {r['actual']:.1f} s |" in docs
+    # Written again from the same record, nothing changes: the sections are replaced, not appended to.
+    before = {
+        rel: (tmp_path / rel).read_text() for rel in ("README.md", "benchmarks/README.md", "docs/plan.md")
+    }
+    plan_accuracy.quote(copy.deepcopy(record), "plan-accuracy.json", tmp_path)
+    assert before == {rel: (tmp_path / rel).read_text() for rel in before}
