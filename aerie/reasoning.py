@@ -123,6 +123,21 @@ def parser_for(architecture: str, chat_template: str, setting: str = "auto") -> 
     return found if found.end in chat_template else None
 
 
+def read_template(path: str, setting: str = "corpus.chat_template") -> str:
+    """A chat template file's text (`corpus.chat_template`: the corpus, the generation server and the
+    evaluation prompts all render with it); ConfigError naming the setting when it cannot be read."""
+    from pathlib import Path
+
+    where = Path(path).expanduser()
+    try:
+        text = where.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{setting}: cannot read {where}: {exc}") from exc
+    if not text.strip():
+        raise ConfigError(f"{setting}: {where} is empty")
+    return text
+
+
 def reasoning_line(figures: dict[str, Any]) -> str | None:
     """The run summary's line on reasoning, from a merge's figures; None when the data has none."""
     total = int(figures.get("reasoning_tokens") or 0)

@@ -329,7 +329,7 @@ def test_every_reasoning_shape_an_endpoint_returns_is_read():
     assert message_reasoning({"content": "A"}) is None
 
 
-def test_sglang_generation_is_launched_with_the_targets_reasoning_parser(tmp_path, smollm2):
+def test_generation_is_launched_with_the_targets_reasoning_parser(tmp_path, smollm2):
     from aerie.generate.stage import reasoning_args
 
     thinking = target_with_template(smollm2, QWEN3, THINK_TAGS, tmp_path / "qwen3-like")
@@ -338,4 +338,25 @@ def test_sglang_generation_is_launched_with_the_targets_reasoning_parser(tmp_pat
     )
     assert reasoning_args(sglang, thinking) == ["--reasoning-parser", "qwen3"]
     assert reasoning_args(sglang, smollm2) == []  # its template writes no think block
-    assert reasoning_args(PipelineConfig(), thinking) == []  # the reference server takes no such flag
+    # The reference server takes the same flag; a launch that names one keeps its own.
+    assert reasoning_args(PipelineConfig(), thinking) == ["--reasoning-parser", "qwen3"]
+    named = PipelineConfig().model_copy(
+        update={
+            "server": PipelineConfig().server.model_copy(update={"extra_args": ["--reasoning-parser=none"]})
+        }
+    )
+    assert reasoning_args(named, thinking) == []
+
+
+def test_a_chat_template_override_reaches_the_generation_server(tmp_path, smollm2):
+    from aerie.errors import ConfigError
+    from aerie.generate.stage import reasoning_args
+
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3)
+    cfg = PipelineConfig().model_copy(update={"corpus": CorpusConfig(chat_template=str(template))})
+    # The override is what the parser is read from: SmolLM2's own template writes no think block.
+    assert reasoning_args(cfg, smollm2) == ["--chat-template", str(template), "--reasoning-parser", "qwen3"]
+    docker = cfg.model_copy(update={"server": cfg.server.model_copy(update={"launcher": "docker"})})
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        reasoning_args(docker, smollm2)

@@ -209,6 +209,11 @@ class GenerateConfig(StrictModel):
         gt=0,
         description="With a remote store: how often the journal is copied to it, so another machine can resume.",
     )
+    chat_template_sha256: str | None = Field(
+        None,
+        description="Set by the pipeline: the sha256 of corpus.chat_template when the generation server it "
+        "launches renders with that template instead of the target's (part of each dataset's key).",
+    )
 
     @model_validator(mode="after")
     def _dataset_names_are_unique(self) -> GenerateConfig:

@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from aerie.errors import ConfigError
 from aerie.manifest import StageResult, stage_key
 from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import ArtifactStore
@@ -29,7 +30,17 @@ def generate_config(cfg: PipelineConfig) -> GenerateConfig:
         else spec.model_copy(update={"max_context_tokens": cfg.corpus.max_length})
         for spec in cfg.generate.datasets
     ]
-    return cfg.generate.model_copy(update={"datasets": datasets})
+    update: dict[str, object] = {"datasets": datasets}
+    if cfg.corpus.chat_template and not cfg.generate.endpoint.base_url:
+        # The launched server renders with the corpus's template: another template, other answers.
+        import hashlib
+
+        from aerie.reasoning import read_template
+
+        update["chat_template_sha256"] = hashlib.sha256(
+            read_template(cfg.corpus.chat_template).encode()
+        ).hexdigest()
+    return cfg.generate.model_copy(update=update)
 
 
 def generation_spec(cfg: PipelineConfig, target: TargetInfo) -> ServerSpec:
@@ -48,21 +59,30 @@ def generation_spec(cfg: PipelineConfig, target: TargetInfo) -> ServerSpec:
 
 
 def reasoning_args(cfg: PipelineConfig, target: TargetInfo) -> list[str]:
-    """SGLang's `--reasoning-parser` for a thinking target, so answers come back with their reasoning
-    in `reasoning_content` (the corpus parses by the same name); none when the launch names one."""
+    """The generation server's `--chat-template` (corpus.chat_template: generation renders prompts with
+    the template the corpus renders with) and `--reasoning-parser` for a thinking target, so answers
+    come back with their reasoning in `reasoning_content` (the corpus parses by the same name). SGLang
+    and the reference server take both flags; each is left out when the launch names it."""
     from pathlib import Path
 
-    from aerie.reasoning import parser_for
+    from aerie.reasoning import parser_for, read_template
 
-    given = cfg.generate.endpoint.launch_args + cfg.server.extra_args
-    if cfg.server.backend != "sglang" or any(a.split("=", 1)[0] == "--reasoning-parser" for a in given):
-        return []
+    given = {a.split("=", 1)[0] for a in cfg.generate.endpoint.launch_args + cfg.server.extra_args}
     override = cfg.corpus.chat_template
-    template = (
-        Path(override).expanduser().read_text() if override else target.load_tokenizer().get_chat_template()
-    )
-    parser = parser_for(target.architecture, str(template), cfg.corpus.reasoning_parser)
-    return ["--reasoning-parser", parser.name] if parser is not None else []
+    out: list[str] = []
+    if override and "--chat-template" not in given:
+        if cfg.server.launcher == "docker":
+            raise ConfigError(
+                "corpus.chat_template with server.launcher=docker: the generation server in its container "
+                "cannot read the file; pass it in server.extra_args as --chat-template <path in the "
+                "container> (a mounted directory, e.g. the target's)"
+            )
+        out += ["--chat-template", str(Path(override).expanduser().resolve())]
+    if "--reasoning-parser" not in given:
+        template = read_template(override) if override else target.load_tokenizer().get_chat_template()
+        parser = parser_for(target.architecture, str(template), cfg.corpus.reasoning_parser)
+        out += ["--reasoning-parser", parser.name] if parser is not None else []
+    return out
 
 
 @contextlib.contextmanager

@@ -75,14 +75,14 @@ _ACCEPTANCE_FIELDS: dict[str, Any] = {"source": {"max_invalid_fraction"}}
 def key_of(cfg: GenerateConfig, spec: DatasetSpec) -> str:
     """The stage key: the dataset spec, the model, and the source file's content (a file fixed in
     place is a new input, never a cache hit on what the old bytes gave)."""
-    return stage_key(
-        stage_name(spec),
-        {
-            "dataset": spec.model_dump(mode="json", exclude=_ACCEPTANCE_FIELDS),
-            "model": cfg.endpoint.model,
-            "source_sha256": source_fingerprint(spec.source),
-        },
-    )
+    content = {
+        "dataset": spec.model_dump(mode="json", exclude=_ACCEPTANCE_FIELDS),
+        "model": cfg.endpoint.model,
+        "source_sha256": source_fingerprint(spec.source),
+    }
+    if cfg.chat_template_sha256 is not None:  # the target's own template: keys as they were
+        content["chat_template_sha256"] = cfg.chat_template_sha256
+    return stage_key(stage_name(spec), content)
 
 
 def read_api_key(env_name: str) -> str | None:

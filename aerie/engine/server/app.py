@@ -7,7 +7,7 @@
 | `/server_info` (`/get_server_info`) | args, `weight_version`, `launch_command`, `version`, resolved device/dtype/aux layers, status, pid; `internal_states[0]`: counters and `extract_phases_s` (`scheduler.PhaseClock`) |
 | `/model_info` (`/get_model_info`), `/v1/models` | model facts; 200 as soon as the port is open (not readiness signals) |
 | `/generate` | SGLang body; `max_new_tokens: 0` = prefill only; in extract mode that writes `<rid>.safetensors`; `stream: true` (one input): server-sent events, a chunk per decoding step, then `data: [DONE]` |
-| `/v1/chat/completions` | OpenAI body, chat template from the tokenizer; concurrent requests share batches; `stream: true`: OpenAI's `chat.completion.chunk` events |
+| `/v1/chat/completions` | OpenAI body, chat template from the tokenizer (or `--chat-template`) with the request's `chat_template_kwargs`; with `--reasoning-parser` the reasoning comes back in `reasoning_content` (`aerie.engine.server.chat`); concurrent requests share batches; `stream: true`: OpenAI's `chat.completion.chunk` events |
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pydantic import ValidationError
 import aerie
 from aerie.engine.generation import GenRequest, GenResult, SamplingParams
 from aerie.engine.server.args import RefServerArgs, launch_command
+from aerie.engine.server.chat import ChatFormat, StreamSplitter
 from aerie.engine.server.dump import check_rid
 from aerie.engine.server.loader import LoadedModel
 from aerie.engine.server.protocol import (
@@ -59,6 +60,7 @@ class ServerState:
     in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     startup_time: dict[str, float] = field(default_factory=dict)
+    chat_format: ChatFormat | None = None  # None: the tokenizer's template, no reasoning parser
 
     @property
     def served_model_name(self) -> str:
@@ -485,12 +487,9 @@ async def _chat(state: ServerState, payload: Any) -> Response:
     tok = state.loaded.tokenizer
     if tok is None:
         raise RequestError("the server runs with --skip-tokenizer-init: chat needs a tokenizer")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # jinja errors (e.g. a role order the template refuses) are the caller's
-        raise RequestError(f"the chat template rejected the messages: {exc}") from exc
-    ids = list(tok(str(prompt), add_special_tokens=False).input_ids)
+    chat = state.chat_format or ChatFormat(tok)
+    prompt = chat.render([m.for_template() for m in body.messages], body.chat_template_kwargs)
+    ids = list(tok(prompt, add_special_tokens=False).input_ids)
     if len(ids) >= state.loaded.context_len:
         raise RequestError(
             f"the prompt has {len(ids)} tokens; the context length is {state.loaded.context_len}"
@@ -498,14 +497,16 @@ async def _chat(state: ServerState, payload: Any) -> Response:
     params = body.to_params(max_new_tokens_cap=state.loaded.context_len - len(ids))
     request = GenRequest(f"chatcmpl-{uuid.uuid4().hex}", ids, params)
     if body.stream:
-        return _chat_stream(state, request)
+        return _chat_stream(state, request, chat, prompt, body.separate_reasoning)
     result = await asyncio.wrap_future(state.scheduler.submit_generations([request])[0])
+    text = _chat_text(chat, result.output_ids, result)
+    split = chat.split(prompt, text) if body.separate_reasoning else None
     choice = {
         "index": 0,
         "message": {
             "role": "assistant",
-            "content": _text(state, result.output_ids, result),
-            "reasoning_content": None,
+            "content": text if split is None else split.answer,
+            "reasoning_content": None if split is None else split.reasoning,
         },
         "logprobs": None,
         "finish_reason": _chat_finish(result),
@@ -520,6 +521,16 @@ async def _chat(state: ServerState, payload: Any) -> Response:
         **_chat_usage(result),
     }
     return JSONResponse(reply)
+
+
+def _chat_text(chat: ChatFormat, output_ids: list[int], result: GenResult | None) -> str:
+    """The completion's text (its reasoning tags kept where there is a parser), cut at a matched stop
+    string as SGLang does."""
+    text = chat.decode(output_ids) if output_ids else ""
+    matched = result.finish_reason.get("matched") if result is not None else None
+    if isinstance(matched, str) and matched in text:
+        text = text[: text.index(matched)]
+    return text
 
 
 def _chat_finish(result: GenResult) -> str:
@@ -540,11 +551,16 @@ def _chat_usage(result: GenResult) -> dict[str, Any]:
     return {**usage, "meta_info": dict(result.meta)} if result.meta else usage
 
 
-def _chat_stream(state: ServerState, request: GenRequest) -> Response:
-    """OpenAI's streamed chat: `chat.completion.chunk` events with the new text of each step, the
-    finish reason and usage last, then `data: [DONE]`. Text that may still turn into a stop string
-    (the last characters, as long as the longest one) or into a wider character waits a step."""
-    created, hold = int(time.time()), max((len(s) for s in request.params.stop), default=0)
+def _chat_stream(
+    state: ServerState, request: GenRequest, chat: ChatFormat, prompt: str, separate_reasoning: bool
+) -> Response:
+    """OpenAI's streamed chat: `chat.completion.chunk` events with the new text of each step (as
+    `reasoning_content` and `content` deltas with a reasoning parser), the finish reason and usage last,
+    then `data: [DONE]`. Text that may still turn into a stop string or a reasoning tag, or into a wider
+    character, waits a step (`StreamSplitter`)."""
+    created = int(time.time())
+    hold = max((len(s) for s in request.params.stop), default=0)
+    splitter = StreamSplitter(chat if separate_reasoning else ChatFormat(chat.tokenizer), prompt, hold)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -553,19 +569,16 @@ def _chat_stream(state: ServerState, request: GenRequest) -> Response:
 
     async def events() -> AsyncIterator[bytes]:
         yield chunk({"role": "assistant", "content": ""})
-        sent = ""
         async for update in _token_stream(state, request):
             if isinstance(update, GenResult):
-                rest = _text(state, update.output_ids, update)[len(sent) :]
+                rest = splitter.deltas(_chat_text(chat, update.output_ids, update), final=True)
                 if rest:
-                    yield chunk({"content": rest})
+                    yield chunk(rest)
                 yield chunk({}, _chat_finish(update), **_chat_usage(update))
             else:
-                text = _text(state, update[0], None)
-                ready = text[: len(text) - hold].rstrip("\ufffd")
-                if len(ready) > len(sent):
-                    yield chunk({"content": ready[len(sent) :]})
-                    sent = ready
+                delta = splitter.deltas(_chat_text(chat, update[0], None).rstrip("\ufffd"))
+                if delta:
+                    yield chunk(delta)
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(_guarded_events(state, events()), media_type="text/event-stream")

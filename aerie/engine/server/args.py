@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from aerie.reasoning import PARSERS
+
 Mode = Literal["serve", "extract"]
 
 
@@ -59,6 +61,8 @@ class RefServerArgs:
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
     launch_command: tuple[str, ...] = field(default_factory=tuple)
 
     def resolved_dict(self) -> dict[str, Any]:
@@ -94,6 +98,10 @@ class RefServerArgs:
             argv.append("--skip-tokenizer-init")
         if self.warmup_delay_s:
             argv += ["--warmup-delay-s", str(self.warmup_delay_s)]
+        if self.reasoning_parser:
+            argv += ["--reasoning-parser", self.reasoning_parser]
+        if self.chat_template:
+            argv += ["--chat-template", self.chat_template]
         return argv
 
 
@@ -222,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--skip-server-warmup", action="store_true", help="Mark the server up without a warm-up.")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(PARSERS),
+        help="Split a thinking model's reasoning into message.reasoning_content (SGLang's names; the "
+        "corpus splits inline reasoning by the same rule, aerie.reasoning).",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="A Jinja chat template file used instead of the tokenizer's (/v1/chat/completions).",
+    )
     spec = p.add_argument_group("speculative decoding (served by aerie.engine.speculative.decoder)")
     spec.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3"])
     spec.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None)
@@ -265,6 +285,8 @@ def parse_args(argv: Sequence[str]) -> RefServerArgs:
         speculative_algorithm=ns.speculative_algorithm,
         speculative_draft_model_path=ns.speculative_draft_model_path,
         speculative_num_steps=ns.speculative_num_steps,
+        reasoning_parser=ns.reasoning_parser,
+        chat_template=ns.chat_template,
         launch_command=tuple(argv),
     )
     check_args(args)
@@ -300,6 +322,8 @@ def check_args(args: RefServerArgs) -> None:
         depth = config_depth(args.model_path)
         if depth is not None:
             check_aux_layers(args.aux_layers, depth)
+    if args.chat_template is not None and not Path(args.chat_template).expanduser().is_file():
+        raise ArgsError(f"--chat-template {args.chat_template}: no such file (a Jinja template)")
     if args.speculative_algorithm is not None and not args.speculative_draft_model_path:
         raise ArgsError("--speculative-algorithm needs --speculative-draft-model-path")
 

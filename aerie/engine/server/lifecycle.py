@@ -78,6 +78,7 @@ def _start(args: RefServerArgs) -> Any:
 
     from aerie.engine.server import packed, slots
     from aerie.engine.server.app import ServerState
+    from aerie.engine.server.chat import ChatFormat
     from aerie.engine.server.extraction import HiddenStateCapture
     from aerie.engine.server.loader import load_model
     from aerie.engine.server.scheduler import Scheduler
@@ -135,6 +136,9 @@ def _start(args: RefServerArgs) -> Any:
         scheduler=scheduler,
         attention_backend=backend_name,
         startup_time={"load_weight": round(loaded.load_seconds, 3)},
+        chat_format=None
+        if loaded.tokenizer is None
+        else ChatFormat.from_args(loaded.tokenizer, args.reasoning_parser, args.chat_template),
     )
 
 

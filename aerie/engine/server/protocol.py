@@ -123,6 +123,14 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None  # an earlier assistant turn's reasoning, for the template
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (Qwen3's and Kimi's read `reasoning_content`)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -160,6 +168,10 @@ class ChatCompletionBody(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # SGLang's extensions: template variables (e.g. enable_thinking), and whether a reasoning parser's
+    # split is returned (false: the reasoning stays inline in `content`).
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
 
     def to_params(self, *, max_new_tokens_cap: int) -> SamplingParams:
         _check_neutral(self.model_dump(), "request")
