@@ -9,8 +9,9 @@ REQUEST.json: {"argv": the speculative server's arguments (as `sglang.launch_ser
 with the server arguments published, every parameter filled with NaN first; then `load_weights` gets the
 directory's tensors through SGLang's own safetensors iterator. OUT_DIR gets, for drafter i,
 `i.safetensors` (every parameter as loaded) and in `result.json`: the class SGLang picked, its dtype,
-`hot_token_id`, hidden size and vocab sizes from its config, and the target's capture layers derived by
-SGLang's code from the draft config.
+`hot_token_id`, hidden size and vocab sizes from its config, and the layers the target captures: the
+target's own SGLang class (built on the meta device) given the layer ids SGLang reads from the draft
+config.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import socket
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -32,28 +32,46 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(argv: list[str]) -> Any:
-    """Server arguments resolved and published, and the process group SGLang's scheduler would build."""
-    from sglang.srt.distributed.bootstrap import init_parallel_runtime
+def publish_args(argv: list[str]) -> Any:
+    """Server arguments resolved and published as SGLang's scheduler does (re-publishing is SGLang's
+    last-publish-wins: one process may load the drafters of several targets in turn)."""
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import prepare_server_args
 
     server_args = prepare_server_args(argv)
     server_args.resolve_once()
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    return server_args
+
+
+def start(argv: list[str]) -> Any:
+    """Server arguments resolved and published, and the process group SGLang's scheduler would build."""
+    from sglang.srt.distributed.bootstrap import init_parallel_runtime
+
+    server_args = publish_args(argv)
     init_parallel_runtime(server_args=server_args, device="cpu", dist_port=_free_port())
     return server_args
 
 
-def capture_layers(target_config: Any, layer_ids: list[int] | None) -> list[int]:
-    """The target layers SGLang's Llama captures for these draft layer ids (its own method, unbound)."""
-    from sglang.srt.models.llama import LlamaForCausalLM
+def target_model(target: Any) -> Any:
+    """The target's own SGLang class (the one its registry maps the config's architecture to), built on
+    the meta device: no memory and no weights, only what its capture hooks need."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    holder = SimpleNamespace(
-        pp_group=SimpleNamespace(is_last_rank=True), model=SimpleNamespace(), config=target_config
-    )
-    LlamaForCausalLM.set_eagle3_layers_to_capture(holder, layer_ids)  # type: ignore[arg-type]
-    return list(holder.model.layers_to_capture)
+    with set_default_torch_dtype(target.dtype), torch.device("meta"):
+        return _initialize_model(target, LoadConfig())
+
+
+def capture_layers(
+    model: Any, layer_ids: list[int] | None, hook: str = "set_eagle3_layers_to_capture"
+) -> list[int]:
+    """The layers whose input the target model captures for these draft layer ids, by its own hook (a
+    multimodal wrapper hands it to its language model)."""
+    getattr(model, hook)(layer_ids)
+    inner = getattr(model, "language_model", None) or model
+    return list(inner.model.layers_to_capture)
 
 
 def build_and_load(server_args: Any, drafter: str, out: Path) -> tuple[Any, Any]:
@@ -103,7 +121,7 @@ def load(server_args: Any, drafter: str, out: Path) -> dict[str, Any]:
         "draft_vocab_size": getattr(config.hf_config, "draft_vocab_size", None),
         "lm_head_rows": int(model.lm_head.weight.shape[0]),
         "aux_layer_ids": aux.eagle_aux_hidden_state_layer_ids,
-        "target_capture_layers": capture_layers(target.hf_config, aux.eagle_aux_hidden_state_layer_ids),
+        "target_capture_layers": capture_layers(target_model(target), aux.eagle_aux_hidden_state_layer_ids),
     }
 
 

@@ -25,7 +25,7 @@ from aerie.engine.speculative.decoder import SpecDecoder, TargetCache, greedy_re
 from aerie.errors import ConfigError
 from aerie.serving import ServerConfig
 from aerie.serving.spec import spec_for
-from aerie.sglang_plugin.compat import default_config_fields
+from aerie.sglang_plugin.compat import DEEPSEEK_V3_DEFAULTS, default_config_fields
 from tests.tiny_targets import ARCHITECTURES, MLA, tiny_config, tiny_model
 
 VOCAB = 512
@@ -186,15 +186,21 @@ def test_sglang_on_the_cpu_refuses_mla_targets_naming_its_limitation(arch: str, 
     spec_for(cfg.model_copy(update={"device": "cuda"}), model_path=str(tmp_path), mode="extract")
 
 
-def test_sglang_gets_the_deepseek_config_field_transformers_does_not_write(tmp_path) -> None:
-    """SGLang 0.5.23 reads `moe_layer_freq` from a DeepSeek-V3 config; transformers writes none. The
-    plugin gives the config class a default; a config.json that has the field keeps its value."""
+def test_sglang_gets_the_deepseek_config_fields_transformers_does_not_write(tmp_path) -> None:
+    """SGLang 0.5.23's DeepSeek class reads `moe_layer_freq`, `topk_method` and `scoring_func`; a config
+    written by transformers has none. The plugin gives the config class DeepSeek-V3's values; a
+    config.json that has a field keeps its value."""
     from transformers import AutoConfig
 
     tiny_config("deepseek_v3", VOCAB).save_pretrained(tmp_path)
-    assert "moe_layer_freq" not in (tmp_path / "config.json").read_text()
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert not set(DEEPSEEK_V3_DEFAULTS) & set(written)
     default_config_fields()
-    assert AutoConfig.from_pretrained(tmp_path).moe_layer_freq == 1
-    raw = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**raw, "moe_layer_freq": 2}))
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert {k: getattr(loaded, k) for k in DEEPSEEK_V3_DEFAULTS} == {
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+    }
+    (tmp_path / "config.json").write_text(json.dumps({**written, "moe_layer_freq": 2}))
     assert AutoConfig.from_pretrained(tmp_path).moe_layer_freq == 2

@@ -53,12 +53,18 @@ def check_sglang_version(version: str | None, environ: dict[str, str] | None = N
     )
 
 
+# Fields SGLang 0.5.23's DeepSeek class reads that transformers' DeepseekV3Config does not write, with
+# the values of DeepSeek-V3's own config.json: every layer past `first_k_dense_replace` is MoE, and the
+# router is sigmoid-scored with the bias-corrected top-k (the only routing transformers' class runs).
+DEEPSEEK_V3_DEFAULTS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
 def default_config_fields() -> None:
-    """Fields SGLang 0.5.23 reads from a DeepSeek-V3 config that transformers does not write:
-    `moe_layer_freq` (every layer past `first_k_dense_replace` is MoE: 1, what DeepSeek's own config
-    says). Set as a class default of transformers' config, so a config.json that has the field keeps
-    its value and the user's files are never edited."""
+    """Give transformers' DeepseekV3Config the fields SGLang 0.5.23 reads and it does not write
+    (`DEEPSEEK_V3_DEFAULTS`). Set as class defaults, so a config.json that has a field keeps its value
+    and the user's files are never edited."""
     from transformers import DeepseekV3Config
 
-    if not hasattr(DeepseekV3Config, "moe_layer_freq"):
-        DeepseekV3Config.moe_layer_freq = 1  # type: ignore[attr-defined]
+    for field, value in DEEPSEEK_V3_DEFAULTS.items():
+        if not hasattr(DeepseekV3Config, field):
+            setattr(DeepseekV3Config, field, value)
