@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_args, get_origin
@@ -216,7 +217,7 @@ def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not key=value (e.g. train.epochs=2)")
         try:
-            value = yaml.safe_load(raw) if raw else ""
+            value = _octal_text(raw) or (yaml.safe_load(raw) if raw else "")
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: cannot parse the value: {exc}") from exc
         try:
@@ -226,8 +227,21 @@ def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig
     return validate(data, where=f"overrides {' '.join(overrides)}")
 
 
+# YAML 1.1 reads 0640 as the octal number 416: a leading-zero number stays text, as written (a file
+# mode, `store.mode`, is octal text; a number field reads "010" as 10).
+_LEADING_ZERO = re.compile(r"0[0-7]+")
+
+
+def _octal_text(raw: str) -> str | None:
+    return raw.strip() if _LEADING_ZERO.fullmatch(raw.strip()) else None
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last, silently)."""
+    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last, silently), and
+    keeps a leading-zero number as written (`_octal_text`)."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:
+        return _octal_text(node.value) or super().construct_yaml_int(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         first: dict[Any, int] = {}
@@ -243,6 +257,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             first[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
 
 
 def load_yaml(path: str | Path) -> PipelineConfig:

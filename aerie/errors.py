@@ -17,6 +17,7 @@ there: ``aerie.diskspace.writing``)::
     ├── EndpointError               the generation endpoint (OpenRouter / OpenAI-compatible)
     │   ├── EndpointAuthError       401/403: the key was rejected (fix the key; never retried)
     │   ├── EndpointRequestError    400/404: the request itself is wrong (fix the spec; never retried)
+    │   ├── EndpointUnreachableError   the check before generation found no endpoint answering there
     │   └── RequestFailedError      one conversation failed for good this run (retries exhausted, or
     │                               its prompt rejected); the dataset goes on, the next run retries it
     ├── ServerError                 a model server's lifecycle
@@ -90,6 +91,10 @@ class EndpointAuthError(EndpointError):
 
 class EndpointRequestError(EndpointError):
     """The endpoint rejected the request itself (400/404)."""
+
+
+class EndpointUnreachableError(EndpointError):
+    """Before any generation: nothing answers at the endpoint (refused, unreachable, silent)."""
 
 
 class RequestFailedError(EndpointError):

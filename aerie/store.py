@@ -38,6 +38,8 @@ from aerie.store_api import (
     StoreConfig,
     check_adopted,
     check_key,
+    dir_mode,
+    file_mode,
     sha256_file,
     sha256_of,
     unlink_adopted,
@@ -61,11 +63,28 @@ __all__ = [
 
 class LocalStore:
     """A directory. Objects are written to a temp file beside the target, fsync'd, then renamed;
-    each object's sha256 sits in a hidden sidecar `.<name>.sha256` next to it."""
+    each object's sha256 sits in a hidden sidecar `.<name>.sha256` next to it.
 
-    def __init__(self, root: str | Path = "./artifacts") -> None:
+    Permissions: an object gets what the umask allows (as a file any program writes: 0644 under the
+    usual 022), or `mode` (`store.mode`, e.g. 0o640) with its directories the same plus search."""
+
+    def __init__(self, root: str | Path = "./artifacts", *, mode: int | None = None) -> None:
         self._root = Path(root).expanduser().resolve()
         self.root = str(self._root)
+        self._mode = mode
+
+    def _mkdirs(self, path: Path) -> None:
+        """`path` and its missing parents; with a `mode`, each one created gets its directory mode."""
+        if self._mode is None:
+            path.mkdir(parents=True, exist_ok=True)
+            return
+        missing = []
+        while not path.exists():
+            missing.append(path)
+            path = path.parent
+        for folder in reversed(missing):
+            folder.mkdir(exist_ok=True)
+            os.chmod(folder, dir_mode(self._mode))  # mkdir's mode is cut by the umask
 
     def _path(self, key: str) -> Path:
         return self._root / check_key(key)
@@ -84,11 +103,12 @@ class LocalStore:
     def _atomic(self, key: str) -> Iterator[tuple[BinaryIO, Path]]:
         dest = self._path(key)
         try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            self._mkdirs(dest.parent)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
         except OSError as exc:
             raise StoreError(cannot_write(dest, exc)) from exc
         try:
+            os.fchmod(fd, file_mode(self._mode))  # mkstemp's 0600 would hide the object from others
             with os.fdopen(fd, "wb") as f:
                 yield f, dest
                 f.flush()
@@ -108,6 +128,8 @@ class LocalStore:
         tmp = side.with_suffix(".tmp")
         try:
             tmp.write_text(digest)
+            if self._mode is not None:
+                os.chmod(tmp, self._mode)
             os.replace(tmp, side)
         except OSError as exc:
             raise StoreError(f"cannot write the checksum of {dest} ({free_text(dest)}): {exc}") from exc
@@ -160,13 +182,15 @@ class LocalStore:
         else:
             digest = sha256
         if src.resolve() == dest.resolve():  # already in place (written straight into the store)
+            self._set_mode(dest)
             return self._record(key, dest, digest)
         try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            self._mkdirs(dest.parent)
             # The old sidecar goes first, as in _atomic: a crash in between leaves an unverified
             # object, never one checked against the previous object's digest.
             self._sidecar(dest).unlink(missing_ok=True)
             os.replace(src, dest)
+            self._set_mode(dest)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise StoreError(f"cannot move {src} to {dest}: {exc}") from exc
@@ -174,6 +198,13 @@ class LocalStore:
             unlink_adopted(src, info.uri)
             return info
         return self._record(key, dest, digest)
+
+    def _set_mode(self, path: Path) -> None:
+        """An adopted file gets an object's permissions (its writer may have made it private)."""
+        try:
+            os.chmod(path, file_mode(self._mode))
+        except OSError as exc:
+            raise StoreError(f"cannot set the permissions of {path}: {exc}") from exc
 
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         with self._atomic(key) as (f, dest):
@@ -214,6 +245,7 @@ class LocalStore:
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+            os.fchmod(fd, file_mode())  # a copy out of the store is an ordinary file: the umask's
         except OSError as exc:
             raise StoreError(cannot_write(dest, exc)) from exc
         try:
@@ -273,4 +305,4 @@ def open_store(cfg: StoreConfig | str) -> ArtifactStore:
         from aerie.s3store import S3Store
 
         return S3Store(cfg)
-    return LocalStore(cfg.uri)
+    return LocalStore(cfg.uri, mode=None if cfg.mode is None else int(cfg.mode, 8))

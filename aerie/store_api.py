@@ -8,12 +8,13 @@ module and neither imports the other at module level, so the two backends stay f
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
 from aerie.errors import IntegrityError, StoreError
@@ -47,6 +48,52 @@ class StoreConfig(StrictModel):
         description="Connect and read timeout of the store's first request (2 attempts at most), so an "
         "unreachable endpoint fails in seconds instead of after every patient retry.",
     )
+
+    mode: str | None = Field(
+        None,
+        pattern=r"^0?[0-7]{3}$",
+        description="A local store's file permissions, octal (e.g. '0640': the group reads what the "
+        "run writes); its directories get the same plus search (x) where read is given. None = what "
+        "the umask allows, as any file a program writes (0644 under the usual umask 022).",
+    )
+
+    @model_validator(mode="after")
+    def _mode_is_for_a_local_store(self) -> StoreConfig:
+        if self.mode is not None and self.uri.startswith("s3://"):
+            raise ValueError(
+                f"mode {self.mode!r} sets a local store's file permissions; who reads {self.uri} is "
+                "the bucket's policy"
+            )
+        return self
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux: /proc); elsewhere set and restored."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        old = os.umask(0o022)
+        os.umask(old)
+    return old
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def file_mode(mode: int | None = None) -> int:
+    """The permissions of a new file: `mode` when given, else what `open()` would give (0666 minus the
+    umask). Temp files are created 0600 whatever the umask: renamed into place, they need this."""
+    return mode if mode is not None else 0o666 & ~current_umask()
+
+
+def dir_mode(mode: int) -> int:
+    """A directory holding files of `mode`: the same, plus search (x) wherever read (r) is given."""
+    return mode | ((mode & 0o444) >> 2)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,14 @@ from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 from prefect.context import TaskRunContext
 
-from aerie.errors import ConfigError, DataError, EndpointAuthError, EndpointError, EndpointRequestError
+from aerie.errors import (
+    ConfigError,
+    DataError,
+    EndpointAuthError,
+    EndpointError,
+    EndpointRequestError,
+    EndpointUnreachableError,
+)
 from aerie.generate import work as generate_work
 from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.generate.interrupt import wait_or_interrupt
@@ -33,8 +40,9 @@ from .reporting import artifact_key, notify_failure, prefect_progress, stage_tab
 from .retrying import retry_unless
 from .stagecache import cache_key, run_cached
 
-# A missing or malformed source fails the same way on every attempt (DataError covers both).
-NOT_RETRIED = (EndpointAuthError, EndpointRequestError, ConfigError, DataError)
+# A missing or malformed source fails the same way on every attempt (DataError covers both); an
+# endpoint that the check before generation found dead is named in seconds, not after minutes of retries.
+NOT_RETRIED = (EndpointAuthError, EndpointRequestError, EndpointUnreachableError, ConfigError, DataError)
 
 
 # Retry transient trouble (an outage that exhausted the request retries, a full failure budget); never

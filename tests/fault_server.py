@@ -5,8 +5,9 @@ recompute the whole regenerated conversation and check that each turn saw the ri
 plan maps a prompt (the last user message) to the faults its successive requests get, then normal
 answers: 429 with Retry-After (seconds or an HTTP date), 5xx bursts, answers slower than the client's
 read timeout, malformed JSON, an empty `choices`, an in-band provider error, a dropped connection, or
-any status (401, 400, 404). It runs in a thread of the test process (`with FaultServer() as server:`)
-or standalone (`python tests/fault_server.py --port 8123 --delay 0.2`).
+any status (401, 400, 404). A GET (`/v1/models`, the check before generation) answers the model
+list, 401 without the key, or `get_status`. It runs in a thread of the test process
+(`with FaultServer() as server:`) or standalone (`python tests/fault_server.py --port 8123 --delay 0.2`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ class FaultServer:
     api_key: str | None = None  # when set, a request without `Bearer <api_key>` gets 401
     cost: float | None = None  # per-request cost reported in usage (OpenRouter style)
     reasoning: bool = False  # answer with `reasoning_content` as a thinking model does
+    get_status: int = 200  # what a GET (`/v1/models`, the endpoint check before generation) gets
     seen: list[Seen] = field(default_factory=list)
+    gets: list[Seen] = field(default_factory=list)  # the GETs received (prompt = the path)
     answered: Counter[str] = field(default_factory=Counter)  # prompt -> normal answers sent
 
     def __post_init__(self) -> None:
@@ -173,6 +176,25 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet test output
         pass
+
+    def do_GET(self) -> None:
+        """`/v1/models` (any GET): the model list, 401 without the key, or `get_status`."""
+        state = self.server_state
+        auth = self.headers.get("Authorization")
+        if state.api_key is not None and auth != f"Bearer {state.api_key}":
+            code, body = 401, {"error": {"message": f"Incorrect API key provided: {auth}"}}
+        elif state.get_status != 200:
+            code, body = state.get_status, {"error": {"message": f"injected HTTP {state.get_status}"}}
+        else:
+            code, body = 200, {"object": "list", "data": [{"id": "fault-model", "object": "model"}]}
+        with state._lock:
+            state.gets.append(Seen(self.path, time.monotonic(), status(code), auth, {}))
+        payload = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
 
     def do_POST(self) -> None:
         state = self.server_state

@@ -65,6 +65,7 @@ def test_the_launched_generation_server_gets_the_endpoints_launch_args(smollm2) 
 
     from aerie.config import apply_overrides
     from aerie.errors import ConfigError
+    from aerie.generate.preflight import check_endpoint
     from aerie.generate.stage import generation_endpoint
     from aerie.presets import smollm2_local
     from tests.conftest import free_port
@@ -79,6 +80,8 @@ def test_the_launched_generation_server_gets_the_endpoints_launch_args(smollm2) 
     )
     with generation_endpoint(cfg, smollm2) as url:
         info = httpx.get(url.removesuffix("/v1") + "/server_info", timeout=10).json()
+        # The check before generation passes on the reference server (its /v1/models answers).
+        assert check_endpoint(cfg.generate.endpoint, url, None) is None
     assert info["max_running_requests"] == 3
     with pytest.raises(ConfigError, match="base_url is set"):
         apply_overrides(

@@ -14,6 +14,7 @@ import pytest
 from aerie.datasets import SourceSpec, iter_conversations
 from aerie.generate.config import DatasetSpec, GenerateConfig, SamplingParams
 from aerie.generate.output import read_conversations
+from aerie.generate.preflight import check_endpoint
 from aerie.generate.stage import generation_endpoint
 from aerie.generate.work import run
 from aerie.presets import load_config
@@ -59,6 +60,8 @@ def sharegpt(name: str, n: int) -> DatasetSpec:
 
 
 def test_the_target_regenerates_its_answers_through_sglang(endpoint: str, tmp_path: Path) -> None:
+    # run() checks the endpoint first: SGLang's /v1/models answers it (a note would mean it did not).
+    assert check_endpoint(generate_config().endpoint, endpoint, None) is None
     spec = sharegpt("sg", 3)
     store = LocalStore(tmp_path / "store")
     result = run(generate_config(), spec, store=store, run_name="r", base_url=endpoint)

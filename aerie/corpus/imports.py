@@ -8,7 +8,6 @@ through the same checks, dedupe and template as everything else.
 from __future__ import annotations
 
 import hashlib
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from aerie.diskspace import writing
 from aerie.errors import DataError
 from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.store import ArtifactStore, sha256_file
+from aerie.workdirs import work_dir
 
 
 def import_conversations(
@@ -26,7 +26,7 @@ def import_conversations(
 ) -> StageResult:
     """Write raw conversations as stage `import-<name>`; the same conversations give the same key."""
     stage_name = f"import-{name}"
-    with tempfile.TemporaryDirectory(prefix="aerie-import-") as tmp:
+    with work_dir("aerie-import-") as tmp:
         path = Path(tmp) / CONVERSATIONS
         items = list(conversations)
         # Parquet bytes are not guaranteed stable across writers; the key hashes the conversations themselves.

@@ -5,7 +5,6 @@ Rows stream one Parquet row group at a time, so a reader holds a few thousand sa
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -15,6 +14,7 @@ import polars as pl
 from aerie.errors import DataError
 from aerie.manifest import StageResult, load_manifest
 from aerie.store import ArtifactStore
+from aerie.workdirs import work_dir
 
 READ_BATCH = 1024
 
@@ -45,7 +45,7 @@ def iter_corpus(store: ArtifactStore, result: StageResult, split: str) -> Iterat
             store.open(key).close()
             yield from _rows(local)
             continue
-        with tempfile.TemporaryDirectory(prefix="aerie-corpus-") as tmp:
+        with work_dir("aerie-corpus-") as tmp:
             yield from _rows(store.get_file(key, Path(tmp) / Path(key).name))
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from aerie.progress import ProgressFn, no_progress
 from aerie.reasoning import ReasoningParser, parser_for, reasoning_warning
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
+from aerie.workdirs import work_dir
 
 STAGE = "merge"
 CONVERSATIONS = "conversations.parquet"
@@ -146,7 +146,7 @@ def run(
     if (cached := stage.cached_result()) is not None:
         progress(1.0, "cached")
         return cached
-    with tempfile.TemporaryDirectory(prefix="aerie-merge-") as tmp:
+    with work_dir("aerie-merge-") as tmp:
         manifest = _build(cfg, store, stage, target, files, Path(tmp), progress)
     result = stage.finish(manifest)
     progress(1.0, manifest["figures"]["text"])

@@ -115,6 +115,17 @@ class EndpointConfig(StrictModel):
         description="Send the API key over plain http:// to a host other than this machine (it travels "
         "in cleartext); off: such a run is refused before any request.",
     )
+    preflight: bool = Field(
+        True,
+        description="Before generation, one GET (preflight_path) proves the endpoint answers and accepts "
+        "the key, failing in seconds; an endpoint that serves no such GET (404/405/501) is let through.",
+    )
+    preflight_path: str | None = Field(
+        None,
+        pattern=r"^/",
+        description="The GET of that check, under base_url; None = /key on openrouter.ai (its /models "
+        "answers without a key), /models elsewhere.",
+    )
     launch_args: list[str] = Field(
         default_factory=list,
         description="With base_url None: flags of server.backend for the generation server only, after "

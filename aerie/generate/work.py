@@ -35,6 +35,7 @@ from aerie.generate.config import DatasetSpec, GenerateConfig, sends_key_in_clea
 from aerie.generate.interrupt import RESUME, Active, wait_or_interrupt
 from aerie.generate.journal import Journal
 from aerie.generate.output import SCHEMA, write_conversations
+from aerie.generate.preflight import check_endpoint
 from aerie.generate.runner import Outcome, generate_conversations, progress_message
 from aerie.manifest import StageDir, StageResult, canonical_json, stage_key
 from aerie.progress import ProgressFn, no_progress
@@ -102,16 +103,21 @@ def run(
     base_url: str | None = None,
     progress: ProgressFn = no_progress,
     server_start_s: float = 0.0,
+    preflight: bool = True,
 ) -> StageResult:
     """Generate one dataset (or return its cached result). `base_url` overrides `cfg.endpoint.base_url`:
     the pipeline passes the URL of the reference server it launched, and `server_start_s` the seconds
-    that server took to start (counted in the dataset's time)."""
+    that server took to start (counted in the dataset's time). `preflight`: check the endpoint first
+    (`aerie.generate.preflight`; off when the caller has checked it already)."""
     stage_dir = StageDir(store, run_name, stage_name(spec), key_of(cfg, spec))
     cached = stage_dir.cached_result()
     if cached is not None:
         progress(1.0, "cached")
         return cached
-    _endpoint_url(cfg, spec, base_url)  # fail on a missing URL before reading any data
+    if preflight:
+        check_endpoint_for(cfg, spec, base_url)  # fails in seconds, before any data is read
+    else:
+        _endpoint_url(cfg, spec, base_url)  # fail on a missing URL before reading any data
     report = LoadReport(source=spec.name)
     conversations = load_source(spec, report)
     return generate_dataset(
@@ -169,6 +175,10 @@ def run_all(
         began = time.monotonic()
         with endpoint() if launch and endpoint is not None else nullcontext(base_url) as url:
             start_s = time.monotonic() - began if launch else 0.0
+            # Once for every dataset, in seconds: a dead endpoint or a rejected key stops the run here.
+            first = next((cfg.datasets[i] for i in todo if cfg.datasets[i].regenerate), None)
+            if first is not None:
+                check_endpoint_for(cfg, first, url)
             errors = _run_parallel(cfg, todo, results, store, run_name, url, progress, start_s)
         if errors:
             failed = ", ".join(f"{cfg.datasets[i].name}: {exc}" for i, exc in errors)
@@ -203,6 +213,7 @@ def _run_parallel(
                 base_url=url,
                 progress=progress(stage_name(cfg.datasets[i])),
                 server_start_s=server_start_s,
+                preflight=False,
             )
             for i in todo
         }
@@ -256,6 +267,14 @@ def _endpoint_url(cfg: GenerateConfig, spec: DatasetSpec, base_url: str | None) 
     if spec.regenerate and url:
         _check_key_transport(cfg, url)
     return url
+
+
+def check_endpoint_for(cfg: GenerateConfig, spec: DatasetSpec, base_url: str | None) -> None:
+    """The endpoint's URL checked (`_endpoint_url`), then, for a dataset that asks the target, one GET
+    proving the endpoint answers and accepts the key (`aerie.generate.preflight`)."""
+    url = _endpoint_url(cfg, spec, base_url)
+    if spec.regenerate and url and cfg.endpoint.preflight:
+        check_endpoint(cfg.endpoint, url, read_api_key(cfg.endpoint.api_key_env))
 
 
 def _check_key_transport(cfg: GenerateConfig, url: str) -> None:

@@ -1,0 +1,136 @@
+"""Before generation, one GET proves the endpoint answers and accepts the key: a dead endpoint or a
+rejected key fails in seconds, naming the endpoint and never the key, before any source is read or any
+completion sent; an endpoint that serves no such GET is let through with a note. Real HTTP: the fault
+server on 127.0.0.1, a port nothing listens on, and the `aerie` command."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from aerie.cli import main
+from aerie.datasets import SourceSpec
+from aerie.errors import EndpointAuthError, EndpointError, EndpointRequestError, EndpointUnreachableError
+from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
+from aerie.generate.preflight import preflight_path
+from aerie.generate.work import run, run_all
+from aerie.store import LocalStore
+from tests.fault_server import FaultServer
+from tests.processes import free_port
+
+pytestmark = pytest.mark.integration  # HTTP servers on 127.0.0.1
+
+KEY_ENV = "AERIE_TEST_PREFLIGHT_KEY"
+SECRET = "sk-preflight-secret-value"
+
+
+@pytest.fixture(autouse=True)
+def _key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_ENV, SECRET)
+
+
+def source(tmp_path: Path, n: int = 3) -> Path:
+    path = tmp_path / "source.jsonl"
+    rows = ({"id": f"c{i}", "conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(n))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def config(url: str, path: Path, names: tuple[str, ...] = ("toy",)) -> GenerateConfig:
+    endpoint = EndpointConfig(base_url=url, api_key_env=KEY_ENV, concurrency=2, max_retries=0)
+    specs = [
+        DatasetSpec(
+            name=n, source=SourceSpec(kind="jsonl", path=str(path)), sampling=SamplingParams(max_tokens=8)
+        )
+        for n in names
+    ]
+    return GenerateConfig(endpoint=endpoint, datasets=specs, max_failure_fraction=0.0)
+
+
+def test_a_refused_connection_fails_naming_the_endpoint_before_the_source_is_read(tmp_path: Path):
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    cfg = config(url, tmp_path / "no-such-source.jsonl")  # read first, it would raise SourceNotFoundError
+    with pytest.raises(EndpointUnreachableError, match="connection refused: nothing listens there") as err:
+        run(cfg, cfg.datasets[0], store=LocalStore(tmp_path / "store"), run_name="r")
+    assert f"{url}/models" in str(err.value) and SECRET not in str(err.value)
+
+
+def test_a_rejected_key_fails_before_any_completion_and_is_never_echoed(tmp_path: Path):
+    with FaultServer(api_key="sk-the-right-one") as server:  # it echoes the key it was sent
+        cfg = config(server.url, source(tmp_path))
+        with pytest.raises(
+            EndpointAuthError, match=f"rejected the API key in \\${KEY_ENV} \\(HTTP 401"
+        ) as err:
+            run(cfg, cfg.datasets[0], store=LocalStore(tmp_path / "store"), run_name="r")
+        assert server.url in str(err.value) and SECRET not in str(err.value)
+        assert [g.prompt for g in server.gets] == ["/v1/models"]
+        assert server.gets[0].authorization == f"Bearer {SECRET}"
+        assert server.seen == []  # no completion was asked for
+
+
+@pytest.mark.parametrize("code", [404, 405, 501])
+def test_an_endpoint_without_the_check_is_let_through_with_a_note(
+    code: int, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    with FaultServer(get_status=code) as server:
+        cfg = config(server.url, source(tmp_path))
+        with caplog.at_level(logging.WARNING, logger="aerie.generate.preflight"):
+            result = run(cfg, cfg.datasets[0], store=LocalStore(tmp_path / "store"), run_name="r")
+        assert result.figures["records"] == 3 and len(server.gets) == 1
+    assert f"answers HTTP {code} to GET: it serves no such check" in caplog.text
+
+
+def test_other_answers_fail_with_their_status(tmp_path: Path):
+    with FaultServer(get_status=400) as server:
+        cfg = config(server.url, source(tmp_path))
+        with pytest.raises(EndpointRequestError, match="answered HTTP 400 before any generation"):
+            run(cfg, cfg.datasets[0], store=LocalStore(tmp_path / "store"), run_name="r")
+        assert len(server.gets) == 1 and server.seen == []
+        server.get_status = 503  # busy: asked three times, then the run stops
+        with pytest.raises(
+            EndpointError, match="answered HTTP 503 before any generation \\(after 3 attempts"
+        ):
+            run(cfg, cfg.datasets[0], store=LocalStore(tmp_path / "store"), run_name="r")
+        assert len(server.gets) == 4 and server.seen == []
+
+
+def test_several_datasets_check_the_endpoint_once(tmp_path: Path):
+    with FaultServer() as server:
+        cfg = config(server.url, source(tmp_path), names=("one", "two"))
+        results = run_all(cfg, store=LocalStore(tmp_path / "store"), run_name="r")
+        assert [r.figures["records"] for r in results] == [3, 3]
+        assert len(server.gets) == 1
+
+
+def test_the_check_is_the_key_listing_on_openrouter_and_models_elsewhere():
+    assert preflight_path(EndpointConfig(), "https://openrouter.ai/api/v1") == "/key"
+    assert preflight_path(EndpointConfig(), "http://127.0.0.1:30000/v1") == "/models"
+    assert (
+        preflight_path(EndpointConfig(preflight_path="/health"), "https://openrouter.ai/api/v1") == "/health"
+    )
+
+
+def test_the_aerie_command_exits_2_with_one_line_naming_the_endpoint(
+    smollm2, tmp_path: Path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    code = main(
+        [
+            "run",
+            "smollm2-local",
+            "--no-prefect",
+            "--until",
+            "generate",
+            f"store.uri={tmp_path / 'store'}",
+            f"generate.endpoint.base_url={url}",
+            f"generate.endpoint.api_key_env={KEY_ENV}",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"aerie: error: generation endpoint {url}/models: connection refused" in err
+    assert SECRET not in err and "Traceback" not in err
