@@ -22,13 +22,13 @@ export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 
 DIR=/tmp/plan-validate-$(date -u +%Y%m%dT%H%M%S)
-OUT=$ROOT/benchmarks/results/plan-accuracy.json
+RECORD=$ROOT/benchmarks/results/plan-accuracy.json
 DOCS=$ROOT
 ANY_LOAD=0
 while [[ $# -gt 0 && $1 == --* ]]; do
     case $1 in
         --dir) DIR=$2; shift 2 ;;
-        --out) OUT=$2; shift 2 ;;
+        --out) RECORD=$2; shift 2 ;;
         --docs) DOCS=$2; shift 2 ;;
         --any-load) ANY_LOAD=1; shift ;;
         *) echo "plan_validate.sh: unknown option $1" >&2; exit 2 ;;
@@ -85,5 +85,5 @@ if [[ $rc != 0 ]]; then
 fi
 tail -15 "$DIR/run.log"
 "$PY" benchmarks/plan_accuracy.py --validate "$DIR/artifacts" --plan "$DIR/plan-before.json" \
-    --load "$DIR/load.txt" --preset "$PRESET" --overrides "${OVERRIDES[*]}" --out "$OUT" --docs "$DOCS"
-echo "rows appended to $OUT; the run's files: $DIR"
+    --load "$DIR/load.txt" --preset "$PRESET" --overrides "${OVERRIDES[*]}" --out "$RECORD" --docs "$DOCS"
+echo "rows appended to $RECORD; the run's files: $DIR"
