@@ -117,7 +117,7 @@ def test_disk_figures_follow_the_layer_count(smollm2) -> None:
                 storage, H, 49152, layers
             )
         assert dumps_in_flight_bytes(cfg, facts) == preflight.dumps_in_flight_bytes(
-            ex, facts.hidden_size, facts.vocab_size
+            ex, facts.geometry.hidden_size, facts.geometry.vocab_size
         )
     assert bytes_per_token("bf16", H, 49152, 5) - bytes_per_token("bf16", H, 49152) == 2 * 2 * H
 

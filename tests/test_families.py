@@ -18,6 +18,7 @@ from aerie.errors import ConfigError
 from aerie.families import DrafterSettings, Family, Part, family, family_of, names, register, spread_layers
 from aerie.families import unregister as unregister_family
 from aerie.presets import load_config
+from aerie.targets import TargetGeometry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +47,8 @@ class ToyProposer(NoProposer):
         self.drafter = drafter
 
 
-def toy_params(settings: ToySettings, train: object, target: object) -> int:
-    return settings.num_target_layers * getattr(target, "hidden_size") ** 2  # noqa: B009
+def toy_params(settings: ToySettings, train: object, geometry: TargetGeometry) -> int:
+    return settings.num_target_layers * geometry.hidden_size**2
 
 
 TOY = Family(
@@ -115,7 +116,7 @@ def test_the_stages_reach_the_family_through_the_registry(toy: Family, smollm2) 
     proposer, aux_layers = make_proposer("toy", ev, {"drafter": drafter})
     assert isinstance(proposer, ToyProposer) and proposer.drafter is drafter and aux_layers is None
     facts = target_facts(cfg.target)
-    assert drafter_params(cfg, facts) == 3 * facts.hidden_size**2
+    assert drafter_params(cfg, facts) == 3 * facts.geometry.hidden_size**2
     assert family("toy").model.load() is ToyDrafter
 
 

@@ -45,7 +45,7 @@ def test_shard_and_dump_bytes_follow_the_extractor() -> None:
         for vocab in (49152, 163840):
             assert shard_bytes_per_token(storage, 7168, vocab) == shards.bytes_per_token(storage, 7168, vocab)
     assert dumps_in_flight_bytes(cfg, kimi) == preflight.dumps_in_flight_bytes(
-        cfg.extract, kimi.hidden_size, kimi.vocab_size
+        cfg.extract, kimi.geometry.hidden_size, kimi.geometry.vocab_size
     )
 
 
@@ -56,19 +56,20 @@ def test_drafter_parameters_match_a_real_checkpoint(smollm2) -> None:
 
     cfg = load_config("smollm2-local", [])
     facts = target_facts(cfg.target)
+    g = facts.geometry
     draft = DraftConfig(
-        hidden_size=facts.hidden_size,
-        intermediate_size=facts.intermediate_size,
-        num_attention_heads=facts.num_attention_heads,
-        num_key_value_heads=facts.num_key_value_heads,
-        head_dim=facts.head_dim,
-        vocab_size=facts.vocab_size,
+        hidden_size=g.hidden_size,
+        intermediate_size=g.intermediate_size,
+        num_attention_heads=g.attention.num_heads,
+        num_key_value_heads=g.attention.num_kv_heads,
+        head_dim=g.attention.head_dim,
+        vocab_size=g.vocab_size,
         draft_vocab_size=cfg.train.draft_vocab_size,
         rope_theta=smollm2.rope_theta,
         max_position_embeddings=smollm2.max_position_embeddings,
         aux_layer_ids=tuple(smollm2.aux_layers_output),
     )
-    model = Eagle3Drafter(draft, torch.zeros(facts.vocab_size, facts.hidden_size))
+    model = Eagle3Drafter(draft, torch.zeros(g.vocab_size, g.hidden_size))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad and p.dim() == 2)
     assert drafter_params(cfg, facts) == pytest.approx(trainable, rel=0.01)
 

@@ -6,13 +6,11 @@ The run itself takes minutes and is made by hand (docs/plan.md says how)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
 import shutil
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -23,6 +21,7 @@ import plan_accuracy  # noqa: E402  (a script: its folder is on sys.path)
 
 from aerie.plan import make_plan  # noqa: E402
 from aerie.presets import load_config  # noqa: E402
+from tests.test_figures import checker  # noqa: E402
 
 
 def script_default() -> list[str]:
@@ -31,15 +30,6 @@ def script_default() -> list[str]:
     found = re.search(r"^\s*DEFAULT_OVERRIDES=\(([^)]*)\)", text, re.M)
     assert found, "plan_validate.sh sets no DEFAULT_OVERRIDES=(...)"
     return found.group(1).split()
-
-
-def checker() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("check_figures", ROOT / "scripts" / "check_figures.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("overrides", [[], *plan_accuracy.CALIBRATION_RUNS])

@@ -14,33 +14,28 @@ from aerie.plan import served
 
 REPO = Path(__file__).resolve().parent.parent
 
+
+def shape(active_params: float, levels: dict[int, tuple[float, dict[int, float]]], moe: bool = False) -> dict:
+    """One shape of the data file's form: `levels` maps a concurrency to (step ms, {draft steps: round ms})."""
+    return {
+        "active_params": active_params,
+        "moe": moe,
+        "levels": {
+            str(c): {"step_ms": step, "round_ms": {str(k): ms for k, ms in rounds.items()}}
+            for c, (step, rounds) in levels.items()
+        },
+    }
+
+
 # A table of the data file's form, its figures chosen for easy arithmetic (not measurements).
 TABLE = {
     "cards": {
         "x100": {
             "source": "spec_cost-x100.json",
             "shapes": {
-                "small": {
-                    "active_params": 1e8,
-                    "moe": False,
-                    "levels": {
-                        "1": {"step_ms": 2.0, "round_ms": {"3": 5.0, "7": 9.0}},
-                        "8": {"step_ms": 2.0, "round_ms": {"3": 6.0, "7": 10.0}},
-                    },
-                },
-                "large": {
-                    "active_params": 1e10,
-                    "moe": False,
-                    "levels": {
-                        "1": {"step_ms": 8.0, "round_ms": {"3": 12.0, "7": 20.0}},
-                        "8": {"step_ms": 8.0, "round_ms": {"3": 16.0, "7": 24.0}},
-                    },
-                },
-                "experts": {
-                    "active_params": 3e9,
-                    "moe": True,
-                    "levels": {"1": {"step_ms": 10.0, "round_ms": {"3": 15.0, "7": 25.0}}},
-                },
+                "small": shape(1e8, {1: (2.0, {3: 5.0, 7: 9.0}), 8: (2.0, {3: 6.0, 7: 10.0})}),
+                "large": shape(1e10, {1: (8.0, {3: 12.0, 7: 20.0}), 8: (8.0, {3: 16.0, 7: 24.0})}),
+                "experts": shape(3e9, {1: (10.0, {3: 15.0, 7: 25.0})}, moe=True),
             },
         }
     }

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from aerie.errors import ConfigError
-from aerie.families.spec import DrafterSettings, Family, Part, TargetShape
+from aerie.families.spec import DrafterSettings, Family, Part
 
 if TYPE_CHECKING:
+    from aerie.targets import TargetGeometry
     from aerie.train.config import TrainConfig
 
 
@@ -57,10 +58,10 @@ def spread_layers(num_layers: int, count: int) -> list[int]:
     return [first + int((2 * i * (last - first) + count - 1) // (2 * (count - 1))) for i in range(count)]
 
 
-def _params(settings: DFlashSettings, train: TrainConfig, target: TargetShape) -> int:
+def _params(settings: DFlashSettings, train: TrainConfig, geometry: TargetGeometry) -> int:
     """fc over its k layers and its decoder layers (norms left out: a few H each); the embedding and
     head are the target's."""
-    h, shape = target.hidden_size, train.draft.resolve(target.geometry)
+    h, shape = geometry.hidden_size, train.draft.resolve(geometry)
     inter, heads, kv, hd = shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
     attention = h * (heads + 2 * kv) * hd + heads * hd * h
     return settings.num_target_layers * h * h + settings.num_layers * (attention + 3 * h * inter)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from aerie.families.spec import DrafterSettings, Family, Part, TargetShape
+from aerie.families.spec import DrafterSettings, Family, Part
 
 if TYPE_CHECKING:
+    from aerie.targets import TargetGeometry
     from aerie.train.config import TrainConfig
 
 
@@ -25,12 +26,12 @@ def eagle3_layers(num_layers: int, count: int = 3) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
-def _params(settings: Eagle3Settings, train: TrainConfig, target: TargetShape) -> int:
+def _params(settings: Eagle3Settings, train: TrainConfig, geometry: TargetGeometry) -> int:
     """fc, one decoder layer (its q/k/v read embeddings and hidden states together), the draft lm_head."""
-    h, shape = target.hidden_size, train.draft.resolve(target.geometry)
+    h, shape = geometry.hidden_size, train.draft.resolve(geometry)
     inter, heads, kv, hd = shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
     attention = 2 * h * (heads + 2 * kv) * hd + heads * hd * h
-    return 3 * h * h + attention + 3 * h * inter + h * min(train.draft_vocab_size, target.vocab_size)
+    return 3 * h * h + attention + 3 * h * inter + h * min(train.draft_vocab_size, geometry.vocab_size)
 
 
 EAGLE3 = Family(

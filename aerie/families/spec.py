@@ -42,28 +42,6 @@ class DrafterSettings(StrictModel):
     family: str
 
 
-class TargetShape(Protocol):
-    """The target facts the planner's parameter count reads (`aerie.plan.facts.TargetFacts`,
-    `aerie.targets.TargetInfo`)."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def intermediate_size(self) -> int: ...
-    @property
-    def num_attention_heads(self) -> int: ...
-    @property
-    def num_key_value_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def geometry(self) -> TargetGeometry: ...
-
-
 class Exporter(Protocol):
     def __call__(
         self, drafter: Any, out_dir: str | Path, target: TargetInfo, provenance: dict[str, Any] | None = None
@@ -103,7 +81,8 @@ class Family:
       target's (d2t/t2d), or "target", the target's whole vocabulary;
     - `served_algorithm`: SGLang's `--speculative-algorithm` for its export; `deployable`: whether the
       deploy stage serves it (checked when the config loads);
-    - `draft_params(settings, train, target)`: trainable parameters, the planner's FLOPs and sizes;
+    - `draft_params(settings, train, geometry)`: trainable parameters for a target of that geometry,
+      the planner's FLOPs and sizes;
     - `diagnosed`: whether the evaluator's teacher-forced diagnosis (`aerie.evaluate.diagnose`) reads it;
     - the parts: its model class, its objective (its part of the training loop), export and loader, and
       the proposer the lossless evaluator drafts with.
@@ -115,7 +94,7 @@ class Family:
     vocabulary: Literal["draft", "target"]
     served_algorithm: str
     deployable: bool
-    draft_params: Callable[[Any, TrainConfig, TargetShape], int]
+    draft_params: Callable[[Any, TrainConfig, TargetGeometry], int]
     model: Part[type[nn.Module]]
     objective: Part[Callable[[TrainConfig], Objective]]
     export: Part[Exporter]

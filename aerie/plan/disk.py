@@ -31,7 +31,7 @@ def aux_layers(cfg: PipelineConfig, target: TargetFacts) -> int:
     family reads (EAGLE-3: 3; DFlash: `train.drafter.num_target_layers`)."""
     if cfg.extract.capture_layers is not None:
         return len(cfg.extract.capture_layers)
-    return len(cfg.train.capture_layers(target.num_layers))
+    return len(cfg.train.capture_layers(target.geometry.num_layers))
 
 
 def shard_bytes_per_token(storage: str, hidden_size: int, vocab_size: int | None, layers: int = 3) -> int:
@@ -49,9 +49,9 @@ def dumps_in_flight_bytes(cfg: PipelineConfig, target: TargetFacts) -> int:
     over, the commit buffer and three shards' samples, with the margin."""
     ex = cfg.extract
     layers = aux_layers(cfg, target)
-    per_token = 4 + (layers + 1) * target.hidden_size * DUMP_ELEMENT_BYTES
+    per_token = 4 + (layers + 1) * target.geometry.hidden_size * DUMP_ELEMENT_BYTES
     shard_tokens = ex.shard_bytes // shard_bytes_per_token(
-        ex.storage_dtype, target.hidden_size, target.vocab_size, layers
+        ex.storage_dtype, target.geometry.hidden_size, target.geometry.vocab_size, layers
     )
     tokens = (
         (ex.requests_in_flight + 1) * ex.batch_tokens + ex.resolved_commit_buffer_tokens() + 3 * shard_tokens
@@ -61,7 +61,7 @@ def dumps_in_flight_bytes(cfg: PipelineConfig, target: TargetFacts) -> int:
 
 def drafter_params(cfg: PipelineConfig, target: TargetFacts) -> int:
     """Trainable drafter parameters, as `train.drafter`'s family counts them (`Family.draft_params`)."""
-    return family_of(cfg.train.drafter).draft_params(cfg.train.drafter, cfg.train, target)
+    return family_of(cfg.train.drafter).draft_params(cfg.train.drafter, cfg.train, target.geometry)
 
 
 @dataclass
@@ -101,7 +101,7 @@ def estimate(cfg: PipelineConfig, target: TargetFacts, sizes: Sizes) -> DiskPlan
 
     ex = cfg.extract
     bpt = shard_bytes_per_token(
-        ex.storage_dtype, target.hidden_size, target.vocab_size, aux_layers(cfg, target)
+        ex.storage_dtype, target.geometry.hidden_size, target.geometry.vocab_size, aux_layers(cfg, target)
     )
     shards = int(sizes.corpus_tokens * bpt)
     dumps = dumps_in_flight_bytes(cfg, target)

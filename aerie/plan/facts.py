@@ -23,45 +23,14 @@ def _data(name: str) -> dict[str, Any]:
 @dataclass(frozen=True)
 class TargetFacts:
     """The target the estimates are for: its geometry (from its config.json, the one `aerie.targets`
-    reads for the stages) and what the geometry cannot say: its checkpoint's bytes."""
+    reads for the stages; the planner reads its sizes there) and what the geometry cannot say: its
+    checkpoint's bytes."""
 
     name: str
     geometry: TargetGeometry
     weight_bytes: float
     source: str
     tokenizer_path: str | None = None
-
-    @property
-    def num_layers(self) -> int:
-        return self.geometry.num_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.geometry.hidden_size
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.geometry.intermediate_size
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.geometry.attention.num_heads
-
-    @property
-    def num_key_value_heads(self) -> int:
-        return self.geometry.attention.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.geometry.attention.head_dim
-
-    @property
-    def vocab_size(self) -> int:
-        return self.geometry.vocab_size
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.geometry.max_position_embeddings
 
     @property
     def active_params(self) -> float:

@@ -143,7 +143,7 @@ def check(plan: Plan) -> Plan:
 
 
 def _context(cfg: PipelineConfig, target: TargetFacts) -> list[PlanError]:
-    limit = target.max_position_embeddings
+    limit = target.geometry.max_position_embeddings
     lengths = {
         "corpus.max_length": cfg.corpus.max_length,
         "train.max_length": cfg.train.max_length,

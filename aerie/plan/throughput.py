@@ -61,7 +61,7 @@ def prefill_flops_per_token(target: TargetFacts, seq_len: int) -> float:
     """2 x active parameters, plus attention over ~seq/2 keys in every layer: q.k over the query/key
     width and p.v over the value width of each head (MLA: 192 and 128)."""
     att = target.geometry.attention
-    attention = 2 * target.num_layers * att.num_heads * (att.head_dim + att.v_head_dim) * seq_len / 2
+    attention = 2 * target.geometry.num_layers * att.num_heads * (att.head_dim + att.v_head_dim) * seq_len / 2
     return 2 * target.active_params + attention
 
 
@@ -322,7 +322,10 @@ def _extract(m: Model, sizes: Sizes) -> StageEstimate:
             else m.rates["disk_write_bytes_per_s"].value
         )
         write = disk / shard_bytes_per_token(
-            cfg.extract.storage_dtype, m.target.hidden_size, m.target.vocab_size, aux_layers(cfg, m.target)
+            cfg.extract.storage_dtype,
+            m.target.geometry.hidden_size,
+            m.target.geometry.vocab_size,
+            aux_layers(cfg, m.target),
         )
         rate = min(compute, write)
         notes.append(
@@ -338,15 +341,15 @@ def _extract(m: Model, sizes: Sizes) -> StageEstimate:
 
 
 def _draft_flops(m: Model, seq_len: int) -> float:
-    t, train = m.target, m.cfg.train
-    shape = train.draft.resolve(t.geometry)
+    g, train = m.target.geometry, m.cfg.train
+    shape = train.draft.resolve(g)
     return train_flops_per_token(
-        t.hidden_size,
+        g.hidden_size,
         shape.num_heads,
         shape.num_kv_heads,
         shape.head_dim,
         shape.intermediate_size,
-        min(train.draft_vocab_size, t.vocab_size),
+        min(train.draft_vocab_size, g.vocab_size),
         seq_len,
         train.ttt_length,
     )
