@@ -44,6 +44,7 @@ def test_stages_doing_a_calibration_runs_work_are_left_out() -> None:
     assert plan_accuracy.same_work_stages("smollm2-local", script_default()) == []
 
 
+@pytest.mark.integration  # the check runs git log for the commits the other rows name
 def test_quoted_validation_rows_pass_the_figure_check(tmp_path: Path) -> None:
     """A planted validation run (its estimates the script's default plan, its actuals made up) is written
     into copies of README.md, benchmarks/README.md and docs/plan.md, and the READMEs' tables resolve
