@@ -18,7 +18,6 @@ large batches are compute-bound and the baseline catches up) must reach `promote
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ModelServer, ServerConfig, ServerSpec, SpeculativeArgs, spec_for
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
+from aerie.workdirs import work_dir
 
 STAGE = "deploy"
 PROMOTED = "promoted"
@@ -149,7 +149,7 @@ def deploy(
 
     prompts = [p.input_ids for p in mtbench_prompts(target.load_tokenizer(), None, 4096)]
     prompts = [prompts[i % len(prompts)] for i in range(cfg.num_prompts)]
-    with tempfile.TemporaryDirectory(prefix="aerie-deploy-") as tmp:
+    with work_dir("aerie-deploy-") as tmp:
         drafter_dir = fetch_drafter(store, drafter, Path(tmp) / "drafter")
         specs = server_specs(cfg, server, target, str(drafter_dir))
         rows: list[dict[str, Any]] = []
@@ -245,7 +245,7 @@ def promote(
     """Copy the drafter to the stable prefix `<run>/promoted/` with the reports beside it. The
     `promotion.json` pointer is written last, so its presence means the copy is complete."""
     prefix = f"{run_name}/{PROMOTED}"
-    with tempfile.TemporaryDirectory(prefix="aerie-promote-") as tmp:
+    with work_dir("aerie-promote-") as tmp:
         for key in drafter_keys(store, drafter):
             name = key.rsplit("/", 1)[-1]
             local = store.get_file(key, Path(tmp) / name)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo, resolve_device, resolve_dtype
+from aerie.workdirs import work_dir
 
 if TYPE_CHECKING:
     from aerie.engine.speculative.decoder import Proposer
@@ -65,7 +65,7 @@ def run(
     datasets, held_skipped = _datasets(cfg, store, target, corpus)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    with tempfile.TemporaryDirectory(prefix="aerie-eval-") as tmp:
+    with work_dir("aerie-eval-") as tmp:
         models = _Models(
             lambda: _load(cfg, store, target, drafter, Path(tmp), device, dtype), f"{target.name} on {device}"
         )

@@ -8,6 +8,7 @@ and its manifest.
 
     client.py     the async OpenAI-compatible client (retries, Retry-After, rate limits, errors)
     transport.py  a lean HTTP/1.1 keep-alive pool under httpx
+    preflight.py  one GET before generation: the endpoint answers and accepts the key
     ratelimit.py  token buckets for requests/min and tokens/min
     turns.py      turn-by-turn regeneration of one conversation
     journal.py    the resumable append-only journal (group-committed, fsync'd)
