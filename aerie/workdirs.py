@@ -6,9 +6,10 @@ the corpus, then stays in `$TMPDIR` for good. `work_dir(prefix)` names its folde
 
     <tempdir>/<prefix><host>-<pid>-<start>-<random>      e.g. aerie-merge-3f2a9c1e-41377-8812345-k2j4
 
-(`host`: a hash of this machine's name, `start`: the owner's process start time in clock ticks, so
-a reused pid is not taken for the owner), and on entry removes every such folder of this machine whose
-owner is no longer running. Folders of other machines (a shared `$TMPDIR`) are left alone.
+(`host`: a hash of this machine's name and pid namespace, `start`: the owner's process start time in
+clock ticks, so a reused pid is not taken for the owner), and on entry removes every such folder of
+this machine whose owner is no longer running. Folders of other machines or containers (a shared `$TMPDIR`) are left
+alone.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ _OWNED = re.compile(r"(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)-[^-]+$")
 
 
 def host_tag() -> str:
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    """This machine, and this pid namespace on it: a container sharing the host's name and `$TMPDIR`
+    numbers its processes apart, so its folders' pids say nothing here."""
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        namespace = ""
+    return hashlib.sha256(f"{socket.gethostname()}/{namespace}".encode()).hexdigest()[:8]
 
 
 def process_start(pid: int) -> int | None:
