@@ -13,6 +13,7 @@ stopped.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ from aerie.evaluate.stage import EVALUATE
 from aerie.extract.stage import EXTRACT
 from aerie.generate.stage import GENERATE, generation_pending
 from aerie.manifest import StageResult
+from aerie.plan import online as online_plan
 from aerie.plan import served, track
 from aerie.plan.plan import Plan
 from aerie.progress import ProgressFactory, terminal_progress
@@ -33,6 +35,8 @@ from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import ArtifactStore, open_store
 from aerie.targets import resolve_target
 from aerie.train.stage import TRAIN
+
+log = logging.getLogger(__name__)
 
 STAGES: tuple[Stage, ...] = (GENERATE, MERGE, EXTRACT, TRAIN, EVALUATE, DEPLOY)
 STAGE_NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)
@@ -108,6 +112,18 @@ def planned(cfg: PipelineConfig, until: str | None = None) -> list[Stage]:
 StepFn = Callable[[Stage, StageContext, Upstream], list[StageResult]]
 
 
+def choose_source(cfg: PipelineConfig, plan: Plan | None) -> PipelineConfig:
+    """`train.source: auto` decided once, before any stage runs: what the plan recommends
+    (`aerie.plan.online`: online when a disk cannot hold the shards or it costs about the same, else
+    shards). Without a plan (it could not be made) the shards, as before there was a choice."""
+    if cfg.train.source != "auto":
+        return cfg
+    choice = online_plan.of_plan(plan) if plan is not None else None
+    source = choice.choice if choice is not None else "shards"
+    log.info("train.source auto: %s (%s)", source, choice.reason if choice else "no plan to decide by")
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"source": source})})
+
+
 def compose(
     cfg: PipelineConfig,
     ctx: StageContext,
@@ -165,6 +181,7 @@ def run_pipeline(
     check_secrets(cfg, store)
     ctx = StageContext(store=store, run=cfg.run, target=resolve_target(cfg.target), progress=progress)
     plan = track.plan_for(cfg)
+    cfg = choose_source(cfg, plan)
     results = compose(
         cfg, ctx, lambda stage, ctx, upstream: stage.run(cfg, ctx, upstream), until=until, plan=plan
     )

@@ -23,7 +23,7 @@ from aerie.config import PipelineConfig, apply_overrides
 from aerie.extract.stage import EXTRACT
 from aerie.generate.stage import GENERATE, generate_config, generation_endpoint
 from aerie.manifest import StageResult
-from aerie.pipeline import PipelineReport, check_secrets, compose, figure_text
+from aerie.pipeline import PipelineReport, check_secrets, choose_source, compose, figure_text
 from aerie.plan import track
 from aerie.plan.render import table
 from aerie.presets import get_preset
@@ -68,6 +68,7 @@ def eagle3_pipeline(
     check_secrets(cfg, store)
     ctx = StageContext(store=store, run=cfg.run, target=resolve_target_task(cfg.target))
     plan = track.plan_for(cfg)
+    cfg = choose_source(cfg, plan)
     if plan is not None:
         create_markdown_artifact(
             f"```\n{table(plan)}\n```", key=artifact_key(cfg.run, "plan"), description="plan"

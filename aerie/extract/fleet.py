@@ -80,7 +80,7 @@ def _extract(
     progress: ProgressFn,
 ) -> tuple[list[SliceResult], ExtractionCanary]:
     stage, work, splits, progress_file = p.stage, p.work, p.splits, p.progress_file
-    canary = _make_canary(cfg, target, splits)
+    canary = make_canary(cfg, target, splits)
     uploader = Uploader(
         store,
         stage.prefix,
@@ -157,7 +157,7 @@ def _extract(
     return results, canary
 
 
-def _make_canary(cfg: ExtractConfig, target: TargetInfo, splits: dict[str, SplitFiles]) -> ExtractionCanary:
+def make_canary(cfg: ExtractConfig, target: TargetInfo, splits: dict[str, SplitFiles]) -> ExtractionCanary:
     first = next(sf for sf in splits.values() if sf.total_rows)
     rows = []
     for row in first.iter_rows(0, 64):

@@ -29,6 +29,10 @@ def extract_config(cfg: PipelineConfig, target: TargetInfo) -> ExtractConfig:
 class ExtractStage(Stage):
     name = "extract"
 
+    def enabled(self, cfg: PipelineConfig) -> bool:
+        """An online training (`train.source: online`) runs its own servers: no shards to make."""
+        return cfg.train.source != "online"
+
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
         from aerie.extract.plan import extract_key
 

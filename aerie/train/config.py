@@ -68,8 +68,34 @@ class DraftShapeConfig(StrictModel):
         return self
 
 
+class OnlineConfig(StrictModel):
+    """Training fed by extraction servers (`train.source: online`): how much it holds, in memory and on disk."""
+
+    buffer_tokens: int = Field(
+        65536,
+        ge=16,
+        description="Tokens of extracted samples held at once: requested ahead of the trainer (prefetched "
+        "while it steps) and not yet consumed. Memory stays flat at this however large the corpus (it may go "
+        "over by the samples of the one packed row that crossed it).",
+    )
+    cache_bytes: int = Field(
+        0,
+        ge=0,
+        description="A local on-disk cache of extracted samples (in storage form), filled until it holds this "
+        "many bytes and read instead of extracting again in later epochs; 0 = none. Deleted with the work dir.",
+    )
+
+
 class TrainConfig(StrictModel):
     """Train a drafter (EAGLE-3, or the DFlash block drafter) on extracted hidden states."""
+
+    source: Literal["shards", "online", "auto"] = Field(
+        "shards",
+        description="Where the hidden states come from: shards (the extract stage's, read from the store), "
+        "online (the train stage runs extraction servers and trains on what they dump: no shards written), "
+        "auto (what `aerie plan` recommends for this config: online when a disk cannot hold the shards).",
+    )
+    online: OnlineConfig = Field(default_factory=OnlineConfig, description="Settings of train.source online.")
 
     drafter: DrafterSection = Field(
         default_factory=default_settings,

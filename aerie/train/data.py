@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -70,6 +70,17 @@ class SampleIndex:
         self.shard = np.concatenate(shard)
         self.begin = np.concatenate(begin)
         self.length = np.concatenate(length)
+
+    @classmethod
+    def of_samples(
+        cls, shard: np.ndarray, begin: np.ndarray, length: np.ndarray, hidden_size: int, storage: str
+    ) -> SampleIndex:
+        """An index of samples that are not in shard files (online training: `shard` names the corpus
+        split, `begin` the row in it)."""
+        view = object.__new__(cls)
+        view.paths, view.hidden_size, view.storage = [], hidden_size, storage
+        view.shard, view.begin, view.length = shard, begin, length
+        return view
 
     def __len__(self) -> int:
         return int(self.shard.size)
@@ -220,6 +231,29 @@ class EpochPlans:
         return self._plan(epoch)[i]
 
 
+class DataSource(Protocol):
+    """Where the trainer's packed rows come from: shard files (`ShardSource`) or extraction servers
+    (`aerie.train.online.OnlineFeeder`). Both yield the rows of the same epoch plans."""
+
+    def batches(
+        self, plans: EpochPlans, first: int, stride: int, count: int | None = None
+    ) -> Iterator[Batch]: ...
+
+    def close(self) -> None: ...
+
+
+class ShardSource:
+    """Rows read from the extract stage's shards."""
+
+    def batches(
+        self, plans: EpochPlans, first: int, stride: int, count: int | None = None
+    ) -> Iterator[Batch]:
+        return batch_stream(plans, first, stride, count)
+
+    def close(self) -> None:
+        pass
+
+
 def batch_stream(plans: EpochPlans, first: int, stride: int, count: int | None = None) -> Iterator[Batch]:
     """Batches first, first+stride, ... (count of them, or forever)."""
     reader = BatchReader(plans.index)
@@ -268,7 +302,7 @@ class Prefetcher:
         if item is self._DONE:
             raise StopIteration
         if isinstance(item, BaseException):
-            raise DataError(f"the shard loader failed: {item}") from item
+            raise DataError(f"the data loader failed: {item}") from item
         return item  # type: ignore[no-any-return]
 
     def close(self) -> None:

@@ -33,9 +33,10 @@ from aerie.families import family_of
 from aerie.targets import TargetInfo
 from aerie.train.checkpoint import TrainState, checkpoint_name, load_checkpoint, save_checkpoint, save_weights
 from aerie.train.config import TrainConfig
-from aerie.train.data import Batch, EpochPlans, Prefetcher, SampleIndex, batch_stream
+from aerie.train.data import Batch, DataSource, EpochPlans, Prefetcher, SampleIndex, ShardSource
 from aerie.train.distributed import DistInfo
 from aerie.train.objective import Teacher, summarize
+from aerie.train.online import OnlineFeeder, OnlineSpec
 
 Emit = Callable[[dict[str, Any]], None]
 BEST = "best"
@@ -88,6 +89,7 @@ class TrainSpec(BaseModel):
     work_dir: str
     device: str  # resolved: "cpu" or "cuda"
     resume_from: str | None = None
+    online: OnlineSpec | None = None  # set: the rows come from extraction servers, not shards
 
 
 @dataclass
@@ -108,6 +110,7 @@ class Trainer:
     dist: DistInfo
     work_dir: Path
     emit: Emit
+    source: DataSource  # the shards, or the online feeder's servers
 
 
 def train(tr: Trainer, state: TrainState, started: float | None = None) -> TrainState:
@@ -116,7 +119,7 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
     cfg, dist = tr.cfg, tr.dist
     started, elapsed_before = started or time.perf_counter(), state.elapsed_s
     stream = Prefetcher(
-        batch_stream(tr.train_plans, state.step * dist.world + dist.rank, dist.world),
+        tr.source.batches(tr.train_plans, state.step * dist.world + dist.rank, dist.world),
         cfg.prefetch_batches,
         pin=tr.device.type == "cuda",
     )
@@ -160,6 +163,7 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
     finally:
         stream.close()
     if state.step < tr.total_steps:  # stopped: the previous handlers are back; the signal as if it came now
+        tr.source.close()  # the online servers first: the signal's default action skips every `finally`
         signal.raise_signal(asked[0])
     return state
 
@@ -205,7 +209,7 @@ def evaluate(tr: Trainer) -> dict[str, Any]:
     if tr.cfg.eval_max_batches is not None:
         total = min(total, tr.cfg.eval_max_batches)
     mine = len(range(tr.dist.rank, total, tr.dist.world))
-    batches = batch_stream(tr.eval_plans, tr.dist.rank, tr.dist.world, mine)
+    batches = tr.source.batches(tr.eval_plans, tr.dist.rank, tr.dist.world, mine)
     return evaluate_batches(tr, (batch.to(tr.device, tr.dtype) for batch in batches))
 
 
@@ -305,7 +309,10 @@ def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer,
             drafter, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
         )
 
-    train_index, eval_index = _indices(spec)
+    source: DataSource = ShardSource()
+    if spec.online is not None:
+        source = OnlineFeeder(spec.online, cfg, spec.target, dist, emit)
+    train_index, eval_index = _indices(spec, source)
     train_plans = EpochPlans(train_index, cfg.batch_tokens, cfg.max_length, cfg.seed)
     eval_plans = EpochPlans(eval_index, cfg.batch_tokens, cfg.max_length, cfg.seed, shuffle=False)
     total_steps = max(1, math.floor(cfg.epochs * train_plans.batches_per_epoch / dist.world))
@@ -316,7 +323,7 @@ def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer,
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg, total_steps))
     tr = Trainer(
         cfg, objective, drafter, model, teacher, optimizer, scheduler, train_plans, eval_plans, total_steps,
-        device, dtype, attention, dist, Path(spec.work_dir), emit,
+        device, dtype, attention, dist, Path(spec.work_dir), emit, source,
     )  # fmt: skip
     state = TrainState()
     if spec.resume_from:
@@ -338,12 +345,21 @@ def cosine_with_warmup(cfg: TrainConfig, total_steps: int) -> Callable[[int], fl
     return factor
 
 
-def _indices(spec: TrainSpec) -> tuple[SampleIndex, SampleIndex]:
+def _indices(spec: TrainSpec, source: DataSource | None = None) -> tuple[SampleIndex, SampleIndex]:
     """Train and eval sample indices; without an eval split, a seeded hold-out of the train samples.
-    `train_fraction` < 1 keeps the first share of the train samples (after any hold-out)."""
-    train_index = SampleIndex([Path(p) for p in spec.train_shards])
-    if spec.eval_shards:
-        eval_index = SampleIndex([Path(p) for p in spec.eval_shards])
+    `train_fraction` < 1 keeps the first share of the train samples (after any hold-out). Online, the
+    samples are the corpus rows, in the order the shards would hold them."""
+    held_out: SampleIndex | None
+    if isinstance(source, OnlineFeeder):
+        train = source.index("train")
+        if train is None:
+            raise TrainingError("online training: the corpus has no train rows to extract")
+        train_index, held_out = train, source.index("eval")
+    else:
+        train_index = SampleIndex([Path(p) for p in spec.train_shards])
+        held_out = SampleIndex([Path(p) for p in spec.eval_shards]) if spec.eval_shards else None
+    if held_out is not None:
+        eval_index = held_out
     else:
         n = len(train_index)
         if n < 2:
@@ -364,5 +380,10 @@ def run_training(spec: TrainSpec, dist: DistInfo, emit: Emit) -> TrainState:
     """Build, restore if resuming, train. The entry point of both the in-process path and each worker."""
     started = time.perf_counter()
     tr, state = build_trainer(spec, dist, emit)
-    tr.emit({"kind": "start", "step": state.step, "total_steps": tr.total_steps, "world": dist.world})
-    return train(tr, state, started)
+    try:
+        tr.emit({"kind": "start", "step": state.step, "total_steps": tr.total_steps, "world": dist.world})
+        return train(tr, state, started)
+    finally:
+        if isinstance(tr.source, OnlineFeeder):
+            tr.emit({"kind": "online", "rank": dist.rank, **tr.source.figures()})
+        tr.source.close()

@@ -3,8 +3,9 @@ in, the drafter out. The work itself is `aerie.train.work`, imported when it run
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from aerie.extract.stage import extract_config
 from aerie.manifest import StageResult
 from aerie.stage import Stage, StageContext, Upstream
 
@@ -18,12 +19,20 @@ class TrainStage(Stage):
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
         from aerie.train.work import key_of
 
-        return key_of(cfg.train, ctx.target, upstream.shards, upstream.corpus)
+        return key_of(cfg.train, ctx.target, corpus=upstream.corpus, **_inputs(cfg, ctx, upstream))
 
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.train.work import run
 
-        return [run(cfg.train, shards=upstream.shards, corpus=upstream.corpus, **ctx.args(self.name))]
+        inputs = _inputs(cfg, ctx, upstream)
+        return [run(cfg.train, corpus=upstream.corpus, **inputs, **ctx.args(self.name))]
+
+
+def _inputs(cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> dict[str, Any]:
+    """The extract stage's shards, or (train.source online) what the train stage's own servers need."""
+    if cfg.train.source == "online":
+        return {"shards": None, "extract": extract_config(cfg, ctx.target), "server": cfg.server}
+    return {"shards": upstream.shards}
 
 
 TRAIN = TrainStage()

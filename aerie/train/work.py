@@ -33,10 +33,14 @@ from safetensors.torch import load_file, save_file
 
 from aerie.diskspace import writing
 from aerie.draft.vocab import VocabMap, build_vocab_map, load_token_counts
-from aerie.errors import DataError, ObjectNotFoundError, TrainingError
+from aerie.errors import ConfigError, DataError, ObjectNotFoundError, TrainingError
+from aerie.extract.config import ExtractConfig
+from aerie.extract.corpus_rows import open_split
+from aerie.extract.plan import check_server_quantization, dump_root
 from aerie.families import DEFAULT, family_of
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn, no_progress
+from aerie.serving import ServerConfig
 from aerie.settings import get_settings
 from aerie.shards.keys import shard_keys
 from aerie.store import ArtifactStore
@@ -46,6 +50,7 @@ from aerie.train.config import TrainConfig
 from aerie.train.data import localize_shards
 from aerie.train.distributed import DistInfo
 from aerie.train.loop import BEST, TrainSpec, objective_for, run_training
+from aerie.train.online import OnlineSpec, SplitSpec
 from aerie.train.plots import plot_metrics
 
 STAGE = "train"
@@ -63,18 +68,19 @@ def run(
     store: ArtifactStore,
     run_name: str,
     target: TargetInfo,
-    shards: StageResult,
+    shards: StageResult | None,
     corpus: StageResult,
     progress: ProgressFn = no_progress,
+    extract: ExtractConfig | None = None,
+    server: ServerConfig | None = None,
 ) -> StageResult:
-    """Train (or resume, or return the cached result of) the drafter for `target` on `shards`."""
-    sd = StageDir(store, run_name, STAGE, key_of(cfg, target, shards, corpus))
+    """Train (or resume, or return the cached result of) the drafter for `target` on `shards`, or, with
+    `cfg.source` online, on what extraction servers (`extract`, `server`) dump for the corpus."""
+    online = _online_inputs(cfg, shards, extract, server)
+    sd = StageDir(store, run_name, STAGE, key_of(cfg, target, shards, corpus, extract, server))
     if (cached := sd.cached_result()) is not None:
         return cached
 
-    extract = load_manifest(store, shards.prefix)
-    _check_extract(extract, target, cfg)
-    train_keys, eval_keys = shard_keys(extract, shards.prefix)
     # A family drafting over the target's whole vocabulary (DFlash: its head is the target's) maps none.
     draft_vocab = cfg.draft_vocab_size if family_of(cfg.drafter).vocabulary == "draft" else target.vocab_size
     vocab = build_vocab_map(load_token_counts(store, corpus, target.vocab_size), draft_vocab)
@@ -82,9 +88,21 @@ def run(
     cache = Path(cfg.cache_dir) if cfg.cache_dir else get_settings().cache_dir / "train"
     work = cache / "work" / run_name / sd.key
     work.mkdir(parents=True, exist_ok=True)
-    progress(0.0, f"{len(train_keys)} train + {len(eval_keys)} eval shards")
-    train_paths = localize_shards(store, train_keys, cache / "shards", _scaled(progress, 0.0, 0.03))
-    eval_paths = localize_shards(store, eval_keys, cache / "shards", _scaled(progress, 0.03, 0.05))
+    train_paths: list[Path] = []
+    eval_paths: list[Path] = []
+    online_spec: OnlineSpec | None = None
+    if online is not None:
+        ex, srv = online
+        progress(0.0, f"online: corpus splits {', '.join(ex.splits)} through {ex.num_servers} server(s)")
+        online_spec = online_spec_for(cfg, ex, srv, store, run_name, sd.key, target, corpus, work)
+    else:
+        assert shards is not None
+        manifest = load_manifest(store, shards.prefix)
+        _check_extract(manifest, target, cfg)
+        train_keys, eval_keys = shard_keys(manifest, shards.prefix)
+        progress(0.0, f"{len(train_keys)} train + {len(eval_keys)} eval shards")
+        train_paths = localize_shards(store, train_keys, cache / "shards", _scaled(progress, 0.0, 0.03))
+        eval_paths = localize_shards(store, eval_keys, cache / "shards", _scaled(progress, 0.03, 0.05))
     vocab_path = work / "vocab.safetensors"
     with writing(vocab_path, TrainingError):
         save_file({"used": vocab.used, "d2t": vocab.d2t, "t2d": vocab.t2d}, str(vocab_path))
@@ -100,6 +118,7 @@ def run(
         work_dir=str(work),
         device=device,
         resume_from=str(work / "checkpoints" / resume) if resume else None,
+        online=online_spec,
     )
     events = RecordHandler(store, sd, work, cfg, _scaled(progress, 0.05, 0.95))
     if cfg.num_gpus > 1:
@@ -115,18 +134,91 @@ def run(
     return result
 
 
-def key_of(cfg: TrainConfig, target: TargetInfo, shards: StageResult, corpus: StageResult) -> str:
+def key_of(
+    cfg: TrainConfig,
+    target: TargetInfo,
+    shards: StageResult | None,
+    corpus: StageResult,
+    extract: ExtractConfig | None = None,
+    server: ServerConfig | None = None,
+) -> str:
     """The stage key: the training config but its execution knobs, the upstream manifest digests and
     the target's revision. Computed without touching the shards (the pipeline asks whether training
-    is done before it needs them)."""
+    is done before it needs them). Online, the shards' digest is replaced by what decides the values
+    the servers feed: storage dtype, captured layers, server backend."""
+    online = _online_inputs(cfg, shards, extract, server)
     keyed = cfg.model_dump(mode="json", exclude=_NOT_KEYED)
+    if online is None:
+        keyed.pop("source")  # keyed as before there was a choice
+    keyed.pop("online")  # buffer and cache sizes change how, not what
+    upstream = [corpus.manifest_sha256, target.revision]
+    if online is not None:
+        ex, srv = online
+        keyed["features"] = {
+            "storage_dtype": ex.storage_dtype,
+            "layers": ex.layers_output(target),
+            "server_backend": srv.backend,
+        }
+    else:
+        assert shards is not None
+        upstream.insert(0, shards.manifest_sha256)
     # Keyed as before families were one tagged section: the default family's runs leave it out, another
     # family's name and its settings are two fields.
     settings = keyed.pop("drafter")
     name = settings.pop("family")
     if name != DEFAULT:
         keyed.update({"drafter": name, name: settings})
-    return stage_key(STAGE, keyed, [shards.manifest_sha256, corpus.manifest_sha256, target.revision])
+    return stage_key(STAGE, keyed, upstream)
+
+
+def _online_inputs(
+    cfg: TrainConfig, shards: StageResult | None, extract: ExtractConfig | None, server: ServerConfig | None
+) -> tuple[ExtractConfig, ServerConfig] | None:
+    """The extraction and server configs of an online training; None for one on shards."""
+    if cfg.source == "auto":
+        raise ConfigError(
+            "train.source auto reached the train stage undecided: the pipeline decides it from the plan "
+            "(aerie.pipeline.choose_source) before any stage runs"
+        )
+    if cfg.source == "shards":
+        if shards is None:
+            raise ConfigError("train.source shards needs the extract stage's result")
+        return None
+    if extract is None or server is None:
+        raise ConfigError("train.source online needs the extract and server configs to run its servers")
+    return extract, server
+
+
+def online_spec_for(
+    cfg: TrainConfig,
+    extract: ExtractConfig,
+    server: ServerConfig,
+    store: ArtifactStore,
+    run_name: str,
+    key: str,
+    target: TargetInfo,
+    corpus: StageResult,
+    work: Path,
+) -> OnlineSpec:
+    """What the trainer needs to run its own servers: the corpus splits (local copies), where dumps,
+    server logs and the optional sample cache go."""
+    check_server_quantization(extract, server)
+    splits = {s: open_split(store, corpus.prefix, s, work / "corpus") for s in extract.splits}
+    if not any(sf.total_rows for sf in splits.values()):
+        raise DataError(f"the corpus at {corpus.prefix} has no rows in splits {extract.splits}")
+    dumps = dump_root(extract, run_name, f"{key}-online", work, target.hidden_size, target.vocab_size)
+    return OnlineSpec(
+        extract=extract,
+        server=server,
+        splits={
+            name: SplitSpec(paths=[str(p) for p in sf.paths], rows=sf.rows, tokens=sf.tokens)
+            for name, sf in splits.items()
+        },
+        dump_root=str(dumps),
+        log_dir=str(work / "logs"),
+        cache_dir=str(work / "online"),
+        train_gpus=cfg.num_gpus if server.device != "cpu" else 0,
+    )
 
 
 def _check_extract(extract: dict[str, Any], target: TargetInfo, cfg: TrainConfig) -> None:
@@ -160,15 +252,23 @@ class RecordHandler:
         self.last_eval: dict[str, Any] | None = None
         self.last_train: dict[str, Any] | None = None
         self.best: dict[str, Any] | None = None
+        self.fraction = 0.0
+        self.online: list[dict[str, Any]] = []  # each rank's feeder figures (online training)
 
     def __call__(self, record: dict[str, Any]) -> None:
         kind = record["kind"]
         if kind == "start":
             self.total_steps = record["total_steps"]
+            self.fraction = record["step"] / self.total_steps
+        elif kind == "server":  # an online training's servers: starts, readiness, canary, restarts
+            self.progress(self.fraction, record["message"])
+        elif kind == "online":
+            self.online.append({k: v for k, v in record.items() if k != "kind"})
         elif kind in ("train", "eval"):
             with writing(self.metrics, TrainingError), open(self.metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
             step = record["step"]
+            self.fraction = step / self.total_steps
             if kind == "train":
                 self.last_train = record
                 message = f"step {step}/{self.total_steps} loss {record['loss']:.4f}"
@@ -345,6 +445,7 @@ def _finish(
                 "eval": last_eval,
             },
             "family": cfg.drafter.family,
+            **({"online": _online_record(events.online)} if cfg.source == "online" else {}),
             "drafter_config": json.loads((out / "config.json").read_text()),
             "files": {
                 "drafter": [f"drafter/{n}" for n in drafter_files],
@@ -363,9 +464,25 @@ def _finish(
                 "train_tokens": last_train.get("tokens"),
                 "steps": last_train.get("step"),
                 "train_wall_s": last_train.get("elapsed_s"),
+                **(_online_figures(events.online) if cfg.source == "online" else {}),
             },
         }
     )
+
+
+def _online_record(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The feeders' figures of the run that finished the training (a resumed one: its own part)."""
+    return {"ranks": ranks, "shard_bytes_written": 0}
+
+
+def _online_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    servers = [s for r in ranks for s in r.get("servers", [])]
+    return {
+        "source": "online",
+        "extracted_tokens": sum(r.get("extracted_tokens", 0) for r in ranks),
+        "server_restarts": sum(s["restarts"] for s in servers),
+        "servers": len(servers),
+    }
 
 
 def _digest(t: torch.Tensor) -> str:
