@@ -17,6 +17,7 @@ template that never writes the parser's end tag is not a thinking model's, whate
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,39 @@ def parser_for(architecture: str, chat_template: str, setting: str = "auto") -> 
         return None
     found = PARSERS[name]
     return found if found.end in chat_template else None
+
+
+class TagKeepingDecoder:
+    """Token ids to text with the parser's tags kept: a thinking model's tags may be special tokens
+    (they are in some tokenizers), which a decode that skips special tokens would drop; the other
+    special tokens (end of turn, ...) are skipped as usual."""
+
+    def __init__(self, tokenizer: Any, parser: ReasoningParser) -> None:
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        tags = {int(vocab[t]) for t in (parser.start, parser.end) if t in vocab}
+        special = set(tokenizer.all_special_ids) | {
+            int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+        }
+        self.skipped = frozenset(special - tags)
+
+    def __call__(self, ids: Sequence[int]) -> str:
+        kept = [int(t) for t in ids if int(t) not in self.skipped]
+        return str(self.tokenizer.decode(kept, skip_special_tokens=False))
+
+
+def inside_reasoning(
+    decode: Callable[[Sequence[int]], str],
+    parser: ReasoningParser,
+    output_ids: Sequence[int],
+    positions: Sequence[int],
+    *,
+    opened: bool = False,
+) -> list[bool]:
+    """For each position of a completion: whether the text before it ends inside the reasoning block
+    (by `ReasoningParser.split`'s rule), i.e. whether the token there is reasoning. `opened`: the prompt
+    opened the block."""
+    return [parser.split(decode(output_ids[:p]), opened=opened).cut for p in positions]
 
 
 def read_template(path: str, setting: str = "corpus.chat_template") -> str:

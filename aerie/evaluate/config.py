@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from aerie.configbase import StrictModel
 from aerie.datasets import SourceSpec
 from aerie.families import DEFAULT
 from aerie.families import names as family_names
+from aerie.reasoning import parser_named
 
 # A trained drafter's proposer is named by its family (`aerie.families`); prompt lookup needs none.
 PROMPT_LOOKUP = "prompt_lookup"
@@ -62,6 +63,31 @@ class PromptSet(StrictModel):
         return self
 
 
+class PromptFormat(StrictModel):
+    """How prompts are rendered and completions read. In a pipeline it is the corpus's
+    (corpus.chat_template, chat_template_kwargs, reasoning_parser), so the evaluation renders prompts as
+    the corpus rendered the training data; set it here for a drafter evaluated on its own."""
+
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template file used instead of the target's; None = the target's."
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Template variables, e.g. {enable_thinking: false}."
+    )
+    reasoning_parser: str = Field(
+        "auto",
+        description="How a thinking model's reasoning is told from its answer (SGLang's --reasoning-parser "
+        "names; auto = the target's family; none = no split): acceptance is reported for each apart.",
+    )
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_parser(cls, value: str) -> str:
+        if value not in ("auto", "none"):
+            parser_named(value)  # raises, naming the parsers aerie knows
+        return value
+
+
 class EvaluateConfig(StrictModel):
     """Offline speculative decoding with the target and the trained drafter."""
 
@@ -102,6 +128,8 @@ class EvaluateConfig(StrictModel):
         8, ge=1, description="Prompts decoded together (the lossless decoder batches ragged acceptance)."
     )
     prompt_lookup: PromptLookupConfig = Field(default_factory=PromptLookupConfig)
+    # Out of the repr, which the stage key hashes: at its default the keys stay what they were.
+    prompt_format: PromptFormat = Field(default_factory=PromptFormat, repr=False)
     device: str = Field("auto", description="auto, cpu or cuda.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Target and drafter dtype; auto = bfloat16 on CUDA, float32 on CPU."

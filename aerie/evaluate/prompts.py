@@ -36,6 +36,30 @@ class EvalPrompt:
     group: str | None = None  # MT-Bench's category: where acceptance is lost shows by category
 
 
+class TemplatedTokenizer:
+    """The target's tokenizer rendering chats with another template and template variables
+    (`PromptFormat`: in a pipeline, the corpus's), everything else its own."""
+
+    def __init__(self, tokenizer: Any, template: str | None, kwargs: dict[str, Any]) -> None:
+        self.tokenizer, self.template, self.kwargs = tokenizer, template, dict(kwargs)
+
+    def apply_chat_template(self, messages: Any, **kwargs: Any) -> Any:
+        return self.tokenizer.apply_chat_template(
+            messages, **{"chat_template": self.template, **self.kwargs, **kwargs}
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+def prompt_tokenizer(tokenizer: Any, template: str | None, kwargs: dict[str, Any]) -> Any:
+    """`tokenizer` itself when the target's template renders the prompts as it is."""
+    return tokenizer if template is None and not kwargs else TemplatedTokenizer(tokenizer, template, kwargs)
+
+
 def chat_prompt_ids(tokenizer: Any, user_text: str) -> list[int]:
     """One user turn through the chat template, tokenized as the reference server's chat endpoint does."""
     return chat_ids(tokenizer, [{"role": "user", "content": user_text}])

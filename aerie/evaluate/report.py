@@ -168,6 +168,29 @@ def diagnosis_section(diagnosis: dict[str, dict[str, Any]], results: list[dict[s
     ]
 
 
+def reasoning_section(results: list[dict[str, Any]]) -> list[str]:
+    """A thinking target's acceptance on its reasoning and on its answers (rounds classified by where
+    they start, `aerie.evaluate.reasoning_split`); nothing for another target."""
+    split = [r for r in results if "reasoning" in r]
+    if not split:
+        return []
+    lines = [
+        "## Reasoning and answer",
+        "",
+        "Verify rounds that start inside the think block are reasoning, the others answer.",
+        "",
+        "| dataset | proposer | steps | T | reasoning τ | rounds | answer τ | rounds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in split:
+        lines.append(
+            f"| {r['dataset']} | {r['proposer']} | {r['num_steps']} | {r.get('temperature') or 0:g} | "
+            f"{_num(r['reasoning']['accept_length'])} | {r['reasoning']['rounds']} | "
+            f"{_num(r['answer']['accept_length'])} | {r['answer']['rounds']} |"
+        )
+    return [*lines, ""]
+
+
 def evaluation_markdown(report: dict[str, Any]) -> str:
     results = report["results"]
     by_group = report.get("by_group") or []  # reports written before it have none
@@ -188,6 +211,7 @@ def evaluation_markdown(report: dict[str, Any]) -> str:
         *conditional_table(results),
         "",
         *(["## Acceptance length by category", "", *group_table(by_group)] if by_group else []),
+        *reasoning_section(results),
         *diagnosis_section(report.get("diagnosis") or {}, results),
         "## Setup",
         "",

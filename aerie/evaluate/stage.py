@@ -5,23 +5,45 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from aerie.errors import ConfigError
 from aerie.families import DEFAULT
 from aerie.manifest import StageResult
 from aerie.stage import Stage, StageContext, Upstream
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
-    from aerie.evaluate.config import EvaluateConfig
+    from aerie.evaluate.config import EvaluateConfig, PromptFormat
 
 
 def evaluate_config(cfg: PipelineConfig) -> EvaluateConfig:
     """`cfg.evaluate` measuring the drafter this run trains: its family's proposer where the default
-    family is listed (a default-family run's config, and key, stay as they are)."""
+    family is listed (a default-family run's config, and key, stay as they are), with prompts rendered
+    and completions read as the corpus did (its template, template variables and reasoning parser)."""
     ev, name = cfg.evaluate, cfg.train.drafter.family
+    ev = ev.model_copy(update={"prompt_format": corpus_format(cfg)})
     if name == DEFAULT or DEFAULT not in ev.proposers:
         return ev
     proposers = [name if p == DEFAULT else p for p in ev.proposers]
     return ev.model_copy(update={"proposers": proposers})
+
+
+def corpus_format(cfg: PipelineConfig) -> PromptFormat:
+    """The corpus's prompt format; `evaluate.prompt_format` set otherwise in a pipeline is refused (it
+    would measure prompts rendered unlike the training data)."""
+    from aerie.evaluate.config import PromptFormat
+
+    c = cfg.corpus
+    fmt = PromptFormat(
+        chat_template=c.chat_template,
+        chat_template_kwargs=c.chat_template_kwargs,
+        reasoning_parser=c.reasoning_parser,
+    )
+    if cfg.evaluate.prompt_format not in (PromptFormat(), fmt):
+        raise ConfigError(
+            "evaluate.prompt_format differs from the corpus's (corpus.chat_template, chat_template_kwargs, "
+            "reasoning_parser): in a pipeline the evaluation renders prompts as the corpus did; set those"
+        )
+    return fmt
 
 
 class EvaluateStage(Stage):

@@ -16,7 +16,8 @@ from typing import Any
 from aerie.datasets import SourceSpec
 from aerie.errors import DataError, SchemaError
 from aerie.evaluate.config import EvaluateConfig, PromptSet
-from aerie.evaluate.prompts import prompt_set
+from aerie.evaluate.prompts import prompt_set, prompt_tokenizer
+from aerie.evaluate.reasoning_split import prompt_template
 from aerie.evaluate.report import acceptance_by_group, acceptance_table, proposer_label
 from aerie.evaluate.work import drafter_family, load_drafter_of, measure_setting
 from aerie.progress import ProgressFn, no_progress
@@ -80,7 +81,8 @@ def evaluate_drafter(
     sets = cfg.prompt_sets()
     if any(s.kind == "heldout" for s in sets):
         raise DataError("a held-out split belongs to a pipeline's corpus: name prompt files instead")
-    tokenizer = target.load_tokenizer()
+    fmt = cfg.prompt_format
+    tokenizer = prompt_tokenizer(target.load_tokenizer(), prompt_template(fmt), fmt.chat_template_kwargs)
     datasets = {s.name: prompt_set(tokenizer, s, cfg.max_prompt_tokens) for s in sets}
     loaded = _load(cfg, target, Path(drafter_dir))
     plan = [

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from aerie.errors import EvaluationError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.drafter_files import fetch_drafter
-from aerie.evaluate.prompts import ALL_ROWS, EvalPrompt, heldout_prompts, prompt_set
+from aerie.evaluate.prompts import ALL_ROWS, EvalPrompt, heldout_prompts, prompt_set, prompt_tokenizer
+from aerie.evaluate.reasoning_split import KINDS, SplitCounts, format_key, prompt_template, reader_for
 from aerie.evaluate.report import ACCEPTANCE_PNG, acceptance_by_group, evaluation_markdown, plot_acceptance
 from aerie.families import family, names
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
@@ -43,7 +44,7 @@ def key_of(cfg: EvaluateConfig, target: TargetInfo, drafter: StageResult, corpus
     # A subset of MT-Bench was its first questions before it was spread over the categories: a result
     # cached from then measured other prompts. All 80 are the same prompts either way (same key).
     spread = ["mtbench-spread-over-categories"] if cfg.mtbench_questions is not None else []
-    return stage_key(STAGE, cfg, upstream + spread)
+    return stage_key(STAGE, cfg, upstream + spread + format_key(cfg.prompt_format))
 
 
 def run(
@@ -128,7 +129,8 @@ def _datasets(
 ) -> tuple[dict[str, list[EvalPrompt]], dict[str, int]]:
     """The prompts by dataset (held-out only where the corpus has some), and the held-out samples
     skipped, by reason."""
-    tokenizer = target.load_tokenizer()
+    fmt = cfg.prompt_format
+    tokenizer = prompt_tokenizer(target.load_tokenizer(), prompt_template(fmt), fmt.chat_template_kwargs)
     datasets: dict[str, list[EvalPrompt]] = {}
     held_skipped: dict[str, int] = {}
     for spec in cfg.prompt_sets():
@@ -323,6 +325,11 @@ def measure_setting(
     drafting = family(proposer_name) if proposer_name in names() else None
     in_vocab = loaded["drafter"].t2d.cpu() if drafting and drafting.vocabulary == "draft" else None
     covered = 0
+    # A thinking target's rounds by kind (reasoning or answer): the reader is made once per loaded target.
+    if "reasoning_reader" not in loaded:
+        loaded["reasoning_reader"] = reader_for(cfg.prompt_format, target)
+    reader = loaded["reasoning_reader"]
+    split = SplitCounts()
     started = time.perf_counter()
     for start in range(0, len(prompts), cfg.batch_size):
         batch = prompts[start : start + cfg.batch_size]
@@ -339,6 +346,8 @@ def measure_setting(
         outputs = decoder.generate([p.input_ids for p in batch], cfg.max_new_tokens)
         for prompt, out in zip(batch, outputs, strict=True):
             stats.add(out)
+            if reader is not None:
+                split.add(reader.kinds(prompt.input_ids, out), out)
             answers[prompt.id] = out.output_ids
             if in_vocab is not None and out.output_ids:
                 covered += int(in_vocab[out.output_ids].sum())
@@ -366,6 +375,8 @@ def measure_setting(
         "temperature": temperature,
         **stats.to_dict(),
     }
+    if reader is not None:
+        result.update(split.to_dict())
     if in_vocab is not None:
         result["draft_vocab_coverage"] = round(covered / max(1, stats.completion_tokens), 4)
     part: dict[str, Any] = {"result": result, "per_prompt": rows}
@@ -434,6 +445,10 @@ def _figures(
     figures: dict[str, Any] = {f"prompts_{name}": len(p) for name, p in datasets.items()}
     for r in results:
         sampled = f"_t{r['temperature']:g}" if r.get("temperature") else ""
-        figures[f"accept_{r['dataset']}_{r['proposer']}_k{r['num_steps']}{sampled}"] = r["accept_length"]
+        name = f"accept_{r['dataset']}_{r['proposer']}_k{r['num_steps']}{sampled}"
+        figures[name] = r["accept_length"]
+        for kind in KINDS:  # a thinking target's: its reasoning and its answers apart
+            if kind in r:
+                figures[f"{name}_{kind}"] = r[kind]["accept_length"]
     figures["outputs_identical"] = f"{agreement['identical']}/{agreement['compared']}"
     return figures

@@ -7,7 +7,7 @@ into `reasoning_content` and `content` by the same rule the corpus uses for inli
 thinking model's reasoning reaches the corpus in its own field.
 
 A thinking model's tags may be special tokens (they are in some tokenizers), which a decode that skips
-special tokens would drop: the text to split keeps the parser's tags and skips the other special tokens.
+special tokens would drop: the text to split keeps the parser's tags (`TagKeepingDecoder`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aerie.engine.server.protocol import RequestError
-from aerie.reasoning import ReasoningParser, Split, parser_named
+from aerie.reasoning import ReasoningParser, Split, TagKeepingDecoder, parser_named
 
 
 @dataclass
@@ -27,16 +27,11 @@ class ChatFormat:
     tokenizer: Any
     parser: ReasoningParser | None = None
     template: str | None = None  # None: the tokenizer's own
-    _skipped: frozenset[int] = field(default_factory=frozenset, init=False)
+    _decode: TagKeepingDecoder | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        if self.parser is None:
-            return
-        tok = self.tokenizer
-        special = set(tok.all_special_ids) | {
-            int(i) for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special
-        }
-        self._skipped = frozenset(special - _tag_ids(tok, self.parser))
+        if self.parser is not None:
+            self._decode = TagKeepingDecoder(self.tokenizer, self.parser)
 
     @classmethod
     def from_args(cls, tokenizer: Any, parser: str | None, template_path: str | None) -> ChatFormat:
@@ -59,10 +54,9 @@ class ChatFormat:
 
     def decode(self, output_ids: list[int]) -> str:
         """The completion's text; with a parser, its tags kept even when they are special tokens."""
-        if self.parser is None:
+        if self._decode is None:
             return str(self.tokenizer.decode(output_ids, skip_special_tokens=True))
-        kept = [t for t in output_ids if t not in self._skipped]
-        return str(self.tokenizer.decode(kept, skip_special_tokens=False))
+        return self._decode(output_ids)
 
     def split(self, prompt: str, text: str) -> Split:
         """The completion as reasoning and answer (all answer without a parser). A generation prompt
@@ -70,12 +64,6 @@ class ChatFormat:
         if self.parser is None:
             return Split(reasoning=None, answer=text)
         return self.parser.split(text, opened=self.parser.opened_by(prompt))
-
-
-def _tag_ids(tokenizer: Any, parser: ReasoningParser) -> set[int]:
-    """The ids of the parser's tags where a tag is one token of the vocabulary."""
-    vocab = tokenizer.get_vocab()
-    return {int(vocab[tag]) for tag in (parser.start, parser.end) if tag in vocab}
 
 
 class StreamSplitter:

@@ -104,10 +104,18 @@ class SpecOutput:
     verify_ct: int  # target verify forwards this sequence took part in (SGLang's spec_verify_ct)
     reached: list[int]  # per draft position j: rounds whose draft j was verified with drafts < j accepted
     accepted: list[int]  # per draft position j: rounds whose draft j was accepted
+    # Per verify round, in order: (where in output_ids its first token went, drafts it accepted). A
+    # round emits the tokens from its start to the next round's (its accepted drafts and the bonus).
+    rounds: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def completion_tokens(self) -> int:
         return len(self.output_ids)
+
+    def round_tokens(self) -> list[int]:
+        """Tokens each verify round emitted (they sum to completion_tokens - 1: all but the prefill's)."""
+        starts = [start for start, _ in self.rounds]
+        return [end - start for start, end in zip(starts, [*starts[1:], len(self.output_ids)], strict=True)]
 
     @property
     def spec_accept_length(self) -> float:
@@ -408,6 +416,7 @@ class _Row:
     generated: list[int] = field(default_factory=list)
     verify_ct: int = 0
     finish_reason: str | None = None
+    rounds: list[tuple[int, int]] = field(default_factory=list)
 
     def output(self) -> SpecOutput:
         return SpecOutput(
@@ -416,6 +425,7 @@ class _Row:
             verify_ct=self.verify_ct,
             reached=self.reached,
             accepted=self.accepted,
+            rounds=self.rounds,
         )
 
 
@@ -584,6 +594,7 @@ class SpecDecoder:
             if follow is not None:
                 new.append(follow)
             r.verify_ct += 1
+            r.rounds.append((len(r.generated), a))
             kept[i, : a + 1] = True  # x_{L-1} and the accepted drafts are now in the cache for good
             new_tokens.append(new)
             self._emit(r, new)
