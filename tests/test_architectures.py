@@ -26,7 +26,7 @@ from aerie.errors import ConfigError
 from aerie.serving import ServerConfig
 from aerie.serving.spec import spec_for
 from aerie.sglang_plugin.compat import DEEPSEEK_V3_DEFAULTS, default_config_fields
-from tests.tiny_targets import ARCHITECTURES, MLA, tiny_config, tiny_model
+from tests.tiny_targets import ARCHITECTURES, tiny_config, tiny_model
 
 VOCAB = 512
 MAX_NEW = 120  # with 8 slots a round and ~2.75 accepted, holes dominate after ~45 rounds
@@ -169,21 +169,28 @@ def test_hidden_state_capture_matches_a_plain_forward(model):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_sglang_on_the_cpu_refuses_mla_targets_naming_its_limitation(arch: str, tmp_path) -> None:
-    """Before any launch: an MLA target (DeepSeek-V3, Kimi) is refused for SGLang on the CPU with the
-    ways that work; every other architecture gets its launch."""
+def test_sglang_on_the_cpu_refuses_what_it_cannot_run_naming_its_limitation(arch: str, tmp_path) -> None:
+    """Before any launch: an MLA target (DeepSeek-V3, Kimi) and GPT-OSS (attention sinks; SGLang's own
+    argument check refuses its CPU engine's attention backend for the class) are refused for SGLang on
+    the CPU with the ways that work; every other architecture gets its launch."""
     tiny_config(arch, VOCAB).save_pretrained(tmp_path)
     cfg = ServerConfig(backend="sglang", device="cpu", python=sys.executable)
-    if arch in MLA:
-        with pytest.raises(
-            ConfigError, match=r"MLA attention .* SGLang 0.5.23 does not support on the CPU"
-        ) as err:
+    limitation = {
+        "deepseek_v3": r"MLA attention .* SGLang 0.5.23 does not support on the CPU",
+        "kimi": r"MLA attention .* SGLang 0.5.23 does not support on the CPU",
+        "gpt_oss": r"has attention sinks, which SGLang 0.5.23 runs only with .* intel_amx",
+    }
+    if arch in limitation:
+        with pytest.raises(ConfigError, match=limitation[arch]) as err:
             spec_for(cfg, model_path=str(tmp_path), mode="extract")
         assert "server.backend=reference" in str(err.value)
     else:
         assert spec_for(cfg, model_path=str(tmp_path), mode="extract").model_path == str(tmp_path)
-    # On a GPU SGLang runs MLA: no refusal there.
+    # On a GPU SGLang runs them all: no refusal there.
     spec_for(cfg.model_copy(update={"device": "cuda"}), model_path=str(tmp_path), mode="extract")
+    if arch == "gpt_oss":  # a CPU with Intel AMX: the user names SGLang's CPU backend for sinks
+        amx = cfg.model_copy(update={"extra_args": ["--attention-backend", "intel_amx"]})
+        spec_for(amx, model_path=str(tmp_path), mode="extract")
 
 
 def test_sglang_gets_the_deepseek_config_fields_transformers_does_not_write(tmp_path) -> None:

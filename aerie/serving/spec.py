@@ -303,10 +303,17 @@ def _container_volumes(
     return volumes, read_only
 
 
-def refuse_mla_on_cpu(model_path: str) -> None:
-    """SGLang 0.5.23's CPU path has no MLA attention of its own: without Intel AMX and sgl_kernel a
-    DeepSeek-V3-style model (Kimi's backbone) takes another backend's handler; its hidden states did
-    not match a transformers forward. Refuse before a launch, naming the ways that work."""
+# The attention backends SGLang 0.5.23 accepts for GPT-OSS (its attention sinks), in its own check
+# (srt/arg_groups/model_hook.py); intel_amx is the one on a CPU and needs Intel AMX and sgl_kernel's
+# CPU build, so the CPU engine's torch_native is refused.
+SGLANG_GPT_OSS_BACKENDS = ("triton", "trtllm_mha", "fa3", "fa4", "ascend", "intel_amx", "intel_xpu", "aiter")
+
+
+def refuse_on_cpu(model_path: str, given: list[str] | None = None) -> None:
+    """Targets SGLang 0.5.23's CPU engine does not run, refused before a launch naming the ways that
+    work. MLA (DeepSeek-V3, Kimi's backbone): without Intel AMX and sgl_kernel its CPU path takes
+    another backend's handler, and its hidden states did not match a transformers forward. GPT-OSS:
+    SGLang refuses the CPU engine's attention backend for the class (unless `given` names intel_amx)."""
     config = Path(model_path).expanduser() / "config.json"
     if not config.is_file():
         return
@@ -315,14 +322,31 @@ def refuse_mla_on_cpu(model_path: str) -> None:
     except (OSError, ValueError):
         return  # the server names what is wrong with it
     text = raw.get("text_config") or raw
-    if text.get("kv_lora_rank") is None:
-        return
     arch = (raw.get("architectures") or [raw.get("model_type", "?")])[0]
-    raise ConfigError(
-        f"{model_path}: {arch} uses MLA attention (kv_lora_rank {text['kv_lora_rank']}), which SGLang "
-        "0.5.23 does not support on the CPU (its CPU MLA paths need Intel AMX and sgl_kernel). Use "
-        "server.backend=reference on the CPU, or SGLang on a GPU (server.device=cuda)"
-    )
+    ways = "Use server.backend=reference on the CPU, or SGLang on a GPU (server.device=cuda)"
+    if text.get("kv_lora_rank") is not None:
+        raise ConfigError(
+            f"{model_path}: {arch} uses MLA attention (kv_lora_rank {text['kv_lora_rank']}), which SGLang "
+            f"0.5.23 does not support on the CPU (its CPU MLA paths need Intel AMX and sgl_kernel). {ways}"
+        )
+    backend = _flag_value(given or [], "--attention-backend")
+    if text.get("model_type") == "gpt_oss" and backend != "intel_amx":
+        raise ConfigError(
+            f"{model_path}: {arch} has attention sinks, which SGLang 0.5.23 runs only with the attention "
+            f"backends {', '.join(SGLANG_GPT_OSS_BACKENDS)}; on the CPU that is intel_amx (Intel AMX and "
+            f"sgl_kernel's CPU build), and SGLang refuses its CPU engine's torch_native for this model. {ways}"
+        )
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value of the last `flag` in `args` (`--flag value` or `--flag=value`), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def spec_for(
@@ -390,7 +414,7 @@ def spec_for(
         server_module = module or REFERENCE_MODULE
     else:
         if cfg.device == "cpu":
-            refuse_mla_on_cpu(model_path)
+            refuse_on_cpu(model_path, given)
         server_module = module or (
             cfg.sglang_extract_module if mode == "extract" else cfg.sglang_serve_module
         )
