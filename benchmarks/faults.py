@@ -186,6 +186,7 @@ def extraction_case(work: Path, backend: str) -> Case:
     for name in ("unfaulted", "killed"):
         port = free_port()
         kill = KillServer(port, 0.0) if name == "killed" else None
+        progress = kill if kill is not None else (lambda fraction, message: None)
         result = extract(
             config(name),
             store=store,
@@ -193,7 +194,7 @@ def extraction_case(work: Path, backend: str) -> Case:
             target=target,
             corpus=corpus,
             server=server(port),
-            progress=kill,
+            progress=progress,
         )
         if kill is not None:
             killed, restarts = kill.killed, int(result.figures.get("server_restarts", 0))
@@ -495,7 +496,10 @@ class Pipeline:
         return snap
 
     def left_in_tmp(self) -> list[str]:
-        return sorted(p.name for p in self.tmp.iterdir())
+        """A stage's temporary work folders left in $TMPDIR (server logs and torch's compile cache are
+        kept there by design)."""
+        kept = ("aerie-servers", "torchinductor_")
+        return sorted(p.name for p in self.tmp.iterdir() if not p.name.startswith(kept))
 
 
 def drop_port(value: Any, port: int) -> None:
