@@ -296,7 +296,11 @@ class DelayProxy:
                 client, _ = self.sock.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:  # the server is down: so is the proxy's connection, at once
+                client.close()
+                continue
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -338,20 +342,25 @@ def case_s3_killed_mid_multipart(work: Path) -> Case:
     want.add("objects", "run/extract/shard-00000.safetensors", src.read_bytes())
     port = free_port()
     with moto(port) as (proc, cfg):
-        store = open_store(cfg)
-        killed: list[float] = []
+        # Through a proxy holding each 64 KiB chunk 10 ms: the upload lasts seconds, so the kill lands
+        # inside it (unthrottled, it may end before its first progress report).
+        proxy = DelayProxy(port, 0.01)
+        store = open_store(cfg.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{proxy.port}"}))
+        killed: list[tuple[float, float]] = []
 
         def kill_once(fraction: float, message: str) -> None:
-            if fraction > 0.2 and not killed:
+            if 0.2 < fraction < 1.0 and not killed:
                 os.killpg(proc.pid, signal.SIGKILL)
-                killed.append(time.monotonic())
+                killed.append((time.monotonic(), fraction))
 
         detect, message = None, "the upload did not fail"
         try:
             store.put_file("run/extract/shard-00000.safetensors", src, progress=kill_once)
         except StoreError as exc:
-            detect, message = time.monotonic() - killed[0], first_line(exc)
+            detect, message = time.monotonic() - killed[0][0] if killed else None, first_line(exc)
         proc.wait()
+        proxy.close()
+    at = f" at {killed[0][1]:.0%}" if killed else " (never: the upload ended before a progress report)"
     with moto(port) as (_, cfg):  # the server back (moto keeps no state: an empty bucket again)
         store = open_store(cfg)
         info = store.put_file("run/extract/shard-00000.safetensors", src)
@@ -361,7 +370,7 @@ def case_s3_killed_mid_multipart(work: Path) -> Case:
     verdict = compare(want, got)
     handled = detect is not None and src.exists() and info.sha256 == want.items["objects"][0][1]
     return Case.of(
-        bool(killed), "S3 server SIGKILLed at 20% of a multipart upload", detect, verdict, message, handled
+        bool(killed), f"S3 server SIGKILLed{at} of a multipart upload", detect, verdict, message, handled
     )
 
 
