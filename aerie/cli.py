@@ -84,6 +84,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from aerie.evaluate.drafter_files import family_of
+    from aerie.evaluate.stage import corpus_format
     from aerie.evaluate.standalone import evaluate_drafter, prompt_set_for_file, summary_lines
     from aerie.families import DEFAULT
     from aerie.progress import terminal_progress
@@ -98,7 +99,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     name = family_of(Path(args.drafter))
     proposers = [name if p == DEFAULT else p for p in cfg.evaluate.proposers]
     evaluate_cfg = type(cfg.evaluate).model_validate(
-        {**cfg.evaluate.model_dump(), "proposers": proposers, "datasets": [s.model_dump() for s in sets]}
+        {
+            **cfg.evaluate.model_dump(),
+            "proposers": proposers,
+            "datasets": [s.model_dump() for s in sets],
+            "prompt_format": corpus_format(cfg).model_dump(),  # prompts rendered as the corpus renders
+        }
     )
     report = evaluate_drafter(
         evaluate_cfg, resolve_target(cfg.target), args.drafter, terminal_progress("evaluate")
