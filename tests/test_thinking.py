@@ -360,3 +360,39 @@ def test_a_chat_template_override_reaches_the_generation_server(tmp_path, smollm
     docker = cfg.model_copy(update={"server": cfg.server.model_copy(update={"launcher": "docker"})})
     with pytest.raises(ConfigError, match="cannot read the file"):
         reasoning_args(docker, smollm2)
+
+
+# -- the reference server's chat format (the server process itself: tests/test_thinking_server.py) ----
+
+
+def _streamed(chat, prompt: str, text: str) -> tuple[str, str]:
+    """`text` streamed a character at a time, then whole: the reasoning and content deltas joined."""
+    from aerie.engine.server.chat import StreamSplitter
+
+    splitter = StreamSplitter(chat, prompt, hold=0)
+    sent = {"reasoning_content": "", "content": ""}
+    for i in range(len(text) + 1):
+        for key, delta in splitter.deltas(text[:i], final=i == len(text)).items():
+            sent[key] += delta
+    return sent["reasoning_content"], sent["content"]
+
+
+def test_the_servers_chat_format_keeps_special_tags_and_streams_by_the_same_rule(qwen3):
+    from aerie.engine.server.chat import ChatFormat
+
+    chat = ChatFormat(qwen3, QWEN)  # this tokenizer makes the tags special tokens
+    ids = qwen3("<think>R1 R2</think>A1<|im_end|>", add_special_tokens=False).input_ids
+    text = chat.decode(ids)
+    assert text == "<think>R1 R2</think>A1"  # the tags kept, the end of turn skipped
+    assert ChatFormat(qwen3).decode(ids) == "R1 R2A1"  # what a decode skipping special tokens leaves
+    prompt = chat.render([{"role": "user", "content": "Q"}], None)
+    split = chat.split(prompt, text)
+    assert (split.reasoning, split.answer) == ("R1 R2", "A1")
+    assert _streamed(chat, prompt, text) == ("R1 R2", "A1")
+    assert _streamed(chat, prompt, "<think>R1 cut") == ("R1 cut", "")
+    assert _streamed(chat, prompt, "plain answer") == ("", "plain answer")
+    no_think = chat.render([{"role": "user", "content": "Q"}], {"enable_thinking": False})
+    assert no_think.endswith("<think>\n\n</think>\n\n")
+    # A template that opens the block in the generation prompt: the text starts inside it.
+    opened = ChatFormat(qwen3, PARSERS["qwen3-thinking"])
+    assert _streamed(opened, prompt + "<think>\n", "R1</think>A1") == ("R1", "A1")

@@ -9,8 +9,9 @@ successor is its predecessor's embedding, so greedy decoding walks the chain:
     after the generation prompt "<|im_start|>assistant\\n":   <think>Let me think</think>Hi<|im_end|>
     after "...<think>\\n\\n</think>\\n\\n" (enable_thinking=false):   Hi<|im_end|>
 
-The tokenizer is the embedded SmolLM2's with `<think>` and `</think>` added as special tokens, as a
-thinking model's has them, and the target's own chat template is SmolLM2's (no think block):
+The tokenizer is the embedded SmolLM2's with `<think>` and `</think>` added as tokens that are not
+special, as Qwen3's tokenizer has them (a decode that skips special tokens keeps them, as SGLang's
+reasoning parser needs), and the target's own chat template is SmolLM2's (no think block):
 the Qwen3 template is given as `corpus.chat_template`, the way a user supplies a corrected one.
 """
 
@@ -61,7 +62,7 @@ def build_thinking_target(out: Path, smollm2: Any) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = smollm2.load_tokenizer()
-    tokenizer.add_tokens(THINK_TAGS, special_tokens=True)
+    tokenizer.add_tokens(THINK_TAGS)
     tokenizer.save_pretrained(out)
     shutil.copy(Path(smollm2.path) / "chat_template.jinja", out / "chat_template.jinja")
     paths = chains(tokenizer, QWEN3_TEMPLATE.read_text())

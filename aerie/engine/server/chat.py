@@ -101,4 +101,4 @@ class StreamSplitter:
 
 
 def _cut(text: str, hold: int) -> str:
-    return text[: len(text) - hold] if hold else text
+    return text[: max(len(text) - hold, 0)]
