@@ -22,4 +22,4 @@ COPY aerie ./aerie
 COPY flows ./flows
 COPY deployments ./deployments
 RUN pip install -q --no-cache-dir --no-index --no-deps --no-build-isolation -e . \
- && python -c "import aerie, aerie.engine, flows.pipeline, prefect_docker, torch"
+ && python -c "import aerie, aerie.engine, aerie.flows.pipeline, prefect_docker, torch"

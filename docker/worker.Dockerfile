@@ -19,4 +19,4 @@ COPY aerie ./aerie
 COPY flows ./flows
 COPY deployments ./deployments
 COPY prefect.yaml ./
-RUN pip install --no-deps -e . && python -c "import aerie, flows.pipeline"
+RUN pip install --no-deps -e . && python -c "import aerie, aerie.flows.pipeline"
