@@ -68,10 +68,14 @@ def extract_config(tmp: Path, storage: str = "bf16", **kw: Any) -> ExtractConfig
     )  # type: ignore[arg-type]
 
 
-def server_config(**kw: Any) -> ServerConfig:
+def server_config(port: int | None = None, **kw: Any) -> ServerConfig:
     """The reference server on the CPU; the tiny target has no tokenizer (ids only)."""
     return ServerConfig(
-        backend="reference", device="cpu", port=free_port(), extra_args=["--skip-tokenizer-init"], **kw
+        backend="reference",
+        device="cpu",
+        port=port or free_port(),
+        extra_args=["--skip-tokenizer-init"],
+        **kw,
     )
 
 
@@ -82,6 +86,11 @@ def train_config(tmp: Path, **kw: Any) -> TrainConfig:
         "heldout_samples": 4, "cache_dir": str(tmp / "train-cache"),
     }  # fmt: skip
     return TrainConfig(**(base | kw))
+
+
+def resume_train_config(tmp: Path) -> TrainConfig:
+    """A checkpoint every step, so a kill at any step leaves the step before it to resume from."""
+    return train_config(tmp, checkpoint_every=1, eval_every=4, keep_checkpoints=1)
 
 
 def offline(
@@ -104,12 +113,13 @@ def online(
     ex: ExtractConfig,
     server: ServerConfig | None = None,
     progress: Any = None,
+    run_name: str = RUN,
 ) -> StageResult:
     kw = {"progress": progress} if progress is not None else {}
     return work.run(
         cfg.model_copy(update={"source": "online"}),
         store=store,
-        run_name=RUN,
+        run_name=run_name,
         target=target,
         shards=None,
         corpus=corpus,
