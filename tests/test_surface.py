@@ -10,6 +10,8 @@ from pathlib import Path
 
 import tomllib
 
+import pytest
+
 import aerie
 from flows.policy import default_policy
 from flows.stage import POLICIES, policy_of
@@ -29,6 +31,7 @@ def test_aerie_exports_exactly_the_curated_names() -> None:
         assert getattr(aerie, name) is not None, name
 
 
+@pytest.mark.integration  # a fresh interpreter: the import is measured in a child process
 def test_import_aerie_stays_light() -> None:
     code = "import sys, aerie; print(sorted(m for m in ('pydantic', 'torch', 'aerie.config') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
