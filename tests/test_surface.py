@@ -8,9 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import tomllib
-
 import pytest
+import tomllib
 
 import aerie
 from flows.policy import default_policy
