@@ -2,8 +2,11 @@
 as a user runs it (`aerie run smollm2-local target.name=DIR --no-prefect`): generate with the target
 itself, merge with its own tokenizer and chat template, extract its hidden states, train a drafter,
 evaluate it with speculative decoding (several prompts a batch, the default) and the deployment
-benchmark. No setting is changed for an architecture except trusting the Kimi-shaped target's own
-tokenizer code."""
+benchmark. No setting is changed for an architecture but the Kimi-shaped target's: its own tokenizer code
+is trusted, and it generates in instant mode (`thinking: false`, the template's closed `<think></think>`).
+In thinking mode random weights never close the `<think>` block within 16 tokens, so every answer is
+reasoning only and refused as empty, as it should be (docs/thinking.md; tests/test_thinking_*.py cover
+the thinking path)."""
 
 from __future__ import annotations
 
@@ -33,7 +36,10 @@ def test_every_stage_runs_on_the_reference_server(arch: str, smollm2, tmp_path: 
         f"target.name={target}",
     ]
     if arch == "kimi":
-        overrides.append("target.trust_remote_code=true")
+        overrides += [
+            "target.trust_remote_code=true",
+            "generate.datasets.0.sampling.extra_body={chat_template_kwargs: {thinking: false}}",
+        ]
     report = run_pipeline(
         apply_overrides(get_preset("smollm2-local"), overrides),
         until="deploy",

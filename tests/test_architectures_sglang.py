@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from aerie.deploy.stage import server_specs
+from aerie.deploy.work import server_specs
 from aerie.draft.dflash_export import WEIGHTS as DFLASH_WEIGHTS
 from aerie.engine.speculative.dflash import hidden_state_indices
 from aerie.presets import load_config

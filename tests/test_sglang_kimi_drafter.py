@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from aerie.deploy.stage import server_specs
+from aerie.deploy.work import server_specs
 from aerie.draft.export import EXPORT_KEYS, draft_config_for, hf_config
 from aerie.presets import load_config
 from aerie.serving.spec import SGLANG_CPU_ENV, sglang_cpu_args
