@@ -7,7 +7,7 @@ the acceptance of a drafter trained for seconds on a random-weight target says n
 
     python benchmarks/targets_gpu.py --out DIR [--smollm2 DIR_WITH_TOKENIZER] [--arch deepseek_v3 kimi]
 
-writes DIR/targets-<card>.json (date, machine, command, per target: each stage's status, seconds, figures,
+writes DIR/targets_gpu-<card>.json (date, machine, command, per target: each stage's status, seconds, figures,
 or the error that stopped it)."""
 
 from __future__ import annotations
@@ -73,16 +73,26 @@ def config(arch: str, target: Path, data: Path, store: Path):  # noqa: ANN201
         "deploy.max_new_tokens=16",
     ]
     if arch == "kimi":
-        overrides.append("target.trust_remote_code=true")
+        # Instant mode: random weights never close the <think> the template opens, so thinking-mode
+        # answers would all be reasoning only and refused as empty.
+        overrides += [
+            "target.trust_remote_code=true",
+            "generate.datasets.0.sampling.extra_body={chat_template_kwargs: {thinking: false}}",
+        ]
     cfg = apply_overrides(get_preset("smollm2-local"), overrides)
     cfg.evaluate.datasets = [PromptSet(name="heldout", kind="heldout", limit=4)]
     return cfg
 
 
-def run_target(arch: str, smollm2: Path, work: Path) -> dict:
+def run_target(arch: str, smollm2: Path, work: Path, save) -> dict:  # noqa: ANN001
+    """Each stage in turn; `save(entry)` after each, so a run stopped by a time limit keeps its record."""
     target = build_target(arch, work / arch, smollm2)
     cfg = config(arch, target, prompts(work / f"{arch}.jsonl", 24), work / "store")
     stages: dict[str, dict] = {}
+    entry = {
+        "architecture": json.loads((target / "config.json").read_text())["architectures"],
+        "stages": stages,
+    }
     for stage in STAGES:
         until = "generate" if stage == "generate" else stage
         started = time.monotonic()
@@ -98,10 +108,8 @@ def run_target(arch: str, smollm2: Path, work: Path) -> dict:
             break
         result = report.results[-1]
         stages[stage] = {"status": "ok", "seconds": round(result.seconds, 1), "figures": result.figures}
-    return {
-        "architecture": json.loads((target / "config.json").read_text())["architectures"],
-        "stages": stages,
-    }
+        save(entry)
+    return entry
 
 
 def main() -> None:
@@ -127,9 +135,14 @@ def main() -> None:
         "note": "random-weight tiny targets: the figures show each stage ran, not a drafter's quality",
         "targets": {},
     }
+    path = args.out / f"targets_gpu-{card}.json"
     for arch in args.arch:
-        record["targets"][arch] = run_target(arch, args.smollm2, args.out / "work")
-        (args.out / f"targets-{card}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+
+        def save(entry: dict, arch: str = arch) -> None:
+            record["targets"][arch] = entry
+            path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+
+        save(run_target(arch, args.smollm2, args.out / "work", save))
         print(arch, {s: v["status"] for s, v in record["targets"][arch]["stages"].items()}, flush=True)
 
 

@@ -211,3 +211,30 @@ def test_sglang_gets_the_deepseek_config_fields_transformers_does_not_write(tmp_
     }
     (tmp_path / "config.json").write_text(json.dumps({**written, "moe_layer_freq": 2}))
     assert AutoConfig.from_pretrained(tmp_path).moe_layer_freq == 2
+
+
+def test_every_sglang_launch_of_a_transformers_deepseek_config_names_the_missing_fields(tmp_path) -> None:
+    """Generation and serving launch SGLang without the extraction plugin, so the fields SGLang 0.5.23's
+    DeepSeek class reads and transformers does not write go on the command line
+    (`--json-model-override-args`), for a top-level config or a wrapper's `text_config`; a config that
+    has them, or a launch with its own overrides, is left alone."""
+    cfg = ServerConfig(backend="sglang", device="cuda", python=sys.executable)
+
+    def overrides(mode: str, extra: Sequence[str] = ()) -> dict | None:
+        argv = spec_for(cfg, model_path=str(tmp_path), mode=mode, extra_args=list(extra)).command
+        flags = [i for i, a in enumerate(argv) if a == "--json-model-override-args"]
+        assert len(flags) <= 1
+        return json.loads(argv[flags[0] + 1]) if flags else None
+
+    tiny_config("deepseek_v3", VOCAB).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    for mode in ("serve", "extract"):
+        assert overrides(mode) == DEEPSEEK_V3_DEFAULTS
+    assert overrides("serve", ["--json-model-override-args", "{}"]) == {}  # the user's own, once
+    wrapper = {"model_type": "kimi_k25", "text_config": written}
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    assert overrides("serve") == {"text_config": DEEPSEEK_V3_DEFAULTS}
+    (tmp_path / "config.json").write_text(json.dumps({**written, **DEEPSEEK_V3_DEFAULTS}))
+    assert overrides("serve") is None
+    tiny_config("llama3", VOCAB).save_pretrained(tmp_path)
+    assert overrides("serve") is None

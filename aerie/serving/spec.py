@@ -20,7 +20,7 @@ from typing import Literal
 import aerie
 from aerie.errors import ConfigError
 from aerie.serving.config import WORKER_IMAGE, ServerConfig, is_sglang_image
-from aerie.sglang_plugin.compat import ALLOW_UNTESTED_ENV, SUPPORTED_SGLANG
+from aerie.sglang_plugin.compat import ALLOW_UNTESTED_ENV, DEEPSEEK_V3_DEFAULTS, SUPPORTED_SGLANG
 
 REFERENCE_MODULE = "aerie.engine"
 CONTAINER_HF_CACHE = "/root/.cache/huggingface"
@@ -280,6 +280,31 @@ def _sglang_command(
     return cmd
 
 
+def sglang_config_overrides(model_path: str, given: list[str]) -> list[str]:
+    """`--json-model-override-args` with the DeepSeek-V3 fields SGLang 0.5.23's DeepSeek class reads and
+    a config.json written by transformers lacks (`DEEPSEEK_V3_DEFAULTS`), for the top-level config or a
+    wrapper's `text_config`. Every launch needs them, generation and serving included: the extraction
+    plugin's own fix lives only in extraction servers. Nothing when the config has the fields, is not
+    on this disk (a hub name), or the launch passes its own overrides."""
+    if "--json-model-override-args" in {a.split("=", 1)[0] for a in given}:
+        return []
+    try:
+        config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+
+    def missing(cfg: dict) -> dict:
+        if cfg.get("model_type") != "deepseek_v3":
+            return {}
+        return {k: v for k, v in DEEPSEEK_V3_DEFAULTS.items() if k not in cfg}
+
+    text = config.get("text_config")
+    overrides = missing(config) or (
+        {"text_config": m} if isinstance(text, dict) and (m := missing(text)) else {}
+    )
+    return ["--json-model-override-args", json.dumps(overrides)] if overrides else []
+
+
 def _container_volumes(
     cfg: ServerConfig, model_path: str, dump: Path | None, speculative: SpeculativeArgs | None
 ) -> tuple[dict[str, str], set[str]]:
@@ -421,6 +446,7 @@ def spec_for(
         # In a container the server must listen on every interface for the published port to reach it.
         host = "0.0.0.0" if docker else cfg.host
         command = _sglang_command(cfg, python, server_module, model_path, weight_version, mode, host, given)
+        command += sglang_config_overrides(model_path, given)
         if speculative is not None:
             command += speculative.to_args()
         # SGLang's warmup request goes to its own URL; a proxy in the environment breaks it (§6 #4).
