@@ -49,6 +49,14 @@ _MLA: dict[str, Any] = {
     "first_k_dense_replace": 1,
     "norm_topk_prob": True,
 }
+# DeepSeek-V3's own MLA head widths (latent 512, rope key 64, nope and value 128) on the same toy model:
+# SGLang's GPU MLA kernels take these and refuse the toy widths above (benchmarks/targets_gpu.py).
+DEEPSEEK_MLA_WIDTHS: dict[str, int] = {
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+}
 
 # Kimi's special tokens, by their offset from the base vocabulary (Kimi-K2's tokenizer_config.json:
 # 163584 + offset): <think> is 163606 there.
@@ -89,8 +97,8 @@ _BPE_TEXT = (
 _MERGES = 400
 
 
-def tiny_config(arch: str, vocab_size: int) -> Any:
-    """The transformers config of the tiny `arch` target."""
+def tiny_config(arch: str, vocab_size: int, mla: dict[str, int] | None = None) -> Any:
+    """The transformers config of the tiny `arch` target; `mla` replaces MLA head widths."""
     import transformers
 
     common = dict(_COMMON, vocab_size=vocab_size, max_position_embeddings=4096)
@@ -129,7 +137,12 @@ def tiny_config(arch: str, vocab_size: int) -> Any:
         }
         common["max_position_embeddings"] = 163840
         return transformers.DeepseekV3Config(
-            **common, **_MLA, n_group=2, topk_group=1, routed_scaling_factor=2.5, rope_parameters=rope
+            **common,
+            **{**_MLA, **(mla or {})},
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            rope_parameters=rope,
         )
     if arch == "kimi":
         # Kimi-K2.5's text backbone: one expert group, YaRN x64 on theta 50000 from 4096 positions.
@@ -145,7 +158,12 @@ def tiny_config(arch: str, vocab_size: int) -> Any:
         }
         common["max_position_embeddings"] = 262144
         return transformers.DeepseekV3Config(
-            **common, **_MLA, n_group=1, topk_group=1, routed_scaling_factor=2.827, rope_parameters=rope
+            **common,
+            **{**_MLA, **(mla or {})},
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.827,
+            rope_parameters=rope,
         )
     if arch == "gpt_oss":
         return transformers.GptOssConfig(
@@ -160,13 +178,13 @@ def tiny_config(arch: str, vocab_size: int) -> Any:
     raise ValueError(f"unknown tiny architecture {arch!r}; one of {ARCHITECTURES}")
 
 
-def tiny_model(arch: str, vocab_size: int = 512, seed: int = SEED) -> Any:
+def tiny_model(arch: str, vocab_size: int = 512, seed: int = SEED, mla: dict[str, int] | None = None) -> Any:
     """The tiny `arch` model, seeded random weights, float32, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size, mla), dtype=torch.float32)
     _spread_router_bias(model)
     return model.eval()
 
@@ -181,8 +199,9 @@ def _spread_router_bias(model: Any) -> None:
                 buf.copy_(torch.rand_like(buf) * 0.1)
 
 
-def build_target(arch: str, out: Path, smollm2_dir: str | Path) -> Path:
-    """Save the tiny `arch` target with its tokenizer and chat template under `out`; returns `out`."""
+def build_target(arch: str, out: Path, smollm2_dir: str | Path, mla: dict[str, int] | None = None) -> Path:
+    """Save the tiny `arch` target with its tokenizer and chat template under `out`; returns `out`.
+    `mla` replaces an MLA target's head widths (`DEEPSEEK_MLA_WIDTHS`)."""
     out.mkdir(parents=True, exist_ok=True)
     if arch == "kimi":
         vocab_size, eos = write_kimi_tokenizer(out)
@@ -195,7 +214,7 @@ def build_target(arch: str, out: Path, smollm2_dir: str | Path) -> Path:
         generation = {
             k: v for k, v in json.loads((src / "generation_config.json").read_text()).items() if "token" in k
         }
-    model = tiny_model(arch, vocab_size)
+    model = tiny_model(arch, vocab_size, mla=mla)
     for key, value in generation.items():
         setattr(model.config, key, value)
         setattr(model.generation_config, key, value)
