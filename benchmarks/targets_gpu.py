@@ -85,8 +85,12 @@ def config(arch: str, target: Path, data: Path, store: Path):  # noqa: ANN201
     return cfg
 
 
-def run_target(arch: str, smollm2: Path, work: Path, save, mla: dict | None) -> dict:  # noqa: ANN001
-    """Each stage in turn; `save(entry)` after each, so a run stopped by a time limit keeps its record."""
+def run_target(arch: str, smollm2: Path, work: Path, save, mla: dict | None, earlier: dict) -> dict:  # noqa: ANN001
+    """Each stage in turn; `save(entry)` after each, so a run stopped by a time limit keeps its record.
+
+    A stage an earlier call of this script finished (`earlier`, its entry in the record in --out) keeps
+    that call's entry and is not timed again: the pipeline resumes it from the store, so timing it here
+    would count only the resumption."""
     target = build_target(arch, work / arch, smollm2, mla=mla)
     cfg = config(arch, target, prompts(work / f"{arch}.jsonl", 24), work / "store")
     stages: dict[str, dict] = {}
@@ -95,6 +99,9 @@ def run_target(arch: str, smollm2: Path, work: Path, save, mla: dict | None) -> 
         "stages": stages,
     }
     for stage in STAGES:
+        if earlier.get("stages", {}).get(stage, {}).get("status") == "ok":
+            stages[stage] = earlier["stages"][stage]
+            continue
         until = "generate" if stage == "generate" else stage
         started = time.monotonic()
         try:
@@ -139,6 +146,8 @@ def main() -> None:
         "targets": {},
     }
     path = args.out / f"targets_gpu-{card}.json"
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    record["calls"] = [*earlier.get("calls", []), record["command"] + " @ " + time.strftime("%H:%M:%S")]
     for arch in args.arch:
 
         def save(entry: dict, arch: str = arch) -> None:
@@ -146,7 +155,8 @@ def main() -> None:
             path.write_text(json.dumps(record, indent=1, default=str) + "\n")
 
         mla = None if args.toy_widths else DEEPSEEK_MLA_WIDTHS
-        save(run_target(arch, args.smollm2, args.out / "work", save, mla))
+        prior = earlier.get("targets", {}).get(arch, {})
+        save(run_target(arch, args.smollm2, args.out / "work", save, mla, prior))
         print(arch, {s: v["status"] for s, v in record["targets"][arch]["stages"].items()}, flush=True)
 
 
