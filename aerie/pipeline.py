@@ -33,7 +33,7 @@ from aerie.progress import ProgressFactory, terminal_progress
 from aerie.reasoning import reasoning_line
 from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import ArtifactStore, open_store
-from aerie.targets import resolve_target
+from aerie.targets import TargetInfo, resolve_target
 from aerie.train.stage import TRAIN
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,16 @@ def choose_source(cfg: PipelineConfig, plan: Plan | None) -> PipelineConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"source": source})})
 
 
+def resolve(cfg: PipelineConfig, target: TargetInfo, plan: Plan | None) -> PipelineConfig:
+    """The run's config with every cross-section setting derived, once, before any stage runs:
+    `train.source: auto` decided by the plan, then each stage's own section completed
+    (`Stage.resolve`). Every stage of the run reads this config, and only its own section of it."""
+    cfg = choose_source(cfg, plan)
+    for stage in STAGES:
+        cfg = stage.resolve(cfg, target)
+    return cfg
+
+
 def compose(
     cfg: PipelineConfig,
     ctx: StageContext,
@@ -180,8 +190,7 @@ def run_pipeline(
     store = store or open_store(cfg.store)
     check_secrets(cfg, store)
     ctx = StageContext(store=store, run=cfg.run, target=resolve_target(cfg.target), progress=progress)
-    plan = track.plan_for(cfg)
-    cfg = choose_source(cfg, plan)
+    cfg = resolve(cfg, ctx.target, plan := track.plan_for(cfg))
     results = compose(
         cfg, ctx, lambda stage, ctx, upstream: stage.run(cfg, ctx, upstream), until=until, plan=plan
     )
@@ -230,7 +239,8 @@ def _host_of(url: str) -> str:
 
 
 def check_secrets(cfg: PipelineConfig, store: ArtifactStore) -> None:
-    """Refuse to start a run that would fail later for want of a secret (before any stage starts)."""
+    """Refuse to start a run that would fail later for want of a secret (before any stage starts, and
+    before the target is resolved: a missing key must not wait for a download)."""
     if missing := missing_secrets(cfg, store):
         head = (
             "a secret this run needs is missing"

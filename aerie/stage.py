@@ -4,11 +4,16 @@ A stage is one object (each stage package exports one: `aerie.generate.stage.GEN
 `name` and three methods over the whole `PipelineConfig`, a `StageContext` (where and for what it runs)
 and its `Upstream` (the results of the stages before it in this run):
 
+    resolve(cfg, target) -> PipelineConfig            its own section with what it derives from others
     key(cfg, ctx, upstream) -> str                    what decides its output: `<run>/<name>/<key>/`
     needs(cfg, ctx, upstream) -> bool                 whether it has work to do (else `run` is a cache hit)
     run(cfg, ctx, upstream) -> list[StageResult]      do it, or return what an earlier run made
 
-`run` returns a list because generation makes one result per dataset; every other stage makes one.
+`resolve` runs once per run, before any stage (`aerie.pipeline.resolve`): a setting one section
+derives from another (the layers extraction captures from the drafter family, the evaluation's prompt
+format from the corpus) is filled into the stage's own section there, so `key` and `run` read only
+their own section of the resolved config. `run` returns a list because generation makes one result
+per dataset; every other stage makes one.
 The composers call nothing else of a stage: `aerie.pipeline.compose` (the only ordered list of stages)
 runs them in this process or, through `flows.pipeline`, as Prefect subflows.
 """
@@ -126,6 +131,11 @@ class Stage(ABC):
     def enabled(self, cfg: PipelineConfig) -> bool:
         """False leaves the stage out of the run (no result at all)."""
         return True
+
+    def resolve(self, cfg: PipelineConfig, target: TargetInfo) -> PipelineConfig:
+        """`cfg` with this stage's section completed from the other sections (idempotent); as it is by
+        default."""
+        return cfg
 
     def stage_dir(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> StageDir:
         """Where the output lives in the store."""

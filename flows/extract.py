@@ -30,7 +30,7 @@ from aerie.errors import ConfigError, ExtractionError, PreflightError
 from aerie.extract import slices
 from aerie.extract.config import ExtractConfig
 from aerie.extract.preflight import human_bytes
-from aerie.extract.stage import EXTRACT, extract_config
+from aerie.extract.stage import EXTRACT
 from aerie.manifest import StageDir, StageResult
 from aerie.serving.config import ServerConfig
 from aerie.stage import StageContext, Upstream
@@ -158,7 +158,7 @@ def extract_flow(
     `rebuild_missing`, the slices that lost shards count as unfinished (`slices.forget_missing`)."""
     store = open_store(cfg.store)
     stage = EXTRACT.stage_dir(cfg, StageContext(store=store, run=cfg.run, target=target), upstream)
-    extract = extract_config(cfg, target)
+    extract = cfg.extract
     n = extract.num_slices
     if rebuild_missing and (missing := slices.forget_missing(stage, n)):
         get_run_logger().warning("extraction: %d shards are gone; their slices run again", len(missing))

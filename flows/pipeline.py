@@ -21,9 +21,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from aerie.config import PipelineConfig, apply_overrides
 from aerie.extract.stage import EXTRACT
-from aerie.generate.stage import GENERATE, generate_config, generation_endpoint
+from aerie.generate.stage import GENERATE, generation_endpoint
 from aerie.manifest import StageResult
-from aerie.pipeline import PipelineReport, check_secrets, choose_source, compose, figure_text
+from aerie.pipeline import PipelineReport, check_secrets, compose, figure_text, resolve
 from aerie.plan import track
 from aerie.plan.render import table
 from aerie.presets import get_preset
@@ -68,7 +68,7 @@ def eagle3_pipeline(
     check_secrets(cfg, store)
     ctx = StageContext(store=store, run=cfg.run, target=resolve_target_task(cfg.target))
     plan = track.plan_for(cfg)
-    cfg = choose_source(cfg, plan)
+    cfg = resolve(cfg, ctx.target, plan)
     if plan is not None:
         create_markdown_artifact(
             f"```\n{table(plan)}\n```", key=artifact_key(cfg.run, "plan"), description="plan"
@@ -90,7 +90,7 @@ def _generate(cfg: PipelineConfig, ctx: StageContext) -> list[StageResult]:
     # The embedded default generates with the target itself: launch it only when a dataset needs it.
     launch = cfg.generate.endpoint.base_url is None and GENERATE.needs(cfg, ctx, Upstream())
     with generation_endpoint(cfg, ctx.target) if launch else contextlib.nullcontext(None) as base_url:
-        return generate_all(generate_config(cfg), cfg.store, cfg.run, base_url)
+        return generate_all(cfg.generate, cfg.store, cfg.run, base_url)
 
 
 def _summarize(cfg: PipelineConfig, results: list[StageResult], gpu_seconds: float | None) -> None:

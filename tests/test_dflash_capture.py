@@ -130,3 +130,25 @@ def test_the_planner_counts_a_dflash_drafter_s_parameters(smollm2) -> None:
     drafter = DFlashObjective(cfg.train).drafter(smollm2, smollm2.vocab_size)
     matrices = sum(p.numel() for p in drafter.parameters() if p.dim() == 2)
     assert drafter_params(cfg, target_facts(cfg.target)) == matrices
+
+
+def test_the_run_config_is_resolved_once_and_each_stage_reads_its_own_section(smollm2) -> None:
+    from aerie.evaluate.stage import evaluate_config
+    from aerie.generate.stage import generate_config
+    from aerie.pipeline import resolve
+
+    cfg = load_config("smollm2-local", DFLASH)
+    resolved = resolve(cfg, smollm2, None)
+    assert resolved.extract == extract_config(cfg, smollm2)
+    assert resolved.extract.capture_layers == [
+        1,
+        8,
+        14,
+        21,
+        27,
+    ]  # what the family reads, in extract's section
+    assert resolved.evaluate == evaluate_config(cfg)
+    assert resolved.generate == generate_config(cfg)
+    assert resolved.generate.datasets[0].max_context_tokens == cfg.corpus.max_length
+    assert resolve(resolved, smollm2, None) == resolved  # resolving again changes nothing
+    assert cfg.extract.capture_layers is None  # the loaded config is left as it was

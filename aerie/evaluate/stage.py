@@ -13,6 +13,7 @@ from aerie.stage import Stage, StageContext, Upstream
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
     from aerie.evaluate.config import EvaluateConfig, PromptFormat
+    from aerie.targets import TargetInfo
 
 
 def evaluate_config(cfg: PipelineConfig) -> EvaluateConfig:
@@ -52,17 +53,18 @@ class EvaluateStage(Stage):
     def enabled(self, cfg: PipelineConfig) -> bool:
         return cfg.evaluate.enabled
 
+    def resolve(self, cfg: PipelineConfig, target: TargetInfo) -> PipelineConfig:
+        return cfg.model_copy(update={"evaluate": evaluate_config(cfg)})
+
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
         from aerie.evaluate.work import key_of
 
-        return key_of(evaluate_config(cfg), ctx.target, upstream.drafter, upstream.corpus)
+        return key_of(cfg.evaluate, ctx.target, upstream.drafter, upstream.corpus)
 
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.evaluate.work import run
 
-        return [
-            run(evaluate_config(cfg), drafter=upstream.drafter, corpus=upstream.corpus, **ctx.args(self.name))
-        ]
+        return [run(cfg.evaluate, drafter=upstream.drafter, corpus=upstream.corpus, **ctx.args(self.name))]
 
 
 EVALUATE = EvaluateStage()

@@ -29,6 +29,9 @@ def extract_config(cfg: PipelineConfig, target: TargetInfo) -> ExtractConfig:
 class ExtractStage(Stage):
     name = "extract"
 
+    def resolve(self, cfg: PipelineConfig, target: TargetInfo) -> PipelineConfig:
+        return cfg.model_copy(update={"extract": extract_config(cfg, target)})
+
     def enabled(self, cfg: PipelineConfig) -> bool:
         """An online training (`train.source: online`) runs its own servers: no shards to make."""
         return cfg.train.source != "online"
@@ -36,7 +39,7 @@ class ExtractStage(Stage):
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
         from aerie.extract.plan import extract_key
 
-        return extract_key(extract_config(cfg, ctx.target), cfg.server, ctx.target, upstream.corpus)
+        return extract_key(cfg.extract, cfg.server, ctx.target, upstream.corpus)
 
     def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
         """No manifest yet, or (with `ctx.rebuild_missing`) a manifest whose shards are not all in the
@@ -53,7 +56,7 @@ class ExtractStage(Stage):
 
         return [
             run(
-                extract_config(cfg, ctx.target),
+                cfg.extract,
                 corpus=upstream.corpus,
                 server=cfg.server,
                 rebuild_missing=ctx.rebuild_missing,

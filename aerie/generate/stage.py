@@ -100,7 +100,8 @@ def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str
 
 def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
     """True when some dataset still needs the target (so an embedded endpoint must be launched, and a
-    remote one needs its key)."""
+    remote one needs its key). Asked before the run's config is resolved too (`aerie.pipeline.check_secrets`
+    runs before the target is), so it completes generation's section itself."""
     from aerie.generate.work import key_of, stage_name
     from aerie.manifest import StageDir
 
@@ -114,18 +115,21 @@ def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
 class GenerateStage(Stage):
     name = "generate"
 
+    def resolve(self, cfg: PipelineConfig, target: TargetInfo) -> PipelineConfig:
+        return cfg.model_copy(update={"generate": generate_config(cfg)})
+
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
         """The datasets' own keys together (each dataset's result lives under its own key)."""
         from aerie.generate.work import key_of
 
-        gen = generate_config(cfg)
+        gen = cfg.generate
         return stage_key(self.name, [key_of(gen, spec) for spec in gen.datasets])
 
     def cached(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult] | None:
         from aerie.generate.work import key_of, stage_name
         from aerie.manifest import StageDir
 
-        gen = generate_config(cfg)
+        gen = cfg.generate
         found = [
             StageDir(ctx.store, ctx.run, stage_name(spec), key_of(gen, spec)).cached_result()
             for spec in gen.datasets
@@ -140,7 +144,7 @@ class GenerateStage(Stage):
         from aerie.generate.work import run_all
 
         return run_all(
-            generate_config(cfg),
+            cfg.generate,
             store=ctx.store,
             run_name=ctx.run,
             endpoint=lambda: generation_endpoint(cfg, ctx.target),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from aerie.extract.stage import extract_config
 from aerie.manifest import StageResult
 from aerie.stage import Stage, StageContext, Upstream
 
@@ -31,7 +30,7 @@ class TrainStage(Stage):
 def _inputs(cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> dict[str, Any]:
     """The extract stage's shards, or (train.source online) what the train stage's own servers need."""
     if cfg.train.source == "online":
-        return {"shards": None, "extract": extract_config(cfg, ctx.target), "server": cfg.server}
+        return {"shards": None, "extract": cfg.extract, "server": cfg.server}
     return {"shards": upstream.shards}
 
 

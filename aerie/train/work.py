@@ -178,7 +178,7 @@ def _online_inputs(
     if cfg.source == "auto":
         raise ConfigError(
             "train.source auto reached the train stage undecided: the pipeline decides it from the plan "
-            "(aerie.pipeline.choose_source) before any stage runs"
+            "(aerie.pipeline.resolve) before any stage runs"
         )
     if cfg.source == "shards":
         if shards is None:

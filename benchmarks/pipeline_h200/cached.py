@@ -15,7 +15,8 @@ import argparse
 import sys
 
 from aerie.manifest import StageResult
-from aerie.pipeline import compose, planned
+from aerie.pipeline import compose, planned, resolve
+from aerie.plan import track
 from aerie.presets import load_config
 from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import open_store
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = load_config(args.preset, [*args.overrides, f"store.uri={args.home}/store"])
     ctx = StageContext(store=open_store(cfg.store), run=cfg.run, target=resolve_target(cfg.target))
+    cfg = resolve(cfg, ctx.target, track.plan_for(cfg))  # as the run itself does
 
     def finished(stage: Stage, stage_ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         """The composer's step, dry: a stage's finished result, or stop at the first it would run."""
