@@ -14,16 +14,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from aerie.draft.dflash import DFlashConfig, DFlashDrafter
-from aerie.draft.export import CONFIG, PROVENANCE, WEIGHTS, draft_config_for, load_exported
+from aerie.draft.export import draft_config_for, load_exported, write_checkpoint
 from aerie.draft.target_weights import load_embedding, load_lm_head
 from aerie.errors import TargetError
 from aerie.targets import DrafterShape, TargetInfo
@@ -145,21 +143,14 @@ def export_dflash(
     drafter: DFlashDrafter, out_dir: str | Path, target: TargetInfo, provenance: dict[str, Any] | None = None
 ) -> Path:
     """Write config.json, model.safetensors and aerie.json into `out_dir`; returns it."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = drafter.config
-    save_file(export_state_dict(drafter), str(out / WEIGHTS), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(hf_config(cfg, target), indent=2) + "\n")
     meta = {
         "family": "dflash",
-        "target": target.name,
-        "target_revision": target.revision,
         "target_layers_output_convention": list(cfg.target_layer_ids),
         "draft_config": cfg.to_dict(),
         **(provenance or {}),
     }
-    (out / PROVENANCE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    return out
+    return write_checkpoint(out_dir, export_state_dict(drafter), hf_config(cfg, target), target, meta)
 
 
 def config_from_hf(data: dict[str, Any]) -> DFlashConfig:

@@ -132,25 +132,36 @@ def export_state_dict(drafter: Eagle3Drafter) -> dict[str, Tensor]:
     return out
 
 
+def write_checkpoint(
+    out_dir: str | Path,
+    state: dict[str, Tensor],
+    config: dict[str, Any],
+    target: TargetInfo,
+    meta: dict[str, Any],
+) -> Path:
+    """The layout every family's export has: `model.safetensors` (`state`), `config.json` (what the
+    server reads) and `aerie.json` (the target it was trained for, then `meta`); returns `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    meta = {"target": target.name, "target_revision": target.revision, **meta}
+    (out / PROVENANCE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return out
+
+
 def export_drafter(
     drafter: Eagle3Drafter, out_dir: str | Path, target: TargetInfo, provenance: dict[str, Any] | None = None
 ) -> Path:
     """Write config.json, model.safetensors and aerie.json into `out_dir`; returns it."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = drafter.config
-    save_file(export_state_dict(drafter), str(out / WEIGHTS), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(hf_config(cfg, target), indent=2) + "\n")
     meta = {
-        "target": target.name,
-        "target_revision": target.revision,
         "aux_layers_output_convention": list(cfg.aux_layer_ids),
         "aux_layers_input_convention": [i + 1 for i in cfg.aux_layer_ids],
         "draft_config": cfg.to_dict(),
         **(provenance or {}),
     }
-    (out / PROVENANCE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    return out
+    return write_checkpoint(out_dir, export_state_dict(drafter), hf_config(cfg, target), target, meta)
 
 
 def config_from_hf(data: dict[str, Any]) -> DraftConfig:
