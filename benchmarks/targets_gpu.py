@@ -1,7 +1,8 @@
 """Tiny MLA targets on one GPU through SGLang: the DeepSeek-V3 and Kimi-shaped fixtures of
 tests/tiny_targets.py (random weights, seeded) run generate -> merge -> extract -> train -> evaluate ->
-deploy with `server.backend=sglang` on CUDA: SGLang generates, extracts (with aerie's canary) and serves
-the exported EAGLE-3 drafter for speculative decoding. SGLang's CPU path cannot run MLA, so this is the
+deploy with `server.backend=sglang` on CUDA: SGLang generates (or the reference server,
+`--generate-backend`), extracts (with aerie's canary) and serves the exported EAGLE-3 drafter for
+speculative decoding. SGLang's CPU path cannot run MLA, so this is the
 only place those launches are exercised. What it shows is that every stage runs and what each measured;
 the acceptance of a drafter trained for seconds on a random-weight target says nothing about quality.
 
@@ -85,7 +86,9 @@ def config(arch: str, target: Path, data: Path, store: Path):  # noqa: ANN201
     return cfg
 
 
-def run_target(arch: str, smollm2: Path, work: Path, save, mla: dict | None, earlier: dict) -> dict:  # noqa: ANN001
+def run_target(  # noqa: ANN001
+    arch: str, smollm2: Path, work: Path, save, mla: dict | None, earlier: dict, generate_backend: str
+) -> dict:
     """Each stage in turn; `save(entry)` after each, so a run stopped by a time limit keeps its record.
 
     A stage an earlier call of this script finished (`earlier`, its entry in the record in --out) keeps
@@ -93,6 +96,11 @@ def run_target(arch: str, smollm2: Path, work: Path, save, mla: dict | None, ear
     would count only the resumption."""
     target = build_target(arch, work / arch, smollm2, mla=mla)
     cfg = config(arch, target, prompts(work / f"{arch}.jsonl", 24), work / "store")
+    # Generation's key leaves out the server backend: the reference server may answer the prompts (one
+    # server start less on a GPU whose time is short) and every later stage runs on SGLang as configured.
+    gen_cfg = cfg
+    if generate_backend != cfg.server.backend:
+        gen_cfg = apply_overrides(cfg, [f"server.backend={generate_backend}", "server.extra_args=[]"])
     stages: dict[str, dict] = {}
     entry = {
         "architecture": json.loads((target / "config.json").read_text())["architectures"],
@@ -105,7 +113,8 @@ def run_target(arch: str, smollm2: Path, work: Path, save, mla: dict | None, ear
         until = "generate" if stage == "generate" else stage
         started = time.monotonic()
         try:
-            report = run_pipeline(cfg, until=until, progress=lambda _n: no_progress)
+            run_cfg = gen_cfg if stage == "generate" else cfg
+            report = run_pipeline(run_cfg, until=until, progress=lambda _n: no_progress)
         except Exception as exc:  # the record says which stage stopped and why; the next target still runs
             stages[stage] = {
                 "status": "failed",
@@ -128,6 +137,12 @@ def main() -> None:
     )
     parser.add_argument("--arch", nargs="+", default=["deepseek_v3", "kimi"])
     parser.add_argument("--toy-widths", action="store_true", help="the test suite's MLA widths (32 / 8)")
+    parser.add_argument(
+        "--generate-backend",
+        choices=["sglang", "reference"],
+        default="sglang",
+        help="the server that answers the prompts (every later stage runs on SGLang)",
+    )
     args = parser.parse_args()
     import sglang
     import torch
@@ -141,6 +156,7 @@ def main() -> None:
         "command": "python benchmarks/targets_gpu.py " + " ".join(sys.argv[1:]),
         "versions": {"sglang": sglang.__version__, "torch": torch.__version__},
         "sglang_args": SGLANG_ARGS,
+        "generate_backend": args.generate_backend,
         "mla_widths": "toy (tests/tiny_targets.py)" if args.toy_widths else DEEPSEEK_MLA_WIDTHS,
         "note": "random-weight tiny targets: the figures show each stage ran, not a drafter's quality",
         "targets": {},
@@ -156,7 +172,7 @@ def main() -> None:
 
         mla = None if args.toy_widths else DEEPSEEK_MLA_WIDTHS
         prior = earlier.get("targets", {}).get(arch, {})
-        save(run_target(arch, args.smollm2, args.out / "work", save, mla, prior))
+        save(run_target(arch, args.smollm2, args.out / "work", save, mla, prior, args.generate_backend))
         print(arch, {s: v["status"] for s, v in record["targets"][arch]["stages"].items()}, flush=True)
 
 
