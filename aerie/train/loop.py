@@ -399,6 +399,6 @@ def run_training(spec: TrainSpec, dist: DistInfo, emit: Emit) -> TrainState:
         tr.emit({"kind": "start", "step": state.step, "total_steps": tr.total_steps, "world": dist.world})
         return train(tr, state, started)
     finally:
+        tr.source.close()  # first: the figures then show each server's end
         if isinstance(tr.source, OnlineFeeder):
             tr.emit({"kind": "online", "rank": dist.rank, **tr.source.figures()})
-        tr.source.close()
