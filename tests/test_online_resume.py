@@ -69,7 +69,8 @@ WAIT_S = 300  # a hang guard for the child's start and its step 3, not a speed c
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """The tiny target and the uninterrupted online run's per-step losses, to compare each resumed one with."""
+    """The tiny target and the uninterrupted online run's per-step losses, to compare each resumed one with.
+    Its corpus (about 300 tokens) is far under the default look-ahead budget: the run ends all the same."""
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("straight")
     target, _ = tiny_target(root)
