@@ -70,3 +70,30 @@ def test_ranks_take_every_batch_exactly_once(world):
     assert taken == list(
         range(5 * world, 5 * world + steps * world)
     )  # resumed at step 5, each rank its share
+
+
+def test_the_loader_gives_up_waiting_once_asked_to_stop_and_ends_every_later_call():
+    """The trainer's wait for a row that is not coming (a server starting, restarting) ends as soon as a
+    stop is asked; a loader that ran out says so to every later call instead of waiting."""
+    import threading
+
+    from aerie.train.data import Prefetcher
+
+    release = threading.Event()
+
+    def late():  # a source whose first row never comes until released
+        release.wait()
+        yield from ()
+
+    asked: list[int] = []
+    waiting = Prefetcher(late(), depth=2)
+    threading.Timer(0.2, asked.append, args=(15,)).start()
+    assert waiting.next_unless(lambda: bool(asked)) is None
+    release.set()
+    waiting.close()
+
+    done = Prefetcher(iter([]), depth=1)
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            done.next_unless(lambda: False)
+    done.close()

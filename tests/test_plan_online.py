@@ -42,3 +42,30 @@ def test_one_epoch_recommends_online_when_it_costs_no_more():
     assert 0.9 <= c.extractions <= 1.2
     assert c.choice == ("online" if c.online_cost - c.offline_cost <= 0.1 * c.offline_cost else "shards")
     assert f"{c.extractions:.1f}x the corpus" in c.reason
+
+
+def test_an_online_run_plans_no_shards_and_a_disk_short_only_for_them_is_no_refusal(monkeypatch):
+    from aerie.errors import NotEnoughDiskError
+    from aerie.pipeline import choose_source
+    from aerie.plan import disk
+
+    def plan(source):
+        return make_plan(load_config("smollm2-local", [f"train.source={source}"]))
+
+    online_need = sum(loc.need for loc in plan("online").disk.locations)
+    shards = plan("shards").disk.shard_bytes
+    # One filesystem for everything, with room for the online run and half the shards.
+    monkeypatch.setattr(disk, "_free", lambda path: (1, online_need + shards // 2))
+    offline, on, auto = plan("shards"), plan("online"), plan("auto")
+
+    assert on.disk.shard_bytes == 0 and not any(
+        n for loc in on.disk.locations for p, n in loc.parts.items() if "shards" in p
+    )
+    assert [type(r) for r in offline.refusals] == [NotEnoughDiskError] and "shards" in str(
+        offline.refusals[0]
+    )
+    assert on.refusals == [] and auto.refusals == []
+    assert choose_source(auto.cfg, auto).train.source == "online"
+    # The online plan still compares with offline on the same disk: the shards it would not hold.
+    c = online.of_plan(on)
+    assert c.shard_bytes == shards and c.short and c.choice == "online"

@@ -584,6 +584,50 @@ def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_co
     assert [r["runs"] for r in records] == [1] * 5 + [2] * 3
 
 
+def test_a_sigterm_during_the_last_step_stops_with_its_checkpoint_and_the_rerun_only_exports(
+    tiny, tmp_path
+) -> None:
+    """A SIGTERM while the last step is still evaluated: the process ends as asked (no export after
+    it), the last step's checkpoint is in the store, and the re-run trains no step and exports the same
+    drafter as an uninterrupted run."""
+    target, train, held = tiny
+    cfg = small_cfg(epochs=4, eval_every=2)
+    straight = make_upstream(tmp_path / "a", target, train, held)
+    done = _run(straight, cfg, target)
+    stopped = make_upstream(tmp_path / "b", target, train, held)
+    messages: list[str] = []
+
+    def term_at_the_last_step(fraction: float, message: str) -> None:
+        messages.append(message)
+        if message.startswith("step 8/8 "):  # the step's record: its evaluation and checkpoint follow
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def host_handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, host_handler)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            _run(stopped, cfg, target, progress=term_at_the_last_step)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == 128 + signal.SIGTERM
+    assert any("stopped by signal" in m and "at step 8" in m for m in messages)
+    assert not any("exporting" in m for m in messages)
+    prefix = f"t/train/{done.key}"
+    assert json.loads(stopped.store.get_bytes(f"{prefix}/checkpoints/latest.json"))["step"] == 8
+    assert not stopped.store.exists(f"{prefix}/manifest.json")
+
+    rerun_messages: list[str] = []
+    resumed = _run(stopped, cfg, target, progress=lambda f, m: rerun_messages.append(m))
+    assert not any(m.startswith("step ") and "loss" in m for m in rerun_messages)  # no step trained again
+    records = _train_records(stopped, resumed)
+    _same_losses(_train_records(straight, done), records)
+    assert [r["runs"] for r in records] == [1] * 8
+    assert resumed.figures["best_step"] == done.figures["best_step"]
+    assert resumed.figures["accept_length_rounds"] == pytest.approx(done.figures["accept_length_rounds"])
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_torchrun_workers_train_with_ddp(tiny, tmp_path) -> None:

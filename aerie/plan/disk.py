@@ -84,7 +84,7 @@ class DiskPlan:
     locations: list[Location]
     s3_bytes: int
     s3_requests: int
-    shard_bytes: int
+    shard_bytes: int  # the shards this run writes: none online
 
 
 def _free(path: Path) -> tuple[int, int] | None:
@@ -97,13 +97,17 @@ def _free(path: Path) -> tuple[int, int] | None:
 
 
 def estimate(cfg: PipelineConfig, target: TargetFacts, sizes: Sizes) -> DiskPlan:
+    """Online (`train.source: online`) no shard is written, locally or to the store: the servers' dumps in
+    flight and the optional sample cache (`train.online.cache_bytes`) take their place. `auto` is
+    planned with the shards (`aerie.plan.plan` forgives a disk short only by them, as auto goes online)."""
     from aerie.settings import get_settings
 
     ex = cfg.extract
+    online = cfg.train.source == "online"
     bpt = shard_bytes_per_token(
         ex.storage_dtype, target.geometry.hidden_size, target.geometry.vocab_size, aux_layers(cfg, target)
     )
-    shards = int(sizes.corpus_tokens * bpt)
+    shards = 0 if online else int(sizes.corpus_tokens * bpt)
     dumps = dumps_in_flight_bytes(cfg, target)
     local_shards = (
         min(shards, 2 * ex.num_servers * ex.shard_bytes) if ex.delete_local_after_upload else shards
@@ -130,6 +134,13 @@ def estimate(cfg: PipelineConfig, target: TargetFacts, sizes: Sizes) -> DiskPlan
         ("dumps in flight", dump_dir, str(dump_dir), dumps),
         ("local shards", work, str(work), local_shards),
     ]
+    if online and cfg.train.online.cache_bytes:
+        train_cache = (
+            Path(cfg.train.cache_dir).expanduser()
+            if cfg.train.cache_dir
+            else get_settings().cache_dir / "train"
+        )
+        wanted.append(("online sample cache", train_cache, str(train_cache), cfg.train.online.cache_bytes))
     remote = cfg.store.uri.startswith("s3://")
     for part, n in store_parts.items():
         wanted.append((part, None if remote else Path(cfg.store.uri).expanduser(), cfg.store.uri, n))

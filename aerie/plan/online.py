@@ -93,7 +93,7 @@ def compare(
     offline_cost = offline_gpu_s if on_gpu else extract.seconds + train.seconds
     online_cost = online_gpu_s if on_gpu else online_s
     unit = "GPU-hours" if on_gpu else "hours of this machine"
-    short = _short_for_shards(disk_plan)
+    short = short_for_shards(disk_plan)
     remote = cfg.store.uri.startswith("s3://")
     fields: dict[str, Any] = {
         "shard_bytes": disk_plan.shard_bytes,
@@ -143,7 +143,7 @@ def eval_tokens_each(cfg: PipelineConfig, size: sizes.Sizes) -> int:
     return size.eval_tokens if cap is None else min(size.eval_tokens, cap * cfg.train.batch_tokens)
 
 
-def _short_for_shards(plan: disk.DiskPlan) -> list[str]:
+def short_for_shards(plan: disk.DiskPlan) -> list[str]:
     """Locations short with the shards that would hold the run without them."""
     out = []
     for loc in plan.locations:
@@ -154,7 +154,13 @@ def _short_for_shards(plan: disk.DiskPlan) -> list[str]:
 
 
 def of_plan(plan: Plan) -> SourceComparison:
-    return compare(plan.cfg, plan.sizes, plan.stages, plan.disk)
+    """The comparison for the plan's config. An online config's plan holds no shards: offline's side is
+    planned for the same config on shards."""
+    offline_disk = plan.disk
+    if plan.cfg.train.source == "online":
+        cfg = plan.cfg.model_copy(update={"train": plan.cfg.train.model_copy(update={"source": "shards"})})
+        offline_disk = disk.estimate(cfg, plan.target, plan.sizes)
+    return compare(plan.cfg, plan.sizes, plan.stages, offline_disk)
 
 
 def lines(plan: Plan) -> list[str]:

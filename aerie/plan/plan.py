@@ -7,7 +7,7 @@ from typing import Any
 
 from aerie.config import PipelineConfig
 from aerie.errors import ContextLengthError, GpuMemoryError, NotEnoughDiskError, PlanError
-from aerie.plan import disk, sizes, throughput
+from aerie.plan import disk, online, sizes, throughput
 from aerie.plan.facts import Hardware, TargetFacts, hardware, rates, target_facts
 from aerie.plan.machine import MachineSpeed, machine_speed
 from aerie.plan.prices import Cost, api_cost
@@ -204,6 +204,9 @@ def _gpu_memory(cfg: PipelineConfig, target: TargetFacts, hw: Hardware) -> list[
 
 def _disk(plan: Plan) -> list[PlanError]:
     short = [loc for loc in plan.disk.locations if loc.short]
+    if plan.cfg.train.source == "auto":  # short only with the shards: auto goes online and writes none
+        forgiven = online.short_for_shards(plan.disk)
+        short = [loc for loc in short if loc.name not in forgiven]
     if not short:
         return []
     lines = [

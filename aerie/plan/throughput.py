@@ -396,6 +396,11 @@ def _train(m: Model, sizes: Sizes) -> StageEstimate:
             + (f", {gpus} GPUs at {MULTI_GPU_EFFICIENCY:.0%} scaling" if gpus > 1 else "")
         )
         fixed = SERVER_START_S
+    if cfg.train.source == "online":
+        # Its own extraction servers start before its first step: the extract stage's start-up.
+        start = m.server_start(notes, cites) if m.hw.gpu else m.fixed("extract", 0.0, notes, cites)
+        notes.append(f"online: the extraction servers start before the first step ({start:.0f} s)")
+        fixed += start
     seconds = fixed + positions / rate
     return StageEstimate(
         "train", seconds, gpus, f"{fixed:.0f} s + {positions:,} positions / {rate:,.0f}/s", cites, notes

@@ -267,6 +267,7 @@ class Prefetcher:
     """Runs an iterator on a background thread, `depth` items ahead; re-raises its errors in the consumer."""
 
     _DONE = object()
+    POLL_S = 0.1  # how often a waiting side looks at its stop condition
 
     def __init__(self, source: Iterator[Batch], depth: int, pin: bool = False) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
@@ -279,27 +280,45 @@ class Prefetcher:
     def _run(self, source: Iterator[Batch], pin: bool) -> None:
         try:
             for item in source:
-                if pin:
-                    item = item.pin_memory()
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(item.pin_memory() if pin else item):
                     return
         except BaseException as exc:  # surfaced in __next__, never lost on the thread
-            self._queue.put(exc)
+            self._put(exc)
             return
-        self._queue.put(self._DONE)
+        self._put(self._DONE)
+
+    def _put(self, item: Any) -> bool:
+        """Queue `item` unless closed first (a consumer that left never takes it): whether it was queued."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=self.POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def __iter__(self) -> Prefetcher:
         return self
 
     def __next__(self) -> Batch:
         item = self._queue.get()
+        return self._unpack(item)
+
+    def next_unless(self, stop: Callable[[], bool]) -> Batch | None:
+        """The next batch, or None once `stop()` holds while waiting for it: the data can be minutes away
+        (a server starting or restarting), and a stop request must not wait for it."""
+        while True:
+            try:
+                item = self._queue.get(timeout=self.POLL_S)
+            except queue.Empty:
+                if stop():
+                    return None
+                continue
+            return self._unpack(item)
+
+    def _unpack(self, item: Any) -> Batch:
         if item is self._DONE:
+            self._queue.put_nowait(item)  # every later call ends the same way, none waits
             raise StopIteration
         if isinstance(item, BaseException):
             raise DataError(f"the data loader failed: {item}") from item

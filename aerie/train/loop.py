@@ -5,7 +5,8 @@ cadences a log record, a held-out evaluation (keeping the best drafter by its ac
 answers walked in rounds as the decoder walks them, `accept_length_rounds`, not by loss: drafters overfit
 while the loss still falls), and a checkpoint. A SIGTERM or SIGINT (a time budget, a spot instance's
 notice, Ctrl-C) stops the loop at the next step boundary with a checkpoint of that step, so the re-run
-loses no steps (a second signal stops at once). Everything the outside world sees leaves through
+loses no steps (a second signal stops at once); it does so as well while the loop waits for its next
+row (online: a server starting or restarting) and during the last step. Everything the outside world sees leaves through
 `emit(record)`: the stage turns records into metrics.jsonl lines, progress and store uploads, whether the
 loop runs in-process or in torchrun workers.
 """
@@ -118,17 +119,28 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
     began (perf_counter; default now), so `state.elapsed_s` includes its start-up."""
     cfg, dist = tr.cfg, tr.dist
     started, elapsed_before = started or time.perf_counter(), state.elapsed_s
+    # Exactly the rows the remaining steps take: a source reading further (online: extracting) would
+    # work for rows no step uses, and one that ran out of rows would wait for them forever.
+    remaining = tr.total_steps - state.step
     stream = Prefetcher(
-        tr.source.batches(tr.train_plans, state.step * dist.world + dist.rank, dist.world),
+        tr.source.batches(tr.train_plans, state.step * dist.world + dist.rank, dist.world, remaining),
         cfg.prefetch_batches,
         pin=tr.device.type == "cuda",
     )
     window = torch.zeros(5, tr.objective.width, device=tr.device)
     window_start, window_tokens = time.perf_counter(), 0
+    checkpointed = state.step  # a resumed state is its checkpoint's; step 0 has nothing to keep
+    asked: list[int] = []
     try:
         with _stop_requests(enabled=dist.world == 1) as asked:
             while state.step < tr.total_steps:
-                batch = next(stream).to(tr.device, tr.dtype)
+                host_batch = stream.next_unless(lambda: bool(asked))
+                if host_batch is None:  # asked to stop while the data was late: the last step is whole
+                    if state.step != checkpointed:
+                        save(tr, state)
+                    tr.emit({"kind": "stopped", "step": state.step, "signal": asked[0]})
+                    break
+                batch = host_batch.to(tr.device, tr.dtype)
                 loss, stats = tr.objective.loss(tr, tr.model, batch, dist.reduce, step=state.step)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(tr.drafter.parameters(), cfg.grad_clip)
@@ -154,16 +166,19 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
                         state.best_step = state.step
                         save_best(tr, state, result)
                     tr.emit({"kind": "eval", "step": state.step, **result, "best_step": state.best_step})
-                stopping = bool(asked) and not last
-                if state.step % cfg.checkpoint_every == 0 or last or stopping:
+                # A signal during the last step stops too: the caller asked this process to end, and the
+                # export after training is a re-run's (it resumes at the last step and trains none).
+                if state.step % cfg.checkpoint_every == 0 or last or asked:
                     save(tr, state)
-                if stopping:
+                    checkpointed = state.step
+                if asked:
                     tr.emit({"kind": "stopped", "step": state.step, "signal": asked[0]})
                     break
     finally:
+        if asked:  # the online servers first: their pending requests fail, so the loader's thread ends
+            tr.source.close()
         stream.close()
-    if state.step < tr.total_steps:  # stopped: the previous handlers are back; the signal as if it came now
-        tr.source.close()  # the online servers first: the signal's default action skips every `finally`
+    if asked:  # the previous handlers are back; the signal as if it came now (its default skips `finally`)
         signal.raise_signal(asked[0])
     return state
 
@@ -384,6 +399,6 @@ def run_training(spec: TrainSpec, dist: DistInfo, emit: Emit) -> TrainState:
         tr.emit({"kind": "start", "step": state.step, "total_steps": tr.total_steps, "world": dist.world})
         return train(tr, state, started)
     finally:
+        tr.source.close()  # first: the figures then show each server's end
         if isinstance(tr.source, OnlineFeeder):
             tr.emit({"kind": "online", "rank": dist.rank, **tr.source.figures()})
-        tr.source.close()

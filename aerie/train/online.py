@@ -162,24 +162,39 @@ class _Job:
 
 @dataclass
 class ServerStats:
-    """One server's life, for the manifest and the progress: starts, restarts, what it extracted."""
+    """One server's life, for the manifest and the progress: starts, restarts, what it extracted.
+    `requests` and `tokens` are counted by the server's `requests_in_flight` threads at once, hence the
+    lock; starts and restarts change under the slot's own lock."""
 
     index: int
+    backend: str = ""
+    address: str = ""  # the server's URL, known once launched
     starts: int = 0
     restarts: int = 0
     requests: int = 0
     tokens: int = 0
     errors: list[str] = field(default_factory=list)
+    state: str = "not started"  # not started, starting, up, restarting, failed, stopped
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def served(self, tokens: int) -> None:
+        with self.lock:
+            self.requests += 1
+            self.tokens += tokens
 
     def record(self) -> dict[str, Any]:
-        return {
-            "server": f"s{self.index}",
-            "starts": self.starts,
-            "restarts": self.restarts,
-            "requests": self.requests,
-            "tokens": self.tokens,
-            "errors": self.errors[-3:],
-        }
+        with self.lock:
+            return {
+                "server": f"s{self.index}",
+                "backend": self.backend,
+                "address": self.address,
+                "state": self.state,
+                "starts": self.starts,
+                "restarts": self.restarts,
+                "requests": self.requests,
+                "tokens": self.tokens,
+                "errors": self.errors[-3:],
+            }
 
 
 class _Server:
@@ -187,7 +202,7 @@ class _Server:
 
     def __init__(self, index: int, pool: ServerPool) -> None:
         self.index, self.pool = index, pool
-        self.stats = ServerStats(index)
+        self.stats = ServerStats(index, backend=pool.spec.server.backend)
         self.lock = threading.Lock()
         self.server: ModelServer | None = None
         self.generation = 0  # bumped at every start: a failure seen on an older one is already handled
@@ -195,7 +210,9 @@ class _Server:
     def get(self) -> tuple[ModelServer, int]:
         with self.lock:
             if self.server is None:
+                self.stats.state = "starting"
                 self.server = self.pool.start(self.index, self.stats)
+                self.stats.state = "up"
                 self.generation += 1
             return self.server, self.generation
 
@@ -217,11 +234,13 @@ class _Server:
         self.stats.errors.append(why.splitlines()[0])
         limit = self.pool.cfg.max_restarts
         if self.stats.restarts >= limit:
+            self.stats.state = "failed"
             raise ExtractionError(
                 f"online training: server s{self.index} failed and extract.max_restarts={limit} is used up; "
                 f"checkpoints so far are in the store and a re-run resumes.\n{why}"
             ) from exc
         self.stats.restarts += 1
+        self.stats.state = "restarting"
         self.pool.say(
             f"server s{self.index}: restarting ({self.stats.restarts}/{limit}): {why.splitlines()[0]}"
         )
@@ -231,6 +250,7 @@ class _Server:
             if self.server is not None:
                 self.server.stop()
                 self.server = None
+                self.stats.state = "stopped"
 
 
 class ServerPool:
@@ -279,6 +299,7 @@ class ServerPool:
             log_dir=Path(self.spec.log_dir),
         )
         stats.starts += 1
+        stats.address = spec.url
 
         def progress(fraction: float, message: str) -> None:
             self.say(f"server s{k}: {message}")
@@ -295,14 +316,16 @@ class ServerPool:
     def _work(self, slot: _Server) -> None:
         while True:
             job = self.jobs.get()
-            if job is None or self.closed.is_set():
+            if job is None:
                 return
+            if self.closed.is_set():  # answered all the same: the look-ahead may be waiting for it
+                job.future.set_exception(TrainingError("the online feeder was closed before this request"))
+                continue
             try:
                 job.future.set_result(self._run(slot, job))
             except BaseException as exc:  # handed to the trainer's thread, never lost here
                 job.future.set_exception(exc)
                 self.closed.set()  # a failed feeder stops taking work; the trainer raises
-                return
 
     def _run(self, slot: _Server, job: _Job) -> list[Features]:
         """The job's samples, its request redone on a restarted server until it succeeds or restarts run out."""
@@ -321,14 +344,14 @@ class ServerPool:
             except ServerUnavailable as exc:
                 slot.failed(generation, exc)
                 continue
-            slot.stats.requests += 1
-            slot.stats.tokens += job.tokens
+            slot.stats.served(job.tokens)
             return [encode(self.spec, self.target, s) for s in samples]
 
     def records(self) -> list[dict[str, Any]]:
         return [slot.stats.record() for slot in self.slots]
 
     def close(self) -> None:
+        """Idempotent. Jobs still queued are failed by the threads before they end (none left waiting)."""
         self.closed.set()
         for _ in self.threads:
             self.jobs.put(None)
@@ -462,6 +485,8 @@ class OnlineFeeder:
         self.split_names = list(spec.splits)
         self.pool = ServerPool(spec, target, rank_servers(spec.extract.num_servers, dist.rank), files, say)
         self.cache = SampleCache(Path(spec.cache_dir) / "samples", cfg.online.cache_bytes)
+        # Counted by the training look-ahead (the loader's thread) and an evaluation's (the trainer's).
+        self.lock = threading.Lock()
         self.jobs = 0
         self.extracted_tokens = 0
         self.peak_buffered = 0
@@ -488,11 +513,17 @@ class OnlineFeeder:
     def extract(self, split: str, rows: list[int]) -> _Job:
         """Send the rows (one split) to the servers as one request."""
         table = self.tables[split]
-        job = _Job(split, [table.row(r) for r in rows], self.jobs)
-        self.jobs += 1
-        self.extracted_tokens += job.tokens
+        with self.lock:
+            job = _Job(split, [table.row(r) for r in rows], self.jobs)
+            self.jobs += 1
+            self.extracted_tokens += job.tokens
         self.pool.submit(job)
         return job
+
+    def buffered(self, tokens: int) -> None:
+        """A look-ahead holds `tokens` tokens of samples now."""
+        with self.lock:
+            self.peak_buffered = max(self.peak_buffered, tokens)
 
     def figures(self) -> dict[str, Any]:
         return {
@@ -542,7 +573,8 @@ class _LookAhead:
         self.ahead: deque[list[Piece]] = deque()
         self.held: dict[int, _Held] = {}
         self.waiting: list[int] = []  # samples to request, in the order the trainer needs them
-        self.buffered = 0
+        self.buffered = 0  # tokens of the held samples (each once, however many rows use it)
+        self.planned = 0  # tokens of the rows ahead
         self.exhausted = False
 
     def run(self) -> Iterator[Batch]:
@@ -552,18 +584,24 @@ class _LookAhead:
             if not self.ahead:
                 return
             pieces = self.ahead.popleft()
+            self.planned -= sum(p.length for p in pieces)
             batch = reader.batch(pieces, self.plans.batch_tokens)
             for p in pieces:
                 self._release(p.sample)
             yield batch
 
     def _fill(self) -> None:
-        while not self.exhausted and (not self.ahead or self.buffered < self.budget):
+        # Bounded by the rows ahead as well as by the samples held: on a corpus smaller than the budget,
+        # later epochs take samples already held, and the held tokens alone would never reach it.
+        while not self.exhausted and (
+            not self.ahead or (self.buffered < self.budget and self.planned < self.budget)
+        ):
             pieces = next(self.rows, None)
             if pieces is None:
                 self.exhausted = True
                 break
             self.ahead.append(pieces)
+            self.planned += sum(p.length for p in pieces)
             for p in pieces:
                 held = self.held.get(p.sample)
                 if held is None:
@@ -571,7 +609,7 @@ class _LookAhead:
                     self.buffered += held.tokens
                     self.waiting.append(p.sample)
                 held.uses += 1
-        self.feeder.peak_buffered = max(self.feeder.peak_buffered, self.buffered)
+        self.feeder.buffered(self.buffered)
         self._request()
 
     def _request(self) -> None:
