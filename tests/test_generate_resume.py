@@ -51,6 +51,7 @@ def rows(store: LocalStore, prefix: str) -> dict[str, list[dict[str, str | None]
     return dict(zip(frame["id"].to_list(), frame["messages"].to_list(), strict=True))
 
 
+@pytest.mark.integration  # a fault server on 127.0.0.1
 def test_an_edited_prompt_is_asked_again_and_only_it(tmp_path: Path) -> None:
     prompts = {f"c{i}": f"question {i}" for i in range(4)}
     answers = {i: "data answer" for i in prompts}
