@@ -576,6 +576,8 @@ def record(a: argparse.Namespace) -> int:
     }
     result["planner"] = planner_entry(result, raw["card"])
     result["check_against_serve"] = check_against_serve(result)
+    if (check := check_line(result["check_against_serve"])) is not None:
+        result["planner"]["check"] = check
     path = RESULTS / f"spec_cost-{raw['card']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     table = json.loads(PLANNER.read_text()) if PLANNER.exists() else {"about": PLANNER_ABOUT, "cards": {}}
@@ -651,6 +653,20 @@ def check_against_serve(result: dict[str, Any]) -> dict[str, Any]:
         "(wall-clock per level, prefill included)",
         "levels": rows,
     }
+
+
+def check_line(check: dict[str, Any]) -> str | None:
+    """The check against SGLang's serve as the plan prints it beside its predictions."""
+    levels = check.get("levels")
+    if not levels:
+        return None
+    at = "/".join(levels)
+    predicted = "/".join(f"{row['predicted_speedup']:.2f}x" for row in levels.values())
+    measured = "/".join(f"{row['measured_speedup']:.2f}x" for row in levels.values())
+    return (
+        f"SmolLM2-135M served by SGLang on an H200 with aerie's drafter (k=3) at {at}: predicted "
+        f"{predicted}, measured {measured} (benchmarks/results/sglang-h200.json)"
+    )
 
 
 def main() -> int:

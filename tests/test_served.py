@@ -162,3 +162,23 @@ def test_no_measurements_leave_the_plan_a_line_and_the_deploy_stage_no_predictio
     assert "not predicted" in line and "benchmarks/spec_cost.py" in line
     target = SimpleNamespace(name="t", architecture="LlamaForCausalLM", size_bytes=2e8)
     assert served.before_deploy(SimpleNamespace(num_steps=3, concurrency=[1]), target, None) is None
+
+
+def test_a_target_with_a_geometry_is_sized_and_classed_by_it(smollm2):
+    # The embedded target's checkpoint is float32: four bytes a parameter read as "weights far above the
+    # active parameters" made it an MoE; its geometry says it routes no experts.
+    facts = SimpleNamespace(name=smollm2.name, geometry=smollm2.geometry, weight_bytes=4.0 * 134_515_008)
+    got = served.shape_of_target(facts)
+    assert not got.moe and math.isclose(got.active_params, smollm2.geometry.params()[1])
+
+
+def test_an_moe_target_without_a_measured_moe_says_it_takes_dense_times_and_the_check_is_printed():
+    table = {"cards": {"x100": {**TABLE["cards"]["x100"], "check": "predicted 0.42x, measured 0.65x"}}}
+    table["cards"]["x100"]["shapes"] = {
+        k: v for k, v in TABLE["cards"]["x100"]["shapes"].items() if not v["moe"]
+    }
+    moe = served.estimate(served.Shape("t", 3e10, True), "x100", 3, [1], table=table)
+    assert "no MoE shape measured" in moe.basis
+    assert "  checked: predicted 0.42x, measured 0.65x" in moe.lines()
+    dense = served.estimate(served.Shape("t", 3e10, False), "x100", 3, [1], table=table)
+    assert "no MoE shape measured" not in dense.basis

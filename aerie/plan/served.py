@@ -80,6 +80,8 @@ class ServedEstimate:
     basis: str
     source: str
     predictions: list[Prediction]
+    # How the measurements' prediction compared with a speed-up SGLang served, where the record says.
+    check: str | None = None
 
     def record(self) -> dict[str, Any]:
         return {
@@ -124,7 +126,8 @@ class ServedEstimate:
             if p.speedup is not None:
                 text += f"; at {p.accept_length:.2f}: {p.speedup:.2f}x"
             rows.append(text)
-        return [head, *rows, f"  ({self.source})"]
+        check = [f"  checked: {self.check}"] if self.check else []
+        return [head, *rows, *check, f"  ({self.source})"]
 
 
 @cache
@@ -140,9 +143,16 @@ def is_moe(architecture: str) -> bool:
 
 
 def shape_of_target(target: Any) -> Shape:
-    """A `TargetInfo` (the deploy stage) or `TargetFacts` (the plan) as a Shape."""
+    """A `TargetInfo` (the deploy stage) or `TargetFacts` (the plan) as a Shape: its active parameters
+    and whether it routes experts, from its config's geometry; without one, from the weights' bytes
+    (2 a parameter) and the architecture's name."""
+    geometry = getattr(target, "geometry", None)
+    if geometry is not None:
+        return Shape(
+            name=target.name, active_params=float(geometry.params()[1]), moe=geometry.moe is not None
+        )
     active = getattr(target, "active_params", None)
-    if active is None:  # TargetInfo: its weights' bytes at 2 bytes a parameter (bf16 checkpoints)
+    if active is None:
         active = target.size_bytes / 2
     arch = getattr(target, "architecture", "") or ""
     moe = is_moe(arch) or (getattr(target, "weight_bytes", 0) > 4 * float(active))
@@ -221,13 +231,17 @@ def estimate(
         step = _interp(shape.active_params, xs, [p[0] for p in pairs])
         rnd = _interp(shape.active_params, xs, [p[1] for p in pairs])
         preds.append(Prediction(c, num_steps, step, rnd, taus.get(c)))
+    basis = _basis(shape, xs, names)
+    if shape.moe and not any(s["moe"] for s in shapes.values()):
+        basis += " (no MoE shape measured: a dense shape's times)"
     return ServedEstimate(
         shape=shape,
         card=card,
         measured_card=measured,
-        basis=_basis(shape, xs, names),
+        basis=basis,
         source=f"benchmarks/results/{entry['source']}",
         predictions=preds,
+        check=entry.get("check"),
     )
 
 
