@@ -151,7 +151,8 @@ def compose(
         stage_ctx = replace(ctx, rebuild_missing=rebuild_missing(cfg, ctx, stages, i, upstream))
         # The one place every stage of every run passes through: its estimate before, the actual after.
         track.before(plan, stage.name)
-        deploying = stage.name == "deploy"
+        # The prediction is SGLang's on a GPU: a deployment served on the CPU gets none.
+        deploying = stage.name == "deploy" and cfg.server.device != "cpu"
         predicted = served.before_deploy(cfg.deploy, ctx.target, upstream.evaluation) if deploying else None
         done = track.after(plan, ctx.store, stage.name, step(stage, stage_ctx, upstream))
         done = served.after_deploy(predicted, done)

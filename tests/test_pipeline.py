@@ -69,6 +69,8 @@ def test_pipeline_runs_every_stage_caches_and_reruns_only_what_changed(prefect_a
     assert not any(r.cache_hit for r in first.values())
     assert first["extract"].figures["tokens"] == first["merge"].figures["tokens"]
     assert all(Path(r.manifest_uri).is_file() for r in first.values())
+    # The served speed-up is predicted from SGLang's GPU times: a deployment on the CPU is given none.
+    assert not any(k.startswith("predicted_speedup") for k in first["deploy"].figures)
 
     second = _by_stage(eagle3_pipeline(config=cfg))
     assert [s for s, r in second.items() if not r.cache_hit] == []
