@@ -7,7 +7,6 @@ in the store, so a crash costs at most `checkpoint_every` steps.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from prefect.artifacts import create_table_artifact
 
 from aerie.manifest import StageResult, load_manifest
 from aerie.store import ArtifactStore
+from aerie.workdirs import work_dir
 
 from .policy import StagePolicy
 from .reporting import artifact_key, image_artifact
@@ -29,7 +29,7 @@ def report(result: StageResult, store: ArtifactStore) -> None:
         key=artifact_key(result.stage, "steps"),
         description=f"drafter per TTT step at step {final.get('step')} (eval = held-out, full-vocab argmax)",
     )
-    with tempfile.TemporaryDirectory() as tmp:
+    with work_dir("aerie-report-") as tmp:
         for name in manifest["files"]["plots"]:
             local = store.get_file(f"{result.prefix}/{name}", Path(tmp) / name)
             image_artifact(local, key=f"train-{Path(name).stem}", description=f"drafter {Path(name).stem}")
