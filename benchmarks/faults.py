@@ -481,6 +481,9 @@ class Pipeline:
             # during the last step is not acted on: training then completes instead).
             "train.epochs=6",
             "train.log_every=1",
+            # The canary's reference forward on every run: by default it runs only while the machine has
+            # the memory free, which on a shared machine differs between the runs compared.
+            "extract.canary_reference=always",
         ]
 
     def start(self) -> subprocess.Popen[str]:
