@@ -1,7 +1,7 @@
 """The fault matrix: each fault injected for real, proven to have fired, the run repeated, the outcome
 compared item by item with an unfaulted run's.
 
-    python benchmarks/faults.py [--only CASE ...] [--skip-pipeline] [--skip-sglang] [--keep CASES.json]
+    python benchmarks/faults.py [--cases CASE ...] [--skip-pipeline] [--skip-sglang] [--keep CASES.json]
                                 [--out benchmarks/results/faults.json]
 
 The cases (generation ones in benchmarks/faults_gen.py):
@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -74,6 +75,7 @@ from tests.s3_support import BUCKET, DUMMY_ENV, REGION, raw_client  # noqa: E402
 
 API_KEY, KEY_ENV = gen.API_KEY, gen.KEY_ENV
 NO_OUTPUT = "no output to compare (a server start)"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "faults.json"
 
 
 def no_output(fired: bool, fault: str, detect: float | None, message: str, handled: bool) -> Case:
@@ -475,6 +477,13 @@ class Pipeline:
             *pipeline_support.tiny_overrides(work / "store", run=run, port=port),
             f"extract.work_dir={work / 'extract-work'}",
             f"train.cache_dir={work / 'train-cache'}",
+            # Six steps, each reported: a signal at the first report lands before the last step (one
+            # during the last step is not acted on: training then completes instead).
+            "train.epochs=6",
+            "train.log_every=1",
+            # The canary's reference forward on every run: by default it runs only while the machine has
+            # the memory free, which on a shared machine differs between the runs compared.
+            "extract.canary_reference=always",
         ]
 
     def start(self) -> subprocess.Popen[str]:
@@ -525,9 +534,28 @@ def drop_port(value: Any, port: int) -> None:
 
 BASELINE: dict[str, Snapshot] = {}
 BAR = {s: f"{s}:" for s in STAGES}
-# Seconds after a stage's first progress line before the signal: inside the stage, before its end. The
-# merge is signalled once its spill folder exists instead (it lasts about a second).
-KILL_AFTER_S = {"generate-sharegpt": 1.5, "extract": 8.0, "train": 0.5, "evaluate": 1.0, "deploy": 9.0}
+# Seconds after a stage's first progress line before the signal: inside the stage, before its end, for
+# the stages that last long enough for a fixed wait. The short ones are signalled on a sign of their own
+# work instead (`TRIGGER`): a fixed wait outlasted the tiny generation and training once.
+KILL_AFTER_S = {"extract": 8.0, "evaluate": 1.0, "deploy": 9.0}
+# The first training step the stage reports (its progress line "step 1/6 loss ...").
+TRAIN_STEP = re.compile(r"train:[^\n]*step \d+/\d+ loss")
+
+
+def journaled(pipe: Pipeline) -> bool:
+    """The generation journal holds its first answer (the signal then lands with the rest in flight)."""
+    parts = (pipe.work / "store" / pipe.run / "generate-sharegpt" / "journal").glob("*/part-*.jsonl")
+    return any(part.stat().st_size > 0 for part in parts)
+
+
+def stage_at_work(pipe: Pipeline, stage: str, stderr: Callable[[], str]) -> Callable[[], bool]:
+    """When the stage has visibly begun its work (or finished: the case then says it fired too late)."""
+    sign = {
+        "generate-sharegpt": lambda: journaled(pipe),
+        "merge": lambda: any(pipe.tmp.glob("aerie-merge-*/spill")),
+        "train": lambda: TRAIN_STEP.search(stderr().replace("\r", "\n")) is not None,
+    }[stage]
+    return lambda: sign() or pipe.completed(stage)
 
 
 def pipeline_case(work: Path, stage: str, sig: signal.Signals) -> Case:
@@ -550,11 +578,11 @@ def pipeline_case(work: Path, stage: str, sig: signal.Signals) -> Case:
     if not seen.wait(600):
         proc.kill()
         return no_output(False, f"{sig.name} during {stage}", None, f"the stage {stage} never started", False)
-    if stage == "merge":
-        with contextlib.suppress(RuntimeError):
-            wait_until(lambda: any(pipe.tmp.glob("aerie-merge-*/spill")) or pipe.completed(stage), 60)
-    else:
+    if stage in KILL_AFTER_S:
         time.sleep(KILL_AFTER_S[stage])
+    else:
+        with contextlib.suppress(RuntimeError):
+            wait_until(stage_at_work(pipe, stage, lambda: "".join(lines)), 120)
     spill_at_kill = [p.name for p in pipe.tmp.glob("aerie-merge-*")]
     finished_before = pipe.completed(stage)
     os.kill(proc.pid, sig)
@@ -703,21 +731,36 @@ def git_commit() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=None,
+        metavar="CASE",
+        help="run these cases only (names as in the record); their record goes to --out, which must then "
+        "be another file than the whole matrix's unless --keep names the record they update",
+    )
     parser.add_argument("--skip-pipeline", action="store_true")
     parser.add_argument("--skip-sglang", action="store_true")
     parser.add_argument(
         "--keep", default=None, help="a record whose other cases are kept (with their commit)"
     )
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "faults.json"))
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args()
+    known = [n for n, _ in cases(args.skip_pipeline, args.skip_sglang)]
+    unknown = sorted(set(args.cases or ()) - set(known))
+    if unknown:
+        parser.error(f"no such case: {', '.join(unknown)}; the cases: {', '.join(known)}")
+    if args.cases and not args.keep and Path(args.out).resolve() == DEFAULT_OUT.resolve():
+        parser.error(f"a subset would replace the whole matrix's record {DEFAULT_OUT}: name another --out")
     for name, value in DUMMY_ENV.items():
         os.environ[name] = value
     scratch = Path(tempfile.mkdtemp(prefix="aerie-faults-"))
     os.environ["AWS_CONFIG_FILE"] = str(scratch / "no-aws-config")
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(scratch / "no-aws-credentials")
     selected = [
-        (n, f) for n, f in cases(args.skip_pipeline, args.skip_sglang) if args.only is None or n in args.only
+        (n, f)
+        for n, f in cases(args.skip_pipeline, args.skip_sglang)
+        if args.cases is None or n in args.cases
     ]
     kept: list[dict[str, Any]] = []
     if args.keep:
@@ -761,9 +804,9 @@ def main() -> None:
             "wall_s": round(time.monotonic() - started, 1),
             "cases": every,
         }
-        if args.only is None or args.keep:  # after every case: a long matrix cut short keeps what it measured
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        # After every case: a long matrix cut short keeps what it measured.
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(
         f"{sum(c['survived'] for c in results)} of {len(results)} survived in {time.monotonic() - started:.0f} s"
     )

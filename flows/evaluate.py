@@ -6,7 +6,6 @@ are written one by one, so the task's retry measures only what is missing.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from prefect.artifacts import create_markdown_artifact
@@ -14,6 +13,7 @@ from prefect.artifacts import create_markdown_artifact
 from aerie.evaluate.report import ACCEPTANCE_PNG
 from aerie.manifest import StageResult
 from aerie.store import ArtifactStore
+from aerie.workdirs import work_dir
 
 from .policy import StagePolicy
 from .reporting import artifact_key, image_artifact
@@ -26,7 +26,7 @@ def report(result: StageResult, store: ArtifactStore) -> None:
         key=artifact_key(result.stage, "report"),
         description="acceptance length and per-position acceptance",
     )
-    with tempfile.TemporaryDirectory() as tmp:
+    with work_dir("aerie-report-") as tmp:
         local = store.get_file(f"{result.prefix}/{ACCEPTANCE_PNG}", Path(tmp) / ACCEPTANCE_PNG)
         image_artifact(local, key="evaluate-acceptance", description="acceptance per draft position")
 

@@ -11,7 +11,6 @@ histogram as an image.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from prefect.artifacts import create_table_artifact
 from aerie.errors import ConfigError, DataError
 from aerie.manifest import StageResult, load_manifest
 from aerie.store import ArtifactStore
+from aerie.workdirs import work_dir
 
 from .policy import StagePolicy
 from .reporting import artifact_key, image_artifact
@@ -63,7 +63,7 @@ def report(result: StageResult, store: ArtifactStore) -> None:
         description=f"dropped by reason (see {manifest['files']['quarantine']}), and what the template noticed",
     )
     name = manifest["files"]["length_hist"]
-    with tempfile.TemporaryDirectory() as tmp:
+    with work_dir("aerie-report-") as tmp:
         local = store.get_file(f"{result.prefix}/{name}", Path(tmp) / name)
         image_artifact(local, key="merge-length-hist", description="corpus sample lengths")
 

@@ -9,7 +9,6 @@ progress artifact while it runs, and the `train-servers` table says how each one
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from prefect.artifacts import create_table_artifact
 
 from aerie.manifest import StageResult, load_manifest
 from aerie.store import ArtifactStore
+from aerie.workdirs import work_dir
 
 from .policy import StagePolicy
 from .reporting import artifact_key, image_artifact
@@ -37,7 +37,7 @@ def report(result: StageResult, store: ArtifactStore) -> None:
             key=artifact_key(result.stage, "servers"),
             description="online training: the extraction servers that fed the trainer, as each ended",
         )
-    with tempfile.TemporaryDirectory() as tmp:
+    with work_dir("aerie-report-") as tmp:
         for name in manifest["files"]["plots"]:
             local = store.get_file(f"{result.prefix}/{name}", Path(tmp) / name)
             image_artifact(local, key=f"train-{Path(name).stem}", description=f"drafter {Path(name).stem}")

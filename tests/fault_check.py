@@ -4,7 +4,8 @@ A snapshot holds, per kind of output, every item by its natural id with the sha2
 (conversations by conversation id, corpus rows and hidden-state samples by split and sample id, the
 drafter's files by path, evaluation answers by dataset, prompt and proposer, serving rows by server and
 concurrency), each stage's manifest with what legitimately varies removed (times, speeds and what
-follows from them, how this run got there: resumed rows, reused answers, restarts), and how many
+follows from them, how this run got there: resumed rows, reused answers, restarts; a measured numeric
+error compares as within or over its tolerance), and how many
 requests a generation journal holds twice. `compare` counts, against the unfaulted snapshot:
 
 - lost: an item the unfaulted run has and this one lacks;
@@ -73,16 +74,32 @@ def canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def normalize(value: Any, subs: Iterable[tuple[str, str]] = ()) -> Any:
+# Measurements of a server's numerics against a reference forward (the extraction canary's relative
+# errors): floating-point figures of how the computation ran (thread counts, the machine's load), like a
+# time, not of what was produced (the samples are compared bit for bit). Each compares as the verdict it
+# feeds, within or over the `rtol` beside it; with no tolerance in reach, not at all.
+MEASURED = re.compile(r"rel_err$")
+
+
+def normalize(value: Any, subs: Iterable[tuple[str, str]] = (), rtol: float | None = None) -> Any:
     """`value` without the volatile and history fields, at any depth; `subs` rewrite strings (a scratch
-    folder's name) so two runs in different folders compare equal."""
+    folder's name) so two runs in different folders compare equal; a measured error becomes whether it
+    is within the nearest enclosing `rtol`."""
     subs = list(subs)
     if isinstance(value, dict):
-        return {
-            k: normalize(v, subs) for k, v in value.items() if k not in HISTORY and not VOLATILE.search(k)
-        }
+        rtol = value["rtol"] if isinstance(value.get("rtol"), (int, float)) else rtol
+        out = {}
+        for k, v in value.items():
+            if k in HISTORY or VOLATILE.search(k):
+                continue
+            if MEASURED.search(k) and isinstance(v, (int, float)):
+                if rtol is not None:
+                    out[k] = "within rtol" if v <= rtol else f"over rtol ({v:.3g} > {rtol})"
+                continue
+            out[k] = normalize(v, subs, rtol)
+        return out
     if isinstance(value, list):
-        return [normalize(v, subs) for v in value]
+        return [normalize(v, subs, rtol) for v in value]
     if isinstance(value, str):
         for old, new in subs:
             value = value.replace(old, new)

@@ -16,7 +16,7 @@ import pytest
 from aerie.generate.output import write_conversations
 from aerie.store import LocalStore
 from tests.extract_support import write_corpus
-from tests.fault_check import Snapshot, compare, generation_snapshot, run_snapshot
+from tests.fault_check import Snapshot, add_manifest, compare, generation_snapshot, run_snapshot
 
 
 def record(i: int, answer: str | None = None) -> dict:
@@ -142,3 +142,31 @@ def test_corpus_rows_lost_duplicated_or_changed_and_a_stage_completed_twice_are_
     shutil.copytree(stage, stage.parent / "0123456789abcdef")  # the stage's output written twice
     verdict = compare(want, run_snapshot(tmp_path / "b" / "r"))
     assert any("2 completed outputs" in line for line in verdict.differences), verdict.summary()
+
+
+def extract_manifest(*errors: float, last: float = 1e-7) -> dict:
+    """An extract manifest's canary as the stage records it: each block's relative error against the
+    reference forward, and the tolerance they were checked against."""
+    blocks = [
+        {"block": k, "expected": k, "best": k, "rel_err": e, "best_rel_err": e} for k, e in enumerate(errors)
+    ]
+    numeric = {"blocks": blocks, "last_rel_err": last, "rtol": 0.05}
+    return {"figures": {"samples": 8}, "canary": {"tokens": 12, "numeric": numeric}}
+
+
+def extract_snapshot(manifest: dict) -> Snapshot:
+    snap = Snapshot()
+    add_manifest(snap, "extract", manifest, ())
+    return snap
+
+
+def test_a_canarys_measured_error_compares_against_its_tolerance_not_for_equality() -> None:
+    """Two extractions with bit-identical samples measure the server's numerics differently (1.5e-07
+    against 7.7e-06, seen): equal while both are within the tolerance, a difference once one is not."""
+    want = extract_snapshot(extract_manifest(1.5e-7, 2.0e-7))
+    assert compare(want, extract_snapshot(extract_manifest(7.7e-6, 1.1e-5, last=3e-6))).equal
+    verdict = compare(want, extract_snapshot(extract_manifest(1.5e-7, 0.2)))
+    assert not verdict.equal
+    assert any("blocks[1].rel_err" in line and "over rtol" in line for line in verdict.differences), verdict
+    verdict = compare(want, extract_snapshot({**extract_manifest(1.5e-7, 2.0e-7), "figures": {"samples": 7}}))
+    assert any("figures.samples: 8 -> 7" in line for line in verdict.differences), verdict.differences

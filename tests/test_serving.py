@@ -667,9 +667,11 @@ PORT_DRIVER = """
 import sys, time
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from aerie.serving import ModelServer
+from aerie.serving import ModelServer, ProcessLauncher
 from tests.fake_servers.scenarios import fake_spec
-server = ModelServer(fake_spec(Path({work!r}), "--child", port={port}))
+# A server that outlives its owner, as one started before servers died with their owner would.
+launcher = ProcessLauncher(die_with_owner=False)
+server = ModelServer(fake_spec(Path({work!r}), "--child", port={port}), launcher=launcher)
 with server:
     print(server.launcher.pgid, flush=True)
     time.sleep(600)
@@ -678,9 +680,10 @@ with server:
 
 @pytest.mark.integration
 def test_a_server_left_by_a_killed_run_is_ended_by_the_next_launch(tmp_path: Path) -> None:
-    """kill -9 of the orchestrator skips every teardown: its server (in its own session) keeps the port.
-    The next launch on that port finds it marked as launched by a process that is gone, ends it, and
-    starts; a stale server nobody marked is still refused (test_a_stale_server_on_the_port...)."""
+    """kill -9 of the orchestrator skips every teardown: a server that does not die with it (in its own
+    session, its parent-death signal off) keeps the port. The next launch on that port finds it marked as
+    launched by a process that is gone, ends it, and starts; a stale server nobody marked is still refused
+    (test_a_stale_server_on_the_port...)."""
     root = str(Path(__file__).resolve().parents[1])
     port = free_port()
     (tmp_path / "first").mkdir()

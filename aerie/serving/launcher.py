@@ -7,15 +7,21 @@ Both write the server's stdout and stderr to `spec.log_path`, so readiness reads
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
+import queue
 import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 import psutil
 
@@ -221,14 +227,69 @@ def check_requirement(
     return version
 
 
+# prctl(2)'s option that makes the kernel signal a process when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(owner: int) -> Callable[[], None] | None:
+    """What the forked server runs before exec: SIGKILL once its owner dies. A server in its own session
+    outlives an owner killed by SIGKILL (no teardown runs), holding the port and the memory until the next
+    launch on that port sweeps it; with nobody left to serve, nothing is lost by killing it. Linux only
+    (None elsewhere: the next launch's sweep remains)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != owner:  # the owner died between the fork and prctl: no signal will come
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+class _Spawner:
+    """One thread, alive as long as the process, that forks every server. Linux sends the parent-death
+    signal when the *thread* that forked the child exits, not its process: a server forked by a Prefect
+    task's worker thread or an extraction pool's thread would be killed when that thread ends."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, job: Callable[[], Any]) -> Any:
+        """`job()` on the spawning thread; its result, or its exception raised here."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # first use, or a forked copy of aerie
+                self._thread = threading.Thread(target=self._serve, name="aerie-server-spawner", daemon=True)
+                self._thread.start()
+        done: Future[Any] = Future()
+        self._jobs.put((job, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            try:
+                done.set_result(job())
+            except BaseException as exc:  # handed to the caller, whatever it is
+                done.set_exception(exc)
+
+
+_SPAWNER = _Spawner()
+
+
 class ProcessLauncher(Launcher):
     """The server as a local process in its own session, so its whole process group can be killed.
 
     SGLang's schedulers can be reparented away from the launcher, so a walk
-    of the launcher's children misses them; `killpg` of the session's group does not.
+    of the launcher's children misses them; `killpg` of the session's group does not. The server dies
+    with this process (`_die_with`) unless `die_with_owner` is off (a server meant to outlive it).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, die_with_owner: bool = True) -> None:
+        self.die_with_owner = die_with_owner
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self._stopped: StopResult | None = None
@@ -260,15 +321,20 @@ class ProcessLauncher(Launcher):
         env = {**os.environ, **spec.env}
         env.setdefault("PYTHONUNBUFFERED", "1")  # log lines as they happen, not at exit
         self._log = spec.log_path.open("ab")
+        log_file = self._log
+        preexec = _die_with(os.getpid()) if self.die_with_owner else None
         try:
-            self._proc = subprocess.Popen(
-                spec.command,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=spec.cwd,
-                start_new_session=True,
+            self._proc = _SPAWNER.run(
+                lambda: subprocess.Popen(
+                    spec.command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=spec.cwd,
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                )
             )
         except OSError as exc:
             self._log.close()
