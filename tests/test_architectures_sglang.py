@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from aerie.deploy.work import server_specs
-from aerie.draft.dflash_export import WEIGHTS as DFLASH_WEIGHTS
+from aerie.draft.export import WEIGHTS as DFLASH_WEIGHTS
 from aerie.engine.speculative.dflash import hidden_state_indices
 from aerie.presets import load_config
 from aerie.serving.spec import SGLANG_CPU_ENV, sglang_cpu_args

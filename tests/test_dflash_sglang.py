@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from aerie.draft.dflash_export import WEIGHTS, export_dflash
+from aerie.draft.dflash_export import export_dflash
+from aerie.draft.export import WEIGHTS
 from aerie.targets import TargetInfo
 from aerie.train.config import TrainConfig
 from aerie.train.dflash_objective import DFlashObjective
