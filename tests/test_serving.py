@@ -613,7 +613,8 @@ def test_only_vital_processes_are_watched_compiler_children_may_come_and_go(tmp_
     """A child that exits while the server serves (torch.compile's g++ beside SGLang's scheduler) is no
     crash; the loss of the scheduler is, named by its process title."""
     vital = ("sglang::scheduler", "sglang::detokenizer")
-    spec = fake_spec(tmp_path, "--child", "--compiler-child", "0.6", vital_children=vital)
+    compiled = tmp_path / "compiled"  # the compiler child exits once this exists
+    spec = fake_spec(tmp_path, "--child", "--compiler-child", str(compiled), vital_children=vital)
     with ModelServer(spec) as server:
         launcher = server.launcher
         assert isinstance(launcher, ProcessLauncher)
@@ -621,6 +622,7 @@ def test_only_vital_processes_are_watched_compiler_children_may_come_and_go(tmp_
         compiler = [c for c in children if c.name() != "sglang::scheduler"]
         (scheduler,) = [c for c in children if c.name() == "sglang::scheduler"]
         assert len(compiler) == 1
+        compiled.touch()
         assert compiler[0].wait(timeout=10) is None  # it came and went (reaped) while the server served
         time.sleep(3 * spec.poll_interval_s)
         server.check_alive()

@@ -63,9 +63,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--child", action="store_true", help="leave a scheduler-like child in the group")
     p.add_argument(
         "--compiler-child",
-        type=float,
         default=None,
-        help="a short-lived child (as torch.compile's g++) that exits this many seconds after it started",
+        help="a short-lived child (as torch.compile's g++) that exits once this file exists",
     )
     p.add_argument("--shm-dir", default=None, help="create sgl_shm_* segments here (unlinked on SIGTERM)")
     p.add_argument(
@@ -193,7 +192,8 @@ def main() -> None:
         )
         child = subprocess.Popen(_named("sglang::scheduler", code), executable=sys.executable)
     if args.compiler_child is not None:
-        compiler = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({args.compiler_child})"])
+        wait = f"import os, time\nwhile not os.path.exists({args.compiler_child!r}): time.sleep(0.05)"
+        compiler = subprocess.Popen([sys.executable, "-c", wait])
         threading.Thread(target=compiler.wait, daemon=True).start()  # reaped, as its compiling parent does
     segments = make_segments(args.shm_dir)
     load(args)
