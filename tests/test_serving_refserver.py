@@ -15,6 +15,7 @@ import pytest
 
 from aerie.serving import ModelServer, ProcessLauncher, ServerConfig, port_is_free, spec_for
 from aerie.serving.launcher import live_group_members
+from aerie.serving.probe import port_holders
 from tests.fake_servers.scenarios import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # a reference server process
@@ -93,4 +94,8 @@ def test_a_server_does_not_outlive_a_sigkilled_owner(smollm2, tmp_path: Path) ->
     owner.kill()
     assert owner.wait(timeout=60) == -signal.SIGKILL
     assert group_gone(pgid, 30.0), f"server group {pgid} still alive: {live_group_members(pgid)}"
-    assert port_is_free("127.0.0.1", port)
+    # The port is released as the kernel tears the process down, which may finish after the group is gone.
+    deadline = time.monotonic() + 15
+    while not port_is_free("127.0.0.1", port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert port_is_free("127.0.0.1", port), f"port {port} still held by {port_holders(port)}"
