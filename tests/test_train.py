@@ -557,11 +557,25 @@ def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_co
     straight = make_upstream(tmp_path / "a", target, train, held)
     done = _run(straight, cfg, target)
     stopped = make_upstream(tmp_path / "b", target, train, held)
+    code, messages = _sigterm_at(stopped, cfg, target, "step 5/")
+    assert code == 128 + signal.SIGTERM
+    assert any("stopped by signal" in m and "at step 5" in m for m in messages)
+    latest = json.loads(stopped.store.get_bytes(f"t/train/{done.key}/checkpoints/latest.json"))
+    assert latest["step"] == 5  # not 4: nothing after the last regular checkpoint is lost
+
+    records = _train_records(stopped, _run(stopped, cfg, target))
+    _same_losses(_train_records(straight, done), records)  # each step once: none redone
+    assert [r["runs"] for r in records] == [1] * 5 + [2] * 3
+
+
+def _sigterm_at(upstream, cfg, target, prefix: str) -> tuple[object, list[str]]:  # noqa: ANN001
+    """Train with a real SIGTERM sent to this process when a progress message starts with `prefix`,
+    under the GPU host's handler (SIGTERM -> SystemExit): the exit code and every progress message."""
     messages: list[str] = []
 
-    def term_at_step_5(fraction: float, message: str) -> None:
+    def term_at(fraction: float, message: str) -> None:
         messages.append(message)
-        if message.startswith("step 5/"):
+        if message.startswith(prefix):
             os.kill(os.getpid(), signal.SIGTERM)
 
     def host_handler(signum: int, frame: object) -> None:
@@ -570,18 +584,11 @@ def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_co
     previous = signal.signal(signal.SIGTERM, host_handler)
     try:
         with pytest.raises(SystemExit) as exited:
-            _run(stopped, cfg, target, progress=term_at_step_5)
+            _run(upstream, cfg, target, progress=term_at)
         assert signal.getsignal(signal.SIGTERM) is host_handler  # the loop gave the handler back
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert exited.value.code == 128 + signal.SIGTERM
-    assert any("stopped by signal" in m and "at step 5" in m for m in messages)
-    latest = json.loads(stopped.store.get_bytes(f"t/train/{done.key}/checkpoints/latest.json"))
-    assert latest["step"] == 5  # not 4: nothing after the last regular checkpoint is lost
-
-    records = _train_records(stopped, _run(stopped, cfg, target))
-    _same_losses(_train_records(straight, done), records)  # each step once: none redone
-    assert [r["runs"] for r in records] == [1] * 5 + [2] * 3
+    return exited.value.code, messages
 
 
 def test_a_sigterm_during_the_last_step_stops_with_its_checkpoint_and_the_rerun_only_exports(
@@ -595,23 +602,9 @@ def test_a_sigterm_during_the_last_step_stops_with_its_checkpoint_and_the_rerun_
     straight = make_upstream(tmp_path / "a", target, train, held)
     done = _run(straight, cfg, target)
     stopped = make_upstream(tmp_path / "b", target, train, held)
-    messages: list[str] = []
-
-    def term_at_the_last_step(fraction: float, message: str) -> None:
-        messages.append(message)
-        if message.startswith("step 8/8 "):  # the step's record: its evaluation and checkpoint follow
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def host_handler(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, host_handler)
-    try:
-        with pytest.raises(SystemExit) as exited:
-            _run(stopped, cfg, target, progress=term_at_the_last_step)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert exited.value.code == 128 + signal.SIGTERM
+    # At the step's record: its evaluation and checkpoint follow.
+    code, messages = _sigterm_at(stopped, cfg, target, "step 8/8 ")
+    assert code == 128 + signal.SIGTERM
     assert any("stopped by signal" in m and "at step 8" in m for m in messages)
     assert not any("exporting" in m for m in messages)
     prefix = f"t/train/{done.key}"
