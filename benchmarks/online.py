@@ -49,23 +49,16 @@ def _config(work: Path, port: int) -> Any:
 
 def _prepare(work: Path) -> dict[str, Any]:
     """The corpus in the store, as the merge stage leaves it (rows and token counts)."""
-    import polars as pl
-    import torch
 
     from aerie.store import LocalStore
     from tests.extract_support import corpus_rows, write_corpus
+    from tests.online_support import put_token_counts
 
     _, target = _config(work, 30000)  # no server here: any port
     rows = corpus_rows(target.load_tokenizer(), TRAIN_ROWS + EVAL_ROWS, seed=7, min_words=60, max_words=200)
     store = LocalStore(work / "store")
     corpus = write_corpus(store, RUN, {"train": rows[:TRAIN_ROWS], "eval": rows[TRAIN_ROWS:]})
-    counts = torch.zeros(target.vocab_size, dtype=torch.int64)
-    for r in rows[:TRAIN_ROWS]:
-        ids, mask = torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool)
-        counts += torch.bincount(ids[mask], minlength=target.vocab_size)
-    table = work / "token_counts.parquet"
-    pl.DataFrame({"token_id": list(range(target.vocab_size)), "count": counts.tolist()}).write_parquet(table)
-    store.put_file(f"{corpus.prefix}/token_counts.parquet", table)
+    put_token_counts(store, corpus, rows[:TRAIN_ROWS], target.vocab_size, work)
     (work / "corpus.json").write_text(corpus.model_dump_json())
     return {"rows": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows)}
 

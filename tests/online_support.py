@@ -52,14 +52,22 @@ def corpus_with_counts(
     rows = random_rows(target.vocab_size, train + held, seed)
     splits = {"train": rows[:train]} | ({"eval": rows[train:]} if held else {})
     corpus = write_corpus(store, RUN, splits)
-    counts = torch.zeros(target.vocab_size, dtype=torch.int64)
-    for r in rows[:train]:
-        ids, mask = torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool)
-        counts += torch.bincount(ids[mask], minlength=target.vocab_size)
-    table = tmp / "token_counts.parquet"
-    pl.DataFrame({"token_id": list(range(target.vocab_size)), "count": counts.tolist()}).write_parquet(table)
-    store.put_file(f"{corpus.prefix}/token_counts.parquet", table)
+    put_token_counts(store, corpus, rows[:train], target.vocab_size, tmp)
     return corpus
+
+
+def put_token_counts(
+    store: ArtifactStore, corpus: StageResult, rows: list[dict], vocab_size: int, tmp: Path
+) -> None:
+    """The corpus's supervised-token counts (what the trainer's draft vocabulary is chosen from), as the
+    merge stage writes them, counted over `rows`."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for r in rows:
+        ids, mask = torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool)
+        counts += torch.bincount(ids[mask], minlength=vocab_size)
+    table = tmp / "token_counts.parquet"
+    pl.DataFrame({"token_id": list(range(vocab_size)), "count": counts.tolist()}).write_parquet(table)
+    store.put_file(f"{corpus.prefix}/token_counts.parquet", table)
 
 
 def extract_config(tmp: Path, storage: str = "bf16", **kw: Any) -> ExtractConfig:
