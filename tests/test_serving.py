@@ -154,6 +154,20 @@ def test_sglang_extraction_spec_in_docker(tmp_path: Path) -> None:
     assert serve.startup_timeout_s == 3600  # a hub id not on local disk: size unknown
 
 
+def test_the_extraction_launcher_keeps_the_pythonpath_sglang_was_found_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An SGLang installed with `pip install --target DIR` is reached only through PYTHONPATH: the
+    # extraction launch adds aerie's root after it instead of replacing it.
+    monkeypatch.setenv("PYTHONPATH", f"/opt/sgl{os.pathsep}/opt/site")
+    cfg = ServerConfig(backend="sglang", device="cuda", python="/usr/bin/python3", port=31235)
+    spec = spec_for(cfg, model_path="m", mode="extract", dump_dir=tmp_path / "dumps")
+    assert spec.env["PYTHONPATH"].split(os.pathsep) == ["/opt/sgl", "/opt/site", str(AERIE_ROOT)]
+    # A PYTHONPATH the server's own environment sets is the one it gets.
+    own = spec_for(cfg.model_copy(update={"env": {"PYTHONPATH": "/shims"}}), model_path="m", mode="extract")
+    assert own.env["PYTHONPATH"].split(os.pathsep) == ["/shims", str(AERIE_ROOT)]
+
+
 def test_sglang_on_the_cpu_gets_its_cpu_engine_and_flags(tmp_path: Path) -> None:
     cfg = ServerConfig(
         backend="sglang",

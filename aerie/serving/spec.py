@@ -253,9 +253,12 @@ def sglang_python(cfg: ServerConfig) -> str:
 
 
 def _with_aerie_on_path(env: dict[str, str]) -> dict[str, str]:
-    """`env` whose PYTHONPATH also reaches aerie (after what it names): SGLang's own environment does
-    not install aerie, and the extraction launcher is aerie's module."""
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(AERIE_ROOT)]
+    """`env` whose PYTHONPATH also reaches aerie, after what it names (else what this process was given:
+    the server's environment is laid over this one's, and an SGLang installed with `pip --target` is
+    found only through it): SGLang's own environment does not install aerie, and the extraction
+    launcher is aerie's module."""
+    given = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    paths = [p for p in given.split(os.pathsep) if p] + [str(AERIE_ROOT)]
     return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
