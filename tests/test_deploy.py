@@ -4,6 +4,7 @@ against two real reference servers (baseline and speculative mode with an export
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,28 @@ def test_sglang_speculative_launch_command(tmp_path, smollm2):
     assert inside.volumes[str(drafter_dir.resolve())] == str(drafter_dir.resolve())
     assert str(drafter_dir.resolve()) in inside.read_only_volumes
     assert inside.image == "lmsysorg/sglang:v0.5.23"
+
+
+def test_sglang_serves_a_float32_target_in_its_drafters_dtype(tmp_path, smollm2):
+    # SGLang serves a float32 checkpoint (the embedded SmolLM2) in float16 under --dtype auto; the
+    # EAGLE-3 head's bfloat16 weights then meet float16 hidden states and the server dies.
+    assert json.loads((Path(smollm2.path) / "config.json").read_text())["dtype"] == "float32"
+    drafter_dir = tmp_path / "drafter"
+    drafter_dir.mkdir()
+    (drafter_dir / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    server = ServerConfig(backend="sglang", python="/usr/bin/python3", port=30124)
+    specs = server_specs(DeployConfig(), server, smollm2, str(drafter_dir))
+    for spec in specs.values():  # both, so the speed-up compares like with like
+        assert _argv_value(spec.command, "--dtype") == "bfloat16"
+    given = server.model_copy(update={"extra_args": ["--dtype", "float16"]})
+    for spec in server_specs(DeployConfig(), given, smollm2, str(drafter_dir)).values():
+        assert spec.command.count("--dtype") == 1 and _argv_value(spec.command, "--dtype") == "float16"
+    # A target already in the drafter's dtype is served as SGLang chooses.
+    (drafter_dir / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    assert all(
+        "--dtype" not in s.command
+        for s in server_specs(DeployConfig(), server, smollm2, str(drafter_dir)).values()
+    )
 
 
 def test_explicit_draft_tokens_and_tree_drafts(tmp_path, smollm2):

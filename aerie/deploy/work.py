@@ -72,6 +72,7 @@ def server_specs(
     cfg: DeployConfig, server: ServerConfig, target: TargetInfo, drafter_dir: str
 ) -> dict[str, ServerSpec]:
     """The baseline and speculative launches (same backend, model and port; launched one at a time)."""
+    server = with_drafter_dtype(server, target, drafter_dir)
     return {
         "baseline": spec_for(
             server,
@@ -89,6 +90,31 @@ def server_specs(
             trust_remote_code=target.trust_remote_code,
         ),
     }
+
+
+def with_drafter_dtype(server: ServerConfig, target: TargetInfo, drafter_dir: str) -> ServerConfig:
+    """`server` serving both launches in the drafter's dtype where SGLang's `--dtype auto` would serve
+    the target in another: it serves a float32 checkpoint (the embedded SmolLM2 is one) in float16, and
+    the EAGLE-3 head then multiplies float16 hidden states by bfloat16 weights, which kills the
+    speculative server at its first draft forward. The baseline gets the same dtype, so the two are
+    compared like for like; a `--dtype` in `server.extra_args` is kept as it is."""
+    if server.backend != "sglang" or "--dtype" in server.extra_args:
+        return server
+    drafter = _config_dtype(Path(drafter_dir))
+    if drafter is None or _config_dtype(Path(target.path)) in (drafter, None):
+        return server
+    return server.model_copy(update={"extra_args": [*server.extra_args, "--dtype", drafter]})
+
+
+def _config_dtype(model_dir: Path) -> str | None:
+    """The dtype a model directory's config.json names (`dtype`, or `torch_dtype` before transformers
+    5), or None where it names none or cannot be read."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dtype = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return dtype if isinstance(dtype, str) else None
 
 
 def decide_promotion(rows: list[dict[str, Any]], cfg: DeployConfig) -> Promotion:
