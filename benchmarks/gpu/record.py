@@ -1,12 +1,28 @@
-"""The peer record: aerie's drafter beside SpecForge 0.2.0's, both trained on one run's extracted
-features and measured by one evaluator, folded from what that run wrote (nothing here measures).
+"""Records of the GPU-host jobs, folded from what a job wrote (nothing here measures):
 
-    python benchmarks/peer_h200/record.py --home HOME --run smollm2-gpu --specforge specforge-train.json \\
+    python benchmarks/gpu/record.py peer --home HOME --run smollm2-gpu --specforge specforge-train.json \\
         --pair pair.json --machine "..." --command "..." --out benchmarks/results/peer-drafter-h200.json
+    python benchmarks/gpu/record.py pipeline --home HOME --run smollm2-gpu --job JOB_DIR \\
+        --machine "..." --command "..." --out benchmarks/results/h200-pipeline.json
+    python benchmarks/gpu/record.py sglang --extract DIR --serve DIR [--serve-short DIR] [--offline FILE] --date D
 
-HOME is the pipeline's home on the GPU host (or one restored from its pack-out): the stage manifests
-give the data both trainers saw and aerie's training time; `specforge-train.json` is what
-benchmarks/peer_drafter.py wrote, `pair.json` what benchmarks/peer_h200/evaluate_pair.py wrote.
+HOME is the pipeline's home on the GPU host (or one restored from its pack-out).
+
+`peer`: aerie's drafter beside SpecForge 0.2.0's, both trained on one run's extracted features and measured
+by one evaluator. The stage manifests give the data both trainers saw and aerie's training time;
+`specforge-train.json` is what benchmarks/peer_drafter.py wrote, `pair.json` what
+benchmarks/gpu/evaluate_pair.py wrote.
+
+`pipeline`: GPU seconds per stage, summed over every call, and the drafter's acceptance. A stage's seconds
+are what it cost over every call that worked on it (`aerie.plan.track.manifest_seconds`: a resumed
+generation's runs and their server starts, a resumed training's runs), the GPU held throughout. JOB_DIR,
+the job's work folder, gives each `pipeline-*` step's wall seconds: the `gpuhost run` commands whole, with
+what no stage counts (interpreter start, cache checks, pack-outs), the figure to read beside the stages' sum.
+
+`sglang`: folds what the `sgl-extract` / `sgl-serve` jobs wrote to their output folders (extract.json,
+serve.json) into benchmarks/results/sglang-h200.json; --offline is the report of `aerie evaluate --json` on
+the same drafter and prompts. The record's earlier `extract` block (its roofline measured in that run) is
+kept; this run's extraction goes beside it.
 """
 
 from __future__ import annotations
@@ -18,12 +34,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from aerie.plan.track import manifest_seconds
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline import newest_manifests, stage_record  # noqa: E402
+from pipeline import STAGES, newest_manifests, stage_record  # noqa: E402
 
-GOAL_TIME_RATIO = 0.5  # aerie's τ at least SpecForge's, in at most half its training time
+SGLANG_RECORD = Path(__file__).resolve().parents[1] / "results" / "sglang-h200.json"
+LEVELS = ("c1", "c8", "c32")
+PEER_GOAL_TIME_RATIO = 0.5  # aerie's τ at least SpecForge's, in at most half its training time
+PIPELINE_GOAL_GPU_S = 1800  # the whole pipeline in 30 GPU-minutes...
+PIPELINE_GOAL_MTBENCH_K7 = (
+    3.0  # ...with a drafter that accepts at least 3 tokens a round on MT-Bench (7 steps)
+)
 
 
+# ---- peer
 def taus(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """{dataset: {"k3": τ, ...}} from the evaluator's results."""
     out: dict[str, dict[str, float]] = {}
@@ -79,11 +104,11 @@ def comparison(aerie: dict[str, Any], specforge: dict[str, Any]) -> dict[str, An
             for d in aerie["acceptance"]
         },
         "aerie_tau_at_least_specforge_everywhere": tau_ok,
-        "goal_met": tau_ok and ratio <= GOAL_TIME_RATIO,
+        "goal_met": tau_ok and ratio <= PEER_GOAL_TIME_RATIO,
     }
 
 
-def build(args: argparse.Namespace) -> dict[str, Any]:
+def peer_record(args: argparse.Namespace) -> dict[str, Any]:
     manifests = newest_manifests(Path(args.home), args.run)
     needed = ("generate-sharegpt", "merge", "extract", "train")
     missing = [s for s in needed if s not in manifests]
@@ -121,10 +146,6 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         "per_position": per_position(pair["drafters"]["specforge"]["results"]),
     }
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": args.machine,
-        "command": args.command,
-        "notes": args.note,
         "aerie": aerie,
         "specforge": specforge,
         "comparison": comparison(aerie, specforge),
@@ -143,21 +164,156 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ---- pipeline
+def acceptance(figures: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """{"mtbench": {"k3": τ, "k7": τ}, "heldout": {...}}: the EAGLE-3 drafter's, greedy."""
+    out: dict[str, dict[str, float]] = {}
+    for dataset in ("mtbench", "heldout"):
+        for k in (3, 7):
+            value = figures.get(f"accept_{dataset}_eagle3_k{k}")
+            if value is not None:
+                out.setdefault(dataset, {})[f"k{k}"] = value
+    return out
+
+
+def host_steps(job: Path) -> dict[str, float]:
+    return {p.name.split(".", 1)[1]: float(p.read_text()) for p in sorted(job.glob("seconds.pipeline-*"))}
+
+
+def pipeline_record(args: argparse.Namespace) -> dict[str, Any]:
+    home, run, job = args.home, args.run, args.job
+    manifests = {s: json.loads(p.read_text()) for s, p in newest_manifests(home, run).items()}
+    stages = {
+        s: {
+            "gpu_s": round(manifest_seconds(m, float(m.get("seconds", 0.0))), 1),
+            "runs": m.get("throughput", {}).get("runs", 1),
+            "figures": m.get("figures", {}),
+        }
+        for s, m in manifests.items()
+    }
+    total = round(sum(s["gpu_s"] for s in stages.values()), 1)
+    accept = acceptance(stages.get("evaluate", {}).get("figures", {}))
+    k7 = accept.get("mtbench", {}).get("k7")
+    missing = [s for s in STAGES if s not in stages]
+    return {
+        "stages_missing": missing,
+        "gpu_seconds_total": total,
+        "gpu_seconds": {s: v["gpu_s"] for s, v in stages.items()},
+        "host_steps_s": host_steps(job) if job else {},
+        "acceptance": accept,
+        "goal": {
+            "gpu_seconds_total_max": PIPELINE_GOAL_GPU_S,
+            "mtbench_k7_min": PIPELINE_GOAL_MTBENCH_K7,
+            "met": not missing
+            and total <= PIPELINE_GOAL_GPU_S
+            and k7 is not None
+            and k7 >= PIPELINE_GOAL_MTBENCH_K7,
+        },
+        "stages": stages,
+    }
+
+
+# ---- sglang
+def _levels(mode: dict) -> dict:
+    return {k: {f: v for f, v in mode[k].items() if f != "texts"} for k in LEVELS if k in mode}
+
+
+def _serve(serve: dict) -> dict:
+    base, spec = serve["modes"]["baseline"], serve["modes"]["eagle3"]
+    cmp = serve["compare"]
+    return {
+        "speedup": {k: cmp[f"speedup_{k}"] for k in LEVELS},
+        "accept_length": spec["c1"]["accept_length"],
+        "accept_length_by_level": {k: cmp[f"accept_length_{k}"] for k in LEVELS},
+        "identical_outputs": {k: cmp[f"identical_outputs_{k}"] for k in LEVELS},
+        "mean_common_prefix_share": {k: cmp[f"mean_common_prefix_share_{k}"] for k in LEVELS},
+        "baseline": {"startup_s": base["startup_s"], **_levels(base), "command": base["command"]},
+        "eagle3": {"startup_s": spec["startup_s"], **_levels(spec), "command": spec["command"]},
+    }
+
+
+def _offline(report: dict) -> dict:
+    rows = [r for r in report["results"] if r["proposer"] == "eagle3"]
+    return {
+        f"k{r['num_steps']}": {
+            "spec_accept_length": r["spec_accept_length"],
+            "accept_length": r["accept_length"],
+            "sequences": r["sequences"],
+            "conditional_acceptance": r["conditional_acceptance"],
+        }
+        for r in rows
+    }
+
+
+def sglang_record(args: argparse.Namespace) -> None:
+    record = json.loads(SGLANG_RECORD.read_text())
+    ext = json.loads((args.extract / "extract.json").read_text())
+    serve = json.loads((args.serve / "serve.json").read_text())
+    pipe = ext["pipeline"]["sglang"]
+    record["date"] = args.date
+    record["extract_with_serve"] = {
+        "tokens_per_s": pipe["steady_tokens_per_s"],
+        "wall_s_incl_startup_and_canary": pipe["wall_s_incl_startup_and_canary"],
+        "canary_passed": pipe["canary_passed"],
+        "tokens": pipe["tokens"],
+        "shards": pipe["shards"],
+        "bytes_per_token": pipe["bytes_per_token"],
+        "server_args": pipe["server_args"],
+    }
+    record["train_on_sglang_shards"] = ext["train"]
+    record["serve"] = _serve(serve)
+    if args.serve_short:
+        short = json.loads((args.serve_short / "serve.json").read_text())["modes"]["eagle3"]
+        record["serve"]["eagle3_chain1"] = {"startup_s": short["startup_s"], **_levels(short)}
+    if args.offline:
+        record["offline_eval"] = _offline(json.loads(args.offline.read_text()))
+    SGLANG_RECORD.write_text(json.dumps(record, indent=2) + "\n")
+    print(
+        json.dumps({"speedup": record["serve"]["speedup"], "accept_length": record["serve"]["accept_length"]})
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--home", required=True)
-    ap.add_argument("--run", default="smollm2-gpu")
-    ap.add_argument("--specforge", required=True, help="specforge-train.json")
-    ap.add_argument("--pair", required=True, help="the evaluator's pair.json")
-    ap.add_argument("--machine", required=True)
-    ap.add_argument("--command", required=True)
-    ap.add_argument("--note", action="append", default=[])
-    ap.add_argument("--out", required=True)
+    sub = ap.add_subparsers(dest="job", required=True)
+    folded = argparse.ArgumentParser(add_help=False)  # a record made whole from one job's files
+    folded.add_argument("--home", required=True, type=Path)
+    folded.add_argument("--run", default="smollm2-gpu")
+    folded.add_argument("--machine", required=True)
+    folded.add_argument("--command", required=True)
+    folded.add_argument("--note", action="append", default=[])
+    folded.add_argument("--out", required=True, type=Path)
+    peer = sub.add_parser("peer", parents=[folded])
+    peer.add_argument("--specforge", required=True, help="specforge-train.json")
+    peer.add_argument("--pair", required=True, help="the evaluator's pair.json")
+    pipe = sub.add_parser("pipeline", parents=[folded])
+    pipe.add_argument("--job", type=Path, help="the job's work folder (its seconds.pipeline-* files)")
+    sgl = sub.add_parser("sglang")
+    sgl.add_argument("--extract", type=Path, required=True)
+    sgl.add_argument("--serve", type=Path, required=True)
+    sgl.add_argument("--serve-short", type=Path, help="a second eagle3-only serve run (shorter chain)")
+    sgl.add_argument("--offline", type=Path)
+    sgl.add_argument("--date", required=True)
     args = ap.parse_args()
-    record = build(args)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({"aerie": record["aerie"]["acceptance"], "specforge": record["specforge"]["acceptance"],
-                      "comparison": record["comparison"]}, indent=2))  # fmt: skip
+    if args.job == "sglang":
+        sglang_record(args)
+        return
+    record = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": args.machine,
+        "command": args.command,
+        "notes": args.note,
+        **(peer_record(args) if args.job == "peer" else pipeline_record(args)),
+    }
+    args.out.write_text(json.dumps(record, indent=2 if args.job == "peer" else 1) + "\n")
+    if args.job == "peer":
+        summary = {k: record[k]["acceptance"] for k in ("aerie", "specforge")} | {
+            "comparison": record["comparison"]
+        }
+        print(json.dumps(summary, indent=2))
+    else:
+        per_stage = ", ".join(f"{s} {v} s" for s, v in record["gpu_seconds"].items())
+        print(f"wrote {args.out}: {per_stage}; total {record['gpu_seconds_total']} s; {record['acceptance']}")
 
 
 if __name__ == "__main__":

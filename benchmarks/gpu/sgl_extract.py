@@ -22,12 +22,10 @@ sys.path.insert(0, str(SRC))
 
 import extract as bx  # noqa: E402  (benchmarks/extract.py)
 import numpy as np  # noqa: E402
-import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
 from aerie.extract.config import ExtractConfig  # noqa: E402
 from aerie.extract.work import run as run_extract  # noqa: E402
-from aerie.manifest import StageDir, stage_key  # noqa: E402
 from aerie.serving import ServerConfig  # noqa: E402
 from aerie.store import LocalStore  # noqa: E402
 from aerie.targets import resolve_target  # noqa: E402
@@ -49,42 +47,6 @@ def load_corpus(path: Path, limit_tokens: int | None) -> list[list[int]]:
         if limit_tokens and at >= limit_tokens:
             break
     return out
-
-
-def write_corpus(store, sequences, work: Path):
-    """bx.write_corpus plus the merge stage's token_counts.parquet (the train stage builds its vocab map from it)."""
-    stage = StageDir(store, "bench", "merge", stage_key("merge", {"bench-sharegpt": len(sequences)}))
-    frame = pl.DataFrame(
-        {
-            "id": [f"b{i}" for i in range(len(sequences))],
-            "source": ["sharegpt"] * len(sequences),
-            "input_ids": sequences,
-            "loss_mask": [[1] * len(s) for s in sequences],
-        },
-        schema={
-            "id": pl.String,
-            "source": pl.String,
-            "input_ids": pl.List(pl.Int32),
-            "loss_mask": pl.List(pl.UInt8),
-        },
-    ).with_columns(n_tokens=pl.col("input_ids").list.len(), n_supervised=pl.col("input_ids").list.len())
-    local = work / "train-00000.parquet"
-    frame.write_parquet(local, compression="zstd", row_group_size=bx.ROW_GROUP)
-    store.put_file(stage.path(local.name), local)
-    flat = np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences])
-    ids, counts = np.unique(flat, return_counts=True)
-    tc = work / "token_counts.parquet"
-    pl.DataFrame({"token_id": ids.astype(np.int32), "count": counts.astype(np.int64)}).write_parquet(tc)
-    store.put_file(stage.path("token_counts.parquet"), tc)
-    tokens = int(flat.size)
-    shard = {"key": stage.path(local.name), "file": local.name, "rows": len(sequences), "tokens": tokens}
-    return stage.finish(
-        {
-            "splits": {"train": {"shards": [shard]}},
-            "files": {"token_counts": "token_counts.parquet"},
-            "figures": {"tokens": tokens},
-        }
-    )
 
 
 def run_pipeline(backend: str, target, store, corpus, work: Path, args, storage: str, server_quantize: bool):
@@ -230,7 +192,7 @@ def main() -> None:
     print("corpus", FIG["corpus"], "target ready in", round(time.perf_counter() - t0, 1), "s", flush=True)
     save(out)
     store = LocalStore(work / "store")
-    corpus = write_corpus(store, sequences, work)
+    corpus = bx.write_corpus(store, sequences, work, source="sharegpt", token_counts=True)
     if "roofline" in steps:
         t = time.perf_counter()
         FIG["bare_forward"] = bx.bare_forward(target, args.device, sequences, [16384, 65536])

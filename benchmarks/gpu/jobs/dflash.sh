@@ -1,7 +1,22 @@
-# The DFlash-against-EAGLE-3 run's steps, sourced by benchmarks/hostjob.sh (which defines `step`, $W, $H,
-# $PY and the plan's settings): install -> benchmarks/dflash.py (both families over one corpus, from the
-# home's store: a restored generation is a cache hit).
-step install $PY -m tools.gpuhost install --home "$H"
-# shellcheck disable=SC2086  # OVERRIDES is a list of key=value words
-step dflash $PY benchmarks/dflash.py --preset "$PRESET" --steps "$STEPS" --out "$W/dflash.json" \
-  --note "$NOTE" store.uri="$H/store" run="$RUN" $OVERRIDES
+# dflash (go): DFlash against EAGLE-3 over one corpus, the same training tokens and evaluator (benchmarks/dflash.py) -> dflash.json (results/dflash-h200.json)
+# The corpus is the peer job's: its bundles staged the same way, its pack-out restores the generation
+# (`go dflash 540 .stage/peer-state`). Steps: install -> dflash (a restored generation is a cache hit).
+BACK_FILES="dflash.json"
+
+plan_h200() {
+  # SmolLM2-135M's own answers to the first 3,000 ShareGPT conversations (three turns, regenerated), both
+  # families trained four epochs with the preset's recipe otherwise, measured greedy at 7 drafts a round
+  # (EAGLE-3 chains of 7, DFlash blocks of 8; 64 DFlash anchors a document, the preset's).
+  PRESET=smollm2-gpu
+  RUN=smollm2-gpu
+  STEPS=7
+  OVERRIDES="generate.datasets.0.num_samples=3000 corpus.eval_fraction=0.015 train.epochs=4 evaluate.temperatures=[0]"
+  NOTE="one H200; 3,000 regenerated ShareGPT conversations (three turns), four epochs per family, greedy, 80 MT-Bench first turns and the held-out split at 384 new tokens"
+}
+
+steps() {
+  step install $PY -m tools.gpuhost install --home "$H"
+  # shellcheck disable=SC2086  # OVERRIDES is a list of key=value words
+  step dflash $PY benchmarks/dflash.py --preset "$PRESET" --steps "$STEPS" --out "$W/dflash.json" \
+    --note "$NOTE" store.uri="$H/store" run="$RUN" $OVERRIDES
+}

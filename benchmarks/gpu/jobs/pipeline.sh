@@ -1,15 +1,27 @@
-# The whole smollm2-gpu pipeline on one H200, sourced by benchmarks/hostjob.sh (which defines `step`, $W,
-# $H, $PY and the plan's settings); a step that finished is skipped on a re-run:
-#   install -> decode (optional: the generation server's decoder at $DECODE_RUNNING rows, random requests
-#   of the run's shape, for the planner's calibration) -> pipeline --until U, for each U of $UNTIL, each
-#   packed out to $W/state-U -> record ($W/h200-pipeline.json, from the stage manifests)
-# The pipeline's stages resume from the store, and a fresh host from a pack-out (`go WAIT_S STATE_DIR`):
-# one run spans several hosts when one host's time cannot hold it; every stage's seconds, its server
-# starts included, are summed over the calls that worked on it.
-date +%s > "$W/t0.tmp" && { [ -f "$W/t0" ] || mv "$W/t0.tmp" "$W/t0"; }
+# pipeline (go): the whole smollm2-gpu preset on one H200, each stage's GPU seconds over every call that worked on it -> h200-pipeline.json (results/h200-pipeline.json)
+# Steps: install -> decode (when DECODE_RUNNING is set: the generation server's decoder at those batch sizes,
+# random requests of the run's shape, for the planner's calibration) -> pipeline --until U for each U of
+# UNTIL, each packed out to $W/state-U -> record (record.py pipeline, from the stage manifests). The stages
+# resume from the store, and a fresh host from a pack-out (`go pipeline WAIT_S STATE_DIR`): one run spans
+# several hosts when one host's time cannot hold it.
+BACK_FILES="h200-pipeline.json decode_running-h200.json state-*/state.json state-*/state.tgz.*"
 
-# A pipeline step within what is left of $BUDGET_S (counted from this host's first driver start): stopped
-# at it (gpuhost's exit 75), it marks the job stopped, and the steps after it do not start.
+plan_h200() {
+  # The preset as it ships, every ShareGPT conversation (three turns) regenerated, through each stage of UNTIL
+  # in turn (each packed out when it ends), within BUDGET_S seconds from the driver's first start on this host.
+  # DECODE_RUNNING (empty: no decode step): prompts of 16-900 tokens, 200-384 new, near the run's mean context.
+  PRESET=smollm2-gpu
+  RUN=smollm2-gpu
+  OVERRIDES=""
+  UNTIL=${UNTIL:-"merge deploy"}
+  BUDGET_S=${BUDGET_S:-1600}
+  DECODE_RUNNING=${DECODE_RUNNING:-}
+  DECODE_SHAPES="16,900:200,384"
+  MACHINE="one NVIDIA H200 GPU (about 139 GiB), 16 CPU cores, 128 GiB memory, 64 GiB disk"
+}
+
+# A pipeline step within what is left of $BUDGET_S (counted from this host's first driver start): stopped at
+# it (gpuhost's exit 75), it marks the job stopped, and the steps after it do not start.
 budgeted() {
   local until=$1 left
   left=$(( BUDGET_S - ($(date +%s) - $(cat "$W/t0")) ))
@@ -24,15 +36,20 @@ budgeted() {
   return "$rc"
 }
 
-step install $PY -m tools.gpuhost install --home "$H"
-if [ -n "$DECODE_RUNNING" ]; then
-  step decode $PY benchmarks/decode.py --device cuda --backends slots-graphs --concurrency "$DECODE_RUNNING" \
-    --requests-per-slot 2 --shapes $DECODE_SHAPES --budget-s 15 --record decode_running \
-    --out "$W/decode_running-h200.json"
-fi
-for until in $UNTIL; do
-  step "pipeline-$until" budgeted "$until"
-done
-step record $PY benchmarks/pipeline_h200/record.py --home "$H" --run "$RUN" --job "$W" --machine "$MACHINE" \
-  --command "PLAN=$PLAN bash benchmarks/hostjob.sh benchmarks/pipeline_h200 go (UNTIL='$UNTIL' $OVERRIDES)" \
-  --out "$W/h200-pipeline.json"
+steps() {
+  date +%s > "$W/t0.tmp" && { [ -f "$W/t0" ] || mv "$W/t0.tmp" "$W/t0"; }
+  step install $PY -m tools.gpuhost install --home "$H"
+  if [ -n "$DECODE_RUNNING" ]; then
+    # shellcheck disable=SC2086  # DECODE_SHAPES is a list of shapes
+    step decode $PY benchmarks/decode.py --device cuda --backends slots-graphs --concurrency "$DECODE_RUNNING" \
+      --requests-per-slot 2 --shapes $DECODE_SHAPES --budget-s 15 --record decode_running \
+      --out "$W/decode_running-h200.json"
+  fi
+  local until
+  for until in $UNTIL; do
+    step "pipeline-$until" budgeted "$until"
+  done
+  step record $PY benchmarks/gpu/record.py pipeline --home "$H" --run "$RUN" --job "$W" --machine "$MACHINE" \
+    --command "PLAN=$PLAN bash benchmarks/gpu/job.sh go pipeline (UNTIL='$UNTIL' $OVERRIDES)" \
+    --out "$W/h200-pipeline.json"
+}

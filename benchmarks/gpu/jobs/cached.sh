@@ -1,0 +1,3 @@
+# cached [--preset P] [--expect STAGE] [k=v ...]: which stages a run in the home would take as finished, before any GPU time goes to it (cached.py); exit 1 when one up to STAGE would run again
+NEEDS=home
+run() { $PY "$GPU/cached.py" --home "$H" "$@"; }

@@ -1,0 +1,7 @@
+# targets OUT ARGS: tiny DeepSeek-V3 and Kimi-shaped MLA targets through every stage on SGLang (benchmarks/targets_gpu.py) -> OUT/targets_gpu-<card>.json
+# Needs SGLang's set (receive + part), e.g. `targets OUT --arch kimi --generate-backend reference`.
+NEEDS=sglang
+run() {
+  local out=${1:?targets OUT [targets_gpu.py ARGS]}; shift
+  PYTHONPATH=$SGL:$ROOT logged "$out" targets "$PY" "$ROOT/benchmarks/targets_gpu.py" --out "$out" "$@"
+}
