@@ -5,6 +5,7 @@
 # WHEELS_DIR generate.datasets.0.num_samples=1`; there: `unpack .stage/decode/bundle-1 && decode --device cuda
 # --target-config CONFIG_DIR --concurrency 256 --backends slots-graphs,slots --shapes 256,2048:200,384
 # 16,900:200,384 16,256:64,384 --budget-s 15 --record decode_context`.
+# shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=""
 run() {
   local wheels=("$H"/staged/wheels/*.whl)

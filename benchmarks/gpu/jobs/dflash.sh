@@ -1,6 +1,7 @@
 # dflash (go): DFlash against EAGLE-3 over one corpus, the same training tokens and evaluator (benchmarks/dflash.py) -> dflash.json (results/dflash-h200.json)
 # The corpus is the peer job's: its bundles staged the same way, its pack-out restores the generation
 # (`go dflash 540 .stage/peer-state`). Steps: install -> dflash (a restored generation is a cache hit).
+# shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 BACK_FILES="dflash.json"
 
 plan_h200() {

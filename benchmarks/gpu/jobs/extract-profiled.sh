@@ -4,6 +4,7 @@
 # "baseline:" line (the last figure before the pipelines): a pipeline's server start and canary take 10-25 s
 # on an H200, so 20-25 s lands in the first pipeline's steady state. spy.txt: raw stacks, one line per stack
 # and thread.
+# shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=home
 run() {
   local out=${1:?extract-profiled OUT PYSPY_WHEEL PIPELINES [DELAY_S] [DURATION_S]} wheel=${2:?} pipelines=${3:?}

@@ -3,6 +3,7 @@
 # aerie's train stage) -> specforge (benchmarks/peer_drafter.py) -> evaluate (evaluate_pair.py) -> record.
 # The SpecForge wheel is read from $SF_WHEEL (default: .stage/peer-sf/ in the tree of the call that started
 # the driver, $CALL_TREE).
+# shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 BACK_FILES="peer-drafter.json pair.json sf-out/specforge-train.json state/state.json state/state.tgz.*"
 
 plan_h200() {

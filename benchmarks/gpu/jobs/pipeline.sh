@@ -4,6 +4,7 @@
 # UNTIL, each packed out to $W/state-U -> record (record.py pipeline, from the stage manifests). The stages
 # resume from the store, and a fresh host from a pack-out (`go pipeline WAIT_S STATE_DIR`): one run spans
 # several hosts when one host's time cannot hold it.
+# shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 BACK_FILES="h200-pipeline.json decode_running-h200.json state-*/state.json state-*/state.tgz.*"
 
 plan_h200() {

@@ -10,6 +10,7 @@
 # config, and leaves out a stage whose settings equal a calibration run's. Run it when the machine is
 # otherwise idle: other work slows every stage, and the row records the load it ran under. PYTHON: the
 # interpreter (this checkout's .venv by default).
+# shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=""
 run() {
   set -euo pipefail

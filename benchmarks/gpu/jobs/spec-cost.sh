@@ -2,6 +2,7 @@
 # Needs SGLang's set (receive + part). Here: `python benchmarks/spec_cost.py record --raw A/raw.json [--raw
 # B/raw.json]` -> results/spec_cost-<card>.json and aerie/plan/data/spec_cost.json. --budget-s 520 fits one
 # call; --shapes takes the rest in a later call.
+# shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=sglang
 run() {
   local out=${1:?spec-cost OUT [spec_cost.py run ARGS]}; shift
