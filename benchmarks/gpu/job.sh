@@ -1,30 +1,16 @@
 #!/bin/bash
-# aerie's GPU-host jobs: one driver for every measurement made on a GPU host with no network
-# (benchmarks/gpu/README.md, docs/gpu-host.md), run from the root of the working tree a call copies in.
-#
-#   bash benchmarks/gpu/job.sh list                    the jobs, one line each (benchmarks/gpu/jobs/*.sh)
-# Receiving what was staged:
-#   bash benchmarks/gpu/job.sh unpack BUNDLE_DIR       a bundle of `tools.gpuhost stage` into the home
-#   bash benchmarks/gpu/job.sh receive DIR             SGLang's set (build_set.sh): DIR's manifest.sha256; the A.*
-#                                                      parts are unpacked into /tmp/sgl in the background as they land
-#   bash benchmarks/gpu/job.sh part FILE               one copied part of the set: moved to /tmp/parts, sha256 checked
-#   bash benchmarks/gpu/job.sh install                 the whole set at once from /tmp/parts (A.*, S.tgz, G.*), checked
-# Running a job:
-#   bash benchmarks/gpu/job.sh JOB ARGS...             a job of one call (its `run`)
-#   PLAN=h200 bash benchmarks/gpu/job.sh go JOB WAIT_S [STATE_DIR]
-#                                                      a job longer than one call (its `steps`): started detached on
-#                                                      the first call, waited for up to WAIT_S, its files copied to $BACK
-#
-# A job is benchmarks/gpu/jobs/JOB.sh, sourced here after the shared setup. Its first comment line is what
-# `list` prints; NEEDS says what it runs on: `sglang` (SGLang's set unpacked into /tmp/sgl, first on
-# PYTHONPATH), `home` (the home of `tools.gpuhost`: its staged wheels and environment) or nothing (the
-# interpreter as it is). A job of one call defines `run ARGS...`; a job of several defines `steps` (each
-# `step NAME COMMAND...` runs COMMAND once; its wall seconds go to $W/seconds.NAME), one `plan_NAME` per plan
-# (its settings; PLAN picks one, h200 by default) and BACK_FILES (what comes back, relative to $W).
-#
-# Settings (environment): PY (python3), JOB_HOME (the home, /tmp/aerie-host), JOB_WORK (a job's work folder,
-# /tmp/job-JOB), BACK (where `go` copies a job's files, $JOB_WORK/back), CALL_S (a one-call job's time limit
-# where it sets one), AERIE_SRC (the aerie source SGLang's processes import: this tree).
+# aerie's GPU-host jobs: one driver for every measurement made on a GPU host with no network, run from the
+# root of the working tree a call copies in (benchmarks/gpu/README.md: the job format, staging, each job).
+#   bash benchmarks/gpu/job.sh list                   the jobs (benchmarks/gpu/jobs/JOB.sh), one line each
+#   bash benchmarks/gpu/job.sh unpack BUNDLE_DIR      a bundle of `tools.gpuhost stage` into the home
+#   bash benchmarks/gpu/job.sh receive DIR            SGLang's set (build_set.sh): DIR's manifest.sha256; the
+#                                                     parts are unpacked into /tmp/sgl in the background as they land
+#   bash benchmarks/gpu/job.sh part FILE              one copied part of the set: moved to /tmp/parts, sha256 checked
+#   bash benchmarks/gpu/job.sh install                the whole set at once from /tmp/parts (A.*, S.tgz, G.*), checked
+#   bash benchmarks/gpu/job.sh JOB ARGS...            a job of one call (its `run`)
+#   [PLAN=h200] bash benchmarks/gpu/job.sh go JOB WAIT_S [STATE_DIR]
+#                                                     a job longer than one call (its `steps`), started detached
+# Settings: PY (python3), JOB_HOME (/tmp/aerie-host), JOB_WORK (/tmp/job-JOB), BACK ($JOB_WORK/back), CALL_S.
 set -u -o pipefail
 GPU=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$GPU/../.." && pwd)

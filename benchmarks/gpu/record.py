@@ -6,23 +6,13 @@
         --machine "..." --command "..." --out benchmarks/results/h200-pipeline.json
     python benchmarks/gpu/record.py sglang --extract DIR --serve DIR [--serve-short DIR] [--offline FILE] --date D
 
-HOME is the pipeline's home on the GPU host (or one restored from its pack-out).
-
-`peer`: aerie's drafter beside SpecForge 0.2.0's, both trained on one run's extracted features and measured
-by one evaluator. The stage manifests give the data both trainers saw and aerie's training time;
-`specforge-train.json` is what benchmarks/peer_drafter.py wrote, `pair.json` what
-benchmarks/gpu/evaluate_pair.py wrote.
-
-`pipeline`: GPU seconds per stage, summed over every call, and the drafter's acceptance. A stage's seconds
-are what it cost over every call that worked on it (`aerie.plan.track.manifest_seconds`: a resumed
-generation's runs and their server starts, a resumed training's runs), the GPU held throughout. JOB_DIR,
-the job's work folder, gives each `pipeline-*` step's wall seconds: the `gpuhost run` commands whole, with
-what no stage counts (interpreter start, cache checks, pack-outs), the figure to read beside the stages' sum.
-
-`sglang`: folds what the `sgl-extract` / `sgl-serve` jobs wrote to their output folders (extract.json,
-serve.json) into benchmarks/results/sglang-h200.json; --offline is the report of `aerie evaluate --json` on
-the same drafter and prompts. The record's earlier `extract` block (its roofline measured in that run) is
-kept; this run's extraction goes beside it.
+HOME is the pipeline's home on the GPU host (or one restored from its pack-out). `peer`: aerie's drafter
+beside SpecForge's, from the stage manifests, benchmarks/peer_drafter.py's specforge-train.json and
+evaluate_pair.py's pair.json. `pipeline`: each stage's GPU seconds over every call that worked on it
+(`aerie.plan.track.manifest_seconds`) and the drafter's acceptance; JOB_DIR's `seconds.pipeline-*` give each
+`gpuhost run` command's wall seconds whole (interpreter start, cache checks, pack-outs included). `sglang`:
+what the sgl-extract / sgl-serve jobs wrote (extract.json, serve.json) and `aerie evaluate --json`'s report
+(--offline), into results/sglang-h200.json beside its earlier `extract` block.
 """
 
 from __future__ import annotations

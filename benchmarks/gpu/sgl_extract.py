@@ -103,6 +103,25 @@ def run_pipeline(backend: str, target, store, corpus, work: Path, args, storage:
 sglang_result = None
 
 
+def extract_step(backend: str, target, store, corpus, work: Path, out: Path, args):
+    """One backend's extraction into FIG["pipeline"] (fp8 quantized on the reference server, on SGLang's
+    client); a failure is recorded there, and None returned."""
+    result = None
+    try:
+        quant = backend == "reference" and args.storage == "fp8"
+        result, rec = run_pipeline(backend, target, store, corpus, work, args, args.storage, quant)
+        FIG["pipeline"][backend] = rec
+        print(f"pipeline {backend}:", json.dumps(rec, default=str)[:3000], flush=True)
+    except Exception as exc:
+        FIG["pipeline"][backend] = {
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc()[-4000:],
+        }
+        print(f"pipeline {backend} FAILED:", traceback.format_exc(), flush=True)
+    save(out)
+    return result
+
+
 def train_drafter(target, store, corpus, shards, work: Path, out: Path, args) -> None:
     """aerie's train stage on the SGLang shards (the preset smollm2-gpu's training settings, fewer epochs)."""
     from aerie.train.config import DraftShapeConfig, TrainConfig
@@ -205,42 +224,17 @@ def main() -> None:
         save(out)
     FIG["pipeline"] = {}
     for backend in ("sglang", "reference"):
-        if backend not in steps:
-            continue
-        try:
-            quant = backend == "reference" and args.storage == "fp8"
-            result, rec = run_pipeline(backend, target, store, corpus, work, args, args.storage, quant)
-            FIG["pipeline"][backend] = rec
-            if backend == "sglang":
-                global sglang_result
-                sglang_result = result
-                FIG["sglang_extract_prefix"] = result.prefix
-                (out / "sglang_extract_result.json").write_text(json.dumps({"prefix": result.prefix}))
-            print(f"pipeline {backend}:", json.dumps(rec, default=str)[:3000], flush=True)
-        except Exception as exc:
-            FIG["pipeline"][backend] = {
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc()[-4000:],
-            }
-            print(f"pipeline {backend} FAILED:", traceback.format_exc(), flush=True)
-        save(out)
+        result = extract_step(backend, target, store, corpus, work, out, args) if backend in steps else None
+        if backend == "sglang" and result is not None:
+            global sglang_result
+            sglang_result = result
+            FIG["sglang_extract_prefix"] = result.prefix
+            (out / "sglang_extract_result.json").write_text(json.dumps({"prefix": result.prefix}))
     if "train" in steps and FIG.get("sglang_extract_prefix"):
         train_drafter(target, store, corpus, sglang_result, work, out, args)
     if "reference_after" in steps:
-        try:
-            result, rec = run_pipeline(
-                "reference", target, store, corpus, work, args, args.storage, args.storage == "fp8"
-            )
-            FIG["pipeline"]["reference"] = rec
-            print("pipeline reference:", json.dumps(rec, default=str)[:3000], flush=True)
-        except Exception as exc:
-            FIG["pipeline"]["reference"] = {
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc()[-4000:],
-            }
-            print("pipeline reference FAILED:", traceback.format_exc(), flush=True)
+        extract_step("reference", target, store, corpus, work, out, args)
         shutil.rmtree(Path(store.root) / "bench-reference", ignore_errors=True)
-        save(out)
     bare = FIG.get("bare_forward", {}).get("best_tokens_per_s")
     wbps = FIG.get("storage_write", {}).get("write_bytes_per_s")
     for p in FIG["pipeline"].values():

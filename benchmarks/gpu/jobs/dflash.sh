@@ -1,13 +1,11 @@
 # dflash (go): DFlash against EAGLE-3 over one corpus, the same training tokens and evaluator (benchmarks/dflash.py) -> dflash.json (results/dflash-h200.json)
-# The corpus is the peer job's: its bundles staged the same way, its pack-out restores the generation
-# (`go dflash 540 .stage/peer-state`). Steps: install -> dflash (a restored generation is a cache hit).
+# The corpus is the peer job's: its bundles, and its pack-out to restore the generation (`go dflash 540 STATE_DIR`).
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 BACK_FILES="dflash.json"
 
 plan_h200() {
-  # SmolLM2-135M's own answers to the first 3,000 ShareGPT conversations (three turns, regenerated), both
-  # families trained four epochs with the preset's recipe otherwise, measured greedy at 7 drafts a round
-  # (EAGLE-3 chains of 7, DFlash blocks of 8; 64 DFlash anchors a document, the preset's).
+  # The peer job's 3,000 conversations, four epochs per family, greedy at 7 drafts a round (EAGLE-3 chains of 7,
+  # DFlash blocks of 8).
   PRESET=smollm2-gpu
   RUN=smollm2-gpu
   STEPS=7

@@ -1,9 +1,5 @@
 # extract-profiled OUT PYSPY_WHEEL PIPELINES [DELAY_S] [DURATION_S]: benchmarks/extract.py with py-spy attached during the first pipeline -> OUT/extract.json, OUT/spy.txt, OUT/bench.log
-# PYSPY_WHEEL is py-spy's manylinux wheel (`pip download --only-binary=:all: --platform manylinux2014_x86_64
-# py-spy`), unpacked here so that the host needs nothing installed. DELAY_S counts from the benchmark's
-# "baseline:" line (the last figure before the pipelines): a pipeline's server start and canary take 10-25 s
-# on an H200, so 20-25 s lands in the first pipeline's steady state. spy.txt: raw stacks, one line per stack
-# and thread.
+# PYSPY_WHEEL: py-spy's manylinux wheel, unpacked here. DELAY_S counts from the benchmark's "baseline:" line.
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=home
 run() {

@@ -1,16 +1,11 @@
 # peer (go): aerie's drafter beside SpecForge 0.2.0's, trained on one run's features, scored by one evaluator -> peer-drafter.json (results/peer-drafter-h200.json)
-# Steps, a finished one skipped on a re-run: install -> specforge wheel -> pipeline (generate, merge, extract,
-# aerie's train stage) -> specforge (benchmarks/peer_drafter.py) -> evaluate (evaluate_pair.py) -> record.
-# The SpecForge wheel is read from $SF_WHEEL (default: .stage/peer-sf/ in the tree of the call that started
-# the driver, $CALL_TREE).
+# The SpecForge wheel: $SF_WHEEL, by default in .stage/peer-sf/ of the tree of the call that started the driver.
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 BACK_FILES="peer-drafter.json pair.json sf-out/specforge-train.json state/state.json state/state.tgz.*"
 
 plan_h200() {
-  # SmolLM2-135M's own answers to the first 3,000 ShareGPT conversations (three turns, regenerated), extracted
-  # once, two epochs for both trainers; the held-out split is 1.5% of the corpus so that it holds the 40 prompts
-  # the preset evaluates. Stage the stand-in export with the same num_samples (tools.gpuhost stage ...
-  # generate.datasets.0.num_samples=3000).
+  # 3,000 regenerated conversations (stage them with the same num_samples), two epochs for both trainers; the
+  # held-out split is 1.5% of the corpus, so that it holds the 40 prompts the preset evaluates.
   PRESET=smollm2-gpu
   RUN=smollm2-gpu
   OVERRIDES="generate.datasets.0.num_samples=3000 corpus.eval_fraction=0.015 train.epochs=2"
@@ -20,8 +15,7 @@ plan_h200() {
 }
 
 plan_dry() {
-  # The CPU dry run of the same steps on the embedded default (smollm2-local: 24 conversations), two epochs
-  # for both trainers: proves every step and the record, measures nothing worth keeping.
+  # The CPU dry run of the same steps on the embedded default: proves every step and the record.
   PRESET=smollm2-local
   RUN=smollm2-local
   OVERRIDES="train.epochs=2"

@@ -1,16 +1,12 @@
 # pipeline (go): the whole smollm2-gpu preset on one H200, each stage's GPU seconds over every call that worked on it -> h200-pipeline.json (results/h200-pipeline.json)
-# Steps: install -> decode (when DECODE_RUNNING is set: the generation server's decoder at those batch sizes,
-# random requests of the run's shape, for the planner's calibration) -> pipeline --until U for each U of
-# UNTIL, each packed out to $W/state-U -> record (record.py pipeline, from the stage manifests). The stages
-# resume from the store, and a fresh host from a pack-out (`go pipeline WAIT_S STATE_DIR`): one run spans
-# several hosts when one host's time cannot hold it.
+# Steps: install -> decode (when DECODE_RUNNING is set) -> `gpuhost run --until U` for each U of UNTIL, each
+# packed out to $W/state-U -> record. A fresh host resumes from a pack-out (`go pipeline WAIT_S STATE_DIR`).
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 BACK_FILES="h200-pipeline.json decode_running-h200.json state-*/state.json state-*/state.tgz.*"
 
 plan_h200() {
-  # The preset as it ships, every ShareGPT conversation (three turns) regenerated, through each stage of UNTIL
-  # in turn (each packed out when it ends), within BUDGET_S seconds from the driver's first start on this host.
-  # DECODE_RUNNING (empty: no decode step): prompts of 16-900 tokens, 200-384 new, near the run's mean context.
+  # The preset as it ships, within BUDGET_S seconds from the driver's first start on this host; DECODE_RUNNING:
+  # the decoder's batch sizes on prompts of 16-900 tokens, 200-384 new (near the run's mean context).
   PRESET=smollm2-gpu
   RUN=smollm2-gpu
   OVERRIDES=""

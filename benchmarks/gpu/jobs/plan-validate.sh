@@ -1,20 +1,11 @@
 # plan-validate [--dir D] [--out FILE] [--docs ROOT] [--any-load] [PRESET k=v ...]: a validation run of `aerie plan` on this machine, its rows appended to results/plan-accuracy.json
-# The plan printed before the run, the run itself from a fresh store (`aerie run --no-prefect`), the
-# machine's load while it ran and the commit, then every stage's row (misses included) appended by
-# plan_accuracy.py --validate, which also rewrites the rows the READMEs and docs/plan.md quote.
-#   no PRESET: smollm2-local at a size no calibration run used (about five minutes on an idle 2-core machine)
-#   --dir DIR (default /tmp/plan-validate-<time>), --out FILE (the record, default
-#   benchmarks/results/plan-accuracy.json), --docs ROOT (where README.md, benchmarks/README.md and
-#   docs/plan.md that quote it live, default this checkout), --any-load (run on a busy machine too)
-# A validation run must be one the plan was never fitted to: plan_accuracy.py refuses a calibration run's
-# config, and leaves out a stage whose settings equal a calibration run's. Run it when the machine is
-# otherwise idle: other work slows every stage, and the row records the load it ran under. PYTHON: the
-# interpreter (this checkout's .venv by default).
+# The plan before the run, the run from a fresh store (`aerie run --no-prefect`), the load while it ran and the
+# commit, then every stage's row appended by plan_accuracy.py --validate (docs/plan.md). No PRESET: smollm2-local
+# at a size no calibration run used. PYTHON: the interpreter (this checkout's .venv by default).
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=""
 run() {
   set -euo pipefail
-
   cd "$ROOT"
   export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
   local PY=${PYTHON:-$ROOT/.venv/bin/python}

@@ -1,6 +1,5 @@
 # sgl-extract OUT ARGS: SmolLM2 through aerie's extract stage on SGLang (its dump plugin), beside the bare-forward roofline, then the train stage on its shards (sgl_extract.py) -> OUT/extract.json
-# Needs SGLang's set and S.tgz (install): the corpus of mkcorpus.py, the GGUF. The drafter it trains goes to
-# /tmp/drafter-trained for sgl-serve; `record.py sglang` folds OUT into results/sglang-h200.json.
+# The drafter it trains goes to /tmp/drafter-trained, for sgl-serve.
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=sglang
 CALL_S=${CALL_S:-560}

@@ -1,6 +1,4 @@
 # sgl-serve OUT ARGS: SmolLM2 served by SGLang without speculation and with aerie's EAGLE-3 drafter, tokens/s per concurrency (sgl_serve.py) -> OUT/serve.json
-# Needs SGLang's set and S.tgz (install); the drafter sgl-extract trained (/tmp/drafter-trained), else
-# S.tgz's drafter-test/. `record.py sglang` folds OUT into results/sglang-h200.json.
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=sglang
 CALL_S=${CALL_S:-560}

@@ -1,7 +1,5 @@
 # spec-cost OUT ARGS: SGLang's plain decode step against one EAGLE-3 round per target shape, random weights (benchmarks/spec_cost.py run) -> OUT/raw.json
-# Needs SGLang's set (receive + part). Here: `python benchmarks/spec_cost.py record --raw A/raw.json [--raw
-# B/raw.json]` -> results/spec_cost-<card>.json and aerie/plan/data/spec_cost.json. --budget-s 520 fits one
-# call; --shapes takes the rest in a later call.
+# Here: `python benchmarks/spec_cost.py record --raw A/raw.json [--raw B/raw.json]` -> results/spec_cost-<card>.json
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=sglang
 run() {

@@ -1,5 +1,4 @@
 # targets OUT ARGS: tiny DeepSeek-V3 and Kimi-shaped MLA targets through every stage on SGLang (benchmarks/targets_gpu.py) -> OUT/targets_gpu-<card>.json
-# Needs SGLang's set (receive + part), e.g. `targets OUT --arch kimi --generate-backend reference`.
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=sglang
 run() {
