@@ -136,13 +136,20 @@ def read_corpus(folder: Path, limit: int | None) -> list[list[int]]:
     return [list(row) for row in ids.to_list()]
 
 
-def write_corpus(store: ArtifactStore, sequences: list[list[int]], work: Path) -> StageResult:
-    """A corpus stage result in the merge stage's layout (one train shard)."""
-    stage = StageDir(store, "bench", "merge", stage_key("merge", {"bench": len(sequences)}))
+def write_corpus(
+    store: ArtifactStore,
+    sequences: list[list[int]],
+    work: Path,
+    source: str = "bench",
+    token_counts: bool = False,
+) -> StageResult:
+    """A corpus stage result in the merge stage's layout (one train shard); with `token_counts` also the
+    merge stage's token_counts.parquet (the train stage builds its draft vocabulary from it)."""
+    stage = StageDir(store, "bench", "merge", stage_key("merge", {source: len(sequences)}))
     frame = pl.DataFrame(
         {
             "id": [f"b{i}" for i in range(len(sequences))],
-            "source": ["bench"] * len(sequences),
+            "source": [source] * len(sequences),
             "input_ids": sequences,
             "loss_mask": [[1] * len(s) for s in sequences],
         },
@@ -160,7 +167,15 @@ def write_corpus(store: ArtifactStore, sequences: list[list[int]], work: Path) -
     store.put_file(stage.path(local.name), local)
     tokens = sum(len(s) for s in sequences)
     shard = {"key": stage.path(local.name), "file": local.name, "rows": len(sequences), "tokens": tokens}
-    return stage.finish({"splits": {"train": {"shards": [shard]}}, "figures": {"tokens": tokens}})
+    manifest: dict[str, Any] = {"splits": {"train": {"shards": [shard]}}, "figures": {"tokens": tokens}}
+    if token_counts:
+        flat = torch.cat([torch.tensor(s, dtype=torch.int64) for s in sequences])
+        ids, counts = flat.unique(return_counts=True)
+        table = work / "token_counts.parquet"
+        pl.DataFrame({"token_id": ids.to(torch.int32).numpy(), "count": counts.numpy()}).write_parquet(table)
+        store.put_file(stage.path(table.name), table)
+        manifest["files"] = {"token_counts": table.name}
+    return stage.finish(manifest)
 
 
 def bare_forward(

@@ -28,7 +28,7 @@ What calibrates what:
     python benchmarks/plan_accuracy.py --validate STORE --plan PLAN.json --load LOAD.txt --overrides "k=v ..."
     python benchmarks/plan_accuracy.py   # recompute the smollm2-gpu calibration rows; the rest is kept
     python benchmarks/plan_accuracy.py --quote   # rewrite the READMEs' and docs/plan.md's rows from it
-    benchmarks/plan_validate.sh [PRESET k=v ...]   # a validation run: its plan, the run, its rows
+    bash benchmarks/gpu/job.sh plan-validate [PRESET k=v ...]   # a validation run: its plan, the run, its rows
 """
 
 from __future__ import annotations

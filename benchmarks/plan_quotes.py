@@ -125,7 +125,7 @@ def results_table(record: dict[str, Any], name: str) -> str:
         f"(`{worst['preset']}` {worst['stage']}) | `{name}` `calibration_summary` {day} |"
     )
     if not record["validation"]:
-        lines += ["", "No validation run is recorded yet (`benchmarks/plan_validate.sh` makes one)."]
+        lines += ["", "No validation run is recorded yet (`benchmarks/gpu/job.sh plan-validate` makes one)."]
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@
     python3 benchmarks/spec_cost.py record --raw DIR/raw.json [--raw ...] [--date D]
                                        # -> results/spec_cost-<card>.json and aerie/plan/data/spec_cost.json
 
-`run` needs a CUDA GPU and SGLang importable (e.g. benchmarks/sglang_h200's set first on PYTHONPATH). For
+`run` needs a CUDA GPU and SGLang importable (e.g. the spec-cost job of benchmarks/gpu/job.sh, SGLang's set first on PYTHONPATH). For
 every shape it writes the target's config.json and a one-layer EAGLE-3 drafter's (LlamaForCausalLMEagle3,
 the target's attention geometry) from the tables below, so nothing is downloaded, and starts SGLang's
 offline engine on them with random weights (`load_format="dummy"`, the drafter too): without speculation,

@@ -1,6 +1,6 @@
-"""benchmarks/plan_validate.sh's checks and what it writes: a validation run is never a calibration run's
-config, a stage doing a calibration run's work is left out, and the rows it appends are quoted in the
-READMEs in a form scripts/check_figures.py accepts (on planted copies of the READMEs and the record).
+"""The plan-validate job's checks (benchmarks/gpu/jobs/plan-validate.sh) and what it writes: a validation
+run is never a calibration run's config, a stage doing a calibration run's work is left out, and the rows it
+appends are quoted in the READMEs in a form scripts/check_figures.py accepts (on planted copies of the READMEs and the record).
 The run itself takes minutes and is made by hand (docs/plan.md says how)."""
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from tests.test_figures import checker  # noqa: E402
 
 
 def script_default() -> list[str]:
-    """The overrides plan_validate.sh runs without arguments."""
-    text = (ROOT / "benchmarks" / "plan_validate.sh").read_text()
+    """The overrides the plan-validate job runs without arguments."""
+    text = (ROOT / "benchmarks" / "gpu" / "jobs" / "plan-validate.sh").read_text()
     found = re.search(r"^\s*DEFAULT_OVERRIDES=\(([^)]*)\)", text, re.M)
-    assert found, "plan_validate.sh sets no DEFAULT_OVERRIDES=(...)"
+    assert found, "plan-validate.sh sets no DEFAULT_OVERRIDES=(...)"
     return found.group(1).split()
 
 

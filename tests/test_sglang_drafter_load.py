@@ -8,7 +8,7 @@ Served EAGLE-3 speculation is GPU-only in SGLang 0.5.23, so no test serves the d
 engine the KV pool calls sgl_kernel's copy_all_layer_kv_cache_cpu (a compiled op with no CPU build on
 PyPI), and past it SGLang refuses 'EAGLE is not supported in decode attention backend torch_native'
 (srt/speculative/draft_utils.py); its one CPU EAGLE backend, intel_amx, needs AMX, which this CPU lacks.
-The GPU benchmarks serve it (benchmarks/sglang_h200)."""
+The GPU-host jobs serve it (benchmarks/gpu: sgl-serve)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ once, every drafter decoding the same prompts (MT-Bench and the run's held-out s
 settings (the run's `evaluate` section, greedy, EAGLE-3 proposer), lossless, so every drafter's outputs
 must equal every other's token for token; that agreement is counted.
 
-    python benchmarks/peer_h200/evaluate_pair.py --config HOME/configs/RUN.yaml \\
+    python benchmarks/gpu/evaluate_pair.py --config HOME/configs/RUN.yaml \\
         --drafter aerie=DIR --drafter specforge=DIR --out pair.json
 """
 

@@ -1,6 +1,6 @@
 """The pipeline's own merge stage, run again on the same generation: how much its seconds vary, and why.
 
-    python benchmarks/pipeline_h200/merge_repeats.py --home HOME [--preset smollm2-gpu] [--runs 3] \\
+    python benchmarks/gpu/merge_repeats.py --home HOME [--preset smollm2-gpu] [--runs 3] \\
         --out merge_repeats-h200.json
 
 HOME holds a finished generation (a restored pack-out). Each run removes the merge stage's results and

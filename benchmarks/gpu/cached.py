@@ -1,6 +1,6 @@
 """Which stages of a preset a run in HOME would take as finished, before any GPU time is spent on it.
 
-    python benchmarks/pipeline_h200/cached.py --home HOME [--preset smollm2-gpu] [--expect train] [k=v ...]
+    python benchmarks/gpu/cached.py --home HOME [--preset smollm2-gpu] [--expect train] [k=v ...]
 
 A host restored from pack-outs resumes only where every stage's key matches what was packed: a key
 that differs (another tokenizer conversion, another config) would quietly redo the stage and every

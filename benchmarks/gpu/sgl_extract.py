@@ -22,12 +22,10 @@ sys.path.insert(0, str(SRC))
 
 import extract as bx  # noqa: E402  (benchmarks/extract.py)
 import numpy as np  # noqa: E402
-import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
 from aerie.extract.config import ExtractConfig  # noqa: E402
 from aerie.extract.work import run as run_extract  # noqa: E402
-from aerie.manifest import StageDir, stage_key  # noqa: E402
 from aerie.serving import ServerConfig  # noqa: E402
 from aerie.store import LocalStore  # noqa: E402
 from aerie.targets import resolve_target  # noqa: E402
@@ -49,42 +47,6 @@ def load_corpus(path: Path, limit_tokens: int | None) -> list[list[int]]:
         if limit_tokens and at >= limit_tokens:
             break
     return out
-
-
-def write_corpus(store, sequences, work: Path):
-    """bx.write_corpus plus the merge stage's token_counts.parquet (the train stage builds its vocab map from it)."""
-    stage = StageDir(store, "bench", "merge", stage_key("merge", {"bench-sharegpt": len(sequences)}))
-    frame = pl.DataFrame(
-        {
-            "id": [f"b{i}" for i in range(len(sequences))],
-            "source": ["sharegpt"] * len(sequences),
-            "input_ids": sequences,
-            "loss_mask": [[1] * len(s) for s in sequences],
-        },
-        schema={
-            "id": pl.String,
-            "source": pl.String,
-            "input_ids": pl.List(pl.Int32),
-            "loss_mask": pl.List(pl.UInt8),
-        },
-    ).with_columns(n_tokens=pl.col("input_ids").list.len(), n_supervised=pl.col("input_ids").list.len())
-    local = work / "train-00000.parquet"
-    frame.write_parquet(local, compression="zstd", row_group_size=bx.ROW_GROUP)
-    store.put_file(stage.path(local.name), local)
-    flat = np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences])
-    ids, counts = np.unique(flat, return_counts=True)
-    tc = work / "token_counts.parquet"
-    pl.DataFrame({"token_id": ids.astype(np.int32), "count": counts.astype(np.int64)}).write_parquet(tc)
-    store.put_file(stage.path("token_counts.parquet"), tc)
-    tokens = int(flat.size)
-    shard = {"key": stage.path(local.name), "file": local.name, "rows": len(sequences), "tokens": tokens}
-    return stage.finish(
-        {
-            "splits": {"train": {"shards": [shard]}},
-            "files": {"token_counts": "token_counts.parquet"},
-            "figures": {"tokens": tokens},
-        }
-    )
 
 
 def run_pipeline(backend: str, target, store, corpus, work: Path, args, storage: str, server_quantize: bool):
@@ -139,6 +101,25 @@ def run_pipeline(backend: str, target, store, corpus, work: Path, args, storage:
 
 
 sglang_result = None
+
+
+def extract_step(backend: str, target, store, corpus, work: Path, out: Path, args):
+    """One backend's extraction into FIG["pipeline"] (fp8 quantized on the reference server, on SGLang's
+    client); a failure is recorded there, and None returned."""
+    result = None
+    try:
+        quant = backend == "reference" and args.storage == "fp8"
+        result, rec = run_pipeline(backend, target, store, corpus, work, args, args.storage, quant)
+        FIG["pipeline"][backend] = rec
+        print(f"pipeline {backend}:", json.dumps(rec, default=str)[:3000], flush=True)
+    except Exception as exc:
+        FIG["pipeline"][backend] = {
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc()[-4000:],
+        }
+        print(f"pipeline {backend} FAILED:", traceback.format_exc(), flush=True)
+    save(out)
+    return result
 
 
 def train_drafter(target, store, corpus, shards, work: Path, out: Path, args) -> None:
@@ -230,7 +211,7 @@ def main() -> None:
     print("corpus", FIG["corpus"], "target ready in", round(time.perf_counter() - t0, 1), "s", flush=True)
     save(out)
     store = LocalStore(work / "store")
-    corpus = write_corpus(store, sequences, work)
+    corpus = bx.write_corpus(store, sequences, work, source="sharegpt", token_counts=True)
     if "roofline" in steps:
         t = time.perf_counter()
         FIG["bare_forward"] = bx.bare_forward(target, args.device, sequences, [16384, 65536])
@@ -243,42 +224,17 @@ def main() -> None:
         save(out)
     FIG["pipeline"] = {}
     for backend in ("sglang", "reference"):
-        if backend not in steps:
-            continue
-        try:
-            quant = backend == "reference" and args.storage == "fp8"
-            result, rec = run_pipeline(backend, target, store, corpus, work, args, args.storage, quant)
-            FIG["pipeline"][backend] = rec
-            if backend == "sglang":
-                global sglang_result
-                sglang_result = result
-                FIG["sglang_extract_prefix"] = result.prefix
-                (out / "sglang_extract_result.json").write_text(json.dumps({"prefix": result.prefix}))
-            print(f"pipeline {backend}:", json.dumps(rec, default=str)[:3000], flush=True)
-        except Exception as exc:
-            FIG["pipeline"][backend] = {
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc()[-4000:],
-            }
-            print(f"pipeline {backend} FAILED:", traceback.format_exc(), flush=True)
-        save(out)
+        result = extract_step(backend, target, store, corpus, work, out, args) if backend in steps else None
+        if backend == "sglang" and result is not None:
+            global sglang_result
+            sglang_result = result
+            FIG["sglang_extract_prefix"] = result.prefix
+            (out / "sglang_extract_result.json").write_text(json.dumps({"prefix": result.prefix}))
     if "train" in steps and FIG.get("sglang_extract_prefix"):
         train_drafter(target, store, corpus, sglang_result, work, out, args)
     if "reference_after" in steps:
-        try:
-            result, rec = run_pipeline(
-                "reference", target, store, corpus, work, args, args.storage, args.storage == "fp8"
-            )
-            FIG["pipeline"]["reference"] = rec
-            print("pipeline reference:", json.dumps(rec, default=str)[:3000], flush=True)
-        except Exception as exc:
-            FIG["pipeline"]["reference"] = {
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc()[-4000:],
-            }
-            print("pipeline reference FAILED:", traceback.format_exc(), flush=True)
+        extract_step("reference", target, store, corpus, work, out, args)
         shutil.rmtree(Path(store.root) / "bench-reference", ignore_errors=True)
-        save(out)
     bare = FIG.get("bare_forward", {}).get("best_tokens_per_s")
     wbps = FIG.get("storage_write", {}).get("write_bytes_per_s")
     for p in FIG["pipeline"].values():

@@ -1,6 +1,7 @@
 #!/bin/bash
-# Build SGLang 0.5.23's GPU set for a Python 3.12 host with no network, as the parts dev.sh installs:
-#   bash build_set.sh WORK CARRY      (WORK: scratch, CARRY: where the parts go, e.g. an ignored folder)
+# Build SGLang 0.5.23's GPU set for a Python 3.12 host with no network, as the parts benchmarks/gpu/job.sh
+# receives (`receive` + `part`, or `install`):
+#   bash benchmarks/gpu/build_set.sh WORK CARRY   (WORK: scratch, CARRY: where the parts go, e.g. an ignored folder)
 # The set: sglang, torch 2.14.1 (cu130), triton, sglang-kernel (FA3 ops), flashinfer, sgl-flash-mla, NCCL 2.30.7,
 # transformers, tokenizers, tvm-ffi, torchvision, and the pure-Python packages in pure-deps.txt; packages the host
 # image already has at compatible versions (numpy, pandas, pyarrow, pillow, lxml, psutil) are left out.
