@@ -21,9 +21,8 @@ import torch
 from torch import Tensor
 
 from aerie.draft.dflash import DFlashConfig, DFlashDrafter
-from aerie.draft.export import draft_config_for, load_exported, write_checkpoint
+from aerie.draft.export import draft_config_for, layer_fields, load_exported, write_checkpoint
 from aerie.draft.target_weights import load_embedding, load_lm_head
-from aerie.errors import TargetError
 from aerie.targets import DrafterShape, TargetInfo
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -155,25 +154,15 @@ def export_dflash(
 
 def config_from_hf(data: dict[str, Any]) -> DFlashConfig:
     """Read a DFlashConfig back from an exported config.json."""
-    if ARCHITECTURE not in data.get("architectures", []):
-        raise TargetError(f"config.json architectures {data.get('architectures')} lack {ARCHITECTURE}")
+    fields = layer_fields(data, ARCHITECTURE)
     dflash = data["dflash_config"]
     return DFlashConfig(
-        hidden_size=data["hidden_size"],
-        intermediate_size=data["intermediate_size"],
-        num_attention_heads=data["num_attention_heads"],
-        num_key_value_heads=data["num_key_value_heads"],
-        head_dim=data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"],
-        vocab_size=data["vocab_size"],
+        **fields,
         mask_token_id=dflash["mask_token_id"],
         num_target_layers=dflash["num_target_layers"],
         target_layer_ids=tuple(dflash["target_layer_ids"]),
         block_size=dflash["block_size"],
         num_layers=data["num_hidden_layers"],
-        rms_norm_eps=data["rms_norm_eps"],
-        rope_theta=data.get("rope_theta", 10000.0),
-        rope_scaling=data.get("rope_scaling"),
-        max_position_embeddings=data["max_position_embeddings"],
     )
 
 

@@ -166,22 +166,30 @@ def export_drafter(
 
 def config_from_hf(data: dict[str, Any]) -> DraftConfig:
     """Read a DraftConfig back from an exported config.json."""
-    if ARCHITECTURE not in data.get("architectures", []):
-        raise TargetError(f"config.json architectures {data.get('architectures')} lack {ARCHITECTURE}")
     return DraftConfig(
-        hidden_size=data["hidden_size"],
-        intermediate_size=data["intermediate_size"],
-        num_attention_heads=data["num_attention_heads"],
-        num_key_value_heads=data["num_key_value_heads"],
-        head_dim=data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"],
-        vocab_size=data["vocab_size"],
+        **layer_fields(data, ARCHITECTURE),
         draft_vocab_size=data["draft_vocab_size"],
-        rms_norm_eps=data["rms_norm_eps"],
-        rope_theta=data.get("rope_theta", 10000.0),
-        rope_scaling=data.get("rope_scaling"),
-        max_position_embeddings=data["max_position_embeddings"],
         aux_layer_ids=tuple(data["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
     )
+
+
+def layer_fields(data: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """What every family's exported config.json says of its decoder layer (widths, heads, norm, RoPE),
+    read back as its config's fields; a `TargetError` where the file is another architecture's."""
+    if architecture not in data.get("architectures", []):
+        raise TargetError(f"config.json architectures {data.get('architectures')} lack {architecture}")
+    return {
+        "hidden_size": data["hidden_size"],
+        "intermediate_size": data["intermediate_size"],
+        "num_attention_heads": data["num_attention_heads"],
+        "num_key_value_heads": data["num_key_value_heads"],
+        "head_dim": data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"],
+        "vocab_size": data["vocab_size"],
+        "rms_norm_eps": data["rms_norm_eps"],
+        "rope_theta": data.get("rope_theta", 10000.0),
+        "rope_scaling": data.get("rope_scaling"),
+        "max_position_embeddings": data["max_position_embeddings"],
+    }
 
 
 def load_drafter(
