@@ -33,7 +33,7 @@ from aerie.errors import (
 from aerie.generate import work as generate_work
 from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.generate.interrupt import wait_or_interrupt
-from aerie.manifest import StageResult
+from aerie.manifest import StageDir, StageResult
 from aerie.store import StoreConfig, open_store
 
 from .reporting import artifact_key, notify_failure, prefect_progress, stage_table
@@ -51,9 +51,10 @@ _worth_retrying = retry_unless(*NOT_RETRIED)
 
 
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    """The library's own stage key (what decides the output), plus where the output lives."""
+    """The library's own stage key (what decides the output, worked out by the subflow), plus where
+    the output lives."""
     spec: DatasetSpec = parameters["spec"]
-    key = generate_work.key_of(parameters["cfg"], spec)
+    key = parameters["key"]
     return cache_key(f"generate-{spec.name}", parameters["store_cfg"].uri, parameters["run_name"], key)
 
 
@@ -66,13 +67,17 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     retry_condition_fn=_worth_retrying,
 )
 def generate_task(
-    cfg: GenerateConfig, spec: DatasetSpec, store_cfg: StoreConfig, run_name: str, base_url: str | None
+    cfg: GenerateConfig,
+    spec: DatasetSpec,
+    store_cfg: StoreConfig,
+    run_name: str,
+    base_url: str | None,
+    key: str,
 ) -> StageResult:
     stage = generate_work.stage_name(spec)
     progress = prefect_progress(artifact_key(run_name, stage), f"generating {spec.name}")
-    return generate_work.run(
-        cfg, spec, store=open_store(store_cfg), run_name=run_name, base_url=base_url, progress=progress
-    )
+    out = StageDir(open_store(store_cfg), run_name, stage, key)
+    return generate_work.run(cfg, spec, out, base_url=base_url, progress=progress)
 
 
 @flow(
@@ -89,6 +94,8 @@ def generate_dataset(
     base_url: str | None = None,
 ) -> StageResult:
     """Regenerate one dataset with the target; returns the stage result (a pointer)."""
+    # Worked out once here (it hashes the source file): the task and its cache key are handed it.
+    key = generate_work.key_of(cfg, spec)
     result = run_cached(
         generate_task,
         open_store(store_cfg),
@@ -97,6 +104,7 @@ def generate_dataset(
         store_cfg=store_cfg,
         run_name=run_name,
         base_url=base_url,
+        key=key,
     )
     f = result.figures
     stage_table(

@@ -77,9 +77,12 @@ def eagle3_pipeline(
     def step(stage: Stage, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         if stage is GENERATE:
             return _generate(cfg, ctx)
+        # The composer's look-ahead (`aerie.pipeline.rebuild_missing`) has hashed the key already, as
+        # a rule: the subflow is handed it rather than hashing it again.
+        key = stage.remembered_key(cfg, ctx, upstream)
         if stage is EXTRACT and cfg.extract.slice_deployment:
-            return [extract_flow(cfg, ctx.target, upstream, ctx.rebuild_missing)]
-        return [run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing)]
+            return [extract_flow(cfg, ctx.target, upstream, ctx.rebuild_missing, key)]
+        return [run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing, key)]
 
     results = compose(cfg, ctx, step, plan=plan)
     _summarize(cfg, results, track.gpu_seconds(plan, store, results))
