@@ -25,6 +25,7 @@ from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.serving import ServerConfig
 from aerie.settings import get_settings
 from aerie.shards.schema import SHARD_SCHEMA_VERSION
+from aerie.stage import WorkContext
 from aerie.targets import TargetInfo
 
 STAGE = "extract"
@@ -107,17 +108,17 @@ class Plan:
 
 def plan(
     cfg: ExtractConfig,
-    stage: StageDir,
+    ctx: WorkContext,
     *,
-    target: TargetInfo,
     corpus: StageResult,
     server: ServerConfig,
     slice_index: int | None = None,
 ) -> Plan:
     """Read the corpus counts and the resume state, and run the disk preflight (`PreflightError`), for
-    the extraction writing to `stage` (its StageDir, keyed by `extract_key`). `slice_index` plans one
+    the extraction writing to `ctx.out` (its StageDir, keyed by `extract_key`). `slice_index` plans one
     slice of a multi-host run (its own progress object and dump root)."""
     check_server_quantization(cfg, server)
+    stage, target = ctx.out, ctx.target
     store, run_name = stage.store, stage.run
     work = work_dir(cfg, run_name, stage.key)
     work.mkdir(parents=True, exist_ok=True)

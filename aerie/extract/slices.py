@@ -134,7 +134,7 @@ def run_slice(
         return done
     began = time.monotonic()
     progress(0.0, f"slice {slice_index} of {n}: reading the corpus, disk preflight")
-    p = plan(cfg, stage, target=target, corpus=corpus, server=server, slice_index=slice_index)
+    p = plan(cfg, ctx, corpus=corpus, server=server, slice_index=slice_index)
     results, canary = extract(cfg, p, store=store, target=target, server=server, progress=progress)
     _check_complete(p, results, slice_index, n)
     record = SliceRecord(

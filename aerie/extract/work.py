@@ -58,7 +58,7 @@ def run(
         return slices.run_all_here(cfg, ctx, corpus=corpus, server=server)
     began = time.monotonic()
     progress(0.0, "reading the corpus, disk preflight")
-    p = plan(cfg, stage, target=target, corpus=corpus, server=server)
+    p = plan(cfg, ctx, corpus=corpus, server=server)
     results, canary = extract(cfg, p, store=stage.store, target=target, server=server, progress=progress)
     canary_record = canary.result.record() if canary.result is not None else None
     seconds = time.monotonic() - began
