@@ -47,14 +47,16 @@ from pathlib import Path
 import polars as pl
 import psutil
 
+from aerie.corpus import work
 from aerie.corpus.config import CorpusConfig
 from aerie.corpus.schema import CONVERSATIONS
-from aerie.corpus.work import run
 from aerie.datasets import SourceSpec, iter_conversations
 from aerie.manifest import StageDir, stage_key
 from aerie.store import LocalStore
 from aerie.targets import resolve_target
+from tests.stage_work import staged
 
+run = staged("merge", work.run)
 RESULTS = Path(__file__).parent / "results"
 CHARS_PER_TOKEN = 4.2  # ShareGPT text with SmolLM2's tokenizer, measured; only sizes the synthetic corpus
 SYSTEM_PROMPTS = [

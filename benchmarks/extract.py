@@ -83,10 +83,10 @@ from safetensors.torch import save_file
 
 from aerie.corpus.work import ROW_GROUP
 from aerie.engine.server.extraction import SYNC_COPY_ENV
+from aerie.extract import work
 from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
 from aerie.extract.plan import dump_root
-from aerie.extract.work import run as run_extract
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.serving import ServerConfig
 from aerie.shards.format import HiddenSample, ShardInfo
@@ -96,6 +96,9 @@ from aerie.shards.writer import ShardWriter
 from aerie.store import ArtifactStore, LocalStore
 from aerie.targets import TargetInfo, resolve_target
 from aerie.tensorfile import layout, open_direct, whole, write_all, write_direct
+from tests.stage_work import staged
+
+run_extract = staged("extract", work.run)
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent

@@ -25,12 +25,15 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 import torch  # noqa: E402
 
+from aerie.extract import work  # noqa: E402
 from aerie.extract.config import ExtractConfig  # noqa: E402
-from aerie.extract.work import run as run_extract  # noqa: E402
 from aerie.manifest import StageDir, stage_key  # noqa: E402
 from aerie.serving import ServerConfig  # noqa: E402
 from aerie.store import LocalStore  # noqa: E402
 from aerie.targets import resolve_target  # noqa: E402
+from tests.stage_work import staged  # noqa: E402
+
+run_extract = staged("extract", work.run)
 
 FIG: dict = {"notes": []}
 
@@ -143,8 +146,10 @@ sglang_result = None
 
 def train_drafter(target, store, corpus, shards, work: Path, out: Path, args) -> None:
     """aerie's train stage on the SGLang shards (the preset smollm2-gpu's training settings, fewer epochs)."""
+    from aerie.train import work as train_work
     from aerie.train.config import DraftShapeConfig, TrainConfig
-    from aerie.train.work import run as run_train
+
+    run_train = staged("train", train_work.run)
 
     t = time.perf_counter()
     try:
