@@ -92,10 +92,13 @@ def generate_dataset(
     store_cfg: StoreConfig,
     run_name: str,
     base_url: str | None = None,
+    key: str | None = None,
 ) -> StageResult:
-    """Regenerate one dataset with the target; returns the stage result (a pointer)."""
-    # Worked out once here (it hashes the source file): the task and its cache key are handed it.
-    key = generate_work.key_of(cfg, spec)
+    """Regenerate one dataset with the target; returns the stage result (a pointer). `key`: the
+    dataset's key where the caller has worked it out (the pipeline has), else it is worked out here."""
+    # Worked out at most once (it hashes the source file): the task and its cache key are handed it.
+    if key is None:
+        key = generate_work.key_of(cfg, spec)
     result = run_cached(
         generate_task,
         open_store(store_cfg),
@@ -117,13 +120,20 @@ def generate_dataset(
 
 @flow(name="generate-all", on_failure=[notify_failure], on_crashed=[notify_failure])
 def generate_all(
-    cfg: GenerateConfig, store_cfg: StoreConfig, run_name: str, base_url: str | None = None
+    cfg: GenerateConfig,
+    store_cfg: StoreConfig,
+    run_name: str,
+    base_url: str | None = None,
+    keys: list[str] | None = None,
 ) -> list[StageResult]:
     """Every dataset of `cfg`, up to `cfg.max_parallel_datasets` subflows at a time. A failing
-    dataset does not stop the others; the first failure is raised once all have ended."""
+    dataset does not stop the others; the first failure is raised once all have ended. `keys`: the
+    datasets' keys in config order, where the caller has worked them out."""
     names = [spec.name for spec in cfg.datasets]
     if len(set(names)) != len(names):
         raise ConfigError(f"generate.datasets: dataset names must be unique, got {names}")
+    if keys is not None and len(keys) != len(cfg.datasets):
+        raise ConfigError(f"generate-all: {len(keys)} keys for {len(cfg.datasets)} datasets")
     pool = ThreadPoolExecutor(max_workers=cfg.max_parallel_datasets, thread_name_prefix="generate")
     try:
         futures = [
@@ -135,8 +145,9 @@ def generate_all(
                 store_cfg=store_cfg,
                 run_name=run_name,
                 base_url=base_url,
+                key=keys[i] if keys is not None else None,
             )
-            for spec in cfg.datasets
+            for i, spec in enumerate(cfg.datasets)
         ]
         # Ctrl-C: the datasets' requests are cancelled and one line says what each kept.
         wait_or_interrupt(futures, generate_work.cancel_running)

@@ -93,7 +93,8 @@ def _generate(cfg: PipelineConfig, ctx: StageContext) -> list[StageResult]:
     # The embedded default generates with the target itself: launch it only when a dataset needs it.
     launch = cfg.generate.endpoint.base_url is None and GENERATE.needs(cfg, ctx, Upstream())
     with generation_endpoint(cfg, ctx.target) if launch else contextlib.nullcontext(None) as base_url:
-        return generate_all(cfg.generate, cfg.store, cfg.run, base_url)
+        keys = [out.key for out in GENERATE.dataset_dirs(cfg, ctx)]  # the look-ahead's, remembered
+        return generate_all(cfg.generate, cfg.store, cfg.run, base_url, keys)
 
 
 def _summarize(cfg: PipelineConfig, results: list[StageResult], gpu_seconds: float | None) -> None:
