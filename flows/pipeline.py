@@ -77,8 +77,8 @@ def eagle3_pipeline(
     def step(stage: Stage, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         if stage is GENERATE:
             return _generate(cfg, ctx)
-        # The composer's look-ahead (`aerie.pipeline.rebuild_missing`) has hashed the key already, as
-        # a rule: the subflow is handed it rather than hashing it again.
+        # Hashed at most once in this run (the composer's look-ahead, `aerie.pipeline.rebuild_missing`,
+        # has mostly done it already): the subflow is handed it rather than hashing it again.
         key = stage.remembered_key(cfg, ctx, upstream)
         if stage is EXTRACT and cfg.extract.slice_deployment:
             return [extract_flow(cfg, ctx.target, upstream, ctx.rebuild_missing, key)]

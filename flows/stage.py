@@ -4,8 +4,8 @@ deploy): the library's stage (`aerie.stage`) as a task with its cache key, retri
     stage_flow("train", cfg, target, upstream)   ->  the StageResult (a pointer to its manifest)
 
 The task is cached across runs on the stage's own key plus the store and run (`flows.stagecache`): the
-subflow works the key out once (`Stage.stage_dir`) and hands it to the task, whose cache key and run
-take it as it is;
+subflow is handed the key (the pipeline flow's) or works it out once (`Stage.remembered_key`), and hands
+it to the task, whose cache key and run take it as it is;
 when the stage has work to do (`Stage.needs`: no manifest, or extraction's shards gone while the next
 stage reads them) Prefect's cache is skipped and the library decides what is left to do. Each stage's
 policy (`flows.<stage>.POLICY`, else `flows.policy.default_policy`) names its task, retries (never for
