@@ -109,8 +109,7 @@ def run(
     the pipeline passes the URL of the reference server it launched, and `server_start_s` the seconds
     that server took to start (counted in the dataset's time). `preflight`: check the endpoint first
     (`aerie.generate.preflight`; off when the caller has checked it already)."""
-    stage_dir = out
-    cached = stage_dir.cached_result()
+    cached = out.cached_result()
     if cached is not None:
         progress(1.0, "cached")
         return cached
@@ -124,7 +123,7 @@ def run(
         conversations,
         cfg,
         spec,
-        stage_dir=stage_dir,
+        stage_dir=out,
         base_url=base_url,
         report=report,
         progress=progress,
