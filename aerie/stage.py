@@ -9,6 +9,13 @@ and its `Upstream` (the results of the stages before it in this run):
     needs(cfg, ctx, upstream) -> bool                 whether it has work to do (else `run` is a cache hit)
     run(cfg, ctx, upstream) -> list[StageResult]      do it, or return what an earlier run made
 
+`run` works out its `StageDir` once (`Stage.stage_dir`: the key, remembered in the `StageContext` for
+the rest of the run, so `needs`, `cached` and `run` hash it once between them) and hands the work
+function of its package (`aerie.corpus.work.run`, ...) a `WorkContext`: that StageDir (`out`, whose
+store and run it writes to), the target and the progress callback, with the inputs the work reads
+(the corpus, the server config, ...) beside it. Below a stage's `run` nothing derives a key or places
+an output: a work function writes where its `out` says.
+
 `resolve` runs once per run, before any stage (`aerie.pipeline.resolve`): a setting one section
 derives from another (the layers extraction captures from the drafter family, the evaluation's prompt
 format from the corpus) is filled into the stage's own section there, so `key` and `run` read only
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, TypedDict
+from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,13 +47,22 @@ def _no_progress(name: str) -> ProgressFn:
     return no_progress
 
 
-class StageArgs(TypedDict):
-    """The keyword arguments every stage function of the library takes (`aerie.corpus.work.run`, ...)."""
+@dataclass(frozen=True)
+class WorkContext:
+    """What a stage's work function (`aerie.corpus.work.run`, ...) is handed: where its output goes,
+    made once by its `Stage`, the target and where progress goes."""
 
-    store: ArtifactStore
-    run_name: str
+    out: StageDir
     target: TargetInfo
-    progress: ProgressFn
+    progress: ProgressFn = no_progress
+
+    @property
+    def store(self) -> ArtifactStore:
+        return self.out.store
+
+    @property
+    def run(self) -> str:
+        return self.out.run
 
 
 @dataclass(frozen=True)
@@ -61,12 +77,14 @@ class StageContext:
     # Make a finished output whole again where part of it is gone (extraction's shards, which never
     # travel with a run's manifests): the composer asks for it when the next stage reads that output.
     rebuild_missing: bool = False
+    # Each stage's key as worked out this run, by what decides it (`Stage.stage_dir`): shared by the
+    # copies `dataclasses.replace` makes, so the composer's look-ahead (`aerie.pipeline.rebuild_missing`)
+    # and the stage's own run hash it once.
+    keys: dict[tuple[str, ...], str] = field(default_factory=dict, compare=False, repr=False)
 
-    def args(self, name: str) -> StageArgs:
-        """What a stage function is called with, its progress reporting under `name`."""
-        return StageArgs(
-            store=self.store, run_name=self.run, target=self.target, progress=self.progress(name)
-        )
+    def work(self, out: StageDir, name: str | None = None) -> WorkContext:
+        """What the work writing to `out` is handed, its progress reported under `name` (the stage's)."""
+        return WorkContext(out=out, target=self.target, progress=self.progress(name or out.stage))
 
 
 class Upstream(BaseModel):
@@ -138,8 +156,29 @@ class Stage(ABC):
         return cfg
 
     def stage_dir(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> StageDir:
-        """Where the output lives in the store."""
-        return StageDir(ctx.store, ctx.run, self.name, self.key(cfg, ctx, upstream))
+        """Where the output lives in the store. The key is hashed once per run and what decides it
+        (remembered in `ctx.keys`); the StageDir is new each time, its clock starting now."""
+        return StageDir(ctx.store, ctx.run, self.name, self.remembered_key(cfg, ctx, upstream))
+
+    def remembered_key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+        """`key`, worked out once for this config and these upstream outputs in this run's context."""
+        memo = self._memo(cfg, upstream)
+        if (key := ctx.keys.get(memo)) is None:
+            key = ctx.keys[memo] = self.key(cfg, ctx, upstream)
+        return key
+
+    def remember_key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, key: str) -> None:
+        """Take `key` as this stage's key here (worked out by a caller that passed it on: a Prefect
+        subflow to its task)."""
+        ctx.keys[self._memo(cfg, upstream)] = key
+
+    def _memo(self, cfg: PipelineConfig, upstream: Upstream) -> tuple[str, ...]:
+        # An upstream output is named by its place and manifest digest: the same output read from the
+        # store again (the look-ahead's) and as its stage returned it (with this run's timings) agree.
+        outputs = [
+            f"{r.prefix}@{r.manifest_sha256}" for results in upstream.results.values() for r in results
+        ]
+        return (self.name, cfg.model_dump_json(), *outputs)
 
     def cached(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult] | None:
         """What an earlier run finished (its manifest), or None."""

@@ -49,9 +49,10 @@ import psutil
 
 from aerie.corpus.config import CorpusConfig
 from aerie.corpus.schema import CONVERSATIONS
-from aerie.corpus.work import run
+from aerie.corpus.work import key_of, run
 from aerie.datasets import SourceSpec, iter_conversations
 from aerie.manifest import StageDir, stage_key
+from aerie.stage import WorkContext
 from aerie.store import LocalStore
 from aerie.targets import resolve_target
 
@@ -231,7 +232,8 @@ def timed_build(cfg: CorpusConfig, store: LocalStore, target, inputs: list, cach
 
         with TreeRss() as rss:
             start = time.perf_counter()
-            result = run(cfg, store=store, run_name=run_name, target=target, inputs=inputs, progress=progress)
+            out = StageDir(store, run_name, "merge", key_of(cfg, target, inputs))
+            result = run(cfg, WorkContext(out=out, target=target, progress=progress), inputs=inputs)
             seconds = time.perf_counter() - start
         cpu_after = psutil.cpu_times()
         load_after = os.getloadavg()

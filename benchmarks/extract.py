@@ -83,16 +83,17 @@ from safetensors.torch import save_file
 
 from aerie.corpus.work import ROW_GROUP
 from aerie.engine.server.extraction import SYNC_COPY_ENV
+from aerie.extract import work as extract_work
 from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
-from aerie.extract.plan import dump_root
-from aerie.extract.work import run as run_extract
+from aerie.extract.plan import dump_root, extract_key
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.serving import ServerConfig
 from aerie.shards.format import HiddenSample, ShardInfo
 from aerie.shards.reader import ShardReader
 from aerie.shards.schema import Storage
 from aerie.shards.writer import ShardWriter
+from aerie.stage import WorkContext
 from aerie.store import ArtifactStore, LocalStore
 from aerie.targets import TargetInfo, resolve_target
 from aerie.tensorfile import layout, open_direct, whole, write_all, write_direct
@@ -101,6 +102,20 @@ RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 CPU_SHIMS = REPO / "tests" / "sglang_cpu_shims"
 BACKENDS = ("refserver", "sglang")
+
+
+def run_extract(
+    cfg: ExtractConfig,
+    *,
+    store: ArtifactStore,
+    run_name: str,
+    target: TargetInfo,
+    corpus: StageResult,
+    server: ServerConfig,
+) -> StageResult:
+    """The extract stage's work, into the StageDir its stage makes (`extract_key` over these inputs)."""
+    out = StageDir(store, run_name, "extract", extract_key(cfg, server, target, corpus))
+    return extract_work.run(cfg, WorkContext(out=out, target=target), corpus=corpus, server=server)
 
 
 def _free_port() -> int:

@@ -72,6 +72,7 @@ from tests.fault_check import STAGES, Snapshot, Verdict, compare, run_snapshot  
 from tests.fault_server import FaultServer  # noqa: E402
 from tests.processes import free_port, stop  # noqa: E402
 from tests.s3_support import BUCKET, DUMMY_ENV, REGION, raw_client  # noqa: E402
+from tests.stage_work import dataset_dir  # noqa: E402
 
 API_KEY, KEY_ENV = gen.API_KEY, gen.KEY_ENV
 NO_OUTPUT = "no output to compare (a server start)"
@@ -158,12 +159,15 @@ def case_server_orphan_keeps_port(work: Path) -> Case:
 def extraction_case(work: Path, backend: str) -> Case:
     """The corpus of a few ShareGPT conversations extracted twice: unfaulted, and with the server
     SIGKILLed once it is extracting (restarted by the stage); every sample compared bit for bit."""
+    from aerie.extract import work as extract_work
     from aerie.extract.config import ExtractConfig
-    from aerie.extract.work import run as extract
     from aerie.serving import ServerConfig
     from aerie.targets import resolve_target
     from tests.evaluate_support import corpus_result
     from tests.extract_support import KillServer
+    from tests.stage_work import staged
+
+    extract = staged("extract", extract_work.run)
 
     target = resolve_target("smollm2-135m-instruct")
     store = LocalStore(work / "store")
@@ -268,12 +272,12 @@ def case_s3_down(work: Path) -> Case:
         began = time.monotonic()
         detect, message = None, "not detected"
         try:
-            generate(cfg, spec, store=open_store(dead), run_name="r", base_url=server.url)
+            generate(cfg, spec, dataset_dir(open_store(dead), "r", cfg, spec), base_url=server.url)
         except StoreError as exc:
             detect, message = time.monotonic() - began, first_line(exc)
         with moto() as (_, live):
             store = open_store(live)
-            final = generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+            final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
             verdict = gen.judged(work, store, final, server.url)
     handled = detect is not None and detect < 15
     return Case.of(fired, "the S3 endpoint down (nothing listening)", detect, verdict, message, handled)
@@ -329,7 +333,7 @@ def case_s3_slow(work: Path) -> Case:
         cfg = cfg.model_copy(update={"work_dir": str(work / "gen-work")})
         began = time.monotonic()
         store = open_store(slow)
-        final = generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         took = time.monotonic() - began
         verdict = gen.judged(work, store, final, server.url)
         proxy.close()
@@ -435,7 +439,7 @@ def case_secrets(work: Path) -> Case:
         _, err1 = child.communicate(timeout=120)
         echoed = gen.served(server, gen.with_code(401))
         os.environ[KEY_ENV] = API_KEY
-        final = generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         texts = {"log of the rejected run": err1}
         for key in store.list(""):
             texts[f"artifact {key}"] = store.get_bytes(key).decode("utf-8", "replace")

@@ -28,6 +28,7 @@ from aerie.store import ArtifactStore, LocalStore
 from benchmarks.fault_case import ROOT, Case, first_line, wait_until
 from tests.fault_check import Snapshot, Verdict, compare, generation_snapshot
 from tests.fault_server import IN_BAND_ERROR, OK, REASONING_ONLY, FaultServer, slow, status
+from tests.stage_work import dataset_dir
 
 API_KEY = "sk-aerie-fault-matrix-secret-0123456789"
 KEY_ENV = "AERIE_FAULTS_API_KEY"
@@ -102,7 +103,7 @@ def unfaulted(work: Path, edit: dict[int, str] | None = None) -> Snapshot:
         with FaultServer(api_key=API_KEY) as server:
             cfg, spec = gen_setup(home, server.url)
             store = LocalStore(home / "store")
-            result = generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+            result = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
             return output_snapshot(home, store, result, server.url)
     finally:
         if saved is None:
@@ -134,7 +135,7 @@ def fault_then_rerun(
         began = time.monotonic()
         detect: float | None = None
         try:
-            generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+            generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
             message = "absorbed: the run finished"
         except AerieError as exc:
             detect = time.monotonic() - began
@@ -142,7 +143,7 @@ def fault_then_rerun(
         count, what = fired(server)
         os.environ[KEY_ENV] = API_KEY
         fix(server)
-        final = generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         verdict = judged(work, store, final, server.url)
     leak = API_KEY in message or env_key in message
     ok = (detect is not None) == expect_error and not leak
@@ -224,13 +225,14 @@ import resource, signal, sys
 from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.generate.work import run
 from aerie.store import LocalStore
+from tests.stage_work import dataset_dir
 if len(sys.argv) > 5:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     limit = int(sys.argv[5])
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 cfg = GenerateConfig.model_validate_json(sys.argv[1])
 spec = DatasetSpec.model_validate_json(sys.argv[2])
-run(cfg, spec, store=LocalStore(sys.argv[3]), run_name="r", base_url=sys.argv[4])
+run(cfg, spec, dataset_dir(LocalStore(sys.argv[3]), "r", cfg, spec), base_url=sys.argv[4])
 """
 
 
@@ -280,7 +282,7 @@ def case_generate_killed(work: Path, sig: signal.Signals) -> Case:
         before = len(set(journal_ids(store_root)))
         server.delay_s = 0.0
         store = LocalStore(store_root)
-        final = generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         verdict = judged(work, store, final, server.url)
     # Fired: the signal ended the child (not a normal exit) before it had journaled every conversation.
     fired = child.returncode in (-sig, 128 + sig) and before < N
@@ -309,7 +311,7 @@ def case_fault_server_killed(work: Path) -> Case:
 
     def target() -> None:
         try:
-            out["result"] = generate(cfg, spec, store=store, run_name="r", base_url=url)
+            out["result"] = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=url)
         except Exception as exc:
             out["error"] = exc
         out["ended"] = time.monotonic()
@@ -328,7 +330,7 @@ def case_fault_server_killed(work: Path) -> Case:
     assert proc.stdout is not None
     proc.stdout.readline()
     try:
-        final = generate(cfg, spec, store=store, run_name="r", base_url=url)
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=url)
     finally:
         stop(proc)
     verdict = judged(work, store, final, url)
@@ -358,7 +360,7 @@ def case_disk_full_journal(work: Path) -> Case:
             (err.strip().splitlines() or [""])[-1],
         )
         store = LocalStore(store_root)
-        final = generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         verdict = judged(work, store, final, server.url)
     fired = "File too large" in err  # the file-size limit refused a journal write
     return Case.of(fired, "a journal write refused (EFBIG)", detect, verdict, line, child.returncode != 0)
@@ -375,12 +377,12 @@ def case_two_runs_same_run(work: Path) -> Case:
         store = LocalStore(store_root)
         message, detect = "the second run was not refused", None
         try:
-            generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+            generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         except StoreError as exc:
             detect, message = time.monotonic() - began, first_line(exc)
         overlapped = child.poll() is None  # the first was still writing when the second was refused
         child.wait(120)
-        final = generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         verdict = judged(work, store, final, server.url)
     ok = detect is not None and child.returncode == 0 and final.cache_hit
     return Case.of(overlapped, "a second run started while the first wrote", detect, verdict, message, ok)
@@ -397,12 +399,12 @@ def case_source_without_valid_records(work: Path) -> Case:
         began = time.monotonic()
         detect, message = None, "accepted"
         try:
-            generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+            generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         except AerieError as exc:
             detect, message = time.monotonic() - began, first_line(exc)
         asked = len(server.seen)
         path.write_text(good)  # fixed in place
-        final = generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         verdict = judged(work, store, final, server.url)
     fired = f"{N} of {N}" in message
     ok = detect is not None and asked == 0 and not final.cache_hit
@@ -417,10 +419,10 @@ def case_edited_prompt(work: Path) -> Case:
     edit = {5: "question 5, reworded"}
     with FaultServer(api_key=API_KEY) as server:
         cfg, spec = gen_setup(work, server.url)
-        generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+        generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         asked = len(server.seen)
         write_source(work / "source.jsonl", edit=edit)  # in place: same path, same ids
-        final = generate(cfg, spec, store=store, run_name="r", base_url=server.url)
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
         again = [s.prompt for s in server.seen[asked:]]
         verdict = judged(work, store, final, server.url, edit=edit)
     manifest = json.loads(store.get_bytes(f"{final.prefix}/manifest.json"))
@@ -547,7 +549,7 @@ def case_insecure_url(work: Path) -> Case:
         insecure = f"http://{host}:{port}/v1" if host else "http://192.0.2.1:9/v1"
         try:
             cfg, spec = gen_setup(work, insecure)
-            generate(cfg, spec, store=store, run_name="r", base_url=insecure)
+            generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=insecure)
             messages.append(f"{insecure}: generated")
         except AerieError as exc:
             refused += 1
@@ -557,7 +559,7 @@ def case_insecure_url(work: Path) -> Case:
         control, sent, verdict = "no network address here: the allowed run not tried", 0, Verdict()
         if host:
             cfg, spec = gen_setup(work, insecure, allow_insecure=True)
-            final = generate(cfg, spec, store=store, run_name="r", base_url=insecure)
+            final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=insecure)
             sent = sum(1 for s in server.seen if s.authorization == f"Bearer {API_KEY}")
             control = f"allowed explicitly, the same URL got {sent} requests carrying the key"
             verdict = compare(unfaulted(work), output_snapshot(work, store, final, insecure))

@@ -65,10 +65,13 @@ def _prepare(work: Path) -> dict[str, Any]:
 
 def _phase(name: str, work: Path, port: int) -> dict[str, Any]:
     """One phase in this process: the stage call's wall time, its figures, this process's peak RSS."""
-    from aerie.extract.work import run as extract
+    from aerie.extract import work as extract_work
     from aerie.manifest import StageResult
     from aerie.store import LocalStore
-    from aerie.train.work import run as train
+    from aerie.train import work as train_work
+    from tests.stage_work import staged
+
+    extract, train = staged("extract", extract_work.run), staged("train", train_work.run)
 
     cfg, target = _config(work, port)
     store = LocalStore(work / "store")

@@ -29,11 +29,12 @@ from aerie.config import PipelineConfig
 from aerie.errors import ConfigError, ExtractionError, PreflightError
 from aerie.extract import slices
 from aerie.extract.config import ExtractConfig
+from aerie.extract.plan import extract_key
 from aerie.extract.preflight import human_bytes
 from aerie.extract.stage import EXTRACT
 from aerie.manifest import StageDir, StageResult
 from aerie.serving.config import ServerConfig
-from aerie.stage import StageContext, Upstream
+from aerie.stage import StageContext, Upstream, WorkContext
 from aerie.store import StoreConfig, open_store
 from aerie.targets import TargetInfo
 
@@ -88,22 +89,19 @@ def extract_slice_task(
     corpus: StageResult,
     server: ServerConfig,
     slice_index: int,
+    key: str,
 ) -> slices.SliceRecord:
     """One slice; its retry resumes from the slice's own progress object."""
     progress = prefect_progress(
         artifact_key(run_name, "extract-slice", str(slice_index)),
         f"hidden-state extraction, slice {slice_index} of {cfg.num_slices}",
     )
-    return slices.run_slice(
-        cfg,
-        slice_index,
-        store=open_store(store_cfg),
-        run_name=run_name,
-        target=target,
-        corpus=corpus,
-        server=server,
-        progress=progress,
-    )
+    ctx = WorkContext(out=_stage_dir(store_cfg, run_name, key), target=target, progress=progress)
+    return slices.run_slice(cfg, slice_index, ctx, corpus=corpus, server=server)
+
+
+def _stage_dir(store_cfg: StoreConfig, run_name: str, key: str) -> StageDir:
+    return StageDir(open_store(store_cfg), run_name, EXTRACT.name, key)
 
 
 @flow(name="extract-slice", on_failure=[notify_failure], on_crashed=[notify_failure])
@@ -116,13 +114,17 @@ def extract_slice_flow(
     server: ServerConfig,
     slice_index: int,
     num_slices: int | None = None,
+    key: str | None = None,
 ) -> slices.SliceRecord:
     """Slice `slice_index` of `num_slices` (default: cfg's) on this host, into the shared store: the
-    entrypoint of the `extract-slice/*` deployments. A finished slice returns its record at once."""
+    entrypoint of the `extract-slice/*` deployments. A finished slice returns its record at once.
+    `key`: the extraction's key, as the parent worked it out (else it is worked out here)."""
     if num_slices is not None:
         cfg = cfg.model_copy(update={"num_slices": num_slices})
+    if key is None:
+        key = extract_key(cfg, server, target, corpus)
     record = extract_slice_task(
-        cfg, store_cfg, run_name, slice_target_task(target), corpus, server, slice_index
+        cfg, store_cfg, run_name, slice_target_task(target), corpus, server, slice_index, key
     )
     get_run_logger().info(
         "slice %d of %d on %s: %s tokens in %d shards (%s extracted by this run)",
@@ -144,20 +146,28 @@ def assemble_task(
     target: TargetInfo,
     corpus: StageResult,
     server: ServerConfig,
+    key: str,
 ) -> StageResult:
-    return slices.assemble(
-        cfg, store=open_store(store_cfg), run_name=run_name, target=target, corpus=corpus, server=server
-    )
+    ctx = WorkContext(out=_stage_dir(store_cfg, run_name, key), target=target)
+    return slices.assemble(cfg, ctx, corpus=corpus, server=server)
 
 
 @flow(name="extract", on_failure=[notify_failure], on_crashed=[notify_failure])
 def extract_flow(
-    cfg: PipelineConfig, target: TargetInfo, upstream: Upstream, rebuild_missing: bool = False
+    cfg: PipelineConfig,
+    target: TargetInfo,
+    upstream: Upstream,
+    rebuild_missing: bool = False,
+    key: str | None = None,
 ) -> StageResult:
     """Run every unfinished slice through `extract.slice_deployment` at once, wait, then assemble. With
-    `rebuild_missing`, the slices that lost shards count as unfinished (`slices.forget_missing`)."""
-    store = open_store(cfg.store)
-    stage = EXTRACT.stage_dir(cfg, StageContext(store=store, run=cfg.run, target=target), upstream)
+    `rebuild_missing`, the slices that lost shards count as unfinished (`slices.forget_missing`).
+    `key`: the extraction's key where the caller has worked it out (else it is worked out here); the
+    slices and the assembly are handed it."""
+    if key is None:
+        ctx = StageContext(store=open_store(cfg.store), run=cfg.run, target=target)
+        key = EXTRACT.remembered_key(cfg, ctx, upstream)
+    stage = _stage_dir(cfg.store, cfg.run, key)
     extract = cfg.extract
     n = extract.num_slices
     if rebuild_missing and (missing := slices.forget_missing(stage, n)):
@@ -169,6 +179,7 @@ def extract_flow(
         "target": target,
         "corpus": upstream.corpus,
         "server": cfg.server,
+        "key": key,
     }
     result = stage.cached_result() or _run_slices(extract, stage, params)
     stage_table(result, _summary(result))

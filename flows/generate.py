@@ -33,7 +33,7 @@ from aerie.errors import (
 from aerie.generate import work as generate_work
 from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.generate.interrupt import wait_or_interrupt
-from aerie.manifest import StageResult
+from aerie.manifest import StageDir, StageResult
 from aerie.store import StoreConfig, open_store
 
 from .reporting import artifact_key, notify_failure, prefect_progress, stage_table
@@ -51,9 +51,10 @@ _worth_retrying = retry_unless(*NOT_RETRIED)
 
 
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    """The library's own stage key (what decides the output), plus where the output lives."""
+    """The library's own stage key (what decides the output, worked out by the subflow), plus where
+    the output lives."""
     spec: DatasetSpec = parameters["spec"]
-    key = generate_work.key_of(parameters["cfg"], spec)
+    key = parameters["key"]
     return cache_key(f"generate-{spec.name}", parameters["store_cfg"].uri, parameters["run_name"], key)
 
 
@@ -66,13 +67,17 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     retry_condition_fn=_worth_retrying,
 )
 def generate_task(
-    cfg: GenerateConfig, spec: DatasetSpec, store_cfg: StoreConfig, run_name: str, base_url: str | None
+    cfg: GenerateConfig,
+    spec: DatasetSpec,
+    store_cfg: StoreConfig,
+    run_name: str,
+    base_url: str | None,
+    key: str,
 ) -> StageResult:
     stage = generate_work.stage_name(spec)
     progress = prefect_progress(artifact_key(run_name, stage), f"generating {spec.name}")
-    return generate_work.run(
-        cfg, spec, store=open_store(store_cfg), run_name=run_name, base_url=base_url, progress=progress
-    )
+    out = StageDir(open_store(store_cfg), run_name, stage, key)
+    return generate_work.run(cfg, spec, out, base_url=base_url, progress=progress)
 
 
 @flow(
@@ -87,8 +92,13 @@ def generate_dataset(
     store_cfg: StoreConfig,
     run_name: str,
     base_url: str | None = None,
+    key: str | None = None,
 ) -> StageResult:
-    """Regenerate one dataset with the target; returns the stage result (a pointer)."""
+    """Regenerate one dataset with the target; returns the stage result (a pointer). `key`: the
+    dataset's key where the caller has worked it out (the pipeline has), else it is worked out here."""
+    # Worked out at most once (it hashes the source file): the task and its cache key are handed it.
+    if key is None:
+        key = generate_work.key_of(cfg, spec)
     result = run_cached(
         generate_task,
         open_store(store_cfg),
@@ -97,6 +107,7 @@ def generate_dataset(
         store_cfg=store_cfg,
         run_name=run_name,
         base_url=base_url,
+        key=key,
     )
     f = result.figures
     stage_table(
@@ -109,13 +120,20 @@ def generate_dataset(
 
 @flow(name="generate-all", on_failure=[notify_failure], on_crashed=[notify_failure])
 def generate_all(
-    cfg: GenerateConfig, store_cfg: StoreConfig, run_name: str, base_url: str | None = None
+    cfg: GenerateConfig,
+    store_cfg: StoreConfig,
+    run_name: str,
+    base_url: str | None = None,
+    keys: list[str] | None = None,
 ) -> list[StageResult]:
     """Every dataset of `cfg`, up to `cfg.max_parallel_datasets` subflows at a time. A failing
-    dataset does not stop the others; the first failure is raised once all have ended."""
+    dataset does not stop the others; the first failure is raised once all have ended. `keys`: the
+    datasets' keys in config order, where the caller has worked them out."""
     names = [spec.name for spec in cfg.datasets]
     if len(set(names)) != len(names):
         raise ConfigError(f"generate.datasets: dataset names must be unique, got {names}")
+    if keys is not None and len(keys) != len(cfg.datasets):
+        raise ConfigError(f"generate-all: {len(keys)} keys for {len(cfg.datasets)} datasets")
     pool = ThreadPoolExecutor(max_workers=cfg.max_parallel_datasets, thread_name_prefix="generate")
     try:
         futures = [
@@ -127,8 +145,9 @@ def generate_all(
                 store_cfg=store_cfg,
                 run_name=run_name,
                 base_url=base_url,
+                key=keys[i] if keys is not None else None,
             )
-            for spec in cfg.datasets
+            for i, spec in enumerate(cfg.datasets)
         ]
         # Ctrl-C: the datasets' requests are cancelled and one line says what each kept.
         wait_or_interrupt(futures, generate_work.cancel_running)

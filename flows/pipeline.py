@@ -77,9 +77,12 @@ def eagle3_pipeline(
     def step(stage: Stage, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         if stage is GENERATE:
             return _generate(cfg, ctx)
+        # Hashed at most once in this run (the composer's look-ahead, `aerie.pipeline.rebuild_missing`,
+        # has mostly done it already): the subflow is handed it rather than hashing it again.
+        key = stage.remembered_key(cfg, ctx, upstream)
         if stage is EXTRACT and cfg.extract.slice_deployment:
-            return [extract_flow(cfg, ctx.target, upstream, ctx.rebuild_missing)]
-        return [run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing)]
+            return [extract_flow(cfg, ctx.target, upstream, ctx.rebuild_missing, key)]
+        return [run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing, key)]
 
     results = compose(cfg, ctx, step, plan=plan)
     _summarize(cfg, results, track.gpu_seconds(plan, store, results))
@@ -90,7 +93,8 @@ def _generate(cfg: PipelineConfig, ctx: StageContext) -> list[StageResult]:
     # The embedded default generates with the target itself: launch it only when a dataset needs it.
     launch = cfg.generate.endpoint.base_url is None and GENERATE.needs(cfg, ctx, Upstream())
     with generation_endpoint(cfg, ctx.target) if launch else contextlib.nullcontext(None) as base_url:
-        return generate_all(cfg.generate, cfg.store, cfg.run, base_url)
+        keys = [out.key for out in GENERATE.dataset_dirs(cfg, ctx)]  # the look-ahead's, remembered
+        return generate_all(cfg.generate, cfg.store, cfg.run, base_url, keys)
 
 
 def _summarize(cfg: PipelineConfig, results: list[StageResult], gpu_seconds: float | None) -> None:

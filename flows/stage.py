@@ -3,7 +3,9 @@ deploy): the library's stage (`aerie.stage`) as a task with its cache key, retri
 
     stage_flow("train", cfg, target, upstream)   ->  the StageResult (a pointer to its manifest)
 
-The task is cached across runs on the stage's own key plus the store and run (`flows.stagecache`);
+The task is cached across runs on the stage's own key plus the store and run (`flows.stagecache`): the
+subflow is handed the key (the pipeline flow's) or works it out once (`Stage.remembered_key`), and hands
+it to the task, whose cache key and run take it as it is;
 when the stage has work to do (`Stage.needs`: no manifest, or extraction's shards gone while the next
 stage reads them) Prefect's cache is skipped and the library decides what is left to do. Each stage's
 policy (`flows.<stage>.POLICY`, else `flows.policy.default_policy`) names its task, retries (never for
@@ -57,20 +59,21 @@ def _context(cfg: PipelineConfig, target: TargetInfo, rebuild_missing: bool = Fa
 
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     cfg: PipelineConfig = parameters["cfg"]
-    key = _BY_NAME[parameters["stage"]].key(cfg, _context(cfg, parameters["target"]), parameters["upstream"])
-    return cache_key(context.task.name, cfg.store.uri, cfg.run, key)
+    return cache_key(context.task.name, cfg.store.uri, cfg.run, parameters["key"])
 
 
 @task(cache_key_fn=_cache_key, persist_result=True)
 def stage_task(
-    stage: str, cfg: PipelineConfig, target: TargetInfo, upstream: Upstream, rebuild_missing: bool
+    stage: str, cfg: PipelineConfig, target: TargetInfo, upstream: Upstream, rebuild_missing: bool, key: str
 ) -> StageResult:
+    """Run the stage whose key (`key`, the subflow's) is known: the stage takes it as it is."""
     title = policy_of(stage).title
 
     def progress(name: str) -> ProgressFn:
         return prefect_progress(artifact_key(cfg.run, name), title)
 
     ctx = replace(_context(cfg, target, rebuild_missing), progress=progress)
+    _BY_NAME[stage].remember_key(cfg, ctx, upstream, key)
     (result,) = _BY_NAME[stage].run(cfg, ctx, upstream)
     return result
 
@@ -89,10 +92,17 @@ def stage_flow(
     target: TargetInfo,
     upstream: Upstream | None = None,
     rebuild_missing: bool = False,
+    key: str | None = None,
 ) -> StageResult:
-    """Run one stage (or find it cached); returns its result."""
+    """Run one stage (or find it cached); returns its result. `key`: the stage's key where the caller
+    has worked it out already (the pipeline flow's composer has), else it is worked out here."""
     policy, upstream = policy_of(stage), upstream or Upstream()
     ctx = _context(cfg, target, rebuild_missing)
+    # Hashed at most once: `needs` below finds it in `ctx`, the task and its cache key are handed it.
+    if key is None:
+        key = _BY_NAME[stage].remembered_key(cfg, ctx, upstream)
+    else:
+        _BY_NAME[stage].remember_key(cfg, ctx, upstream, key)
     runner = stage_task.with_options(
         name=policy.task,
         retries=policy.retries,
@@ -108,6 +118,7 @@ def stage_flow(
         target=target,
         upstream=upstream,
         rebuild_missing=rebuild_missing,
+        key=key,
     )
     stage_table(result, policy.summary(result))
     if policy.report is not None:
@@ -116,8 +127,13 @@ def stage_flow(
 
 
 def run_stage(
-    stage: str, cfg: PipelineConfig, target: TargetInfo, upstream: Upstream, rebuild_missing: bool = False
+    stage: str,
+    cfg: PipelineConfig,
+    target: TargetInfo,
+    upstream: Upstream,
+    rebuild_missing: bool = False,
+    key: str | None = None,
 ) -> StageResult:
     """`stage_flow` under the stage's own name in the UI (`merge`, `train`, ...)."""
     named = stage_flow.with_options(name=stage)
-    return named(stage, cfg, target, upstream, rebuild_missing)
+    return named(stage, cfg, target, upstream, rebuild_missing, key)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from aerie.corpus import import_conversations
-from aerie.corpus import run as merge
+from aerie.corpus import work as corpus_work
 from aerie.corpus.config import CorpusConfig
 from aerie.datasets import SourceSpec, iter_conversations
 from aerie.draft.export import draft_config_for, export_drafter
@@ -17,6 +17,9 @@ from aerie.draft.vocab import build_vocab_map, load_token_counts
 from aerie.manifest import StageDir, StageResult
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
+from tests.stage_work import staged
+
+merge = staged("merge", corpus_work.run)
 
 
 def corpus_result(store: ArtifactStore, run: str, target: TargetInfo, n: int = 12) -> StageResult:

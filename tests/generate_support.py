@@ -26,9 +26,10 @@ import sys
 from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.generate.work import run
 from aerie.store import LocalStore
+from tests.stage_work import dataset_dir
 cfg = GenerateConfig.model_validate_json(sys.argv[1])
 spec = DatasetSpec.model_validate_json(sys.argv[2])
-run(cfg, spec, store=LocalStore(sys.argv[3]), run_name="r", base_url=sys.argv[4])
+run(cfg, spec, dataset_dir(LocalStore(sys.argv[3]), "r", cfg, spec), base_url=sys.argv[4])
 """
 
 

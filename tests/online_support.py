@@ -13,8 +13,8 @@ import polars as pl
 import torch
 from safetensors.torch import load_file
 
+from aerie.extract import work as extract_work
 from aerie.extract.config import ExtractConfig
-from aerie.extract.work import run as extract
 from aerie.manifest import StageResult
 from aerie.serving import ServerConfig
 from aerie.store import ArtifactStore
@@ -23,6 +23,10 @@ from aerie.train import work
 from aerie.train.config import TrainConfig
 from tests.conftest import free_port
 from tests.extract_support import write_corpus
+from tests.stage_work import staged
+
+extract = staged("extract", extract_work.run)
+train = staged("train", work.run)
 
 RUN = "online"
 
@@ -110,7 +114,7 @@ def offline(
     ex: ExtractConfig,
 ) -> StageResult:
     shards = extract(ex, store=store, run_name=RUN, target=target, corpus=corpus, server=server_config())
-    return work.run(cfg, store=store, run_name=RUN, target=target, shards=shards, corpus=corpus)
+    return train(cfg, store=store, run_name=RUN, target=target, shards=shards, corpus=corpus)
 
 
 def online(
@@ -124,7 +128,7 @@ def online(
     run_name: str = RUN,
 ) -> StageResult:
     kw = {"progress": progress} if progress is not None else {}
-    return work.run(
+    return train(
         cfg.model_copy(update={"source": "online"}),
         store=store,
         run_name=run_name,

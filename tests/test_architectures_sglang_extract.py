@@ -12,15 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from aerie.extract import work
 from aerie.extract.config import ExtractConfig
-from aerie.extract.work import run
 from aerie.manifest import load_manifest
 from aerie.store import LocalStore
 from aerie.targets import TargetConfig, resolve_target
 from tests.evaluate_support import corpus_result
 from tests.processes import free_port
 from tests.sglang_support import cpu_config, shim_calls
+from tests.stage_work import staged
 from tests.tiny_targets import build_target
+
+run = staged("extract", work.run)
 
 # One SGLang start per architecture (about a minute each on a 2-core machine).
 pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -15,7 +15,7 @@ import polars as pl
 import pytest
 
 from aerie.conversation import Conversation, Message
-from aerie.corpus import corpus_shards, import_conversations, iter_corpus, run
+from aerie.corpus import corpus_shards, import_conversations, iter_corpus, work
 from aerie.corpus.config import CorpusConfig
 from aerie.errors import DataError, SchemaError
 from aerie.manifest import load_manifest
@@ -28,8 +28,11 @@ from tests.corpus_support import (
     msg,
     target_with_template,
 )
+from tests.stage_work import staged
 
 pytest_plugins = ("tests.s3_support",)
+
+run = staged("merge", work.run)
 
 
 def _generated_rows(n: int, prefix: str = "g") -> list[dict]:

@@ -8,14 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from aerie.deploy import work
 from aerie.deploy.config import DeployConfig
-from aerie.deploy.work import decide_promotion, deploy, key_of, promote, server_specs
+from aerie.deploy.work import decide_promotion, key_of, promote, server_specs
 from aerie.errors import ConfigError, EvaluationError
 from aerie.manifest import StageDir, load_manifest
 from aerie.serving import ServerConfig
 from aerie.store import LocalStore
 from tests.conftest import free_port
 from tests.evaluate_support import train_result
+from tests.stage_work import staged
+
+deploy = staged("deploy", work.deploy)
 
 
 def _argv_value(argv: list[str], flag: str) -> str:

@@ -11,12 +11,15 @@ import torch
 from aerie.datasets import load_mtbench
 from aerie.engine.speculative.decoder import SpecDecoder
 from aerie.errors import EvaluationError
+from aerie.evaluate import work
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.prompts import spread_over_categories
-from aerie.evaluate.work import run
 from aerie.manifest import StageDir, load_manifest
 from aerie.store import LocalStore
 from tests.evaluate_support import corpus_result, train_result
+from tests.stage_work import staged
+
+run = staged("evaluate", work.run)
 
 CFG = EvaluateConfig(
     num_steps=[2, 3],

@@ -29,6 +29,7 @@ from aerie.shards.writer import ShardWriter
 from aerie.store import LocalStore
 from tests.conftest import free_port
 from tests.extract_support import corpus_rows, write_corpus
+from tests.stage_work import staged
 
 # ---- preflight -----------------------------------------------------------------------------------
 
@@ -187,10 +188,14 @@ def test_a_second_process_on_the_same_slice_is_refused_before_any_server_starts(
     corpus = write_corpus(store, "t", {"train": corpus_rows(smollm2.load_tokenizer(), 4)}, rows_per_shard=4)
     cfg = ExtractConfig(work_dir=str(tmp_path / "work"), splits=["train"])
     server = ServerConfig(backend="reference", device="cpu", port=free_port())
-    p = plan.plan(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
+    p = staged("extract", plan.plan)(
+        cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server
+    )
     held = rf"another process \(pid {os.getpid()}\) is extracting {p.stage.prefix} with servers s0-s0"
     with HostLock(p.work / ".lock-s0-s0"), pytest.raises(ExtractionError, match=held):
-        work.run(cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server)
+        staged("extract", work.run)(
+            cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server
+        )
     assert not list((tmp_path / "work").rglob("*.log"))  # no server was launched
     with HostLock(p.work / ".lock-s0-s0"):  # the lock file is left behind, the lock is not
         pass

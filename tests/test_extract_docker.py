@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from aerie.extract import work as extract_work
 from aerie.extract.canary import reference_hidden_states
 from aerie.extract.config import ExtractConfig
-from aerie.extract.work import run as extract
 from aerie.manifest import load_manifest
 from aerie.serving import ServerConfig
 from aerie.serving.container import LABEL_SERVER
@@ -27,6 +27,9 @@ from aerie.store import LocalStore
 from tests.conftest import free_port
 from tests.docker_support import SGLANG_CPU_IMAGE, WORKER_IMAGE, engine, require_image
 from tests.extract_support import corpus_rows, write_corpus
+from tests.stage_work import staged
+
+extract = staged("extract", extract_work.run)
 
 pytestmark = [pytest.mark.docker, pytest.mark.integration, pytest.mark.slow]
 

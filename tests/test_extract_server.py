@@ -17,17 +17,20 @@ import pytest
 import torch
 
 from aerie.errors import ExtractionError
+from aerie.extract import work
 from aerie.extract.canary import reference_hidden_states
 from aerie.extract.config import ExtractConfig
 from aerie.extract.phases import COMMIT_PATH
 from aerie.extract.resume import ProgressFile
-from aerie.extract.work import run
 from aerie.manifest import load_manifest
 from aerie.serving import ServerConfig
 from aerie.shards.reader import ShardReader
 from aerie.store import LocalStore
 from tests.extract_support import KillServer, corpus_rows, listener_pid, write_corpus
 from tests.processes import free_port_pair
+from tests.stage_work import staged
+
+run = staged("extract", work.run)
 
 pytestmark = pytest.mark.integration  # reference server processes
 

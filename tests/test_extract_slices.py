@@ -23,12 +23,12 @@ from prefect.client.orchestration import get_client
 
 from aerie.config import PipelineConfig
 from aerie.errors import ExtractionError
+from aerie.extract import slices, work
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import slice_bounds
 from aerie.extract.phases import PhaseTotals
 from aerie.extract.resume import ProgressFile
-from aerie.extract.slices import SliceMissingError, SliceRecord, assemble, record_name, run_slice
-from aerie.extract.work import run
+from aerie.extract.slices import SliceMissingError, SliceRecord, record_name
 from aerie.manifest import StageResult, load_manifest
 from aerie.serving import ServerConfig
 from aerie.stage import Upstream
@@ -36,8 +36,11 @@ from aerie.store import LocalStore, StoreConfig, open_store
 from flows.extract import extract_flow as fan_out_flow
 from tests.extract_support import corpus_rows, write_corpus
 from tests.processes import free_port_pair
+from tests.stage_work import staged
 from tests.test_extract_server import check_commit_path
 from tests.test_pipeline import BIN, REPO
+
+run, run_slice, assemble = (staged("extract", f) for f in (work.run, slices.run_slice, slices.assemble))
 
 pytestmark = pytest.mark.integration  # reference server processes
 

@@ -41,6 +41,7 @@ from tests.fault_server import (
     status,
 )
 from tests.generate_support import check_resumed, journal_of, kill_mid_run
+from tests.stage_work import dataset_dir
 
 KEY_ENV = "AERIE_TEST_GENERATE_KEY"
 
@@ -369,7 +370,7 @@ def test_kill_9_mid_run_then_rerun_yields_each_record_exactly_once(server: Fault
         # A second process generating into the same journal is refused while the child holds it (after
         # the kill, the re-run below takes the lock: the kernel dropped the dead child's).
         with pytest.raises(StoreError, match=rf"another generation is writing to .* \(pid {child.pid}\)"):
-            run(cfg, spec, store=LocalStore(store_root), run_name="r", base_url=server.url)
+            run(cfg, spec, dataset_dir(LocalStore(store_root), "r", cfg, spec), base_url=server.url)
 
     done_before_kill = kill_mid_run(
         cfg, spec, store_root, server.url, at_lines=8, while_running=second_writer_refused
@@ -379,7 +380,7 @@ def test_kill_9_mid_run_then_rerun_yields_each_record_exactly_once(server: Fault
     server.delay_s = 0.0
     asked_before = len(server.seen)
     store = LocalStore(store_root)
-    result = run(cfg, spec, store=store, run_name="r", base_url=server.url)
+    result = run(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
     check_resumed(
         store, result, journal_of(store_root, spec), [f"c{i:03d}" for i in range(n)], done_before_kill
     )
@@ -410,14 +411,14 @@ def test_run_caches_and_writes_the_manifest_without_secrets(
         name="mini", source=SourceSpec(kind="jsonl", path=str(source), max_invalid_fraction=0.5)
     )
     store = LocalStore(tmp_path / "store")
-    first = run(cfg, spec, store=store, run_name="r", base_url=server.url)
+    first = run(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
     assert not first.cache_hit and first.stage == "generate-mini"
     asked = len(server.seen)
 
     # Another URL, concurrency and timeouts do not change what is generated: a cache hit.
     cfg2 = cfg.model_copy(deep=True)
     cfg2.endpoint.concurrency, cfg2.endpoint.read_timeout_s = 3, 9.0
-    second = run(cfg2, spec, store=store, run_name="r", base_url="http://127.0.0.1:9/v1")
+    second = run(cfg2, spec, dataset_dir(store, "r", cfg2, spec), base_url="http://127.0.0.1:9/v1")
     assert second.cache_hit and second.prefix == first.prefix and len(server.seen) == asked
 
     manifest = load_manifest(store, first.prefix)

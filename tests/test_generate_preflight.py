@@ -20,6 +20,7 @@ from aerie.generate.work import run, run_all
 from aerie.store import LocalStore
 from tests.fault_server import FaultServer
 from tests.processes import free_port
+from tests.stage_work import dataset_dir
 
 pytestmark = pytest.mark.integration  # HTTP servers on 127.0.0.1
 
@@ -54,7 +55,7 @@ def test_a_refused_connection_fails_naming_the_endpoint_before_the_source_is_rea
     url = f"http://127.0.0.1:{free_port()}/v1"
     cfg = config(url, tmp_path / "no-such-source.jsonl")  # read first, it would raise SourceNotFoundError
     with pytest.raises(EndpointUnreachableError, match="connection refused: nothing listens there") as err:
-        run(cfg, cfg.datasets[0], store=LocalStore(tmp_path / "store"), run_name="r")
+        run(cfg, cfg.datasets[0], dataset_dir(LocalStore(tmp_path / "store"), "r", cfg, cfg.datasets[0]))
     assert f"{url}/models" in str(err.value) and SECRET not in str(err.value)
 
 
@@ -64,7 +65,7 @@ def test_a_rejected_key_fails_before_any_completion_and_is_never_echoed(tmp_path
         with pytest.raises(
             EndpointAuthError, match=f"rejected the API key in \\${KEY_ENV} \\(HTTP 401"
         ) as err:
-            run(cfg, cfg.datasets[0], store=LocalStore(tmp_path / "store"), run_name="r")
+            run(cfg, cfg.datasets[0], dataset_dir(LocalStore(tmp_path / "store"), "r", cfg, cfg.datasets[0]))
         assert server.url in str(err.value) and SECRET not in str(err.value)
         assert [g.prompt for g in server.gets] == ["/v1/models"]
         assert server.gets[0].authorization == f"Bearer {SECRET}"
@@ -78,7 +79,9 @@ def test_an_endpoint_without_the_check_is_let_through_with_a_note(
     with FaultServer(get_status=code) as server:
         cfg = config(server.url, source(tmp_path))
         with caplog.at_level(logging.WARNING, logger="aerie.generate.preflight"):
-            result = run(cfg, cfg.datasets[0], store=LocalStore(tmp_path / "store"), run_name="r")
+            result = run(
+                cfg, cfg.datasets[0], dataset_dir(LocalStore(tmp_path / "store"), "r", cfg, cfg.datasets[0])
+            )
         assert result.figures["records"] == 3 and len(server.gets) == 1
     assert f"answers HTTP {code} to GET: it serves no such check" in caplog.text
 
@@ -87,20 +90,22 @@ def test_other_answers_fail_with_their_status(tmp_path: Path):
     with FaultServer(get_status=400) as server:
         cfg = config(server.url, source(tmp_path))
         with pytest.raises(EndpointRequestError, match="answered HTTP 400 before any generation"):
-            run(cfg, cfg.datasets[0], store=LocalStore(tmp_path / "store"), run_name="r")
+            run(cfg, cfg.datasets[0], dataset_dir(LocalStore(tmp_path / "store"), "r", cfg, cfg.datasets[0]))
         assert len(server.gets) == 1 and server.seen == []
         server.get_status = 503  # busy: asked three times, then the run stops
         with pytest.raises(
             EndpointError, match="answered HTTP 503 before any generation \\(after 3 attempts"
         ):
-            run(cfg, cfg.datasets[0], store=LocalStore(tmp_path / "store"), run_name="r")
+            run(cfg, cfg.datasets[0], dataset_dir(LocalStore(tmp_path / "store"), "r", cfg, cfg.datasets[0]))
         assert len(server.gets) == 4 and server.seen == []
 
 
 def test_several_datasets_check_the_endpoint_once(tmp_path: Path):
     with FaultServer() as server:
         cfg = config(server.url, source(tmp_path), names=("one", "two"))
-        results = run_all(cfg, store=LocalStore(tmp_path / "store"), run_name="r")
+        results = run_all(
+            cfg, [dataset_dir(LocalStore(tmp_path / "store"), "r", cfg, s) for s in cfg.datasets]
+        )
         assert [r.figures["records"] for r in results] == [3, 3]
         assert len(server.gets) == 1
 

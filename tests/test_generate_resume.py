@@ -17,6 +17,7 @@ from aerie.generate.work import run
 from aerie.manifest import load_manifest
 from aerie.store import LocalStore
 from tests.fault_server import FaultServer, answer_for
+from tests.stage_work import dataset_dir
 
 KEY_ENV = "AERIE_TEST_RESUME_KEY"
 
@@ -58,12 +59,12 @@ def test_an_edited_prompt_is_asked_again_and_only_it(tmp_path: Path) -> None:
     write_source(tmp_path / "source.jsonl", answers, prompts)
     with FaultServer() as server:
         cfg, spec, store = setup(tmp_path, server.url, regenerate=True)
-        run(cfg, spec, store=store, run_name="r")
+        run(cfg, spec, dataset_dir(store, "r", cfg, spec))
         assert len(server.seen) == 4
 
         prompts["c2"] = "question 2, corrected"
         write_source(tmp_path / "source.jsonl", answers, prompts)  # fixed in place: same id, new text
-        result = run(cfg, spec, store=store, run_name="r")
+        result = run(cfg, spec, dataset_dir(store, "r", cfg, spec))
         assert [s.prompt for s in server.seen[4:]] == ["question 2, corrected"]
 
     out = rows(store, result.prefix)
@@ -81,11 +82,11 @@ def test_a_corrected_kept_answer_replaces_the_old_one(tmp_path: Path) -> None:
     answers = {i: f"answer {i}" for i in prompts}
     write_source(tmp_path / "source.jsonl", answers, prompts)
     cfg, spec, store = setup(tmp_path, None, regenerate=False)
-    run(cfg, spec, store=store, run_name="r")
+    run(cfg, spec, dataset_dir(store, "r", cfg, spec))
 
     answers["c0"] = "answer c0, corrected"
     write_source(tmp_path / "source.jsonl", answers, prompts)
-    result = run(cfg, spec, store=store, run_name="r")
+    result = run(cfg, spec, dataset_dir(store, "r", cfg, spec))
     out = rows(store, result.prefix)
     assert out["c0"][1]["content"] == "answer c0, corrected"
     assert out["c1"][1]["content"] == "answer c1"
@@ -98,14 +99,14 @@ def test_a_record_without_its_input_digest_is_not_reused(tmp_path: Path) -> None
     prompts = {"c0": "question 0", "c1": "question 1"}
     write_source(tmp_path / "source.jsonl", {i: "x" for i in prompts}, prompts)
     cfg, spec, store = setup(tmp_path, None, regenerate=False)
-    first = run(cfg, spec, store=store, run_name="r")
+    first = run(cfg, spec, dataset_dir(store, "r", cfg, spec))
     journal = next(Path(store.root, "r", "generate-toy", "journal").rglob("part-*.jsonl"))
     records = [json.loads(line) for line in journal.read_text().splitlines()]
     for rec in records:
         rec.pop("input_sha256")
     journal.write_text("".join(json.dumps(r) + "\n" for r in records))
     Path(store.local_path(f"{first.prefix}/manifest.json")).unlink()
-    result = run(cfg, spec, store=store, run_name="r")
+    result = run(cfg, spec, dataset_dir(store, "r", cfg, spec))
     counts = load_manifest(store, result.prefix)["counts"]
     assert (counts["reused"], counts["regenerated"], counts["changed"]) == (
         0,

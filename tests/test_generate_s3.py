@@ -14,6 +14,7 @@ from aerie.generate.output import read_conversations
 from aerie.generate.work import run
 from aerie.store import StoreConfig, open_store
 from tests.fault_server import FaultServer
+from tests.stage_work import dataset_dir
 
 pytestmark = pytest.mark.integration  # a moto S3 server
 
@@ -38,7 +39,7 @@ def test_a_second_machine_resumes_from_the_journal_in_s3(s3_config: StoreConfig,
             sampling=SamplingParams(max_tokens=8),
         )
         machine_a = GenerateConfig(endpoint=endpoint, work_dir=str(tmp_path / "machine-a"))
-        first = run(machine_a, spec, store=store, run_name="r", base_url=server.url)
+        first = run(machine_a, spec, dataset_dir(store, "r", machine_a, spec), base_url=server.url)
         assert first.figures["records"] == 3
         parts = [k for k in store.list("r/generate-toy/journal") if k.rsplit("/", 1)[-1].startswith("part-")]
         assert len(parts) == 1
@@ -47,7 +48,7 @@ def test_a_second_machine_resumes_from_the_journal_in_s3(s3_config: StoreConfig,
         # journal, so only the three new conversations are generated.
         machine_b = machine_a.model_copy(update={"work_dir": str(tmp_path / "machine-b")})
         bigger = spec.model_copy(update={"num_samples": 6})
-        second = run(machine_b, bigger, store=store, run_name="r", base_url=server.url)
+        second = run(machine_b, bigger, dataset_dir(store, "r", machine_b, bigger), base_url=server.url)
         assert sorted(s.prompt for s in server.seen) == [f"remote {i}" for i in range(6)]
         assert second.prefix != first.prefix and second.figures["records"] == 6
 

@@ -19,6 +19,7 @@ from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.generate.work import key_of, run
 from aerie.manifest import load_manifest
 from aerie.store import LocalStore
+from tests.stage_work import dataset_dir
 
 
 def record(cid: str, *turns: tuple[str, str], role: str = "from", content: str = "value") -> dict[str, Any]:
@@ -50,7 +51,7 @@ def test_a_source_with_no_valid_record_fails_and_its_fix_in_place_reruns(tmp_pat
     cfg, spec = setup(path)
     store = LocalStore(tmp_path / "store")
     with pytest.raises(DataError) as err:
-        run(cfg, spec, store=store, run_name="r")
+        run(cfg, spec, dataset_dir(store, "r", cfg, spec))
     text = str(err.value)
     assert "no valid conversation" in text and str(path) in text
     assert "4 of 4 records skipped (turn_missing_field 4)" in text
@@ -59,7 +60,7 @@ def test_a_source_with_no_valid_record_fails_and_its_fix_in_place_reruns(tmp_pat
 
     # Fixed in place, same path: the re-run reads the new bytes instead of answering from a cache.
     write_jsonl(path, [record(f"c{i}", ("user", "q"), ("assistant", "a")) for i in range(4)])
-    result = run(cfg, spec, store=store, run_name="r")
+    result = run(cfg, spec, dataset_dir(store, "r", cfg, spec))
     assert not result.cache_hit and result.figures["records"] == 4
 
 
@@ -67,14 +68,14 @@ def test_a_rewrite_in_place_with_the_same_size_and_mtime_is_a_new_key(tmp_path: 
     path = write_jsonl(tmp_path / "chats.jsonl", [record("c0", ("human", "question A"), ("gpt", "answer"))])
     cfg, spec = setup(path)
     store = LocalStore(tmp_path / "store")
-    first = run(cfg, spec, store=store, run_name="r")
-    assert run(cfg, spec, store=store, run_name="r").cache_hit
+    first = run(cfg, spec, dataset_dir(store, "r", cfg, spec))
+    assert run(cfg, spec, dataset_dir(store, "r", cfg, spec)).cache_hit
     before = path.stat()
     write_jsonl(path, [record("c0", ("human", "question B"), ("gpt", "answer"))])
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # as `cp -p` or an unpacked archive leaves it
     after = path.stat()
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
-    second = run(cfg, spec, store=store, run_name="r")
+    second = run(cfg, spec, dataset_dir(store, "r", cfg, spec))
     assert second.key != first.key and not second.cache_hit
 
 
@@ -92,14 +93,14 @@ def test_more_malformed_records_than_allowed_fail_with_counts_and_lines(tmp_path
     cfg, spec = setup(path)
     store = LocalStore(tmp_path / "store")
     with pytest.raises(DataError) as err:
-        run(cfg, spec, store=store, run_name="r")
+        run(cfg, spec, dataset_dir(store, "r", cfg, spec))
     text = str(err.value)
     assert "60% of the records read are malformed" in text and "max_invalid_fraction (20%)" in text
     assert "line 3 (id 'robot'): unknown_role" in text and "line 4: not_a_dict" in text
     assert "missing_messages 1" in text
 
     cfg, spec = setup(path, max_invalid_fraction=0.6)  # a share the user accepts for this file
-    assert run(cfg, spec, store=store, run_name="r").figures["records"] == 2
+    assert run(cfg, spec, dataset_dir(store, "r", cfg, spec)).figures["records"] == 2
 
 
 def test_skipped_lines_are_reported_with_their_line_numbers(
@@ -111,7 +112,7 @@ def test_skipped_lines_are_reported_with_their_line_numbers(
     cfg, spec = setup(path)
     store = LocalStore(tmp_path / "store")
     with caplog.at_level(logging.WARNING, logger="aerie.generate.work"):
-        result = run(cfg, spec, store=store, run_name="r")
+        result = run(cfg, spec, dataset_dir(store, "r", cfg, spec))
     loader = load_manifest(store, result.prefix)["loader"]
     assert loader["skipped"] == {"not_a_dict": 1, "truncated_tail": 1}
     assert loader["examples"][0] == "line 3: not_a_dict (a list)"

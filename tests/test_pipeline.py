@@ -183,3 +183,27 @@ def test_prefect_deploy_and_a_worker_runs_the_deployment(prefect_api, pipeline_s
     assert asyncio.run(state()) == "COMPLETED", worker.stdout[-3000:] + worker.stderr[-3000:]
     (made,) = set(pipeline_store.glob("tiny/evaluate/*/manifest.json")) - evaluations
     assert json.loads(made.read_text())["figures"]["prompts_mtbench"] == 1
+
+
+@pytest.mark.timeout(900)
+def test_a_run_without_prefect_hashes_the_extraction_key_once(tmp_path, monkeypatch):
+    """The extraction's key is worked out once per run (`Stage.stage_dir` remembers it for the run):
+    the composer's look-ahead (`aerie.pipeline.rebuild_missing`), `needs` and the stage's run share it,
+    and nothing below the stage hashes it again; on a fresh run and on a re-run of cache hits."""
+    import aerie.extract.plan
+
+    calls: list[str] = []
+    real = aerie.extract.plan.extract_key
+
+    def counted(*args, **kwargs):
+        calls.append(key := real(*args, **kwargs))
+        return key
+
+    monkeypatch.setattr(aerie.extract.plan, "extract_key", counted)
+    cfg = apply_overrides(tiny_config(tmp_path / "artifacts"), ["deploy.enabled=false"])
+    for run in ("fresh", "cached"):
+        calls.clear()
+        report = run_pipeline(cfg, until="train", progress=lambda _name: no_progress)
+        extract = _by_stage(report.results)["extract"]
+        assert extract.cache_hit == (run == "cached")
+        assert calls == [extract.key], run

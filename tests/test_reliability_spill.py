@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from aerie.corpus import run
+from aerie.corpus import work
 from aerie.corpus.config import CorpusConfig
 from aerie.store import LocalStore
 from aerie.workdirs import host_tag, process_start, sweep_stale
 from tests.corpus_support import generated_result, msg
+from tests.stage_work import staged
+
+run = staged("merge", work.run)
 
 pytestmark = pytest.mark.integration  # a child process
 
@@ -26,11 +29,14 @@ REPO = Path(__file__).resolve().parents[1]
 # rest still spilled on disk), so the kill lands mid-merge and not after it.
 CHILD = """
 import json, sys, time
-from aerie.corpus import run
+from aerie.corpus import work
 from aerie.corpus.config import CorpusConfig
 from aerie.manifest import StageResult
 from aerie.store import LocalStore
 from aerie.targets import resolve_target
+from tests.stage_work import staged
+
+run = staged("merge", work.run)
 
 def hold(fraction, message):
     if message.startswith("wrote "):

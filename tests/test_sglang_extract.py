@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from aerie.extract import work
 from aerie.extract.config import ExtractConfig
-from aerie.extract.work import run
 from aerie.manifest import StageResult, load_manifest
 from aerie.serving import ServerConfig
 from aerie.shards.format import HiddenSample
@@ -29,6 +29,9 @@ from tests.evaluate_support import corpus_result
 from tests.extract_support import KillServer
 from tests.processes import free_port
 from tests.sglang_support import cpu_config, shim_calls
+from tests.stage_work import staged
+
+run = staged("extract", work.run)
 
 # Two extractions, one through SGLang with a kill and a restart: three server starts, 2.5 minutes on a
 # 2-core machine multiplying fp32 matrices at 165 GFLOPS, over 10 minutes on one at 48.

@@ -22,6 +22,7 @@ from aerie.store import LocalStore
 from tests.generate_support import check_resumed, journal_of, kill_mid_run
 from tests.processes import free_port
 from tests.sglang_support import cpu_config
+from tests.stage_work import dataset_dir
 
 pytestmark = pytest.mark.sglang
 
@@ -64,7 +65,8 @@ def test_the_target_regenerates_its_answers_through_sglang(endpoint: str, tmp_pa
     assert check_endpoint(generate_config().endpoint, endpoint, None) is None
     spec = sharegpt("sg", 3)
     store = LocalStore(tmp_path / "store")
-    result = run(generate_config(), spec, store=store, run_name="r", base_url=endpoint)
+    cfg = generate_config()
+    result = run(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=endpoint)
     frame = read_conversations(store.local_path(f"{result.prefix}/conversations.parquet"))
     originals = {c.id: c for c in iter_conversations(spec.source, spec.name, limit=3)}
     assert frame["id"].to_list() == list(originals)
@@ -86,6 +88,6 @@ def test_a_killed_generation_resumes_with_each_record_once(endpoint: str, tmp_pa
     done_before = kill_mid_run(cfg, spec, store_root, endpoint, at_lines=2, timeout_s=300)
     assert 2 <= len(done_before) < n
     store = LocalStore(store_root)
-    result = run(cfg, spec, store=store, run_name="r", base_url=endpoint)
+    result = run(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=endpoint)
     ids = [c.id for c in iter_conversations(spec.source, spec.name, limit=n)]
     check_resumed(store, result, journal_of(store_root, spec), ids, done_before)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from aerie.config import PipelineConfig
-from aerie.corpus import iter_corpus, run
+from aerie.corpus import iter_corpus, work
 from aerie.corpus.config import CorpusConfig
 from aerie.corpus.encoding import BatchEncoder, EncodeOptions
 from aerie.corpus.shuffle import Layout
@@ -31,6 +31,9 @@ from tests.corpus_support import (
     task_batch,
     tokenizer_with_template,
 )
+from tests.stage_work import staged
+
+run = staged("merge", work.run)
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 QWEN3 = (TEMPLATES / "qwen3.jinja").read_text()

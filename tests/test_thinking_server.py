@@ -17,7 +17,7 @@ import pytest
 from aerie.config import apply_overrides
 from aerie.conversation import Conversation, Message
 from aerie.corpus import iter_corpus
-from aerie.corpus import run as merge
+from aerie.corpus import work as corpus_work
 from aerie.corpus.config import CorpusConfig
 from aerie.datasets import SourceSpec
 from aerie.generate.config import DatasetSpec, EndpointConfig, SamplingParams
@@ -30,7 +30,10 @@ from aerie.store import LocalStore
 from aerie.targets import resolve_target
 from tests.conftest import free_port
 from tests.corpus_support import decoded_runs
+from tests.stage_work import staged
 from tests.thinking_target import ANSWER, QWEN3_TEMPLATE, REASONING, build_thinking_target
+
+merge = staged("merge", corpus_work.run)
 
 pytestmark = pytest.mark.integration  # a reference server process
 

@@ -32,7 +32,10 @@ from aerie.train.objective import (
     ttt_loss,
     walk_answers,
 )
+from tests.stage_work import staged
 from tests.train_support import make_samples, make_upstream, tiny_target, write_shards
+
+run_train = staged("train", work.run)
 
 pytest_plugins = ("tests.s3_support",)
 
@@ -428,7 +431,7 @@ def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
     up = make_upstream(tmp_path, target, train, held, storage="fp8")
     seen: list[tuple[float, str]] = []
     cfg = small_cfg(draft_vocab_size=128, epochs=6)
-    result = work.run(
+    result = run_train(
         cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus,
         progress=lambda f, m: seen.append((f, m)),
     )  # fmt: skip
@@ -462,7 +465,7 @@ def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
     assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 13))
     assert seen[-1][0] == 1.0 and any("eval accept length" in m for _, m in seen)
 
-    again = work.run(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
+    again = run_train(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
     assert again.cache_hit and again.key == result.key and again.figures == result.figures
 
 
@@ -474,7 +477,7 @@ def test_stage_on_s3_downloads_shards_and_uploads_everything(tiny, tmp_path, s3_
     up = make_upstream(tmp_path, target, train, held, store=store)
     # A draft MLP narrower than the target's (128): the exported drafter must carry its own width.
     cfg = small_cfg(epochs=2, cache_dir=str(tmp_path / "cache"), draft=DraftShapeConfig(intermediate_size=96))
-    result = work.run(cfg, store=store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
+    result = run_train(cfg, store=store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
     cached = sorted(p.name for p in (tmp_path / "cache" / "shards").rglob("*.safetensors"))
     assert cached == ["shard-00000.safetensors", "shard-00000.safetensors"]  # one train, one eval
     # The downloaded shards stay for the next training; the local work (checkpoints, optimizer state)
@@ -495,7 +498,7 @@ class Crash(Exception):
 
 
 def _run(up, cfg, target, **kw):
-    return work.run(
+    return run_train(
         cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus, **kw
     )
 
@@ -628,7 +631,7 @@ def test_torchrun_workers_train_with_ddp(tiny, tmp_path) -> None:
     target, train, held = tiny
     up = make_upstream(tmp_path, target, train, held)
     cfg = small_cfg(epochs=4, num_gpus=2, eval_every=2, checkpoint_every=2)
-    result = work.run(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
+    result = run_train(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
     manifest = json.loads(up.store.get_bytes(f"{result.prefix}/manifest.json"))
     assert manifest["training"]["total_steps"] == 4  # 8 rows over 2 ranks
     assert manifest["training"]["tokens"] == 4 * 2 * 96

@@ -14,14 +14,18 @@ import torch
 
 from aerie.draft.export import load_drafter
 from aerie.draft.model import DraftKVCache
+from aerie.extract import work as extract_work
 from aerie.extract.config import ExtractConfig
-from aerie.extract.work import run as extract
 from aerie.serving import ServerConfig
 from aerie.store import LocalStore
 from aerie.train import work
 from aerie.train.config import TrainConfig
 from tests.conftest import free_port
 from tests.extract_support import corpus_rows, write_corpus
+from tests.stage_work import staged
+
+extract = staged("extract", extract_work.run)
+train = staged("train", work.run)
 
 pytestmark = pytest.mark.integration  # a reference server process
 
@@ -52,7 +56,7 @@ def test_train_on_embedded_default_shards(tmp_path, smollm2):
         draft_vocab_size=512, ttt_length=3, epochs=2, lr=1e-3, batch_tokens=256, max_length=256,
         eval_every=2, checkpoint_every=2, device="cpu", cache_dir=str(tmp_path / "cache"),
     )  # fmt: skip
-    result = work.run(cfg, store=store, run_name="e2e", target=smollm2, shards=shards, corpus=corpus)
+    result = train(cfg, store=store, run_name="e2e", target=smollm2, shards=shards, corpus=corpus)
     manifest = json.loads(store.get_bytes(f"{result.prefix}/manifest.json"))
     assert manifest["drafter_config"]["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     assert manifest["drafter_config"]["max_position_embeddings"] == 8192

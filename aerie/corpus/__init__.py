@@ -1,6 +1,6 @@
 """Merge conversations into a tokenized training corpus with assistant-only loss masks.
 
-The stage entry point is `run(cfg, store=..., run_name=..., target=..., inputs=[...])` (stage `merge`);
+The stage entry point is `run(cfg, ctx, inputs=[...])` (stage `merge`; `ctx` the `aerie.stage.WorkContext`);
 `iter_corpus` / `corpus_shards` read its output. Attributes load lazily so that importing the config
 does not pull in Polars or transformers.
 

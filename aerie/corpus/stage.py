@@ -23,7 +23,8 @@ class MergeStage(Stage):
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.corpus.work import run
 
-        return [run(cfg.corpus, inputs=upstream.generated, **ctx.args(self.name))]
+        out = self.stage_dir(cfg, ctx, upstream)
+        return [run(cfg.corpus, ctx.work(out), inputs=upstream.generated)]
 
 
 MERGE = MergeStage()

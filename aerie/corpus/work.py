@@ -32,8 +32,9 @@ from aerie.corpus.template import TemplateSpec
 from aerie.diskspace import writing
 from aerie.errors import ConfigError, DataError
 from aerie.manifest import StageDir, StageResult, stage_key
-from aerie.progress import ProgressFn, no_progress
+from aerie.progress import ProgressFn
 from aerie.reasoning import ReasoningParser, parser_for, reasoning_warning
+from aerie.stage import WorkContext
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
 from aerie.workdirs import work_dir
@@ -131,23 +132,16 @@ def input_files(store: ArtifactStore, inputs: list[StageResult]) -> list[InputFi
     return files
 
 
-def run(
-    cfg: CorpusConfig,
-    *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
-    inputs: list[StageResult],
-    progress: ProgressFn = no_progress,
-) -> StageResult:
-    """Build the corpus, or return the cached result when the same inputs were merged the same way."""
-    files = input_files(store, inputs)
-    stage = StageDir(store, run_name, STAGE, key_of(cfg, target, inputs))
+def run(cfg: CorpusConfig, ctx: WorkContext, *, inputs: list[StageResult]) -> StageResult:
+    """Build the corpus into `ctx.out` (keyed by `key_of` over these inputs), or return the cached
+    result when the same inputs were merged the same way."""
+    stage, progress = ctx.out, ctx.progress
+    files = input_files(stage.store, inputs)
     if (cached := stage.cached_result()) is not None:
         progress(1.0, "cached")
         return cached
     with work_dir("aerie-merge-") as tmp:
-        manifest = _build(cfg, store, stage, target, files, Path(tmp), progress)
+        manifest = _build(cfg, stage.store, stage, ctx.target, files, Path(tmp), progress)
     result = stage.finish(manifest)
     progress(1.0, manifest["figures"]["text"])
     return result

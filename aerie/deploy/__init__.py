@@ -1,8 +1,8 @@
 """Deploy a trained drafter: serve it with speculative decoding beside the same server without, on the
 same prompts, and promote it only if it pays.
 
-Stage entry point: `deploy(cfg, store=..., run_name=..., target=..., drafter=..., evaluation=...,
-server=...)` (stage `deploy`; `stage.DEPLOY` in the pipeline). Kept import-free: `aerie.config`
+Stage entry point: `deploy(cfg, ctx, drafter=..., evaluation=..., server=...)` (`ctx` the
+`aerie.stage.WorkContext`; stage `deploy`; `stage.DEPLOY` in the pipeline). Kept import-free: `aerie.config`
 imports `aerie.deploy.config`.
 
     config.py   DeployConfig

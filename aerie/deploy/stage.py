@@ -27,13 +27,11 @@ class DeployStage(Stage):
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.deploy.work import deploy
 
+        out = self.stage_dir(cfg, ctx, upstream)
+        work = ctx.work(out)
         return [
             deploy(
-                cfg.deploy,
-                drafter=upstream.drafter,
-                evaluation=upstream.evaluation,
-                server=cfg.server,
-                **ctx.args(self.name),
+                cfg.deploy, work, drafter=upstream.drafter, evaluation=upstream.evaluation, server=cfg.server
             )
         ]
 

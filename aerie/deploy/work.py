@@ -28,9 +28,10 @@ from aerie.deploy.report import deployment_markdown
 from aerie.errors import EvaluationError
 from aerie.evaluate.drafter_files import drafter_keys, fetch_drafter
 from aerie.evaluate.prompts import mtbench_prompts
-from aerie.manifest import StageDir, StageResult, stage_key
-from aerie.progress import ProgressFn, no_progress
+from aerie.manifest import StageResult, stage_key
+from aerie.progress import ProgressFn
 from aerie.serving import ModelServer, ServerConfig, ServerSpec, SpeculativeArgs, spec_for
+from aerie.stage import WorkContext
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
 from aerie.workdirs import work_dir
@@ -156,17 +157,16 @@ def key_of(
 
 def deploy(
     cfg: DeployConfig,
+    ctx: WorkContext,
     *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
     drafter: StageResult,
     evaluation: StageResult | None,
     server: ServerConfig,
-    progress: ProgressFn = no_progress,
 ) -> StageResult:
-    """Benchmark the speculative server against the baseline; promote the drafter if it pays."""
-    sd = StageDir(store, run_name, STAGE, key_of(cfg, server, target, drafter, evaluation))
+    """Benchmark the speculative server against the baseline; promote the drafter if it pays. Writes to
+    `ctx.out` (keyed by `key_of` over these inputs)."""
+    sd, target, progress = ctx.out, ctx.target, ctx.progress
+    store, run_name = sd.store, sd.run
     if (cached := sd.cached_result()) is not None:
         return cached
     if not cfg.enabled:

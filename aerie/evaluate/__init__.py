@@ -1,6 +1,6 @@
 """Evaluate a trained drafter offline: lossless speculative decoding and its acceptance.
 
-Stage entry point: `run(cfg, store=..., run_name=..., target=..., drafter=..., corpus=...)` (stage
+Stage entry point: `run(cfg, ctx, drafter=..., corpus=...)` (`ctx` the `aerie.stage.WorkContext`; stage
 `evaluate`; `stage.EVALUATE` in the pipeline). Serving the drafter is the deploy stage (`aerie.deploy`).
 Attributes load lazily so that importing the config does not pull in torch or transformers. The
 speculative decoder and its proposers live in `aerie.engine.speculative`.

@@ -64,7 +64,8 @@ class EvaluateStage(Stage):
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.evaluate.work import run
 
-        return [run(cfg.evaluate, drafter=upstream.drafter, corpus=upstream.corpus, **ctx.args(self.name))]
+        out = self.stage_dir(cfg, ctx, upstream)
+        return [run(cfg.evaluate, ctx.work(out), drafter=upstream.drafter, corpus=upstream.corpus)]
 
 
 EVALUATE = EvaluateStage()

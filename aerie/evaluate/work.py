@@ -28,7 +28,8 @@ from aerie.evaluate.reasoning_split import KINDS, SplitCounts, format_key, promp
 from aerie.evaluate.report import ACCEPTANCE_PNG, acceptance_by_group, evaluation_markdown, plot_acceptance
 from aerie.families import family, names
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
-from aerie.progress import ProgressFn, no_progress
+from aerie.progress import ProgressFn
+from aerie.stage import WorkContext
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo, resolve_device, resolve_dtype
 from aerie.workdirs import work_dir
@@ -47,18 +48,10 @@ def key_of(cfg: EvaluateConfig, target: TargetInfo, drafter: StageResult, corpus
     return stage_key(STAGE, cfg, upstream + spread + format_key(cfg.prompt_format))
 
 
-def run(
-    cfg: EvaluateConfig,
-    *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
-    drafter: StageResult,
-    corpus: StageResult,
-    progress: ProgressFn = no_progress,
-) -> StageResult:
-    """Measure acceptance length (and per-position acceptance) for every dataset x proposer x steps."""
-    sd = StageDir(store, run_name, STAGE, key_of(cfg, target, drafter, corpus))
+def run(cfg: EvaluateConfig, ctx: WorkContext, *, drafter: StageResult, corpus: StageResult) -> StageResult:
+    """Measure acceptance length (and per-position acceptance) for every dataset x proposer x steps,
+    into `ctx.out` (keyed by `key_of` over these inputs)."""
+    sd, store, target, progress = ctx.out, ctx.store, ctx.target, ctx.progress
     if (cached := sd.cached_result()) is not None:
         return cached
     _check(cfg)

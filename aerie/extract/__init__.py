@@ -1,8 +1,8 @@
 """Hidden-state extraction: the corpus through the target's server into compact, resumable shards.
 
 stage.py           EXTRACT: the stage in the pipeline
-work.py            `run(cfg, store=, run_name=, target=, corpus=, server=) -> StageResult`, top to bottom
-plan.py            what is decided before a server starts: key, dirs, row ranges, disk preflight
+work.py            `run(cfg, ctx, corpus=, server=) -> StageResult` (ctx.out: its StageDir), top to bottom
+plan.py            what is decided before a server starts: the key, dirs, row ranges, disk preflight
 fleet.py           one host's servers in threads, uploads behind them, teardown always
 stage_manifest.py  the manifest, checked against the corpus, and the run's figures
 slices.py          one slice of a multi-host extraction, and assembling the slices

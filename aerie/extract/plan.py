@@ -1,5 +1,5 @@
-"""Everything an extraction decides before a server is launched: its stage key and place in the store,
-the work and dump dirs, which servers this host runs and their row ranges, the token count and the
+"""Everything an extraction decides before a server is launched: its stage key (`extract_key`, which the
+stage turns into the StageDir it hands the work), the work and dump dirs, which servers this host runs and their row ranges, the token count and the
 disk preflight (`PreflightError` before anything starts).
 
 The stage key covers what changes the shards' contents or layout (storage dtype, shard size, server
@@ -25,7 +25,7 @@ from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.serving import ServerConfig
 from aerie.settings import get_settings
 from aerie.shards.schema import SHARD_SCHEMA_VERSION
-from aerie.store import ArtifactStore
+from aerie.stage import WorkContext
 from aerie.targets import TargetInfo
 
 STAGE = "extract"
@@ -50,18 +50,6 @@ def extract_key(cfg: ExtractConfig, server: ServerConfig, target: TargetInfo, co
     if layers != target.aux_layers_output:  # other layers than EAGLE-3's: other shards (its keys stay)
         config["capture_layers"] = layers
     return stage_key(STAGE, config, [corpus.manifest_sha256])
-
-
-def stage_dir(
-    cfg: ExtractConfig,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
-    corpus: StageResult,
-    server: ServerConfig,
-) -> StageDir:
-    """Where this extraction's manifest, shards, progress and slice records live in the store."""
-    return StageDir(store, run_name, STAGE, extract_key(cfg, server, target, corpus))
 
 
 def total_servers(cfg: ExtractConfig) -> int:
@@ -120,18 +108,18 @@ class Plan:
 
 def plan(
     cfg: ExtractConfig,
+    ctx: WorkContext,
     *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
     corpus: StageResult,
     server: ServerConfig,
     slice_index: int | None = None,
 ) -> Plan:
-    """Read the corpus counts and the resume state, and run the disk preflight (`PreflightError`).
-    `slice_index` plans one slice of a multi-host run (its own progress object and dump root)."""
+    """Read the corpus counts and the resume state, and run the disk preflight (`PreflightError`), for
+    the extraction writing to `ctx.out` (its StageDir, keyed by `extract_key`). `slice_index` plans one
+    slice of a multi-host run (its own progress object and dump root)."""
     check_server_quantization(cfg, server)
-    stage = stage_dir(cfg, store, run_name, target, corpus, server)
+    stage, target = ctx.out, ctx.target
+    store, run_name = stage.store, stage.run
     work = work_dir(cfg, run_name, stage.key)
     work.mkdir(parents=True, exist_ok=True)
     splits: dict[str, SplitFiles] = {

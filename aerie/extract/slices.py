@@ -1,7 +1,10 @@
 """One slice of a multi-host extraction, and the assembly of the finished slices into the stage.
 
-    run_slice(cfg, k, store=, run_name=, target=, corpus=, server=) -> SliceRecord
-    assemble(cfg, store=, run_name=, target=, corpus=, server=) -> StageResult
+    run_slice(cfg, k, ctx, corpus=, server=) -> SliceRecord
+    assemble(cfg, ctx, corpus=, server=) -> StageResult
+
+`ctx` is the stage's `WorkContext`: its `out`, the extraction's StageDir (made by whoever runs the
+slice from `extract_key`: the stage, or the flow of one slice), the target and the progress callback.
 
 With `num_slices` = n, every split is cut into n x num_servers contiguous row ranges and slice k is one
 host running ranges k*num_servers .. (k+1)*num_servers - 1 through its own servers. Slices share
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +31,14 @@ from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import SplitFiles, open_split
 from aerie.extract.fleet import extract
 from aerie.extract.phases import PhaseTotals
-from aerie.extract.plan import Plan, plan, stage_dir, work_dir
+from aerie.extract.plan import Plan, plan, work_dir
 from aerie.extract.resume import ClosedShard
 from aerie.extract.stage_manifest import manifest_body
 from aerie.extract.worker import SliceResult
 from aerie.manifest import MANIFEST, StageDir, StageResult
-from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ServerConfig
 from aerie.shards.keys import missing_shards
-from aerie.store import ArtifactStore
+from aerie.stage import WorkContext
 from aerie.targets import TargetConfig, TargetInfo, resolve_target
 
 
@@ -114,35 +117,24 @@ def forget_missing(stage: StageDir, num_slices: int) -> list[str]:
 def run_slice(
     cfg: ExtractConfig,
     slice_index: int,
+    ctx: WorkContext,
     *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
     corpus: StageResult,
     server: ServerConfig,
-    progress: ProgressFn = no_progress,
 ) -> SliceRecord:
     """Extract slice `slice_index` of `cfg.num_slices` on this host (preflight, its own servers,
     uploads, teardown) and write its record last. A finished slice returns its record at once."""
     n = cfg.num_slices
     if not 0 <= slice_index < n:
         raise ConfigError(f"extract slice index {slice_index} is outside 0..{n - 1} (extract.num_slices={n})")
-    stage = stage_dir(cfg, store, run_name, target, corpus, server)
+    stage, store, target, progress = ctx.out, ctx.store, ctx.target, ctx.progress
     done = read_record(stage, slice_index, n)
     if done is not None:
         progress(1.0, f"slice {slice_index} of {n}: already done")
         return done
     began = time.monotonic()
     progress(0.0, f"slice {slice_index} of {n}: reading the corpus, disk preflight")
-    p = plan(
-        cfg,
-        store=store,
-        run_name=run_name,
-        target=target,
-        corpus=corpus,
-        server=server,
-        slice_index=slice_index,
-    )
+    p = plan(cfg, ctx, corpus=corpus, server=server, slice_index=slice_index)
     results, canary = extract(cfg, p, store=store, target=target, server=server, progress=progress)
     _check_complete(p, results, slice_index, n)
     record = SliceRecord(
@@ -186,18 +178,11 @@ def _check_complete(p: Plan, results: list[SliceResult], slice_index: int, n: in
 
 
 def assemble(
-    cfg: ExtractConfig,
-    *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
-    corpus: StageResult,
-    server: ServerConfig,
-    progress: ProgressFn = no_progress,
+    cfg: ExtractConfig, ctx: WorkContext, *, corpus: StageResult, server: ServerConfig
 ) -> StageResult:
     """Write the stage manifest from the slice records (`SliceMissingError` naming the unfinished
     slices; `ExtractionError` unless the shards hold exactly the corpus). A cache hit once written."""
-    stage = stage_dir(cfg, store, run_name, target, corpus, server)
+    stage, store, progress = ctx.out, ctx.store, ctx.progress
     cached = stage.cached_result()
     if cached is not None:
         progress(1.0, "cached")
@@ -212,14 +197,14 @@ def assemble(
             "slices (extract_slice_flow, or aerie.extract.slices.run_slice) first"
         )
     done = [r for r in records if r is not None]
-    work = work_dir(cfg, run_name, stage.key)
+    work = work_dir(cfg, stage.run, stage.key)
     splits: dict[str, SplitFiles] = {
         s: open_split(store, corpus.prefix, s, work / "corpus") for s in cfg.splits
     }
     canary = next((r.canary for r in done if r.canary is not None), None)
     manifest = manifest_body(
         cfg,
-        target,
+        ctx.target,
         corpus,
         server,
         splits,
@@ -241,25 +226,11 @@ def assemble(
 
 
 def run_all_here(
-    cfg: ExtractConfig,
-    *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
-    corpus: StageResult,
-    server: ServerConfig,
-    progress: ProgressFn = no_progress,
+    cfg: ExtractConfig, ctx: WorkContext, *, corpus: StageResult, server: ServerConfig
 ) -> StageResult:
     """Every slice on this host, one after the other (finished ones are skipped), then assemble: what a
     multi-slice config does without a fan-out, and how a partly fanned-out run is finished anywhere."""
-    n = cfg.num_slices
-    common: dict[str, Any] = {
-        "store": store,
-        "run_name": run_name,
-        "target": target,
-        "corpus": corpus,
-        "server": server,
-    }
+    n, progress = cfg.num_slices, ctx.progress
     for k in range(n):
 
         def slice_progress(fraction: float, message: str, k: int = k) -> None:
@@ -267,8 +238,8 @@ def run_all_here(
                 (k + fraction) / n, message if message.startswith("slice") else f"slice {k} of {n}: {message}"
             )
 
-        run_slice(cfg, k, progress=slice_progress, **common)
-    return assemble(cfg, progress=progress, **common)
+        run_slice(cfg, k, replace(ctx, progress=slice_progress), corpus=corpus, server=server)
+    return assemble(cfg, ctx, corpus=corpus, server=server)
 
 
 def local_target(target: TargetInfo) -> TargetInfo:

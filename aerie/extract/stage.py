@@ -54,13 +54,15 @@ class ExtractStage(Stage):
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.extract.work import run
 
+        out = self.stage_dir(cfg, ctx, upstream)
+        work = ctx.work(out)
         return [
             run(
                 cfg.extract,
+                work,
                 corpus=upstream.corpus,
                 server=cfg.server,
                 rebuild_missing=ctx.rebuild_missing,
-                **ctx.args(self.name),
             )
         ]
 

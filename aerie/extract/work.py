@@ -1,8 +1,13 @@
 """The extraction stage: corpus in, hidden-state shards and their manifest out.
 
-    run(cfg, store=..., run_name=..., target=..., corpus=..., server=...) -> StageResult
+    run(cfg, ctx, corpus=..., server=...) -> StageResult
 
-plan (`aerie.extract.plan`: key, dirs, row ranges, the disk preflight before anything is launched) ->
+`ctx` is the `WorkContext` the stage (`aerie.extract.stage.EXTRACT`) hands over: `ctx.out`, the
+extraction's StageDir (keyed by `aerie.extract.plan.extract_key`, worked out once by the stage), the
+target and the progress callback. Nothing below derives the key again: the plan, the slices and the
+fleet all write where `ctx.out` says.
+
+plan (`aerie.extract.plan`: dirs, row ranges, the disk preflight before anything is launched) ->
 run the servers (`aerie.extract.fleet`: per server, in threads, launch + readiness + canary, stream
 batches, pack shards, upload them in the background, restart a dead server; teardown always) -> check
 the token counts against the corpus and write the manifest last (`aerie.extract.stage_manifest`).
@@ -15,31 +20,25 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from aerie.extract import slices
 from aerie.extract.config import ExtractConfig
 from aerie.extract.fleet import extract
-from aerie.extract.plan import check_server_quantization, plan, stage_dir
+from aerie.extract.plan import check_server_quantization, plan
 from aerie.extract.stage_manifest import manifest_body
 from aerie.manifest import StageDir, StageResult
-from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ServerConfig
-from aerie.store import ArtifactStore
-from aerie.targets import TargetInfo
+from aerie.stage import WorkContext
 
 log = logging.getLogger(__name__)
 
 
 def run(
     cfg: ExtractConfig,
+    ctx: WorkContext,
     *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
     corpus: StageResult,
     server: ServerConfig,
-    progress: ProgressFn = no_progress,
     rebuild_missing: bool = False,
 ) -> StageResult:
     """Extract the corpus's hidden states into shards, or return the cached result. A cached result
@@ -48,26 +47,19 @@ def run(
     the config) and the manifest is written anew. The pipeline asks for that only when a stage that
     reads the shards has to run (`aerie.pipeline.rebuild_missing`)."""
     check_server_quantization(cfg, server)
-    stage = stage_dir(cfg, store, run_name, target, corpus, server)
+    stage, target, progress = ctx.out, ctx.target, ctx.progress
     if rebuild_missing:
         _forget_missing(stage, cfg.num_slices)
     cached = stage.cached_result()
     if cached is not None:
         progress(1.0, "cached")
         return cached
-    common: dict[str, Any] = {
-        "store": store,
-        "run_name": run_name,
-        "target": target,
-        "corpus": corpus,
-        "server": server,
-    }
     if cfg.num_slices > 1:
-        return slices.run_all_here(cfg, progress=progress, **common)
+        return slices.run_all_here(cfg, ctx, corpus=corpus, server=server)
     began = time.monotonic()
     progress(0.0, "reading the corpus, disk preflight")
-    p = plan(cfg, **common)
-    results, canary = extract(cfg, p, store=store, target=target, server=server, progress=progress)
+    p = plan(cfg, ctx, corpus=corpus, server=server)
+    results, canary = extract(cfg, p, store=stage.store, target=target, server=server, progress=progress)
     canary_record = canary.result.record() if canary.result is not None else None
     seconds = time.monotonic() - began
     manifest = manifest_body(

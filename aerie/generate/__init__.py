@@ -1,7 +1,7 @@
 """Regenerate training conversations with the target through an OpenAI-compatible endpoint.
 
-    run(cfg, spec, store=, run_name=, base_url=)   one dataset -> <run>/generate-<name>/<key>/
-    run_all(cfg, store=, run_name=, endpoint=)     every dataset, in parallel up to a limit
+    run(cfg, spec, out, base_url=)     one dataset into its StageDir `out` (<run>/generate-<name>/<key>/)
+    run_all(cfg, outs, endpoint=)      every dataset (one StageDir each), in parallel up to a limit
 
 Each dataset writes `conversations.parquet` (schema `aerie.generate.output.SCHEMA`), `errors.jsonl`
 and its manifest.
@@ -14,7 +14,7 @@ and its manifest.
     journal.py    the resumable append-only journal (group-committed, fsync'd)
     runner.py     one dataset's generation over any iterable of conversations
     output.py     the Parquet schema the corpus stage reads
-    work.py       run()/run_all(): keys, cache, journal location, Parquet, errors, manifest
+    work.py       run()/run_all(): keys (`key_of`), cache, journal location, Parquet, errors, manifest
     stage.py      GENERATE: the stage in the pipeline
 """
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from aerie.errors import ConfigError
-from aerie.manifest import StageResult, stage_key
+from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
@@ -103,7 +103,6 @@ def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
     remote one needs its key). Asked before the run's config is resolved too (`aerie.pipeline.check_secrets`
     runs before the target is), so it completes generation's section itself."""
     from aerie.generate.work import key_of, stage_name
-    from aerie.manifest import StageDir
 
     gen = generate_config(cfg)
     return any(
@@ -120,33 +119,40 @@ class GenerateStage(Stage):
 
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
         """The datasets' own keys together (each dataset's result lives under its own key)."""
-        from aerie.generate.work import key_of
+        return stage_key(self.name, [out.key for out in self.dataset_dirs(cfg, ctx)])
+
+    def dataset_dirs(self, cfg: PipelineConfig, ctx: StageContext) -> list[StageDir]:
+        """One StageDir per dataset (`generate-<dataset>`), in config order. A key hashes the dataset's
+        source file: each is worked out once per run (`ctx.keys`)."""
+        from aerie.generate.work import key_of, stage_name
 
         gen = cfg.generate
-        return stage_key(self.name, [key_of(gen, spec) for spec in gen.datasets])
+        dirs = []
+        for spec in gen.datasets:
+            memo = (stage_name(spec), gen.model_dump_json(), spec.model_dump_json())
+            if (key := ctx.keys.get(memo)) is None:
+                key = ctx.keys[memo] = key_of(gen, spec)
+            dirs.append(StageDir(ctx.store, ctx.run, stage_name(spec), key))
+        return dirs
 
     def cached(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult] | None:
-        from aerie.generate.work import key_of, stage_name
-        from aerie.manifest import StageDir
-
-        gen = cfg.generate
-        found = [
-            StageDir(ctx.store, ctx.run, stage_name(spec), key_of(gen, spec)).cached_result()
-            for spec in gen.datasets
-        ]
+        found = [out.cached_result() for out in self.dataset_dirs(cfg, ctx)]
         return None if any(r is None for r in found) else [r for r in found if r is not None]
 
     def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
         """Work for the target: a dataset taken as it is (`regenerate: false`) costs no endpoint."""
-        return generation_pending(cfg, ctx.store)
+        outs = self.dataset_dirs(cfg, ctx)
+        return any(
+            spec.regenerate and out.manifest() is None
+            for spec, out in zip(cfg.generate.datasets, outs, strict=True)
+        )
 
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.generate.work import run_all
 
         return run_all(
             cfg.generate,
-            store=ctx.store,
-            run_name=ctx.run,
+            self.dataset_dirs(cfg, ctx),
             endpoint=lambda: generation_endpoint(cfg, ctx.target),
             progress=ctx.progress,
         )

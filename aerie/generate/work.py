@@ -1,4 +1,4 @@
-"""The generation stage for one dataset: `run(cfg, spec, store=..., run_name=...) -> StageResult`.
+"""The generation stage for one dataset: `run(cfg, spec, out) -> StageResult`, `out` its StageDir.
 
 One call = one dataset = stage `generate-<name>`. Its key covers what decides the output (the dataset
 spec, its sampling and the endpoint's model) and not how it is reached (URL, key, concurrency,
@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -97,20 +97,19 @@ def read_api_key(env_name: str) -> str | None:
 def run(
     cfg: GenerateConfig,
     spec: DatasetSpec,
+    out: StageDir,
     *,
-    store: ArtifactStore,
-    run_name: str,
     base_url: str | None = None,
     progress: ProgressFn = no_progress,
     server_start_s: float = 0.0,
     preflight: bool = True,
 ) -> StageResult:
-    """Generate one dataset (or return its cached result). `base_url` overrides `cfg.endpoint.base_url`:
+    """Generate one dataset into `out` (its `generate-<dataset>` StageDir, made by the stage from
+    `key_of`), or return its cached result. `base_url` overrides `cfg.endpoint.base_url`:
     the pipeline passes the URL of the reference server it launched, and `server_start_s` the seconds
     that server took to start (counted in the dataset's time). `preflight`: check the endpoint first
     (`aerie.generate.preflight`; off when the caller has checked it already)."""
-    stage_dir = StageDir(store, run_name, stage_name(spec), key_of(cfg, spec))
-    cached = stage_dir.cached_result()
+    cached = out.cached_result()
     if cached is not None:
         progress(1.0, "cached")
         return cached
@@ -124,7 +123,7 @@ def run(
         conversations,
         cfg,
         spec,
-        stage_dir=stage_dir,
+        stage_dir=out,
         base_url=base_url,
         report=report,
         progress=progress,
@@ -146,14 +145,14 @@ def load_source(spec: DatasetSpec, report: LoadReport) -> list[Conversation]:
 
 def run_all(
     cfg: GenerateConfig,
+    outs: Sequence[StageDir],
     *,
-    store: ArtifactStore,
-    run_name: str,
     base_url: str | None = None,
     endpoint: Callable[[], AbstractContextManager[str]] | None = None,
     progress: Callable[[str], ProgressFn] = lambda stage: no_progress,
 ) -> list[StageResult]:
-    """Every dataset of `cfg`, up to `max_parallel_datasets` at a time, results in config order.
+    """Every dataset of `cfg`, each into its own StageDir (`outs`, in config order), up to
+    `max_parallel_datasets` at a time, results in config order.
 
     `endpoint` (e.g. "launch the reference server") is entered only if some dataset still needs
     generating and no `base_url` is given: a fully cached re-run launches nothing. A failing dataset
@@ -161,10 +160,12 @@ def run_all(
     names = [spec.name for spec in cfg.datasets]
     if len(set(names)) != len(names):
         raise ConfigError(f"generate.datasets: dataset names must be unique, got {names}")
+    if [out.stage for out in outs] != [stage_name(spec) for spec in cfg.datasets]:
+        raise ConfigError(f"generation: one StageDir per dataset, in order, expected; got {list(outs)}")
     results: dict[int, StageResult] = {}
     todo: list[int] = []
     for i, spec in enumerate(cfg.datasets):
-        cached = StageDir(store, run_name, stage_name(spec), key_of(cfg, spec)).cached_result()
+        cached = outs[i].cached_result()
         if cached is None:
             todo.append(i)
         else:
@@ -179,7 +180,7 @@ def run_all(
             first = next((cfg.datasets[i] for i in todo if cfg.datasets[i].regenerate), None)
             if first is not None:
                 check_endpoint_for(cfg, first, url)
-            errors = _run_parallel(cfg, todo, results, store, run_name, url, progress, start_s)
+            errors = _run_parallel(cfg, outs, todo, results, url, progress, start_s)
         if errors:
             failed = ", ".join(f"{cfg.datasets[i].name}: {exc}" for i, exc in errors)
             raise (
@@ -192,10 +193,9 @@ def run_all(
 
 def _run_parallel(
     cfg: GenerateConfig,
+    outs: Sequence[StageDir],
     todo: list[int],
     results: dict[int, StageResult],
-    store: ArtifactStore,
-    run_name: str,
     url: str | None,
     progress: Callable[[str], ProgressFn],
     server_start_s: float,
@@ -208,8 +208,7 @@ def _run_parallel(
                 run,
                 cfg,
                 cfg.datasets[i],
-                store=store,
-                run_name=run_name,
+                outs[i],
                 base_url=url,
                 progress=progress(stage_name(cfg.datasets[i])),
                 server_start_s=server_start_s,

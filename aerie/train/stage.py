@@ -23,8 +23,8 @@ class TrainStage(Stage):
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.train.work import run
 
-        inputs = _inputs(cfg, ctx, upstream)
-        return [run(cfg.train, corpus=upstream.corpus, **inputs, **ctx.args(self.name))]
+        out = self.stage_dir(cfg, ctx, upstream)
+        return [run(cfg.train, ctx.work(out), corpus=upstream.corpus, **_inputs(cfg, ctx, upstream))]
 
 
 def _inputs(cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> dict[str, Any]:

@@ -39,10 +39,11 @@ from aerie.extract.corpus_rows import open_split
 from aerie.extract.plan import check_server_quantization, dump_root
 from aerie.families import DEFAULT, family_of
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
-from aerie.progress import ProgressFn, no_progress
+from aerie.progress import ProgressFn
 from aerie.serving import ServerConfig
 from aerie.settings import get_settings
 from aerie.shards.keys import shard_keys
+from aerie.stage import WorkContext
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo, resolve_device
 from aerie.train.checkpoint import FILES
@@ -64,20 +65,19 @@ _NOT_KEYED = {"cache_dir", "prefetch_batches", "log_every"}
 
 def run(
     cfg: TrainConfig,
+    ctx: WorkContext,
     *,
-    store: ArtifactStore,
-    run_name: str,
-    target: TargetInfo,
     shards: StageResult | None,
     corpus: StageResult,
-    progress: ProgressFn = no_progress,
     extract: ExtractConfig | None = None,
     server: ServerConfig | None = None,
 ) -> StageResult:
-    """Train (or resume, or return the cached result of) the drafter for `target` on `shards`, or, with
-    `cfg.source` online, on what extraction servers (`extract`, `server`) dump for the corpus."""
+    """Train (or resume, or return the cached result of) the drafter for `ctx.target` into `ctx.out`
+    (keyed by `key_of` over these inputs) on `shards`, or, with `cfg.source` online, on what
+    extraction servers (`extract`, `server`) dump for the corpus."""
     online = _online_inputs(cfg, shards, extract, server)
-    sd = StageDir(store, run_name, STAGE, key_of(cfg, target, shards, corpus, extract, server))
+    sd, target, progress = ctx.out, ctx.target, ctx.progress
+    store, run_name = sd.store, sd.run
     if (cached := sd.cached_result()) is not None:
         return cached
 

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from aerie.extract.config import ExtractConfig  # noqa: E402
-from aerie.extract.work import run as run_extract  # noqa: E402
+from aerie.manifest import StageDir  # noqa: E402
 from aerie.serving import ServerConfig  # noqa: E402
 from aerie.store import LocalStore  # noqa: E402
 from aerie.targets import resolve_target  # noqa: E402
@@ -76,7 +76,7 @@ def run_pipeline(backend: str, target, store, corpus, work: Path, args, storage:
             extra_args=["--max-batch-tokens", str(args.batch_tokens), "--dump-writers", "2"],
         )
     began = time.perf_counter()
-    result = run_extract(
+    result = bx.run_extract(
         cfg, store=store, run_name=f"bench-{backend}", target=target, corpus=corpus, server=server
     )
     wall = time.perf_counter() - began
@@ -124,8 +124,9 @@ def extract_step(backend: str, target, store, corpus, work: Path, out: Path, arg
 
 def train_drafter(target, store, corpus, shards, work: Path, out: Path, args) -> None:
     """aerie's train stage on the SGLang shards (the preset smollm2-gpu's training settings, fewer epochs)."""
+    from aerie.stage import WorkContext
     from aerie.train.config import DraftShapeConfig, TrainConfig
-    from aerie.train.work import run as run_train
+    from aerie.train.work import key_of, run
 
     t = time.perf_counter()
     try:
@@ -142,9 +143,8 @@ def train_drafter(target, store, corpus, shards, work: Path, out: Path, args) ->
             epochs=args.train_epochs,
             cache_dir=str(work / "traincache"),
         )
-        res = run_train(
-            tcfg, store=store, run_name="bench-sglang", target=target, shards=shards, corpus=corpus
-        )
+        into = StageDir(store, "bench-sglang", "train", key_of(tcfg, target, shards, corpus))
+        res = run(tcfg, WorkContext(out=into, target=target), shards=shards, corpus=corpus)
         found = sorted(Path(store.root).rglob("train/*/drafter/config.json"))
         drafter = found[-1].parent if found else None
         if drafter is not None:
