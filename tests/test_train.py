@@ -555,11 +555,7 @@ def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_co
     """A real SIGTERM to this process mid-training (the GPU host's budget, a spot notice), with the GPU
     host's handler installed (SIGTERM -> SystemExit): the loop finishes step 5, checkpoints it although
     checkpoints fall every 4 steps, then exits as the handler says; the re-run loses no step."""
-    target, train, held = tiny
-    cfg = small_cfg(epochs=4, eval_every=2)
-    straight = make_upstream(tmp_path / "a", target, train, held)
-    done = _run(straight, cfg, target)
-    stopped = make_upstream(tmp_path / "b", target, train, held)
+    target, cfg, straight, done, stopped = _straight_and_stopped(tiny, tmp_path)
     code, messages = _sigterm_at(stopped, cfg, target, "step 5/")
     assert code == 128 + signal.SIGTERM
     assert any("stopped by signal" in m and "at step 5" in m for m in messages)
@@ -569,6 +565,16 @@ def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_co
     records = _train_records(stopped, _run(stopped, cfg, target))
     _same_losses(_train_records(straight, done), records)  # each step once: none redone
     assert [r["runs"] for r in records] == [1] * 5 + [2] * 3
+
+
+def _straight_and_stopped(tiny, tmp_path):  # noqa: ANN001, ANN202
+    """The signal tests' two stores: one trained uninterrupted (its result `done`) and one not yet
+    trained, for the run a signal stops; with the target and the config both use."""
+    target, train, held = tiny
+    cfg = small_cfg(epochs=4, eval_every=2)
+    straight = make_upstream(tmp_path / "a", target, train, held)
+    done = _run(straight, cfg, target)
+    return target, cfg, straight, done, make_upstream(tmp_path / "b", target, train, held)
 
 
 def _sigterm_at(upstream, cfg, target, prefix: str) -> tuple[object, list[str]]:  # noqa: ANN001
@@ -600,11 +606,7 @@ def test_a_sigterm_during_the_last_step_stops_with_its_checkpoint_and_the_rerun_
     """A SIGTERM while the last step is still evaluated: the process ends as asked (no export after
     it), the last step's checkpoint is in the store, and the re-run trains no step and exports the same
     drafter as an uninterrupted run."""
-    target, train, held = tiny
-    cfg = small_cfg(epochs=4, eval_every=2)
-    straight = make_upstream(tmp_path / "a", target, train, held)
-    done = _run(straight, cfg, target)
-    stopped = make_upstream(tmp_path / "b", target, train, held)
+    target, cfg, straight, done, stopped = _straight_and_stopped(tiny, tmp_path)
     # At the step's record: its evaluation and checkpoint follow.
     code, messages = _sigterm_at(stopped, cfg, target, "step 8/8 ")
     assert code == 128 + signal.SIGTERM

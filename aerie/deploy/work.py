@@ -25,7 +25,7 @@ from typing import Any
 from aerie.deploy.bench import TTFT_METHOD, LevelResult, benchmark
 from aerie.deploy.config import DeployConfig
 from aerie.deploy.report import deployment_markdown
-from aerie.errors import EvaluationError
+from aerie.errors import EvaluationError, TargetError
 from aerie.evaluate.drafter_files import drafter_keys, fetch_drafter
 from aerie.evaluate.prompts import mtbench_prompts
 from aerie.manifest import StageResult, stage_key
@@ -33,7 +33,7 @@ from aerie.progress import ProgressFn
 from aerie.serving import ModelServer, ServerConfig, ServerSpec, SpeculativeArgs, spec_for
 from aerie.stage import WorkContext
 from aerie.store import ArtifactStore
-from aerie.targets import TargetInfo
+from aerie.targets import TargetInfo, read_config
 from aerie.workdirs import work_dir
 
 STAGE = "deploy"
@@ -111,10 +111,10 @@ def _config_dtype(model_dir: Path) -> str | None:
     """The dtype a model directory's config.json names (`dtype`, or `torch_dtype` before transformers
     5), or None where it names none or cannot be read."""
     try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
+        config = read_config(model_dir)
+    except TargetError:
         return None
-    dtype = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    dtype = config.get("dtype") or config.get("torch_dtype")
     return dtype if isinstance(dtype, str) else None
 
 
