@@ -232,9 +232,16 @@ async def benchmark_async(
         base_url=base_url, timeout=timeout, limits=limits, trust_env=False
     ) as client:
         if warmup:
+            # One after another first, so that a request meets a cached prefix (the chat template's).
             progress(0.0, f"{server}: warm-up")
-            await _level(client, list(prompts[:warmup]), warmup, min(8, max_new_tokens))
+            await _level(client, list(prompts[:warmup]), 1, min(8, max_new_tokens))
         for i, level in enumerate(concurrency):
+            if warmup:
+                # Each level warmed at its own concurrency: a server that compiles kernels on first use
+                # (SGLang's Triton backend, per batch shape and for extends over a cached prefix)
+                # compiles them here, not in the timed requests.
+                warm = list(prompts[: max(warmup, level)])
+                await _level(client, warm, level, min(8, max_new_tokens))
             progress(i / len(concurrency), f"{server}: {len(prompts)} requests at concurrency {level}")
             records, wall = await _level(client, prompts, level, max_new_tokens)
             results.append(summarize(server, level, records, wall))

@@ -22,7 +22,10 @@ class DeployConfig(StrictModel):
         None, ge=2, description="--speculative-num-draft-tokens; None = steps+1."
     )
     warmup_requests: int = Field(
-        2, ge=0, description="Requests sent (and not measured) before each server's first level."
+        2,
+        ge=0,
+        description="Requests sent and not measured: this many one after another before a server's first "
+        "level, then as many as the level's concurrency (at least this many) before each level.",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request HTTP timeout of the benchmark.")
     promote_margin: float = Field(1.05, gt=0, description="Promote when speed-up >= this.")
