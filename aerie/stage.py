@@ -16,6 +16,16 @@ store and run it writes to), the target and the progress callback, with the inpu
 (the corpus, the server config, ...) beside it. Below a stage's `run` nothing derives a key or places
 an output: a work function writes where its `out` says.
 
+A stage of parts (generation: a dataset each; extraction with `num_slices` > 1: a slice each) also
+defines how its work comes apart and together again, so one fan-out runs them all, here in threads
+(`run_parts`) or under Prefect as a subflow per part or a run of a deployment per part (`flows.stage`):
+
+    parts(cfg, ctx, upstream) -> list[Part]           every part, in order ([] for a stage of one piece)
+    around_parts(cfg, ctx, upstream, parts)           what the parts share (generation's endpoint)
+    part_done(cfg, ctx, part) -> bool                 finished by an earlier run (skipped)
+    run_part(cfg, ctx, upstream, part, shared)        one part; returns its record
+    assemble(cfg, ctx, upstream, parts, outcomes)     the stage's results, once every part is done
+
 `resolve` runs once per run, before any stage (`aerie.pipeline.resolve`): a setting one section
 derives from another (the layers extraction captures from the drafter family, the evaluation's prompt
 format from the corpus) is filled into the stage's own section there, so `key` and `run` read only
@@ -27,13 +37,18 @@ runs them in this process or, through `flows.pipeline`, as Prefect subflows.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from aerie.errors import ConfigError
+from aerie.errors import AerieError, ConfigError
 from aerie.manifest import StageDir, StageResult
 from aerie.progress import ProgressFactory, ProgressFn, no_progress
 from aerie.store import ArtifactStore
@@ -132,6 +147,26 @@ class Upstream(BaseModel):
         return self.one("evaluate") if "evaluate" in self.results else None
 
 
+class Part(BaseModel):
+    """One piece of a stage of parts: a dataset to generate, a slice of the corpus to extract. Its output
+    (or its record) lives in the StageDir `<run>/<dir_stage>/<key>/`, worked out with the parts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int  # its place among the stage's parts
+    name: str  # its progress artifact, its subflow run (`generate-alpha`, `slice-0-of-2`)
+    label: str  # what errors and logs call it (`dataset alpha`, `slice 0 of 2`)
+    dir_stage: str
+    key: str
+
+    def out(self, store: ArtifactStore, run: str) -> StageDir:
+        return StageDir(store, run, self.dir_stage, self.key)
+
+
+# What runs the parts still to do: each part's record, or the exception that stopped it, in order.
+PartsRunner = Callable[[list[Part], Any], list["BaseModel | BaseException"]]
+
+
 class Stage(ABC):
     """One stage of the pipeline. Subclasses set `name` and define `key` and `run`; `needs` is "no
     manifest yet" unless a stage knows better."""
@@ -187,3 +222,114 @@ class Stage(ABC):
 
     def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
         return self.cached(cfg, ctx, upstream) is None
+
+    # -- a stage of parts (see the module's docstring); a stage of one piece keeps these defaults --
+
+    # What a failure of several parts, or of a part run elsewhere, is raised as.
+    part_error: ClassVar[type[AerieError]] = AerieError
+
+    def parts(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[Part]:
+        """Every part of this stage's work in order; [] for a stage of one piece (`run` does it all)."""
+        return []
+
+    def around_parts(
+        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, parts: list[Part]
+    ) -> AbstractContextManager[Any]:
+        """Entered around the parts still to do, in the process that runs them or starts their runs:
+        what it yields is handed to every part (`run_part`'s `shared`)."""
+        return contextlib.nullcontext()
+
+    def part_done(self, cfg: PipelineConfig, ctx: StageContext, part: Part) -> bool:
+        raise NotImplementedError(f"stage {self.name} has no parts")
+
+    def run_part(
+        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, part: Part, shared: Any
+    ) -> BaseModel:
+        """Do one part, or return its record where an earlier run finished it."""
+        raise NotImplementedError(f"stage {self.name} has no parts")
+
+    def assemble(
+        self,
+        cfg: PipelineConfig,
+        ctx: StageContext,
+        upstream: Upstream,
+        parts: list[Part],
+        outcomes: dict[int, BaseModel],
+    ) -> list[StageResult]:
+        """The stage's results from its finished parts (`outcomes`: the records of the parts run now,
+        by index, where the runner has them)."""
+        raise NotImplementedError(f"stage {self.name} has no parts")
+
+    def max_parallel_parts(self, cfg: PipelineConfig) -> int:
+        """How many parts run at once in one process."""
+        return 1
+
+    def wait_parts(self, futures: Iterable[Future[Any]]) -> None:
+        """Wait for the parts running in threads (generation stops them on Ctrl-C)."""
+        wait(list(futures))
+
+
+def run_parts(
+    stage: Stage,
+    cfg: PipelineConfig,
+    ctx: StageContext,
+    upstream: Upstream,
+    *,
+    parts: list[Part] | None = None,
+    runner: PartsRunner | None = None,
+) -> list[StageResult]:
+    """A stage of parts, the one fan-out: around the parts still to do (`around_parts`), run them
+    (`runner`; by default `stage.run_part` in threads of this process, `in_threads`), then `assemble`. Parts
+    finished by an earlier run are skipped; a failing part does not stop the others, and the first
+    failure is raised once all have ended (several: the stage's `part_error` naming each), with what
+    the others finished kept."""
+    parts = stage.parts(cfg, ctx, upstream) if parts is None else parts
+    with stage.around_parts(cfg, ctx, upstream, parts) as shared:
+        todo = [part for part in parts if not stage.part_done(cfg, ctx, part)]
+        run = runner or in_threads(stage, cfg, ctx, upstream)
+        outcomes = dict(zip((p.index for p in todo), run(todo, shared), strict=True)) if todo else {}
+    failed = [(p, o) for p in todo if isinstance(o := outcomes[p.index], BaseException)]
+    if len(failed) == 1:
+        raise failed[0][1]
+    if failed:
+        # An error that names its part already (a part run elsewhere: `flows.fanout`) is taken as it is.
+        lines = "; ".join(str(o) if str(o).startswith(p.label) else f"{p.label}: {o}" for p, o in failed)
+        raise stage.part_error(
+            f"{stage.name}: {len(failed)} of {len(parts)} parts failed: {lines}; what the others finished "
+            "is kept, a re-run runs only what is left"
+        ) from failed[0][1]
+    done = {i: o for i, o in outcomes.items() if isinstance(o, BaseModel)}
+    return stage.assemble(cfg, ctx, upstream, parts, done)
+
+
+def in_threads(
+    stage: Stage,
+    cfg: PipelineConfig,
+    ctx: StageContext,
+    upstream: Upstream,
+    one: Callable[[Part, Any], BaseModel] | None = None,
+) -> PartsRunner:
+    """Run parts in threads of this process, `stage.max_parallel_parts` at a time: each `one(part,
+    shared)` (by default `stage.run_part`) in a copy of the caller's context (under Prefect: so that a
+    part's subflow is linked under the stage's)."""
+
+    def here(part: Part, shared: Any) -> BaseModel:
+        return stage.run_part(cfg, ctx, upstream, part, shared)
+
+    def runner(todo: list[Part], shared: Any) -> list[BaseModel | BaseException]:
+        pool = ThreadPoolExecutor(max_workers=stage.max_parallel_parts(cfg), thread_name_prefix=stage.name)
+        try:
+            call = one or here
+            futures = [pool.submit(contextvars.copy_context().run, call, part, shared) for part in todo]
+            stage.wait_parts(futures)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        outcomes: list[BaseModel | BaseException] = []
+        for future in futures:
+            try:
+                outcomes.append(future.result())
+            except Exception as exc:  # collected: the other parts kept running
+                outcomes.append(exc)
+        return outcomes
+
+    return runner

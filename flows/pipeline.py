@@ -1,11 +1,10 @@
 """`eagle3_pipeline`: the whole pipeline as one Prefect flow of stage subflows.
 
-    generate-all (a subflow per dataset) -> merge -> extract -> train -> evaluate -> deploy
+    generate (a subflow per dataset) -> merge -> extract -> train -> evaluate -> deploy
 
 The stages, their order and what each is fed are the library's (`aerie.pipeline.compose`); this flow
-runs each as a subflow: generation as a subflow per dataset (`flows.generate`), extraction over hosts
-when `extract.slice_deployment` is set (`flows.extract`), every other stage through the one generic
-stage subflow (`flows.stage`). Each stage returns the URI of its manifest (a `StageResult`), never
+runs each through the one generic stage subflow (`flows.stage`): a stage of parts (generation's
+datasets, extraction's slices) as a subflow per part, or a run per part of `extract.slice_deployment`. Each stage returns the URI of its manifest (a `StageResult`), never
 data; each is cached across runs, so re-running a finished pipeline costs seconds and changing a
 training parameter re-runs only training and what follows. A failing stage fails the flow (subflow
 calls raise), and the `on_failure`/`on_crashed` hooks post to the configured webhook.
@@ -13,15 +12,12 @@ calls raise), and the `on_failure`/`on_crashed` hooks post to the configured web
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from aerie.config import PipelineConfig, apply_overrides
-from aerie.extract.stage import EXTRACT
-from aerie.generate.stage import GENERATE, generation_endpoint
 from aerie.manifest import StageResult
 from aerie.pipeline import PipelineReport, check_secrets, compose, figure_text, resolve
 from aerie.plan import track
@@ -31,8 +27,6 @@ from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import open_store
 from aerie.targets import TargetConfig, TargetInfo, resolve_target
 
-from .extract import extract_flow
-from .generate import generate_all
 from .reporting import artifact_key, notify_failure
 from .stage import run_stage
 
@@ -75,26 +69,16 @@ def eagle3_pipeline(
         )
 
     def step(stage: Stage, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
-        if stage is GENERATE:
-            return _generate(cfg, ctx)
         # Hashed at most once in this run (the composer's look-ahead, `aerie.pipeline.rebuild_missing`,
-        # has mostly done it already): the subflow is handed it rather than hashing it again.
+        # has mostly done it already): the subflow is handed the key and the parts rather than hashing
+        # them again.
         key = stage.remembered_key(cfg, ctx, upstream)
-        if stage is EXTRACT and cfg.extract.slice_deployment:
-            return [extract_flow(cfg, ctx.target, upstream, ctx.rebuild_missing, key)]
-        return [run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing, key)]
+        parts = stage.parts(cfg, ctx, upstream)
+        return run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing, key, parts)
 
     results = compose(cfg, ctx, step, plan=plan)
     _summarize(cfg, results, track.gpu_seconds(plan, store, results))
     return results
-
-
-def _generate(cfg: PipelineConfig, ctx: StageContext) -> list[StageResult]:
-    # The embedded default generates with the target itself: launch it only when a dataset needs it.
-    launch = cfg.generate.endpoint.base_url is None and GENERATE.needs(cfg, ctx, Upstream())
-    with generation_endpoint(cfg, ctx.target) if launch else contextlib.nullcontext(None) as base_url:
-        keys = [out.key for out in GENERATE.dataset_dirs(cfg, ctx)]  # the look-ahead's, remembered
-        return generate_all(cfg.generate, cfg.store, cfg.run, base_url, keys)
 
 
 def _summarize(cfg: PipelineConfig, results: list[StageResult], gpu_seconds: float | None) -> None:

@@ -4,7 +4,8 @@
     run(cfg, store=store, run_name="r", target=target, inputs=[...])     # as the stage would
 
 The StageDir is made here, as `Stage.stage_dir` makes it: the stage's own key function over the inputs
-the work is given. A generation test names its dataset's StageDir with `dataset_dir`.
+the work is given. A generation test names its dataset's StageDir with `dataset_dir`, and runs every
+dataset of a config as the stage does with `generate_all`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aerie.generate.config import DatasetSpec, GenerateConfig
-from aerie.manifest import StageDir
+from aerie.manifest import StageDir, StageResult
 from aerie.progress import ProgressFn, no_progress
-from aerie.stage import WorkContext
+from aerie.stage import StageContext, Upstream, WorkContext
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
 
@@ -92,3 +93,15 @@ def dataset_dir(store: ArtifactStore, run_name: str, cfg: GenerateConfig, spec: 
     from aerie.generate.work import key_of, stage_name
 
     return StageDir(store, run_name, stage_name(spec), key_of(cfg, spec))
+
+
+def generate_all(cfg: GenerateConfig, store: ArtifactStore, run_name: str) -> list[StageResult]:
+    """Every dataset of `cfg` as the generation stage runs them (`GENERATE.run`: in parallel up to the
+    limit, the endpoint checked once), against `cfg.endpoint.base_url`. The stage reads its target only
+    to launch an endpoint of its own, so none is given (a launch would fail on the missing fields)."""
+    from aerie.config import PipelineConfig
+    from aerie.generate.stage import GENERATE
+
+    target = TargetInfo.model_construct(name="(none: generation against the configured endpoint)")
+    ctx = StageContext(store=store, run=run_name, target=target)
+    return GENERATE.run(PipelineConfig(run=run_name, generate=cfg), ctx, Upstream())

@@ -41,7 +41,8 @@ def merge_corpus(
     cfg: CorpusConfig, store_cfg: StoreConfig, run: str, target: TargetInfo, inputs: list[StageResult]
 ) -> StageResult:
     pipeline = PipelineConfig(run=run, store=store_cfg, corpus=cfg)
-    return run_stage("merge", pipeline, target, Upstream().plus("generate", inputs))
+    (result,) = run_stage("merge", pipeline, target, Upstream().plus("generate", inputs))
+    return result
 
 
 def test_merge_flow_reports_and_caches(tmp_path: Path, smollm2):

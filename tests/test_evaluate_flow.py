@@ -43,19 +43,19 @@ def test_evaluate_flow_reports_and_caches(tmp_path, smollm2):
             "train": [train_result(store, "flow", smollm2, tmp_path)],
         }
     )
-    first = run_stage("evaluate", cfg, smollm2, upstream)
+    (first,) = run_stage("evaluate", cfg, smollm2, upstream)
     assert not first.cache_hit and first.figures["prompts_mtbench"] == 2
     artifacts = asyncio.run(_artifacts())
     assert artifacts["flow-evaluate"] == "progress"
     assert artifacts["evaluate-report"] == "markdown"
     assert artifacts["evaluate-acceptance"] == "markdown"  # the PNG embedded as a data URI
     assert artifacts["evaluate-figures"] == "table"
-    again = run_stage("evaluate", cfg, smollm2, upstream)
+    (again,) = run_stage("evaluate", cfg, smollm2, upstream)
     assert again.key == first.key and again.figures == first.figures
     assert again.cache_hit and again.original_seconds == first.seconds
 
     # A disabled deployment is a recorded no-op (no server is started).
-    skipped = run_stage(
+    (skipped,) = run_stage(
         "deploy",
         cfg.model_copy(update={"deploy": DeployConfig(enabled=False)}),
         smollm2,

@@ -78,7 +78,7 @@ def test_flow_extracts_and_caches(tmp_path, smollm2, corpus):
         server=ServerConfig(device="cpu", port=free_port()),
     )
     upstream = Upstream().plus("merge", [result])
-    first = run_stage("extract", cfg, smollm2, upstream)
+    (first,) = run_stage("extract", cfg, smollm2, upstream)
     assert not first.cache_hit
     assert first.figures["tokens"] == result.figures["tokens"] and first.figures["canary_passed"]
     _check_phases(first.figures["phases"])
@@ -87,5 +87,5 @@ def test_flow_extracts_and_caches(tmp_path, smollm2, corpus):
     assert "max_prefill_tokens=256," in log.read_text()
     keys = asyncio.run(_artifact_keys())
     assert "f-extract" in keys and "extract-figures" in keys
-    second = run_stage("extract", cfg, smollm2, upstream)
+    (second,) = run_stage("extract", cfg, smollm2, upstream)
     assert second.manifest_sha256 == first.manifest_sha256

@@ -6,7 +6,7 @@ processes), its own progress object and its record; `assemble` builds the manife
    the assembled stage holds exactly the corpus and the very shards a single host with two servers
    writes (same stage key), and re-runs are no-ops.
 2. Prefect: `prefect deploy` of `extract-slice/local` to a real Prefect server, a process worker, and the
-   extract flow fanning out over it with `run_deployment`, then assembling.
+   extract stage's flow fanning out over it with `run_deployment`, then assembling.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from aerie.manifest import StageResult, load_manifest
 from aerie.serving import ServerConfig
 from aerie.stage import Upstream
 from aerie.store import LocalStore, StoreConfig, open_store
-from flows.extract import extract_flow as fan_out_flow
+from flows.stage import run_stage
 from tests.extract_support import corpus_rows, write_corpus
 from tests.processes import free_port_pair
 from tests.stage_work import staged
@@ -190,7 +190,8 @@ def test_extract_flow_fans_out_over_the_slice_deployment(prefect_api, tmp_path, 
 
     def extract_flow(cfg: ExtractConfig, run_name: str) -> StageResult:
         pipeline = PipelineConfig(run=run_name, store=store_cfg, extract=cfg, server=server)
-        return fan_out_flow(pipeline, smollm2, upstream)
+        (result,) = run_stage("extract", pipeline, smollm2, upstream)
+        return result
 
     fan_out = {"num_slices": 2, "slice_deployment": "extract-slice/local"}
     log = tmp_path / "worker.log"

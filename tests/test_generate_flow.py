@@ -1,5 +1,5 @@
-"""The generation flows under a real Prefect test server: two datasets as parallel subflows against a
-real local endpoint, with progress and table artifacts; a re-run generates nothing; a rejected key in
+"""The generation stage's flow under a real Prefect test server: two datasets as parallel subflows (the
+stage's parts) against a real local endpoint, with progress and table artifacts; a re-run generates nothing; a rejected key in
 one dataset fails the flow without a task retry while the other dataset completes."""
 
 from __future__ import annotations
@@ -12,12 +12,18 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentTaskRunId
 
+from aerie.config import PipelineConfig
 from aerie.datasets import SourceSpec
 from aerie.errors import EndpointAuthError, EndpointError, SchemaError, SourceNotFoundError
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
 from aerie.generate.output import read_conversations
+from aerie.manifest import StageResult
+from aerie.stage import Upstream
 from aerie.store import StoreConfig, open_store
-from flows.generate import generate_all
+from aerie.targets import TargetInfo
+from flows.generate import POLICY
+from flows.retrying import retry_unless
+from flows.stage import run_stage
 from tests.fault_server import FaultServer, status
 
 pytest_plugins = ("tests.prefect_support",)
@@ -50,6 +56,14 @@ def _config(url: str, tmp_path: Path) -> GenerateConfig:
     )
 
 
+def generate_all(
+    cfg: GenerateConfig, store_cfg: StoreConfig, run: str, base_url: str, target: TargetInfo
+) -> list[StageResult]:
+    """The generation stage's flow over `cfg`'s datasets, against the endpoint at `base_url`."""
+    cfg = cfg.model_copy(update={"endpoint": cfg.endpoint.model_copy(update={"base_url": base_url})})
+    return run_stage("generate", PipelineConfig(run=run, store=store_cfg, generate=cfg), target, Upstream())
+
+
 async def _artifacts_and_subflows() -> tuple[set[str], list[str]]:
     async with get_client() as client:
         keys = {a.key for a in await client.read_artifacts() if a.key}
@@ -59,11 +73,11 @@ async def _artifacts_and_subflows() -> tuple[set[str], list[str]]:
         return keys, sorted(r.name for r in runs)
 
 
-def test_datasets_run_as_parallel_subflows_and_cache(tmp_path: Path):
+def test_datasets_run_as_parallel_subflows_and_cache(tmp_path: Path, smollm2):
     store_cfg = StoreConfig(uri=str(tmp_path / "store"))
     with FaultServer() as server:
         cfg = _config(server.url, tmp_path)
-        first = generate_all(cfg, store_cfg, "flow", server.url)
+        first = generate_all(cfg, store_cfg, "flow", server.url, smollm2)
         assert [r.stage for r in first] == ["generate-alpha", "generate-beta"]
         assert [r.figures["records"] for r in first] == [3, 3]
         asked = len(server.seen)
@@ -76,21 +90,23 @@ def test_datasets_run_as_parallel_subflows_and_cache(tmp_path: Path):
         keys, subflows = asyncio.run(_artifacts_and_subflows())
         assert {"flow-generate-alpha", "flow-generate-beta", "flow-generate-datasets"} <= keys
         assert {"generate-alpha-figures", "generate-beta-figures"} <= keys
-        assert subflows == ["generate-alpha", "generate-beta"]  # linked under generate-all
+        assert subflows == ["generate-alpha", "generate-beta"]  # linked under the generate stage's flow
 
-        second = generate_all(cfg, store_cfg, "flow", "http://127.0.0.1:9/v1")  # another URL: same key
+        second = generate_all(
+            cfg, store_cfg, "flow", "http://127.0.0.1:9/v1", smollm2
+        )  # another URL: same key
         assert [r.manifest_sha256 for r in second] == [r.manifest_sha256 for r in first]
         assert len(server.seen) == asked  # nothing generated again
 
 
-def test_rejected_key_fails_without_retry_and_spares_the_other_dataset(tmp_path: Path):
+def test_rejected_key_fails_without_retry_and_spares_the_other_dataset(tmp_path: Path, smollm2):
     store_cfg = StoreConfig(uri=str(tmp_path / "store"))
     with FaultServer() as server:
         server.plan = {f"beta question {i}": [status(401)] for i in range(3)}
         cfg = _config(server.url, tmp_path)
         cfg.endpoint.concurrency = 1
         with pytest.raises(EndpointAuthError, match="rejected the API key"):
-            generate_all(cfg, store_cfg, "flow-auth", server.url)
+            generate_all(cfg, store_cfg, "flow-auth", server.url, smollm2)
         beta = [s for s in server.seen if s.prompt.startswith("beta")]
         assert len(beta) == 1  # stopped at the first 401: no request retry, no task retry
         alpha = open_store(store_cfg).list("flow-auth/generate-alpha")
@@ -118,6 +134,4 @@ class _FailedWith:
     ],
 )
 def test_only_transient_failures_are_retried(exc: Exception, retried: bool) -> None:
-    from flows.generate import _worth_retrying
-
-    assert _worth_retrying(None, None, _FailedWith(exc)) is retried
+    assert retry_unless(*POLICY.not_retried)(None, None, _FailedWith(exc)) is retried

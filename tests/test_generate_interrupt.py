@@ -17,22 +17,20 @@ import pytest
 
 from aerie.datasets import SourceSpec
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
-from aerie.generate.work import run_all
 from aerie.store import LocalStore
 from tests.fault_server import FaultServer, slow
 from tests.generate_support import journal_ids
-from tests.stage_work import dataset_dir
+from tests.stage_work import generate_all
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import sys
 from aerie.generate.config import GenerateConfig
-from aerie.generate.work import run_all
 from aerie.store import LocalStore
-from tests.stage_work import dataset_dir
+from tests.stage_work import generate_all
 cfg = GenerateConfig.model_validate_json(sys.argv[1])
 try:
-    run_all(cfg, [dataset_dir(LocalStore(sys.argv[2]), "r", cfg, s) for s in cfg.datasets])
+    generate_all(cfg, LocalStore(sys.argv[2]), "r")
 except KeyboardInterrupt as exc:  # as the aerie command does
     print(f"aerie: interrupted: {exc}", file=sys.stderr)
     sys.exit(130)
@@ -87,7 +85,7 @@ def test_ctrl_c_cancels_requests_in_flight_keeps_what_finished_and_resumes(tmp_p
 
         before = len(server.seen)
         server.plan = {}
-        [result] = run_all(cfg, [dataset_dir(LocalStore(store_root), "r", cfg, s) for s in cfg.datasets])
+        [result] = generate_all(cfg, LocalStore(store_root), "r")
         asked = {s.prompt for s in server.seen[before:]}
         assert asked == {f"q{i}" for i in range(n)} - {f"q{c[1:]}" for c in kept}  # only the rest
         assert result.figures["records"] == n

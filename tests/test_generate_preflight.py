@@ -16,11 +16,11 @@ from aerie.datasets import SourceSpec
 from aerie.errors import EndpointAuthError, EndpointError, EndpointRequestError, EndpointUnreachableError
 from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, SamplingParams
 from aerie.generate.preflight import preflight_path
-from aerie.generate.work import run, run_all
+from aerie.generate.work import run
 from aerie.store import LocalStore
 from tests.fault_server import FaultServer
 from tests.processes import free_port
-from tests.stage_work import dataset_dir
+from tests.stage_work import dataset_dir, generate_all
 
 pytestmark = pytest.mark.integration  # HTTP servers on 127.0.0.1
 
@@ -103,9 +103,7 @@ def test_other_answers_fail_with_their_status(tmp_path: Path):
 def test_several_datasets_check_the_endpoint_once(tmp_path: Path):
     with FaultServer() as server:
         cfg = config(server.url, source(tmp_path), names=("one", "two"))
-        results = run_all(
-            cfg, [dataset_dir(LocalStore(tmp_path / "store"), "r", cfg, s) for s in cfg.datasets]
-        )
+        results = generate_all(cfg, LocalStore(tmp_path / "store"), "r")
         assert [r.figures["records"] for r in results] == [3, 3]
         assert len(server.gets) == 1
 

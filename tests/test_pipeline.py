@@ -121,15 +121,17 @@ def _shards_lost_then_rebuilt(store: Path, cfg: PipelineConfig, extract: StageRe
 
 
 def test_failure_posts_to_the_webhook(prefect_api, tmp_path, webhook, monkeypatch):
-    import flows.generate
+    from dataclasses import replace
+
+    import flows.stage
     from flows.pipeline import eagle3_pipeline
 
     url, received = webhook
     monkeypatch.setenv("AERIE_WEBHOOK_URL", url)
     # A missing source is not retried (it would fail the same way 30 s and 120 s later), but should
     # that rule regress, waits of 0 keep this test about the failure and its webhook post.
-    task = flows.generate.generate_task
-    monkeypatch.setattr(flows.generate, "generate_task", task.with_options(retry_delay_seconds=0))
+    policy = replace(flows.stage.POLICIES["generate"], retry_delay_s=0)
+    monkeypatch.setitem(flows.stage.POLICIES, "generate", policy)
     get_settings.cache_clear()
     missing = tmp_path / "no-such-prompts.jsonl"
     cfg = apply_overrides(

@@ -55,14 +55,14 @@ def test_flow_trains_reports_and_caches(tmp_path):
         ),  # fmt: skip
     )
     upstream = Upstream().plus("merge", [up.corpus]).plus("extract", [up.shards])
-    first = run_stage("train", cfg, target, upstream)
+    (first,) = run_stage("train", cfg, target, upstream)
     assert not first.cache_hit and first.figures["steps"] == 8
     assert up.store.exists(f"{first.prefix}/drafter/model.safetensors")
     artifacts = asyncio.run(_artifacts())
     assert artifacts["flow-train"] == "progress"
     assert artifacts["train-figures"] == "table" and artifacts["train-steps"] == "table"
     assert artifacts["train-loss"] == "markdown" and artifacts["train-accuracy"] == "markdown"
-    second = run_stage("train", cfg, target, upstream)
+    (second,) = run_stage("train", cfg, target, upstream)
     assert second.manifest_sha256 == first.manifest_sha256
 
 
@@ -87,7 +87,7 @@ def test_an_online_training_reports_its_servers(tmp_path, smollm2):
         # Its warm-up would send the tokenizer's ids, outside the tiny vocabulary.
         server=ServerConfig(device="cpu", port=free_port(), extra_args=["--skip-server-warmup"]),
     )
-    result = run_stage("train", cfg, target, Upstream().plus("merge", [corpus]))
+    (result,) = run_stage("train", cfg, target, Upstream().plus("merge", [corpus]))
     assert result.figures["source"] == "online" and result.figures["servers"] == 1
     (table,) = asyncio.run(_artifact_data("train-servers"))
     (row,) = json.loads(table)

@@ -36,8 +36,8 @@ class ExtractConfig(StrictModel):
     slice_deployment: str | None = Field(
         None,
         description="Prefect deployment of one slice (flow/deployment, e.g. 'extract-slice/gpu'): when set, "
-        "the extract flow runs each unfinished slice through it (run_deployment, in parallel) and "
-        "assembles; None = run in this process.",
+        "the extraction stage's flow runs each unfinished slice through it (run_deployment, all at once) "
+        "and assembles; None = here, one after the other (under Prefect a subflow each).",
     )
     max_restarts: int = Field(
         2, ge=0, description="Restarts of a server that dies mid-extraction (per server)."

@@ -4,10 +4,15 @@ server into hidden-state shards. The work itself is `aerie.extract.work` (one ho
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel
+
+from aerie.errors import ExtractionError
 from aerie.manifest import StageResult
-from aerie.stage import Stage, StageContext, Upstream
+from aerie.stage import Part, Stage, StageContext, Upstream, WorkContext, run_parts
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
@@ -27,7 +32,12 @@ def extract_config(cfg: PipelineConfig, target: TargetInfo) -> ExtractConfig:
 
 
 class ExtractStage(Stage):
+    """One piece of work on one host, or with `extract.num_slices` > 1 a part per slice (each with its
+    own servers, on this host one after the other or each on a host of `extract.slice_deployment`)
+    assembled into one stage from the slices' records (`aerie.extract.slices`)."""
+
     name = "extract"
+    part_error = ExtractionError
 
     def resolve(self, cfg: PipelineConfig, target: TargetInfo) -> PipelineConfig:
         return cfg.model_copy(update={"extract": extract_config(cfg, target)})
@@ -54,6 +64,8 @@ class ExtractStage(Stage):
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.extract.work import run
 
+        if cfg.extract.num_slices > 1:
+            return run_parts(self, cfg, ctx, upstream)
         out = self.stage_dir(cfg, ctx, upstream)
         work = ctx.work(out)
         return [
@@ -65,6 +77,59 @@ class ExtractStage(Stage):
                 rebuild_missing=ctx.rebuild_missing,
             )
         ]
+
+    def parts(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[Part]:
+        n, key = cfg.extract.num_slices, self.remembered_key(cfg, ctx, upstream)
+        if n == 1:
+            return []
+        return [
+            Part(index=k, name=f"slice-{k}-of-{n}", label=f"slice {k} of {n}", dir_stage=self.name, key=key)
+            for k in range(n)
+        ]
+
+    @contextlib.contextmanager
+    def around_parts(
+        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, parts: list[Part]
+    ) -> Iterator[None]:
+        """The checks before any slice (`aerie.extract.work.prepare`); each slice host runs its own disk
+        preflight, the parent none."""
+        from aerie.extract.work import prepare
+
+        out = self.stage_dir(cfg, ctx, upstream)
+        prepare(cfg.extract, out, server=cfg.server, rebuild_missing=ctx.rebuild_missing)
+        yield None
+
+    def part_done(self, cfg: PipelineConfig, ctx: StageContext, part: Part) -> bool:
+        from aerie.extract.slices import read_record
+
+        return read_record(part.out(ctx.store, ctx.run), part.index, cfg.extract.num_slices) is not None
+
+    def run_part(
+        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, part: Part, shared: object
+    ) -> BaseModel:
+        """One slice on this host, with the target as this host has it."""
+        from aerie.extract.slices import local_target, run_slice
+
+        work = WorkContext(
+            out=part.out(ctx.store, ctx.run),
+            target=local_target(ctx.target),
+            progress=ctx.progress(part.name),
+        )
+        return run_slice(cfg.extract, part.index, work, corpus=upstream.corpus, server=cfg.server)
+
+    def assemble(
+        self,
+        cfg: PipelineConfig,
+        ctx: StageContext,
+        upstream: Upstream,
+        parts: list[Part],
+        outcomes: dict[int, BaseModel],
+    ) -> list[StageResult]:
+        """The stage manifest from the slices' records (a cache hit once written)."""
+        from aerie.extract.slices import assemble
+
+        work = ctx.work(self.stage_dir(cfg, ctx, upstream))
+        return [assemble(cfg.extract, work, corpus=upstream.corpus, server=cfg.server)]
 
 
 EXTRACT = ExtractStage()

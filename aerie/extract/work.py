@@ -46,10 +46,8 @@ def run(
     missing shards are extracted again (the same bytes: shards depend only on the corpus order and
     the config) and the manifest is written anew. The pipeline asks for that only when a stage that
     reads the shards has to run (`aerie.pipeline.rebuild_missing`)."""
-    check_server_quantization(cfg, server)
+    prepare(cfg, ctx.out, server=server, rebuild_missing=rebuild_missing)
     stage, target, progress = ctx.out, ctx.target, ctx.progress
-    if rebuild_missing:
-        _forget_missing(stage, cfg.num_slices)
     cached = stage.cached_result()
     if cached is not None:
         progress(1.0, "cached")
@@ -70,9 +68,14 @@ def run(
     return result
 
 
-def _forget_missing(stage: StageDir, num_slices: int) -> None:
-    """A finished extraction whose shards are not all in the store becomes unfinished again."""
-    missing = slices.forget_missing(stage, num_slices)
+def prepare(cfg: ExtractConfig, stage: StageDir, *, server: ServerConfig, rebuild_missing: bool) -> None:
+    """Before any slice or server: the server's quantization checked against the config, and (with
+    `rebuild_missing`) a finished extraction whose shards are not all in the store made unfinished
+    again (its manifest and the records of the slices that lost shards deleted)."""
+    check_server_quantization(cfg, server)
+    if not rebuild_missing:
+        return
+    missing = slices.forget_missing(stage, cfg.num_slices)
     if missing:
         log.warning(
             "extract %s: %d of its shards are not in the store (e.g. %s); extracting them again",

@@ -1,7 +1,6 @@
 """Regenerate training conversations with the target through an OpenAI-compatible endpoint.
 
     run(cfg, spec, out, base_url=)     one dataset into its StageDir `out` (<run>/generate-<name>/<key>/)
-    run_all(cfg, outs, endpoint=)      every dataset (one StageDir each), in parallel up to a limit
 
 Each dataset writes `conversations.parquet` (schema `aerie.generate.output.SCHEMA`), `errors.jsonl`
 and its manifest.
@@ -14,8 +13,9 @@ and its manifest.
     journal.py    the resumable append-only journal (group-committed, fsync'd)
     runner.py     one dataset's generation over any iterable of conversations
     output.py     the Parquet schema the corpus stage reads
-    work.py       run()/run_all(): keys (`key_of`), cache, journal location, Parquet, errors, manifest
-    stage.py      GENERATE: the stage in the pipeline
+    work.py       run(): keys (`key_of`), cache, journal location, Parquet, errors, manifest
+    stage.py      GENERATE: the stage in the pipeline, a part per dataset in parallel up to a limit,
+                  around one endpoint
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from aerie.generate.work import run, run_all, stage_name
+    from aerie.generate.work import run, stage_name
 
-__all__ = ["run", "run_all", "stage_name"]
+__all__ = ["run", "stage_name"]
 
 
 def __getattr__(name: str) -> Any:

@@ -6,18 +6,22 @@ it runs (httpx, Polars)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
-from aerie.errors import ConfigError
+from pydantic import BaseModel, ConfigDict
+
+from aerie.errors import ConfigError, EndpointError, StoreError
 from aerie.manifest import StageDir, StageResult, stage_key
-from aerie.stage import Stage, StageContext, Upstream
+from aerie.stage import Part, Stage, StageContext, Upstream, run_parts
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
-    from aerie.generate.config import GenerateConfig
+    from aerie.generate.config import DatasetSpec, GenerateConfig
     from aerie.serving import ServerSpec
 
 
@@ -111,51 +115,134 @@ def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
     )
 
 
+class Endpoint(BaseModel):
+    """What generation's parts share: the endpoint's URL (None: the configured one) and the seconds the
+    launched server took to start (counted in each dataset's time)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str | None = None
+    start_s: float = 0.0
+
+
 class GenerateStage(Stage):
+    """A part per dataset (`generate-<dataset>`, each its own StageDir and key), up to
+    `generate.max_parallel_datasets` at a time, around one endpoint."""
+
     name = "generate"
+    part_error = EndpointError
 
     def resolve(self, cfg: PipelineConfig, target: TargetInfo) -> PipelineConfig:
         return cfg.model_copy(update={"generate": generate_config(cfg)})
 
     def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
         """The datasets' own keys together (each dataset's result lives under its own key)."""
-        return stage_key(self.name, [out.key for out in self.dataset_dirs(cfg, ctx)])
+        return stage_key(self.name, [part.key for part in self.parts(cfg, ctx, upstream)])
 
-    def dataset_dirs(self, cfg: PipelineConfig, ctx: StageContext) -> list[StageDir]:
-        """One StageDir per dataset (`generate-<dataset>`), in config order. A key hashes the dataset's
-        source file: each is worked out once per run (`ctx.keys`)."""
+    def parts(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[Part]:
+        """One part per dataset, in config order. A key hashes the dataset's source file: each is
+        worked out once per run (`ctx.keys`)."""
         from aerie.generate.work import key_of, stage_name
 
         gen = cfg.generate
-        dirs = []
-        for spec in gen.datasets:
+        names = [spec.name for spec in gen.datasets]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"generate.datasets: dataset names must be unique, got {names}")
+        parts = []
+        for i, spec in enumerate(gen.datasets):
             memo = (stage_name(spec), gen.model_dump_json(), spec.model_dump_json())
             if (key := ctx.keys.get(memo)) is None:
                 key = ctx.keys[memo] = key_of(gen, spec)
-            dirs.append(StageDir(ctx.store, ctx.run, stage_name(spec), key))
-        return dirs
+            name = stage_name(spec)
+            parts.append(Part(index=i, name=name, label=f"dataset {spec.name}", dir_stage=name, key=key))
+        return parts
 
     def cached(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult] | None:
-        found = [out.cached_result() for out in self.dataset_dirs(cfg, ctx)]
+        found = [part.out(ctx.store, ctx.run).cached_result() for part in self.parts(cfg, ctx, upstream)]
         return None if any(r is None for r in found) else [r for r in found if r is not None]
 
     def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
         """Work for the target: a dataset taken as it is (`regenerate: false`) costs no endpoint."""
-        outs = self.dataset_dirs(cfg, ctx)
-        return any(
-            spec.regenerate and out.manifest() is None
-            for spec, out in zip(cfg.generate.datasets, outs, strict=True)
+        return bool(self._to_ask(cfg, ctx, self.parts(cfg, ctx, upstream)))
+
+    def _to_ask(self, cfg: PipelineConfig, ctx: StageContext, parts: list[Part]) -> list[DatasetSpec]:
+        """The datasets not generated yet that ask the target."""
+        return [
+            spec
+            for spec, part in zip(cfg.generate.datasets, parts, strict=True)
+            if spec.regenerate and not self.part_done(cfg, ctx, part)
+        ]
+
+    @contextlib.contextmanager
+    def around_parts(
+        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, parts: list[Part]
+    ) -> Iterator[Endpoint]:
+        """The endpoint, launched (the embedded default) only when some dataset still asks the target,
+        and checked once for every dataset, in seconds: a dead endpoint or a rejected key stops here."""
+        from aerie.generate.work import check_endpoint_for
+
+        asking = self._to_ask(cfg, ctx, parts)
+        if not asking:
+            yield Endpoint()
+            return
+        began = time.monotonic()
+        with generation_endpoint(cfg, ctx.target) as url:
+            launched = cfg.generate.endpoint.base_url is None
+            shared = Endpoint(url=url, start_s=time.monotonic() - began if launched else 0.0)
+            check_endpoint_for(cfg.generate, asking[0], url)
+            yield shared
+
+    def part_done(self, cfg: PipelineConfig, ctx: StageContext, part: Part) -> bool:
+        return part.out(ctx.store, ctx.run).manifest() is not None
+
+    def run_part(
+        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, part: Part, shared: Any
+    ) -> StageResult:
+        from aerie.generate.work import run
+
+        endpoint = shared if isinstance(shared, Endpoint) else Endpoint()
+        return run(
+            cfg.generate,
+            cfg.generate.datasets[part.index],
+            part.out(ctx.store, ctx.run),
+            base_url=endpoint.url,
+            progress=ctx.progress(part.name),
+            server_start_s=endpoint.start_s,
+            preflight=False,
         )
+
+    def assemble(
+        self,
+        cfg: PipelineConfig,
+        ctx: StageContext,
+        upstream: Upstream,
+        parts: list[Part],
+        outcomes: dict[int, BaseModel],
+    ) -> list[StageResult]:
+        """Each dataset's result: as its part returned it this run, else the one an earlier run made."""
+        results = []
+        for part in parts:
+            result = outcomes.get(part.index)
+            if not isinstance(result, StageResult):
+                result = part.out(ctx.store, ctx.run).cached_result()
+                if result is None:  # done when the parts started, gone since
+                    raise StoreError(f"generation: {part.label} has no manifest any more; run it again")
+                ctx.progress(part.name)(1.0, "cached")
+            results.append(result)
+        return results
+
+    def max_parallel_parts(self, cfg: PipelineConfig) -> int:
+        return cfg.generate.max_parallel_datasets
+
+    def wait_parts(self, futures: Iterable[Future[Any]]) -> None:
+        """Ctrl-C: the datasets' requests are cancelled and one line says what each kept."""
+        from aerie.generate.interrupt import wait_or_interrupt
+        from aerie.generate.work import cancel_running
+
+        wait_or_interrupt(futures, cancel_running)
 
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
-        from aerie.generate.work import run_all
-
-        return run_all(
-            cfg.generate,
-            self.dataset_dirs(cfg, ctx),
-            endpoint=lambda: generation_endpoint(cfg, ctx.target),
-            progress=ctx.progress,
-        )
+        return run_parts(self, cfg, ctx, upstream)
 
 
 GENERATE = GenerateStage()

@@ -19,9 +19,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,7 +31,7 @@ from aerie.datasets import LoadReport, check_yield, describe_skips, iter_convers
 from aerie.errors import ConfigError, EndpointError, Interrupted
 from aerie.generate.client import ChatClient, public_url
 from aerie.generate.config import DatasetSpec, GenerateConfig, sends_key_in_clear, url_problem
-from aerie.generate.interrupt import RESUME, Active, wait_or_interrupt
+from aerie.generate.interrupt import RESUME, Active
 from aerie.generate.journal import Journal
 from aerie.generate.output import SCHEMA, write_conversations
 from aerie.generate.preflight import check_endpoint
@@ -141,95 +140,6 @@ def load_source(spec: DatasetSpec, report: LoadReport) -> list[Conversation]:
     if report.truncated:
         log.warning("dataset %r: %s", spec.name, report.truncated)
     return conversations
-
-
-def run_all(
-    cfg: GenerateConfig,
-    outs: Sequence[StageDir],
-    *,
-    base_url: str | None = None,
-    endpoint: Callable[[], AbstractContextManager[str]] | None = None,
-    progress: Callable[[str], ProgressFn] = lambda stage: no_progress,
-) -> list[StageResult]:
-    """Every dataset of `cfg`, each into its own StageDir (`outs`, in config order), up to
-    `max_parallel_datasets` at a time, results in config order.
-
-    `endpoint` (e.g. "launch the reference server") is entered only if some dataset still needs
-    generating and no `base_url` is given: a fully cached re-run launches nothing. A failing dataset
-    does not stop the others (their work is kept); the first failure is raised once all have ended."""
-    names = [spec.name for spec in cfg.datasets]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"generate.datasets: dataset names must be unique, got {names}")
-    if [out.stage for out in outs] != [stage_name(spec) for spec in cfg.datasets]:
-        raise ConfigError(f"generation: one StageDir per dataset, in order, expected; got {list(outs)}")
-    results: dict[int, StageResult] = {}
-    todo: list[int] = []
-    for i, spec in enumerate(cfg.datasets):
-        cached = outs[i].cached_result()
-        if cached is None:
-            todo.append(i)
-        else:
-            results[i] = cached
-            progress(stage_name(spec))(1.0, "cached")
-    if todo:
-        launch = endpoint is not None and base_url is None and any(cfg.datasets[i].regenerate for i in todo)
-        began = time.monotonic()
-        with endpoint() if launch and endpoint is not None else nullcontext(base_url) as url:
-            start_s = time.monotonic() - began if launch else 0.0
-            # Once for every dataset, in seconds: a dead endpoint or a rejected key stops the run here.
-            first = next((cfg.datasets[i] for i in todo if cfg.datasets[i].regenerate), None)
-            if first is not None:
-                check_endpoint_for(cfg, first, url)
-            errors = _run_parallel(cfg, outs, todo, results, url, progress, start_s)
-        if errors:
-            failed = ", ".join(f"{cfg.datasets[i].name}: {exc}" for i, exc in errors)
-            raise (
-                errors[0][1]
-                if len(errors) == 1
-                else EndpointError(f"{len(errors)} datasets failed; {failed}")
-            )
-    return [results[i] for i in range(len(cfg.datasets))]
-
-
-def _run_parallel(
-    cfg: GenerateConfig,
-    outs: Sequence[StageDir],
-    todo: list[int],
-    results: dict[int, StageResult],
-    url: str | None,
-    progress: Callable[[str], ProgressFn],
-    server_start_s: float,
-) -> list[tuple[int, BaseException]]:
-    errors: list[tuple[int, BaseException]] = []
-    pool = ThreadPoolExecutor(max_workers=cfg.max_parallel_datasets, thread_name_prefix="generate")
-    try:
-        futures = {
-            i: pool.submit(
-                run,
-                cfg,
-                cfg.datasets[i],
-                outs[i],
-                base_url=url,
-                progress=progress(stage_name(cfg.datasets[i])),
-                server_start_s=server_start_s,
-                preflight=False,
-            )
-            for i in todo
-        }
-        # Ctrl-C or SIGTERM in the caller: the generating threads stop now (what they journaled is kept
-        # and resumed next time) instead of the pool's exit waiting for them to finish.
-        wait_or_interrupt(futures.values(), cancel_running)
-    except BaseException:
-        cancel_running()
-        raise
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    for i, future in futures.items():
-        try:
-            results[i] = future.result()
-        except Exception as exc:  # collected: the other datasets kept running
-            errors.append((i, exc))
-    return errors
 
 
 _RUNNING: set[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = set()
