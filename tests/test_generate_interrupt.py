@@ -24,7 +24,8 @@ from tests.stage_work import generate_all
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = """
-import sys
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang shows where each thread waits
 from aerie.generate.config import GenerateConfig
 from aerie.store import LocalStore
 from tests.stage_work import generate_all
@@ -53,6 +54,18 @@ def config(tmp_path: Path, url: str, n: int) -> GenerateConfig:
     return GenerateConfig(endpoint=endpoint, datasets=[spec], max_failure_fraction=0.0)
 
 
+def exited_within(child: subprocess.Popen[str], timeout_s: float) -> str:
+    """The child's stderr once it exited; if it is still running after `timeout_s`, fail with every
+    thread's stack (the child dumps them on SIGUSR1) and what it wrote."""
+    try:
+        return child.communicate(timeout=timeout_s)[1]
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        child.kill()
+        pytest.fail(f"the child did not exit within {timeout_s:.0f} s of Ctrl-C:\n{child.communicate()[1]}")
+
+
 @pytest.mark.integration
 def test_ctrl_c_cancels_requests_in_flight_keeps_what_finished_and_resumes(tmp_path: Path) -> None:
     n = 6
@@ -74,7 +87,7 @@ def test_ctrl_c_cancels_requests_in_flight_keeps_what_finished_and_resumes(tmp_p
             assert child.poll() is None and time.monotonic() < deadline, "the child never sent its requests"
             time.sleep(0.05)
         child.send_signal(signal.SIGINT)
-        _, stderr = child.communicate(timeout=60)  # far less than SLOW_S: nothing waited for the answers
+        stderr = exited_within(child, 60)  # far less than SLOW_S: nothing waited for the answers
         assert child.returncode == 130
         assert "Traceback" not in stderr
         line = stderr.strip().splitlines()[-1]
