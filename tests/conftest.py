@@ -25,6 +25,15 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture
+def roomy_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans measured on a host with room (one filesystem, 1 PiB free), not on this machine, whose free
+    disk (within a few GiB of a Kimi run's dumps and shards) and /dev/shm would decide a recommendation."""
+    from aerie.plan import disk
+
+    monkeypatch.setattr(disk, "_free", lambda path: (1, 1 << 50))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded target, converted once (cached under ~/.cache/aerie)."""

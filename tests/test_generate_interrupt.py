@@ -25,6 +25,10 @@ from tests.stage_work import generate_all
 REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import faulthandler, signal, sys
+# Ctrl-C as in a terminal. A process that ignores SIGINT passes that on to its children, and a pytest
+# worker can: started in the background (as CI starts it) it ignores SIGINT, Polars' import replaces that
+# behind Python's back, and a test restoring the handler Python knows (the train loop's) ignores it again.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang shows where each thread waits
 from aerie.generate.config import GenerateConfig
 from aerie.store import LocalStore

@@ -34,7 +34,7 @@ def test_source_is_checked_at_load():
         load_config("smollm2-local", ["train.online.buffer_tokens=0"])
 
 
-def test_auto_follows_the_plan_and_a_short_disk_chooses_online():
+def test_auto_follows_the_plan_and_a_short_disk_chooses_online(roomy_disk):
     cfg = load_config("smollm2-local", ["train.source=auto"])
     plan = make_plan(cfg)
     assert choose_source(cfg, _short_disk(plan)).train.source == "online"

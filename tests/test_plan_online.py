@@ -9,7 +9,7 @@ from aerie.plan.render import table
 from aerie.presets import load_config
 
 
-def test_kimi_plan_prints_the_comparison_with_its_numbers():
+def test_kimi_plan_prints_the_comparison_with_its_numbers(roomy_disk):
     plan = make_plan(load_config("kimi-k2.5-8gpu", []))
     c = online.of_plan(plan)
     extract, train = plan.stage("extract"), plan.stage("train")

@@ -190,7 +190,13 @@ class GenerateStage(Stage):
             launched = cfg.generate.endpoint.base_url is None
             shared = Endpoint(url=url, start_s=time.monotonic() - began if launched else 0.0)
             check_endpoint_for(cfg.generate, asking[0], url)
-            yield shared
+            try:
+                yield shared
+            except BaseException:  # Ctrl-C before the parts' wait took it: stop them, not wait for them
+                from aerie.generate.work import cancel_running
+
+                cancel_running()
+                raise
 
     def part_done(self, cfg: PipelineConfig, ctx: StageContext, part: Part) -> bool:
         return part.out(ctx.store, ctx.run).manifest() is not None
