@@ -22,16 +22,17 @@ import pytest
 from prefect.client.orchestration import get_client
 
 from aerie.config import PipelineConfig
-from aerie.errors import ExtractionError
+from aerie.errors import ConfigError, ExtractionError
 from aerie.extract import slices, work
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import slice_bounds
 from aerie.extract.phases import PhaseTotals
 from aerie.extract.resume import ProgressFile
 from aerie.extract.slices import SliceMissingError, SliceRecord, record_name
+from aerie.extract.stage import EXTRACT
 from aerie.manifest import StageResult, load_manifest
 from aerie.serving import ServerConfig
-from aerie.stage import Upstream
+from aerie.stage import StageContext, Upstream
 from aerie.store import LocalStore, StoreConfig, open_store
 from flows.stage import run_stage
 from tests.extract_support import corpus_rows, write_corpus
@@ -41,6 +42,17 @@ from tests.test_extract_server import check_commit_path
 from tests.test_pipeline import BIN, REPO
 
 run, run_slice, assemble = (staged("extract", f) for f in (work.run, slices.run_slice, slices.assemble))
+
+
+def stage_run(
+    cfg: ExtractConfig, *, store, run_name, target, corpus, server, rebuild_missing=False
+) -> StageResult:
+    """The extraction stage as the pipeline runs it: its slices as parts here, then assembled."""
+    pipeline = PipelineConfig(run=run_name, extract=cfg, server=server)
+    ctx = StageContext(store=store, run=run_name, target=target, rebuild_missing=rebuild_missing)
+    (result,) = EXTRACT.run(pipeline, ctx, Upstream().plus("merge", [corpus]))
+    return result
+
 
 pytestmark = pytest.mark.integration  # reference server processes
 
@@ -134,21 +146,23 @@ def test_slices_run_apart_and_assemble_into_the_single_host_stage(tmp_path, smol
     assert store.get_bytes(f"{prefix}/{record_name(0, 2)}") == record0
     assert len(list(logs.rglob("server-*.log"))) == launched
     assert assemble(cfg, **common).cache_hit
-    assert run(cfg, **common).manifest_sha256 == result.manifest_sha256
+    assert stage_run(cfg, **common).manifest_sha256 == result.manifest_sha256
+    with pytest.raises(ConfigError, match="num_slices=2: slices run as the extraction stage's parts"):
+        run(cfg, **common)  # one host's work function is no fan-out
 
     # A shard of slice 1 is gone (a GPU host restores manifests, never shards): a plain run is still a
     # hit, a rebuilding run extracts that slice again, byte for byte, and leaves slice 0 alone.
     lost = f"{prefix}/{records[1].shards[0]['path']}"
     lost_bytes = store.get_bytes(lost)
     store.delete(lost)
-    assert run(cfg, **common).cache_hit and not store.exists(lost)
-    rebuilt = run(cfg, **common, rebuild_missing=True)
+    assert stage_run(cfg, **common).cache_hit and not store.exists(lost)
+    rebuilt = stage_run(cfg, **common, rebuild_missing=True)
     assert not rebuilt.cache_hit and rebuilt.figures["tokens"] == corpus_tokens
     assert store.get_bytes(lost) == lost_bytes
     assert store.get_bytes(f"{prefix}/{record_name(0, 2)}") == record0
     redone = SliceRecord.model_validate_json(store.get_bytes(f"{prefix}/{record_name(1, 2)}"))
     assert 0 < redone.tokens < corpus_tokens  # slice 1 ran again, resuming after its shards still there
-    assert run(cfg, **common, rebuild_missing=True).cache_hit  # nothing missing: nothing to do
+    assert stage_run(cfg, **common, rebuild_missing=True).cache_hit  # nothing missing: nothing to do
 
     # One host with two servers: the same stage key and the very same shards.
     single_store = LocalStore(tmp_path / "single")

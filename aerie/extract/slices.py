@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -223,23 +222,6 @@ def assemble(
         1.0, f"assembled {n} slices: {result.figures['tokens']:,} tokens in {result.figures['shards']} shards"
     )
     return result
-
-
-def run_all_here(
-    cfg: ExtractConfig, ctx: WorkContext, *, corpus: StageResult, server: ServerConfig
-) -> StageResult:
-    """Every slice on this host, one after the other (finished ones are skipped), then assemble: what a
-    multi-slice config does without a fan-out, and how a partly fanned-out run is finished anywhere."""
-    n, progress = cfg.num_slices, ctx.progress
-    for k in range(n):
-
-        def slice_progress(fraction: float, message: str, k: int = k) -> None:
-            progress(
-                (k + fraction) / n, message if message.startswith("slice") else f"slice {k} of {n}: {message}"
-            )
-
-        run_slice(cfg, k, replace(ctx, progress=slice_progress), corpus=corpus, server=server)
-    return assemble(cfg, ctx, corpus=corpus, server=server)
 
 
 def local_target(target: TargetInfo) -> TargetInfo:

@@ -13,7 +13,8 @@ batches, pack shards, upload them in the background, restart a dead server; tear
 the token counts against the corpus and write the manifest last (`aerie.extract.stage_manifest`).
 
 With `num_slices` > 1 the corpus is cut into num_slices x num_servers contiguous ranges and each slice
-(one host with its own servers) can run anywhere against the same store: see `aerie.extract.slices`.
+(one host with its own servers) can run anywhere against the same store (`aerie.extract.slices`): the
+stage runs them as its parts and assembles them (`aerie.stage.run_parts`); `run` is one host's whole.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 
+from aerie.errors import ConfigError
 from aerie.extract import slices
 from aerie.extract.config import ExtractConfig
 from aerie.extract.fleet import extract
@@ -46,14 +48,17 @@ def run(
     missing shards are extracted again (the same bytes: shards depend only on the corpus order and
     the config) and the manifest is written anew. The pipeline asks for that only when a stage that
     reads the shards has to run (`aerie.pipeline.rebuild_missing`)."""
+    if cfg.num_slices > 1:
+        raise ConfigError(
+            f"extract.num_slices={cfg.num_slices}: slices run as the extraction stage's parts "
+            "(aerie.extract.stage.EXTRACT, or aerie.extract.slices.run_slice each), not as one host's work"
+        )
     prepare(cfg, ctx.out, server=server, rebuild_missing=rebuild_missing)
     stage, target, progress = ctx.out, ctx.target, ctx.progress
     cached = stage.cached_result()
     if cached is not None:
         progress(1.0, "cached")
         return cached
-    if cfg.num_slices > 1:
-        return slices.run_all_here(cfg, ctx, corpus=corpus, server=server)
     began = time.monotonic()
     progress(0.0, "reading the corpus, disk preflight")
     p = plan(cfg, ctx, corpus=corpus, server=server)
