@@ -261,6 +261,30 @@ def test_benchmark_summary_figures():
     assert summarize("baseline", 1, plain, 2.0).accept_length is None
 
 
+def test_each_level_is_timed_after_an_untimed_pass_of_its_own_workload(monkeypatch):
+    """The warm-up's order: its requests one after another, then per level the level's whole workload
+    untimed before the timed pass (a server compiling kernels per batch shape compiles them there).
+    The requests themselves are the two-server test's; here `_level` only records what it is asked."""
+    import asyncio
+
+    from aerie.deploy import bench
+
+    asked: list[tuple[int, int, int]] = []
+
+    async def level(client, prompts, concurrency, max_new_tokens):
+        asked.append((len(prompts), concurrency, max_new_tokens))
+        return [bench.RequestRecord(i, 1.0, 2, None, [], 0.1) for i in range(len(prompts))], 1.0
+
+    monkeypatch.setattr(bench, "_level", level)
+    prompts = [[1, 2, 3]] * 5
+    results, _ = asyncio.run(bench.benchmark_async("http://127.0.0.1:9", "b", prompts, [1, 4], 16, warmup=2))
+    assert asked == [(2, 1, 8), (5, 1, 16), (5, 1, 16), (5, 4, 16), (5, 4, 16)]
+    assert [r.concurrency for r in results] == [1, 4]
+    asked.clear()
+    asyncio.run(bench.benchmark_async("http://127.0.0.1:9", "b", prompts, [1, 4], 16, warmup=0))
+    assert asked == [(5, 1, 16), (5, 4, 16)]  # no warm-up at all
+
+
 def test_streamed_chunks_time_each_token():
     """A chunk's gap is shared by the tokens it brings (a speculative step brings several); the ids
     add up whether the server sends them whole or only the new ones."""

@@ -237,11 +237,11 @@ async def benchmark_async(
             await _level(client, list(prompts[:warmup]), 1, min(8, max_new_tokens))
         for i, level in enumerate(concurrency):
             if warmup:
-                # Each level warmed at its own concurrency: a server that compiles kernels on first use
-                # (SGLang's Triton backend, per batch shape and for extends over a cached prefix)
-                # compiles them here, not in the timed requests.
-                warm = list(prompts[: max(warmup, level)])
-                await _level(client, warm, level, min(8, max_new_tokens))
+                # The level's own workload once, untimed: the timed pass then meets the batch shapes and
+                # the prefix cache this pass made (greedy outputs are the same), so a server compiling
+                # kernels per shape on first use (SGLang's Triton backend) compiles them here.
+                progress(i / len(concurrency), f"{server}: warm-up at concurrency {level}")
+                await _level(client, prompts, level, max_new_tokens)
             progress(i / len(concurrency), f"{server}: {len(prompts)} requests at concurrency {level}")
             records, wall = await _level(client, prompts, level, max_new_tokens)
             results.append(summarize(server, level, records, wall))

@@ -24,8 +24,8 @@ class DeployConfig(StrictModel):
     warmup_requests: int = Field(
         2,
         ge=0,
-        description="Requests sent and not measured: this many one after another before a server's first "
-        "level, then as many as the level's concurrency (at least this many) before each level.",
+        description="Warm-up, not measured: this many requests one after another before a server's first "
+        "level, then before each level one untimed pass of that level's workload (0: no warm-up).",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request HTTP timeout of the benchmark.")
     promote_margin: float = Field(1.05, gt=0, description="Promote when speed-up >= this.")

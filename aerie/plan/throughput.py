@@ -483,9 +483,9 @@ def _deploy(m: Model, sizes: Sizes) -> StageEstimate:
     cfg, notes, cites = m.cfg, [], []  # type: ignore[var-annotated]
     d = cfg.deploy
     steps_per_level = sum(math.ceil(d.num_prompts / c) * d.max_new_tokens for c in d.concurrency)
-    # Warm-up (`aerie.deploy.bench`): its requests one after another, then at each level's concurrency.
+    # Warm-up (`aerie.deploy.bench`): its requests one after another, then each level's workload once more.
     w = d.warmup_requests
-    warmup = min(8, d.max_new_tokens) * (w + sum(math.ceil(max(w, c) / c) for c in d.concurrency)) if w else 0
+    warmup = min(8, d.max_new_tokens) * w + steps_per_level if w else 0
     if not m.hw.gpu:
         steps = m.rate("decode_steps_per_s", "bandwidth", notes, cites)
         start = m.fixed("deploy", 0.0, notes, cites)
