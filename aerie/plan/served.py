@@ -296,10 +296,10 @@ def fit_shape(levels: dict[str, Any]) -> list[LevelFit]:
         mean = sum(steps) / len(steps)
         step_sd = statistics.stdev(steps) if len(steps) > 1 else 0.0
         raw.append((c, mean, step_sd, a, b, sd))
-    step = _pooled([r[1] for r in raw])
-    a = _pooled([r[3] for r in raw])
-    b = _pooled([r[4] for r in raw])
-    return [LevelFit(c, step[i], raw[i][2], a[i], b[i], raw[i][5]) for i, c in enumerate(cs)]
+    steps_ms = _pooled([r[1] for r in raw])
+    fixed = _pooled([r[3] for r in raw])
+    per_draft = _pooled([r[4] for r in raw])
+    return [LevelFit(c, steps_ms[i], raw[i][2], fixed[i], per_draft[i], raw[i][5]) for i, c in enumerate(cs)]
 
 
 def measured_steps(levels: dict[str, Any]) -> list[int]:
@@ -544,3 +544,26 @@ def after_deploy(predicted: ServedEstimate | None, results: list[Any]) -> list[A
         for p in predicted.predictions
     }
     return [r.model_copy(update={"figures": {**r.figures, **extra}}) for r in results]
+
+
+ACCEPTANCE_MAP = Path(__file__).parent / "data" / "served_acceptance.json"
+
+
+@cache
+def _acceptance_map() -> dict[str, Any] | None:
+    return json.loads(ACCEPTANCE_MAP.read_text()) if ACCEPTANCE_MAP.exists() else None
+
+
+def served_accept_length(offline: float) -> tuple[float, str]:
+    """The accept length a drafter is expected to reach served, from the offline one (fp32, longer
+    answers, teacher-forced prompts): served - 1 = slope x (offline - 1), the slope fitted to the pairs
+    on record (`benchmarks/served.py acceptance-map`), and how good that map is. Without a map: the
+    offline one, said so."""
+    found = _acceptance_map()
+    if not found:
+        return offline, "offline accept length (no offline-to-served map on record)"
+    served = 1.0 + found["slope"] * (offline - 1.0)
+    return served, (
+        f"offline {offline:.2f} mapped to served {served:.2f} (slope {found['slope']:.3f} from "
+        f"{found['pairs_used']} pairs on record, residual sd {found['residual_sd']:.2f} tokens)"
+    )
