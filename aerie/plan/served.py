@@ -417,10 +417,8 @@ def estimate(
     if shape.moe and not any(s["moe"] for s in shapes.values()):
         basis += " (no MoE shape measured: a dense shape's times)"
         flags.append("an MoE target predicted from dense shapes")
-    if "measured" not in basis:
-        flags.append(f"this shape ({basis})")
-    elif "between" in basis:
-        flags.append(f"this shape, {basis}")
+    if "nearest" in basis or "between" in basis:  # not one of the measured shapes
+        flags.append(f"this shape: {basis}")
     if measured != card:
         flags.append(f"card {card}: {measured}'s times")
     return ServedEstimate(
