@@ -4,6 +4,8 @@ against two real reference servers (baseline and speculative mode with an export
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from tests.evaluate_support import train_result
 from tests.stage_work import staged
 
 deploy = staged("deploy", work.deploy)
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _argv_value(argv: list[str], flag: str) -> str:
@@ -197,6 +200,23 @@ def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smo
         assert tier["measured_accept_length"] == rows[("speculative", c)]["accept_length"]
         assert tier["launch_args"][tier["launch_args"].index("--speculative-num-steps") + 1] == "2"
     assert serving["recommendation"]["server"] in {"baseline", "speculative"}
+    # The served record is written from the deploy stage's report: one entry per level.
+    out = tmp_path / "served-cpu.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "served.py"), "record", "--report",
+         str(Path(store.root) / result.prefix / "report.json"), "--card", "cpu", "--machine", "this CPU",
+         "--command", "test_deploy", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    served = json.loads(out.read_text())
+    assert [lvl["concurrency"] for lvl in served["levels"]] == [1, 2]
+    for lvl in served["levels"]:
+        c = lvl["concurrency"]
+        assert lvl["measured_speedup"] == pytest.approx(rows[("speculative", c)]["speedup"], abs=1e-3)
+        assert lvl["predicted_speedup"] is None  # served on a CPU: no prediction, and the record says so
+        assert lvl["served_accept_length"] == rows[("speculative", c)]["accept_length"]
+        assert set(lvl["spread"]) == {"baseline", "speculative"}
     assert load_manifest(store, result.prefix)["figures"]["promoted"] is True
     assert seen[-1] == 1.0
 

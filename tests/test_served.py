@@ -210,11 +210,17 @@ def test_deploy_prediction_uses_the_evaluated_accept_length_and_lands_in_the_fig
     deploy = SimpleNamespace(num_steps=3, concurrency=[1, 8])
     evaluation = SimpleNamespace(figures={"accept_mtbench_eagle3_k3": 2.5, "accept_mtbench_eagle3_k7": 3.5})
     predicted = served.before_deploy(deploy, target, evaluation)
-    assert predicted is not None and [p.accept_length for p in predicted.predictions] == [2.5, 2.5]
-    assert "c1 1.00x" in predicted.summary()
+    # The offline 2.5 is mapped to the served accept length the records lead one to expect (lower).
+    tau = served.served_accept_length(2.5)[0]
+    assert predicted is not None and [p.accept_length for p in predicted.predictions] == [tau, tau]
+    assert tau < 2.5 and f"c1 {tau / 2.5:.2f}x" in predicted.summary()
     result = SimpleNamespace(figures={"speedup": 0.9}, model_copy=lambda update: update["figures"])
     (figures,) = served.after_deploy(predicted, [result])
-    assert figures == {"speedup": 0.9, "predicted_speedup_c1": 1.0, "predicted_speedup_c8": 0.833}
+    assert figures == {
+        "speedup": 0.9,
+        "predicted_speedup_c1": round(tau / 2.5, 3),
+        "predicted_speedup_c8": round(tau / 3.0, 3),
+    }
     bare = served.before_deploy(deploy, target, None)
     assert bare is not None and bare.predictions[0].speedup is None
 
@@ -246,3 +252,47 @@ def test_an_moe_target_without_a_measured_moe_says_it_takes_dense_times_and_the_
     assert "  checked: predicted 0.42x, measured 0.65x" in moe.lines()
     dense = served.estimate(served.Shape("t", 3e10, False), "x100", 3, [1], table=table)
     assert "no MoE shape measured" not in dense.basis
+
+
+def _served_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("served_benchmark", REPO / "benchmarks" / "served.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_acceptance_map_on_record_is_the_one_the_records_give():
+    import json
+
+    script = _served_script()
+    on_record = json.loads(served.ACCEPTANCE_MAP.read_text())
+    pairs = script.acceptance_pairs()
+    assert [p["offline"] for p in pairs] == [p["offline"] for p in on_record["pairs"]]
+    xs = [p["offline"] - 1 for p in pairs]
+    ys = [p["served"] - 1 for p in pairs]
+    slope = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    assert on_record["slope"] == pytest.approx(slope, abs=1e-4)
+    # Served acceptance runs below offline on every pair: the map lowers it, and says how well it fits.
+    value, how = served.served_accept_length(2.5)
+    assert 1.0 < value < 2.5 and "residual sd" in how and f"{on_record['pairs_used']} pairs" in how
+
+
+def test_the_served_record_puts_prediction_beside_measurement_per_level():
+    script = _served_script()
+    rows = [
+        {"server": "baseline", "concurrency": 1, "output_tokens_per_s": 100.0, "spread": 0.02},
+        {"server": "speculative", "concurrency": 1, "output_tokens_per_s": 150.0, "accept_length": 2.1},
+        {"server": "ngram", "concurrency": 1, "output_tokens_per_s": 120.0, "accept_length": 1.6},
+        {"server": "baseline", "concurrency": 8, "output_tokens_per_s": 600.0},
+        {"server": "speculative", "concurrency": 8, "output_tokens_per_s": 540.0, "accept_length": 2.0},
+    ]
+    prediction = {
+        "tiers": [{"concurrency": 1, "predicted_speedup": 1.4}, {"concurrency": 8, "predicted_speedup": 1.2}]
+    }
+    c1, c8 = script.levels(prediction, rows)
+    assert c1["measured_speedup"] == 1.5 and c1["ngram_speedup"] == 1.2 and c1["served_accept_length"] == 2.1
+    assert c1["within_15_percent"] and c1["prediction_error"] == pytest.approx(1.4 / 1.5 - 1, abs=1e-4)
+    assert c8["measured_speedup"] == 0.9 and not c8["within_15_percent"] and c8["ngram_speedup"] is None

@@ -511,9 +511,11 @@ def for_deploy(
     target: Any, num_steps: int, concurrency: list[int], evaluation_figures: dict[str, Any] | None
 ) -> ServedEstimate | None:
     """The deploy stage's prediction before it serves: the evaluated acceptance length at the served step
-    count (None when no evaluation measured it: then only the break-even)."""
+    count, mapped to the served one (`served_accept_length`; None when no evaluation measured it: then
+    only the break-even)."""
     found = evaluated_accept_length(evaluation_figures or {}, num_steps)
-    tau = None if found is None else min(max(found[0], 1.0), num_steps + 1.0)
+    # The offline accept length runs above the served one (fp32, longer answers): mapped to served.
+    tau = None if found is None else min(max(served_accept_length(found[0])[0], 1.0), num_steps + 1.0)
     try:
         return estimate(shape_of_target(target), this_card() or "h200", num_steps, concurrency, tau)
     except ConfigError:  # no measurements to predict from: the deployment measures anyway
