@@ -198,7 +198,14 @@ def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smo
     for c, tier in tiers.items():
         assert tier["measured_speedup"] == rows[("speculative", c)]["speedup"]
         assert tier["measured_accept_length"] == rows[("speculative", c)]["accept_length"]
-        assert tier["launch_args"][tier["launch_args"].index("--speculative-num-steps") + 1] == "2"
+        # No prediction on a CPU: the measured serve recommends the deployed chain where it paid there.
+        if rows[("speculative", c)]["speedup"] > 1.0:
+            assert (
+                tier["num_steps"] == 2
+                and tier["launch_args"][tier["launch_args"].index("--speculative-num-steps") + 1] == "2"
+            )
+        else:
+            assert tier["num_steps"] is None and tier["launch_args"] == []
     assert serving["recommendation"]["server"] in {"baseline", "speculative"}
     # The served record is written from the deploy stage's report: one entry per level.
     out = tmp_path / "served-cpu.json"
@@ -331,6 +338,66 @@ def test_sglang_launches_serve_ngram_and_room_for_the_highest_level(tmp_path, sm
     assert "ngram" not in server_specs(DeployConfig(ngram="off"), server, smollm2, str(drafter_dir))
     with pytest.raises(EvaluationError, match="n-gram"):
         server_specs(DeployConfig(ngram="on"), ServerConfig(port=30126), smollm2, str(drafter_dir))
+
+
+def test_serving_plan_recommends_per_tier_the_k_the_fit_favours_and_refuses_unmeasured_tiers(monkeypatch):
+    """The prediction half of serving.json on a GPU card, from a small table of the data file's form
+    (figures chosen for easy arithmetic). The card is a stand-in: no GPU here to name one."""
+    from types import SimpleNamespace
+
+    from aerie.deploy.serving_plan import serving_plan, with_measured
+    from aerie.plan import served
+
+    def level(step: float, a: float, b: float) -> dict:
+        return {"step_ms": step, "round_ms": {str(k): a + b * k for k in (1, 3, 5, 7)}}
+
+    table = {
+        "cards": {
+            "x100": {
+                "source": "spec_cost-x100.json",
+                "shapes": {
+                    "s": {
+                        "active_params": 1e8,
+                        "moe": False,
+                        "levels": {"1": level(2.0, 2.0, 0.3), "8": level(2.0, 3.0, 0.6)},
+                    }
+                },
+            }
+        }
+    }
+    monkeypatch.setattr(served, "_table", lambda: table)
+    monkeypatch.setattr(served, "this_card", lambda: "x100")
+    target = SimpleNamespace(name="t", architecture="LlamaForCausalLM", size_bytes=2e8)
+    figures = {f"accept_mtbench_eagle3_k{k}": 1.0 + 0.5 * k for k in (1, 3, 5, 7)}
+    cfg = DeployConfig(concurrency=[1, 8, 64], num_steps=3)
+    plan = serving_plan(cfg, ServerConfig(backend="sglang"), target, figures)
+    tiers = {t["concurrency"]: t for t in plan["tiers"]}
+    for c in (1, 8):
+        best = max(
+            (1, 3, 5, 7),
+            key=lambda k: (
+                plan["accept_length"][str(k)]["served"] / plan["break_even_accept_length"][str(k)][str(c)]
+            ),
+        )
+        speedup = (
+            plan["accept_length"][str(best)]["served"] / plan["break_even_accept_length"][str(best)][str(c)]
+        )
+        if speedup > 1.0:
+            assert tiers[c]["num_steps"] == best and f"{best + 1}" in tiers[c]["launch_args"]
+        else:
+            assert tiers[c]["num_steps"] is None and tiers[c]["launch_args"] == []
+        assert tiers[c]["predicted_speedup"] == pytest.approx(speedup, abs=2e-3)
+    # c64 lies outside the measured levels: nothing predicted, nothing recommended, and why.
+    assert tiers[64]["predicted_speedup"] is None and tiers[64]["launch_args"] is None
+    assert "concurrency 64 outside the measured 1-8" in tiers[64]["why"]
+    # The serve then fills the unpredicted tier from what it measured.
+    report = {
+        "num_steps": 3,
+        "rows": [{"server": "speculative", "concurrency": 64, "speedup": 1.3, "accept_length": 2.0}],
+    }
+    measured = {t["concurrency"]: t for t in with_measured(plan, report)["tiers"]}
+    assert measured[64]["num_steps"] == 3 and measured[64]["measured_speedup"] == 1.3
+    assert "measured at k=3" in measured[64]["why"]
 
 
 def test_benchmark_summary_figures():

@@ -75,10 +75,11 @@ def _tier(c: int, ests: dict[int, served.ServedEstimate], deployed: int) -> dict
         "predicted_speedup": None,
         "predicted_speedup_range": None,
         "break_even_accept_length": None if p.refused else round(p.break_even, 3),
-        "num_steps": deployed,
-        "launch_args": launch_args(deployed),
+        # Nothing recommended from a prediction that was not made: the measured serve may fill it.
+        "num_steps": None,
+        "launch_args": None,
         "flags": [],
-        "why": p.refused or "no evaluated accept length: the deployed k, not predicted",
+        "why": p.refused or "no evaluated accept length: not predicted",
     }
 
 
@@ -101,14 +102,10 @@ def serving_plan(
             f"{'a CPU' if server.device == 'cpu' else 'no GPU aerie recognises'}"
         )
         head["tiers"] = [
-            {
-                "concurrency": c,
-                "predicted_speedup": None,
-                "num_steps": cfg.num_steps,
-                "launch_args": launch_args(cfg.num_steps),
-            }
+            {"concurrency": c, "predicted_speedup": None, "num_steps": None, "launch_args": None, "flags": []}
             for c in cfg.concurrency
         ]
+
         return head
     shape = served.shape_of_target(target)
     try:
@@ -138,6 +135,22 @@ def serving_plan(
     }
 
 
+def _measured_choice(
+    tier: dict[str, Any], spec: dict[str, Any] | None, deployed: int | None
+) -> dict[str, Any]:
+    """Where no prediction recommended a chain, the measured serve does: the deployed k where it paid
+    at this tier, no speculation where it did not."""
+    if tier.get("launch_args") is not None or spec is None or spec.get("speedup") is None:
+        return {}
+    pays = spec["speedup"] > 1.0
+    return {
+        "num_steps": deployed if pays else None,
+        "launch_args": launch_args(deployed if pays else None),
+        "why": f"measured at k={deployed}: {spec['speedup']:.3f}x"
+        + ("" if pays else ", slower than no speculation"),
+    }
+
+
 def with_measured(plan: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """The plan with what the serve measured at each tier (speed-up of the drafter and of n-gram
     speculation over the baseline, SGLang's accept length, the spread of the repetitions) and the
@@ -150,6 +163,7 @@ def with_measured(plan: dict[str, Any], report: dict[str, Any]) -> dict[str, Any
         tiers.append(
             {
                 **tier,
+                **_measured_choice(tier, spec, report.get("num_steps")),
                 "measured_num_steps": report.get("num_steps"),
                 "measured_speedup": None if spec is None else spec.get("speedup"),
                 "measured_accept_length": None if spec is None else spec.get("accept_length"),
