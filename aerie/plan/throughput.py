@@ -482,7 +482,9 @@ def _weight_bound_steps(m: Model, notes: list[str]) -> float:
 def _deploy(m: Model, sizes: Sizes) -> StageEstimate:
     cfg, notes, cites = m.cfg, [], []  # type: ignore[var-annotated]
     d = cfg.deploy
-    steps_per_level = sum(math.ceil(d.num_prompts / c) * d.max_new_tokens for c in d.concurrency)
+    steps_per_level = sum(
+        math.ceil(d.num_prompts / c) * d.max_new_tokens for c in d.concurrency
+    )  # warm passes
     # Warm-up (`aerie.deploy.bench`): its requests one after another, then each level's workload once more.
     w = d.warmup_requests
     warmup = min(8, d.max_new_tokens) * w + steps_per_level if w else 0
@@ -498,13 +500,21 @@ def _deploy(m: Model, sizes: Sizes) -> StageEstimate:
     notes.append(
         "the speculative server taken as fast as the baseline (its speed-up is what deploy measures)"
     )
-    per_server = start + (steps_per_level + warmup) / steps
+    # Each level at steady state, `repeats` times: its window lasts level_seconds, longer where a slot's
+    # requests_per_slot requests (one decode step a token) take more, plus one request's ramp before it.
+    request_s = d.max_new_tokens / steps
+    timed = (
+        len(d.concurrency) * d.repeats * (max(d.level_seconds, d.requests_per_slot * request_s) + request_s)
+    )
+    per_server = start + warmup / steps + timed
+    servers = 3 if cfg.server.backend == "sglang" and d.ngram != "off" else 2
     gpus = cfg.server.tp_size if m.hw.gpu else 0
     return StageEstimate(
         "deploy",
-        2 * per_server,
+        servers * per_server,
         gpus,
-        f"2 servers x ({start:.0f} s start + {steps_per_level + warmup:,} decode steps / {steps:.1f}/s)",
+        f"{servers} servers x ({start:.0f} s start + {warmup:,} warm-up decode steps / {steps:.1f}/s + "
+        f"{timed:.0f} s timed: {len(d.concurrency)} levels x {d.repeats} runs)",
         cites,
         notes,
     )
