@@ -142,7 +142,9 @@ def test_the_fit_is_monotone_in_steps_and_concurrency_whatever_the_noise():
 
 def test_an_unmeasured_shape_and_card_are_flagged_in_the_plan(monkeypatch):
     e = served.estimate(served.Shape("t", 1e12, False), "h999", 3, [1], 2.0, table=TABLE)
-    assert any("nearest measured shape" in f for f in e.flags) and any("card h999" in f for f in e.flags)
+    assert any("the shape itself (1e+03B active)" in f for f in e.flags) and any(
+        "card h999" in f for f in e.flags
+    )
     assert sum("NOT MEASURED" in line for line in e.lines()) == len(e.flags)
     monkeypatch.setattr(served, "_table", lambda: TABLE)
     facts = SimpleNamespace(name="t", active_params=1e12, weight_bytes=2e12)

@@ -179,9 +179,9 @@ class ServedEstimate:
             if p.refused:
                 rows.append(f"  c{p.concurrency}: no speed-up predicted ({p.refused})")
                 continue
-            sd = f"±{p.round_sd_ms:.2f}" if p.round_sd_ms > 0 else " (no spread: one run per cell)"
+            sd = f" ±{p.round_sd_ms:.2f} ms" if p.round_sd_ms > 0 else " ms (no spread: one run a cell)"
             text = (
-                f"  c{p.concurrency}: step {p.step_ms:.2f} ms, round {p.round_ms:.2f}{sd} ms: "
+                f"  c{p.concurrency}: step {p.step_ms:.2f} ms, round {p.round_ms:.2f}{sd}: "
                 f"pays above {p.break_even:.2f} accepted tokens per round"
             )
             if p.speedup is not None:
@@ -418,7 +418,7 @@ def estimate(
         basis += " (no MoE shape measured: a dense shape's times)"
         flags.append("an MoE target predicted from dense shapes")
     if "nearest" in basis or "between" in basis:  # not one of the measured shapes
-        flags.append(f"this shape: {basis}")
+        flags.append(f"the shape itself ({shape.active_params / 1e9:.2g}B active)")
     if measured != card:
         flags.append(f"card {card}: {measured}'s times")
     return ServedEstimate(
