@@ -152,6 +152,11 @@ def test_an_unmeasured_shape_and_card_are_flagged_in_the_plan(monkeypatch):
     assert any("c64: no speed-up predicted" in line for line in plan)
     rows = [line for line in plan if "speed-up at accept length" in line]
     assert rows and all("NOT MEASURED" in line for line in rows)
+    # A measured shape served over several GPUs: every shape was timed on one.
+    measured = SimpleNamespace(name="t", active_params=1e8, weight_bytes=2e8)
+    assert not any("NOT MEASURED" in line for line in served.for_plan(measured, "x100", True, 3, [1]))
+    tp = served.for_plan(measured, "x100", True, 3, [1], tp_size=8)
+    assert "  NOT MEASURED: tensor parallel 8 (every shape measured on one GPU)" in tp
 
 
 def test_per_level_accept_lengths():

@@ -56,7 +56,13 @@ def deployment_markdown(report: dict[str, Any]) -> str:
         "",
         f"Baseline server: `{report['servers']['baseline']['command']}`",
         "",
-        f"Same {report['num_prompts']} prompts per level, greedy, max {report['max_new_tokens']} new tokens. "
+        *(
+            [f"N-gram server: `{report['servers']['ngram']['command']}`", ""]
+            if "ngram" in report["servers"]
+            else []
+        ),
+        f"The same pool of {report['num_prompts']} prompts for every server and level (cycled at steady state), "
+        f"greedy, max {report['max_new_tokens']} new tokens. "
         f"TTFT: {report['ttft_method']}. ITL: the gap between streamed chunks, shared by the tokens "
         "the later one carries. "
         "Accept length = Σ completion tokens / Σ spec_verify_ct from the server's meta_info.",
@@ -64,6 +70,7 @@ def deployment_markdown(report: dict[str, Any]) -> str:
         *_steady_lines(report),
         *benchmark_table(report["rows"]),
         "",
+        *_prediction_lines(report),
         *_ngram_lines(report),
         f"**Promotion: {'promoted' if decision['promoted'] else 'not promoted'}** — {decision['reason']}",
     ]
@@ -95,3 +102,23 @@ def _ngram_lines(report: dict[str, Any]) -> list[str]:
             "",
         ]
     return lines
+
+
+def _prediction_lines(report: dict[str, Any]) -> list[str]:
+    """The prediction written before the serve, beside what was measured at each level."""
+    prediction = report.get("prediction") or {}
+    if not prediction.get("predicted"):
+        why = prediction.get("why_not_predicted")
+        return [f"Predicted speed-up: none ({why}).", ""] if why else []
+    measured = {r["concurrency"]: r.get("speedup") for r in report["rows"] if r["server"] == "speculative"}
+    lines = [
+        f"Predicted before the serve ({prediction.get('source')}; the chain the fit favours per level):",
+        "",
+    ]
+    for tier in prediction.get("tiers", []):
+        c = tier["concurrency"]
+        lines.append(
+            f"- c{c}: predicted {tier.get('predicted_speedup')} (k={tier.get('num_steps')}: {tier.get('why')}), "
+            f"measured {measured.get(c)} at k={report.get('num_steps')}"
+        )
+    return [*lines, ""]

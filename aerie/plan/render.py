@@ -64,7 +64,14 @@ def table(plan: Plan) -> str:
     dep = cfg.deploy
     lines += [
         "",
-        *served.for_plan(plan.target, plan.hardware.name, plan.hardware.gpu, dep.num_steps, dep.concurrency),
+        *served.for_plan(
+            plan.target,
+            plan.hardware.name,
+            plan.hardware.gpu,
+            dep.num_steps,
+            dep.concurrency,
+            cfg.server.tp_size,
+        ),
     ]
     lines += online.lines(plan)
     notes = sorted({n for st in plan.stages for n in st.assumptions})

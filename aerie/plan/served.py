@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -467,9 +467,12 @@ def evaluated_accept_length(figures: dict[str, Any], num_steps: int) -> tuple[fl
 PLAN_ACCEPT_LENGTHS = (2.0, 3.0)
 
 
-def for_plan(target: Any, hardware: str, gpu: bool, num_steps: int, concurrency: list[int]) -> list[str]:
+def for_plan(
+    target: Any, hardware: str, gpu: bool, num_steps: int, concurrency: list[int], tp_size: int = 1
+) -> list[str]:
     """The plan's lines: break-even acceptance per level for the preset's target and deploy settings, and
-    the speed-up at a few acceptance lengths (the evaluated one is known only after training)."""
+    the speed-up at a few acceptance lengths (the evaluated one is known only after training). Every
+    shape was measured on one GPU: a target served over several is flagged."""
     if not gpu:
         return [
             f"served speed-up: not predicted on {hardware} (SGLang's speculative serving is measured on GPUs)"
@@ -478,6 +481,8 @@ def for_plan(target: Any, hardware: str, gpu: bool, num_steps: int, concurrency:
         est = estimate(shape_of_target(target), hardware, num_steps, concurrency)
     except ConfigError as exc:
         return [f"served speed-up: not predicted ({exc})"]
+    if tp_size > 1:
+        est = replace(est, flags=(*est.flags, f"tensor parallel {tp_size} (every shape measured on one GPU)"))
     lines = est.lines()
     for p in est.predictions:
         if p.refused:
