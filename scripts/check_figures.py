@@ -13,6 +13,7 @@ A number is marked by an HTML comment right after it (a reader of the rendered p
     2.13×<!--external-->                     a figure from outside aerie (a datasheet, a paper, a price list)
     18.7 min<!--printed-->                   a number of a printed output on the same page (scripts/doc_outputs.py
                                              regenerates and checks those blocks)
+    2.8 h<!--= 49.2 * 87.8 / 25.7 / 60-->    worked out from figures shown nearby: the arithmetic is checked
 
 Numbers in code spans, fenced blocks, link targets and ordered-list markers are not figures. A comment
 binds the number right before it and any number joined to it without a space (`6/8`). The figure must be
@@ -23,14 +24,16 @@ names (its dates and commits are checked against the record and its git history)
 
 Staleness is computed: every quoted record names `code_paths` (the code it measures) and `commit` (the
 commit that wrote it); a record is stale when git shows commits since `commit` that changed those paths,
-or when it says `stale` itself. A paragraph or table row quoting a stale record must say "stale".
+or when it says `stale` itself. A paragraph or table row quoting a stale record must say "stale" (or the heading of its section must).
 
 Prints `file:line: what is wrong` for each problem; exits 1 if any, 0 otherwise.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import re
 import subprocess
 import sys
@@ -53,6 +56,7 @@ COMMIT = re.compile(r"\b([0-9a-f]{7,12})\b")
 LIST_MARKER = re.compile(r"^(\s*)\d+\.(?=\s)", re.M)
 MARK = re.compile(r"^\s*(?:(?P<name>[\w\-]+\.json))?#(?P<path>[\w.\-]+)\s*$")
 NOT_FIGURES = ("setting", "external", "printed")
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 # A number not glued to a word before it (H200, k7, SmolLM2-135M are names), its decimals, and its unit.
 NUMBER = re.compile(
     r"(?<![\w.])(?<!\w-)(?P<sign>[-−+]?)(?P<int>\d{1,3}(?:,\d{3})+|\d+)(?P<dec>\.\d+)?"
@@ -206,6 +210,7 @@ class Block:
     line: int  # of its first line
     text: str
     record_cell: str | None = None  # a table row's `record` cell, left out of `text`
+    heading: str = ""  # of the section it is in: a "stale" there covers the section
 
 
 def blocks(text: str) -> Iterator[Block]:
@@ -213,11 +218,11 @@ def blocks(text: str) -> Iterator[Block]:
     lines, fenced, i = text.splitlines(), False, 0
     record_col: int | None = None
     current: list[str] = []
-    start = 0
+    start, heading = 0, ""
 
     def flush() -> Iterator[Block]:
         if current:
-            yield Block(start + 1, "\n".join(current))
+            yield Block(start + 1, "\n".join(current), heading=heading)
         current.clear()
 
     while i < len(lines):
@@ -236,9 +241,11 @@ def blocks(text: str) -> Iterator[Block]:
                 continue
             cells = split_row(line)
             cell = cells.pop(record_col) if record_col is not None and record_col < len(cells) else None
-            yield Block(i + 1, " | ".join(cells), cell)
+            yield Block(i + 1, " | ".join(cells), cell, heading)
         elif not line.strip() or line.lstrip().startswith("#") or re.match(r"^\s*([-*]|\d+\.)\s", line):
             yield from flush()
+            if line.lstrip().startswith("#"):
+                heading = line
             if line.strip():
                 current.append(line)
                 start = i
@@ -300,6 +307,11 @@ def check_block(block: Block, ctx: Context) -> Iterator[str]:
     for mark in COMMENT.finditer(text):
         body = mark.group(1).strip()
         target = MARK.match(body)
+        if body.startswith("="):
+            chain = binds(found, seen, mark.start())
+            bound.update(id(s) for s in chain)
+            yield from check_sum(chain, body[1:])
+            continue
         if body not in NOT_FIGURES and not target:
             continue  # a comment that marks nothing
         chain = binds(found, seen, mark.start())
@@ -324,7 +336,7 @@ def check_block(block: Block, ctx: Context) -> Iterator[str]:
     for s in found:
         if id(s) not in bound:
             yield f"{s.text}: a number with no record (mark it <!--name.json#path-->, or <!--setting-->)"
-    visible = seen.lower() + " " + (block.record_cell or "").lower()
+    visible = " ".join((seen, block.record_cell or "", block.heading)).lower()
     for name in sorted(quoted):
         if not (ctx.results / name).is_file():
             continue
@@ -348,6 +360,31 @@ def binds(found: list[Shown], seen: str, at: int) -> list[Shown]:
             break
         chain.append(s)
     return chain
+
+
+def check_sum(chain: list[Shown], expression: str) -> Iterator[str]:
+    """A figure worked out from others: `expression` (numbers and + - * / parentheses) gives it."""
+    if not chain:
+        yield f"<!--={expression}--> follows no number"
+        return
+    try:
+        value = arithmetic(ast.parse(expression.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError) as exc:
+        yield f"<!--={expression}-->: not arithmetic on numbers ({exc})"
+        return
+    for s in chain:
+        if not _matches(s, value):
+            yield f"{s.text} is not {expression.strip()} ({value:.4g})"
+
+
+def arithmetic(node: ast.expr) -> float:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -arithmetic(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+        return OPERATORS[type(node.op)](arithmetic(node.left), arithmetic(node.right))
+    raise ValueError(ast.dump(node))
 
 
 def check_figure(chain: list[Shown], name: str, path: str, ctx: Context) -> Iterator[str]:
