@@ -169,7 +169,7 @@ def readme_row(record: dict[str, Any], name: str) -> str:
 
 
 def stale_words(root: Path, name: str) -> str:
-    """" (stale)" where the code the record measures changed since it was written (scripts/check_figures.py
+    """ " (stale)" where the code the record measures changed since it was written (scripts/check_figures.py
     fails a quote of a stale record that does not say so), else nothing."""
     spec = importlib.util.spec_from_file_location("check_figures", root / "scripts" / "check_figures.py")
     if not spec or not spec.loader or not spec.origin or not Path(spec.origin).is_file():
@@ -186,7 +186,9 @@ def quote(record: dict[str, Any], name: str, root: Path) -> None:
     left_out = record.get("validation_left_out", [])
     stale = stale_words(root, name)
     docs = root / "docs" / "plan.md"
-    section = docs_section(record, left_out, name).replace("### Validation rows", "### Validation rows" + stale, 1)
+    section = docs_section(record, left_out, name).replace(
+        "### Validation rows", "### Validation rows" + stale, 1
+    )
     docs.write_text(between_markers(docs.read_text(), name, section, str(docs)))
     bench = root / "benchmarks" / "README.md"
     table = results_table(record, name).replace(f"{name}` `", f"{name}`{stale} `")

@@ -100,7 +100,9 @@ def plain(text: str) -> str:
     text = blank(text, COMMENT)
     text = blank(text, CODE)
     text = blank(text, LINK_TARGET, keep=1)
-    return LIST_MARKER.sub(lambda m: m.group(0).replace(m.group(0).strip(), " " * len(m.group(0).strip())), text)
+    return LIST_MARKER.sub(
+        lambda m: m.group(0).replace(m.group(0).strip(), " " * len(m.group(0).strip())), text
+    )
 
 
 def numbers(text: str) -> Iterator[Shown]:
@@ -330,8 +332,7 @@ def check_block(block: Block, ctx: Context) -> Iterator[str]:
             yield f"<!--{body}--> names no record, and no figure before it in its block does"
             continue
         default = name
-        for problem in check_figure(chain, name, target["path"], ctx):
-            yield problem
+        yield from check_figure(chain, name, target["path"], ctx)
         quoted.add(name)
     for s in found:
         if id(s) not in bound:
@@ -421,7 +422,9 @@ def output_numbers(text: str) -> tuple[float, ...]:
     """The numbers of the page's printed outputs: fenced blocks scripts/doc_outputs.py writes."""
     out: list[float] = []
     for block in re.finditer(r"<!-- output: .*?-->\s*```[^\n]*\n(.*?)```", text, re.S):
-        out += [float(m.group(0).replace(",", "")) for m in re.finditer(r"\d[\d,]*(?:\.\d+)?", block.group(1))]
+        out += [
+            float(m.group(0).replace(",", "")) for m in re.finditer(r"\d[\d,]*(?:\.\d+)?", block.group(1))
+        ]
     return tuple(out)
 
 
