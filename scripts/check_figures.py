@@ -294,11 +294,11 @@ def check_record_cell(cell: str, ctx: Context) -> Iterator[str]:
             yield f"commit {commit} did not change {', '.join(names)}"
 
 
-def check_block(block: Block, ctx: Context) -> Iterator[str]:
-    """What is wrong with one block's numbers."""
+def check_block(block: Block, ctx: Context) -> Iterator[tuple[int, str]]:
+    """(where in the block's text, what is wrong) for its numbers."""
     default = None
     if block.record_cell is not None:
-        yield from check_record_cell(block.record_cell, ctx)
+        yield from ((0, p) for p in check_record_cell(block.record_cell, ctx))
         names = {m.group(1) for m in RECORD.finditer(block.record_cell)}
         default = names.pop() if len(names) == 1 else None
     text = block.text
@@ -312,41 +312,41 @@ def check_block(block: Block, ctx: Context) -> Iterator[str]:
         if body.startswith("="):
             chain = binds(found, seen, mark.start())
             bound.update(id(s) for s in chain)
-            yield from check_sum(chain, body[1:])
+            yield from ((mark.start(), p) for p in check_sum(chain, body[1:]))
             continue
         if body not in NOT_FIGURES and not target:
             continue  # a comment that marks nothing
         chain = binds(found, seen, mark.start())
         if not chain:
-            yield f"<!--{body}--> follows no number"
+            yield mark.start(), f"<!--{body}--> follows no number"
             continue
         bound.update(id(s) for s in chain)
         if body == "printed":
             for s in chain:
                 if not any(_matches(s, v) for v in ctx.outputs):
-                    yield f"{s.text} is no number of this page's printed outputs"
+                    yield s.start, f"{s.text} is no number of this page's printed outputs"
         if not target:
             continue
         name = target["name"] or default
         if name is None:
-            yield f"<!--{body}--> names no record, and no figure before it in its block does"
+            yield mark.start(), f"<!--{body}--> names no record, and no figure before it in its block does"
             continue
         default = name
-        yield from check_figure(chain, name, target["path"], ctx)
+        yield from ((mark.start(), p) for p in check_figure(chain, name, target["path"], ctx))
         quoted.add(name)
     for s in found:
         if id(s) not in bound:
-            yield f"{s.text}: a number with no record (mark it <!--name.json#path-->, or <!--setting-->)"
+            yield s.start, f"{s.text}: a number with no record (mark it <!--name.json#path-->, or <!--setting-->)"
     visible = " ".join((seen, block.record_cell or "", block.heading)).lower()
     for name in sorted(quoted):
         if not (ctx.results / name).is_file():
             continue
         lacking = unrecorded(ctx.results, name)
         if lacking:
-            yield lacking
+            yield 0, lacking
         reason = stale_reason(ctx.root, ctx.results, name)
         if reason and "stale" not in visible:
-            yield f"{name} is stale ({reason}) and the text quoting it does not say so"
+            yield 0, f"{name} is stale ({reason}) and the text quoting it does not say so"
 
 
 def binds(found: list[Shown], seen: str, at: int) -> list[Shown]:
@@ -433,8 +433,8 @@ def check_file(path: Path, root: Path = ROOT, results: Path = RESULTS) -> Iterat
     text = path.read_text()
     ctx = Context(root, results, output_numbers(text))
     for block in blocks(text):
-        for problem in check_block(block, ctx):
-            yield block.line, problem
+        for at, problem in check_block(block, ctx):
+            yield block.line + block.text.count("\n", 0, at), problem
 
 
 def expand(names: list[str]) -> list[str]:
