@@ -54,7 +54,7 @@ RECORD = re.compile(r"[\w.\-/]*?([\w\-]+\.json)")
 DATE = re.compile(r"\b(\d{4}-\d{2}-\d{2})\b")
 COMMIT = re.compile(r"\b([0-9a-f]{7,12})\b")
 LIST_MARKER = re.compile(r"^(\s*)\d+\.(?=\s)", re.M)
-MARK = re.compile(r"^\s*(?:(?P<name>[\w\-]+\.json))?#(?P<path>[\w.\-]+)\s*$")
+MARK = re.compile(r"^\s*(?:(?P<name>[\w\-]+\.json))?#(?P<path>.+?)\s*$")
 NOT_FIGURES = ("setting", "external", "printed")
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 # A number not glued to a word before it (H200, k7, SmolLM2-135M are names), its decimals, and its unit.
