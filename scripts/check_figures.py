@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 FILES = ["README.md", "benchmarks/README.md", "docs/*.md"]
 
-CODE = re.compile(r"`[^`\n]*`")
+CODE = re.compile(r"`[^`]*`")
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
 COMMENT = re.compile(r"<!--(.*?)-->", re.S)
 RECORD = re.compile(r"[\w.\-/]*?([\w\-]+\.json)")
@@ -232,8 +232,10 @@ def blocks(text: str) -> Iterator[Block]:
         if line.lstrip().startswith("```"):
             yield from flush()
             fenced = not fenced
-        elif fenced:
-            pass
+        elif fenced or (line.startswith("    ") and not current and (i == 0 or not lines[i - 1].strip())):
+            # fenced code, or an indented code block (a line of four spaces after a blank one): printed text
+            while i + 1 < len(lines) and not fenced and lines[i + 1].startswith("    "):
+                i += 1
         elif line.lstrip().startswith("|"):
             yield from flush()
             if i + 1 < len(lines) and re.match(r"^\s*\|[\s:|-]+\|\s*$", lines[i + 1]):
