@@ -338,7 +338,10 @@ def check_block(block: Block, ctx: Context) -> Iterator[tuple[int, str]]:
         quoted.add(name)
     for s in found:
         if id(s) not in bound:
-            yield s.start, f"{s.text}: a number with no record (mark it <!--name.json#path-->, or <!--setting-->)"
+            yield (
+                s.start,
+                f"{s.text}: a number with no record (mark it <!--name.json#path-->, or <!--setting-->)",
+            )
     visible = " ".join((seen, block.record_cell or "", block.heading)).lower()
     for name in sorted(quoted):
         if not (ctx.results / name).is_file():
