@@ -22,9 +22,10 @@ is -0.297); a path to a text value matches a number written in the text. A `#pat
 record of the block's previous figure, or, in a table with a `record` column, the one record that cell
 names (its dates and commits are checked against the record and its git history).
 
-Staleness is computed: every quoted record names `code_paths` (the code it measures) and `commit` (the
-commit that wrote it); a record is stale when git shows commits since `commit` that changed those paths,
-or when it says `stale` itself. A paragraph or table row quoting a stale record must say "stale" (or the heading of its section must).
+Staleness is computed: every quoted record names `code_paths` (the code it measures) and may name `commit`
+(the commit that wrote it; without it, the last commit that changed the record's file, which is the same
+once a fresh record is committed); a record is stale when git shows commits since that one that changed
+those paths, or when it says `stale` itself. A paragraph or table row quoting a stale record must say "stale" (or the heading of its section must).
 
 Prints `file:line: what is wrong` for each problem; exits 1 if any, 0 otherwise.
 """
@@ -174,7 +175,8 @@ def stale_reason(root: Path, results: Path, name: str) -> str | None:
     record = load(results, name)
     if "stale" in record:
         return str(record["stale"])
-    commit, paths = record.get("commit"), record.get("code_paths")
+    paths = record.get("code_paths")
+    commit = record.get("commit") or written_by(root, str((results / name).relative_to(root)))
     if not commit or not paths:
         return None
     changed = git(root, "log", "--format=%h", f"{commit}..HEAD", "--", *paths)
@@ -183,11 +185,16 @@ def stale_reason(root: Path, results: Path, name: str) -> str | None:
     return f"{len(changed)} commit(s) since {commit[:10]} changed {', '.join(paths)} (latest {changed[0]})"
 
 
+@cache
+def written_by(root: Path, rel: str) -> str | None:
+    """The commit that last wrote a file, where git can say."""
+    out = git(root, "log", "-1", "--format=%H", "--", rel)
+    return out[0] if out else None
+
+
 def unrecorded(results: Path, name: str) -> str | None:
-    """What a quoted record lacks for its staleness to be computed."""
-    record = load(results, name)
-    missing = [k for k in ("code_paths", "commit") if not record.get(k)]
-    return f"{name} names no {' and no '.join(missing)}" if missing else None
+    """What a quoted record lacks for its staleness to be computed: the code it measures."""
+    return None if load(results, name).get("code_paths") else f"{name} names no code_paths"
 
 
 def split_row(line: str) -> list[str]:

@@ -162,10 +162,27 @@ def test_a_record_whose_code_changed_since_is_stale_and_an_unmarked_quote_fails(
     assert planted(tmp_path, text.replace("Served", "Served (stale)"), record) == []
 
 
-def test_a_quoted_record_must_name_its_code_and_commit(tmp_path: Path) -> None:
+def test_a_quoted_record_must_name_the_code_it_measures(tmp_path: Path) -> None:
     record = {k: v for k, v in RECORD.items() if k not in ("code_paths", "commit")}
     problems = [p for _, p in planted(tmp_path, "At 1.48x<!--bench-cpu.json#serve.speedup.c1-->.\n", record)]
-    assert problems == ["bench-cpu.json names no code_paths and no commit"]
+    assert problems == ["bench-cpu.json names no code_paths"]
+
+
+@pytest.mark.integration  # a git repository: the record's own last commit stands for the one it names
+def test_a_record_naming_no_commit_is_dated_by_the_commit_that_wrote_it(tmp_path: Path) -> None:
+    (tmp_path / "code.py").write_text("SPEED = 1\n")
+    text = "Served at 1.48x<!--bench-cpu.json#serve.speedup.c1-->.\n"
+    record = {k: v for k, v in RECORD.items() if k != "commit"}
+    planted(tmp_path, text, record)
+    git_repo(tmp_path)  # code and record in one commit: current
+    assert planted(tmp_path, text, record) == []
+    (tmp_path / "code.py").write_text("SPEED = 2\n")
+    subprocess.run(
+        ["git", "-c", "user.name=a", "-c", "user.email=a@b", "commit", "-qam", "faster"], cwd=tmp_path
+    )
+    checker().written_by.cache_clear()
+    problems = [p for _, p in planted(tmp_path, text, record)]
+    assert len(problems) == 1 and "is stale (1 commit(s) since" in problems[0], problems
 
 
 def test_names_with_digits_and_list_markers_are_not_figures() -> None:
