@@ -391,7 +391,7 @@ def _extract(m: Model, sizes: Sizes) -> StageEstimate:
     )
 
 
-def _draft_flops(m: Model, seq_len: int) -> float:
+def draft_flops(m: Model, seq_len: int) -> float:
     g, train = m.target.geometry, m.cfg.train
     shape = train.draft.resolve(g)
     return train_flops_per_token(
@@ -426,7 +426,7 @@ def _train(m: Model, sizes: Sizes) -> StageEstimate:
             f"{sizes.train_tokens:,} tokens trained: each epoch's last row is padded"
         )
     # Sequences average about half the cap: attention is counted at max_length / 2.
-    flops = _draft_flops(m, cfg.train.max_length // 2)
+    flops = draft_flops(m, cfg.train.max_length // 2)
     if not m.hw.gpu:
         achieved = m.rate("train_flops_per_s", "flops", notes, cites)
         rate = achieved / flops
