@@ -67,7 +67,7 @@ lint: setup
 # The figure check (scripts/check_figures.py): every number of these pages is a figure at its exact key of
 # a benchmark record, or marked as a setting; a quote of a record whose code changed since says "stale".
 # The printed outputs (scripts/doc_outputs.py) are what their commands print today.
-FIGURE_PAGES ?= README.md benchmarks/README.md docs/*.md
+FIGURE_PAGES ?= README.md benchmarks/README.md benchmarks/gpu/README.md docs/*.md
 
 typecheck: setup
 	$(VENV)/bin/mypy
