@@ -318,7 +318,10 @@ def check_block(block: Block, ctx: Context) -> Iterator[tuple[int, str]]:
     found = [shown(m) for m in NUMBER.finditer(seen)]
     bound: set[int] = set()
     quoted: set[str] = set()
+    in_code = [m.span() for m in CODE.finditer(text)]
     for mark in COMMENT.finditer(text):
+        if any(a <= mark.start() < b for a, b in in_code):
+            continue  # a comment shown as code, as in a page explaining the marks
         body = mark.group(1).strip()
         target = MARK.match(body)
         if body.startswith("="):
