@@ -40,6 +40,7 @@ def engine(target: str, speculative: dict[str, Any] | None) -> Any:
         dtype="bfloat16",
         seed=0,
         disable_log_stats=False,  # the speculative counters are statistics
+        skip_tokenizer_init=True,  # token ids in and out: a test target may ship no tokenizer
     )
 
 
@@ -47,7 +48,7 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[i
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
