@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from aerie.deploy.work import promote
 from aerie.draft.export import CONFIG, WEIGHTS
 from aerie.draft.vllm_export import FOLDER, speculator_tensors, vllm_serve_argv
 from aerie.errors import ConfigError
@@ -104,6 +105,21 @@ def test_a_copied_drafter_keeps_its_vllm_folder_apart(drafter, tmp_path) -> None
     dest = fetch_drafter(_CopyingStore(store), train, tmp_path / "copy")
     assert (dest / CONFIG).read_text() == (drafter / CONFIG).read_text()
     assert (dest / FOLDER / CONFIG).read_text() == (drafter / FOLDER / CONFIG).read_text()
+
+
+def test_promotion_copies_the_vllm_folder_as_a_folder(drafter, tmp_path) -> None:
+    store = LocalStore(tmp_path / "store")
+    for path in drafter.rglob("*"):
+        if path.is_file():
+            store.put_file(f"run/train/k/drafter/{path.relative_to(drafter).as_posix()}", path)
+    train = StageResult(
+        stage="train", key="k", prefix="run/train/k", manifest_uri="", manifest_sha256="0" * 64,
+        cache_hit=False, seconds=0.0,
+    )  # fmt: skip
+    prefix = promote(store, "run", train, None, {"promotion": {"speedup": 1.5, "concurrency": 1}}, "# report")
+    promoted = tmp_path / "store" / prefix / "drafter"
+    assert (promoted / CONFIG).read_text() == (drafter / CONFIG).read_text()
+    assert (promoted / FOLDER / CONFIG).read_text() == (drafter / FOLDER / CONFIG).read_text()
 
 
 class _CopyingStore:
