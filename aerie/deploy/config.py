@@ -28,6 +28,12 @@ class DeployConfig(StrictModel):
     """Serve the drafter with speculative decoding, benchmark against a baseline, promote if it pays."""
 
     enabled: bool = Field(True, description="Run the deployment benchmark.")
+    engine: Literal["sglang", "vllm"] = Field(
+        "sglang",
+        description="The serving engine the benchmark measures: sglang = server.backend's server (SGLang, "
+        "or aerie's reference server, which speaks SGLang's API); vllm = `vllm serve` with the drafter's "
+        "vllm/ folder as its EAGLE-3 speculative model (refused at load where aerie cannot run it).",
+    )
     concurrency: list[int] = Field(
         default_factory=lambda: [1, 8, 32], description="Benchmark concurrency levels."
     )

@@ -39,7 +39,7 @@ from aerie.deploy.config import DeployConfig
 from aerie.deploy.report import deployment_markdown
 from aerie.deploy.serving_plan import serving_plan, with_measured
 from aerie.errors import EvaluationError, TargetError
-from aerie.evaluate.drafter_files import drafter_keys, fetch_drafter
+from aerie.evaluate.drafter_files import drafter_keys, fetch_drafter, name_in_drafter
 from aerie.evaluate.prompts import mtbench_prompts
 from aerie.manifest import StageResult, stage_key
 from aerie.progress import ProgressFn
@@ -215,8 +215,9 @@ def key_of(
     drafter: StageResult,
     evaluation: StageResult | None,
 ) -> str:
+    # The default engine is left out, so runs keyed before the field existed keep their keys.
     keyed = {
-        "deploy": cfg.model_dump(mode="json"),
+        "deploy": cfg.model_dump(mode="json", exclude={"engine"} if cfg.engine == "sglang" else None),
         "server": server.model_dump(mode="json", exclude=_SERVER_NOT_KEYED),
     }
     upstream = [
@@ -379,7 +380,7 @@ def promote(
     prefix = f"{run_name}/{PROMOTED}"
     with work_dir("aerie-promote-") as tmp:
         for key in drafter_keys(store, drafter):
-            name = key.rsplit("/", 1)[-1]
+            name = name_in_drafter(key)
             local = store.get_file(key, Path(tmp) / name)
             store.put_file(f"{prefix}/drafter/{name}", local)
     store.put_bytes(f"{prefix}/report.json", json.dumps(report, indent=2).encode())

@@ -5,6 +5,7 @@
                             draft_vocab_size, eagle_config with the capture layers (output-of-layer convention)
     DIR/model.safetensors   exactly EXPORT_KEYS (bf16 weights, d2t int64, t2d bool); no embedding
     DIR/aerie.json          provenance SGLang ignores: target, revision, layer conventions, vocab coverage
+    DIR/vllm/               the same drafter in the layout vLLM loads (aerie.draft.vllm_export)
 
 Two fields decide whether a drafter works at all in SGLang, so they are never defaulted:
 `tie_word_embeddings` must be false (true makes SGLang use the *embedding* as the draft lm_head), and
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from aerie.draft.model import DraftConfig, Eagle3Drafter
 from aerie.draft.target_weights import load_embedding
+from aerie.draft.vllm_export import write_vllm_folder
 from aerie.errors import TargetError
 from aerie.targets import DrafterShape, TargetInfo
 
@@ -161,7 +163,9 @@ def export_drafter(
         "draft_config": cfg.to_dict(),
         **(provenance or {}),
     }
-    return write_checkpoint(out_dir, export_state_dict(drafter), hf_config(cfg, target), target, meta)
+    state, config = export_state_dict(drafter), hf_config(cfg, target)
+    write_vllm_folder(out_dir, target, state, config)
+    return write_checkpoint(out_dir, state, config, target, meta)
 
 
 def config_from_hf(data: dict[str, Any]) -> DraftConfig:

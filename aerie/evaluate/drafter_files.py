@@ -38,6 +38,12 @@ def drafter_keys(store: ArtifactStore, train: StageResult) -> list[str]:
     return keys
 
 
+def name_in_drafter(key: str) -> str:
+    """A drafter file's path inside the drafter directory (`vllm/config.json` for vLLM's layout): the
+    directory has a subfolder, so a bare file name would put vLLM's config.json over SGLang's."""
+    return key.split(f"/{DRAFTER_DIR}/", 1)[1]
+
+
 def fetch_drafter(store: ArtifactStore, train: StageResult, dest: Path) -> Path:
     """A local directory holding the drafter: the store's own files when it is local, else a copy in
     `dest` (a directory SGLang's `--speculative-draft-model-path` and `load_drafter` both read)."""
@@ -49,6 +55,5 @@ def fetch_drafter(store: ArtifactStore, train: StageResult, dest: Path) -> Path:
         return first.parent
     dest.mkdir(parents=True, exist_ok=True)
     for key in keys:
-        name = key.rsplit("/", 1)[-1]
-        store.get_file(key, dest / name)
+        store.get_file(key, dest / name_in_drafter(key))
     return dest

@@ -408,7 +408,7 @@ def _finish(
     best_figures = {name: best[name] for name in ("accept_length_rounds", "accept_length")}
     provenance = {"best_step": best["step"], **best_figures, **vocab.figures()}
     out = family_of(cfg.drafter).export.load()(drafter, work / "drafter", target, provenance)
-    drafter_files = sorted(p.name for p in out.iterdir() if p.is_file())
+    drafter_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     for name in drafter_files:
         store.put_file(sd.path(f"drafter/{name}"), out / name)
     records = events.records()
