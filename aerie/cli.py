@@ -17,6 +17,7 @@ from aerie.errors import AerieError, ConfigError
 from aerie.pipeline import STAGE_NAMES
 from aerie.presets import PRESETS, load_config
 from aerie.progress import close_terminal_bars
+from aerie.settings import cache_dir_error, in_cache
 
 
 def _cmd_presets(_: argparse.Namespace) -> int:
@@ -193,6 +194,13 @@ def main(argv: Sequence[str] | None = None, *, run_flow: FlowRunner | None = Non
     except AerieError as exc:
         close_terminal_bars()
         print(f"aerie: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if not in_cache(exc.filename):
+            raise
+        # Any write into the cache that no module turned into its own error: the same one line.
+        close_terminal_bars()
+        print(f"aerie: error: {cache_dir_error(exc.filename, exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         # Ctrl-C: one line (what the stopped stage kept, how to resume), no traceback.
