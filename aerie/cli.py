@@ -84,7 +84,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from aerie.evaluate.drafter_files import family_of
+    from aerie.evaluate.drafter_files import check_drafter_files, check_trained_for, family_of
     from aerie.evaluate.stage import corpus_format
     from aerie.evaluate.standalone import evaluate_drafter, prompt_set_for_file, summary_lines
     from aerie.families import DEFAULT
@@ -92,6 +92,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from aerie.targets import resolve_target
 
     cfg = load_config(args.preset, args.overrides)
+    # The drafter is checked before the prompts are read and the target is resolved and loaded.
+    check_drafter_files(args.drafter)
+    if not args.allow_other_target:
+        check_trained_for(Path(args.drafter), cfg.target.name, cfg.target.revision)
     sets = [prompt_set_for_file(path, args.limit) for path in args.prompts]
     names = [s.name for s in sets]
     if len(set(names)) != len(names):
@@ -108,7 +112,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         }
     )
     report = evaluate_drafter(
-        evaluate_cfg, resolve_target(cfg.target), args.drafter, terminal_progress("evaluate")
+        evaluate_cfg,
+        resolve_target(cfg.target),
+        args.drafter,
+        terminal_progress("evaluate"),
+        allow_other_target=args.allow_other_target,
     )
     close_terminal_bars()
     print("\n".join(summary_lines(report)))
@@ -164,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset", default="smollm2-local", help="the preset naming the target and settings"
     )
     evaluate.add_argument("--limit", type=int, default=None, help="prompts taken from each file")
+    evaluate.add_argument(
+        "--allow-other-target",
+        action="store_true",
+        help="measure a drafter whose aerie.json names another target or revision than the preset's",
+    )
     evaluate.add_argument("--json", help="also write the whole report to this file")
     evaluate.add_argument("overrides", nargs="*", help="key=value, e.g. evaluate.temperatures=[0,1]")
     evaluate.set_defaults(func=_cmd_evaluate)
