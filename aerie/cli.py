@@ -17,6 +17,7 @@ from aerie.errors import AerieError, ConfigError
 from aerie.pipeline import STAGE_NAMES
 from aerie.presets import PRESETS, load_config
 from aerie.progress import close_terminal_bars
+from aerie.settings import cache_dir_error, in_cache
 
 
 def _cmd_presets(_: argparse.Namespace) -> int:
@@ -83,7 +84,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from aerie.evaluate.drafter_files import family_of
+    from aerie.evaluate.drafter_files import check_drafter_files, check_trained_for, family_of
     from aerie.evaluate.stage import corpus_format
     from aerie.evaluate.standalone import evaluate_drafter, prompt_set_for_file, summary_lines
     from aerie.families import DEFAULT
@@ -91,6 +92,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from aerie.targets import resolve_target
 
     cfg = load_config(args.preset, args.overrides)
+    # The drafter is checked before the prompts are read and the target is resolved and loaded.
+    check_drafter_files(args.drafter)
+    if not args.allow_other_target:
+        check_trained_for(Path(args.drafter), cfg.target.name, cfg.target.revision)
     sets = [prompt_set_for_file(path, args.limit) for path in args.prompts]
     names = [s.name for s in sets]
     if len(set(names)) != len(names):
@@ -107,7 +112,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         }
     )
     report = evaluate_drafter(
-        evaluate_cfg, resolve_target(cfg.target), args.drafter, terminal_progress("evaluate")
+        evaluate_cfg,
+        resolve_target(cfg.target),
+        args.drafter,
+        terminal_progress("evaluate"),
+        allow_other_target=args.allow_other_target,
     )
     close_terminal_bars()
     print("\n".join(summary_lines(report)))
@@ -163,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset", default="smollm2-local", help="the preset naming the target and settings"
     )
     evaluate.add_argument("--limit", type=int, default=None, help="prompts taken from each file")
+    evaluate.add_argument(
+        "--allow-other-target",
+        action="store_true",
+        help="measure a drafter whose aerie.json names another target or revision than the preset's",
+    )
     evaluate.add_argument("--json", help="also write the whole report to this file")
     evaluate.add_argument("overrides", nargs="*", help="key=value, e.g. evaluate.temperatures=[0,1]")
     evaluate.set_defaults(func=_cmd_evaluate)
@@ -193,6 +207,13 @@ def main(argv: Sequence[str] | None = None, *, run_flow: FlowRunner | None = Non
     except AerieError as exc:
         close_terminal_bars()
         print(f"aerie: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if not in_cache(exc.filename):
+            raise
+        # Any write into the cache that no module turned into its own error: the same one line.
+        close_terminal_bars()
+        print(f"aerie: error: {cache_dir_error(exc.filename, exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         # Ctrl-C: one line (what the stopped stage kept, how to resume), no traceback.

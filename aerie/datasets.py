@@ -22,6 +22,10 @@ and `LoadReport.repaired`):
 - consecutive turns of one role are merged into one, joined by a blank line
   (`repaired["consecutive_merged"]`): chat templates and the generator expect roles to alternate, and
   ShareGPT's consecutive turns are one message split by the scraper;
+- a lone UTF-16 surrogate (`"\\ud800"` in JSON: half of an emoji, common in scraped chat dumps) in an
+  id, a content or a reasoning is replaced by U+FFFD (`repaired["lone_surrogate_replaced"]`, once per
+  conversation): Python reads it, but no UTF-8 file, digest or request can hold it, and one such
+  character would otherwise stop the whole dataset;
 - a duplicated id gets a `#<n>` suffix in file order (`repaired["duplicate_id_suffixed"]`), counting
   every record that carries an id (records passed over by `skip` and malformed ones included), so a
   record's id depends only on the file, not on `skip`, `limit` or the role map.
@@ -52,6 +56,10 @@ MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 _ROLES: frozenset[str] = frozenset({"system", "user", "assistant"})
 MAX_EXAMPLES = 20
+# A lone surrogate: what a JSON "\ud800" without its other half decodes to. A valid pair decodes to
+# one character outside the range, so anything matched here has no partner.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+REPLACEMENT = "\ufffd"
 
 
 class SourceSpec(StrictModel):
@@ -501,6 +509,27 @@ def _messages(record: dict[str, Any], spec: SourceSpec, report: LoadReport) -> t
     return tuple(head + merged)
 
 
+def without_lone_surrogates(text: str) -> tuple[str, int]:
+    """`text` with every lone surrogate replaced by U+FFFD, and how many were."""
+    return _LONE_SURROGATE.subn(REPLACEMENT, text)
+
+
+def _repair_surrogates(
+    cid: str, messages: tuple[Message, ...], report: LoadReport
+) -> tuple[str, tuple[Message, ...]]:
+    """The id and messages with lone surrogates replaced; counted once for the conversation."""
+    cid, found = without_lone_surrogates(cid)
+    repaired: list[Message] = []
+    for m in messages:
+        content, n = without_lone_surrogates(m.content)
+        reasoning, k = without_lone_surrogates(m.reasoning) if m.reasoning is not None else (None, 0)
+        found += n + k
+        repaired.append(m.model_copy(update={"content": content, "reasoning": reasoning}) if n or k else m)
+    if found:
+        report.repair("lone_surrogate_replaced")
+    return cid, tuple(repaired)
+
+
 def _conversation(
     where: str, record: Any, cid: str | None, spec: SourceSpec, name: str, report: LoadReport
 ) -> Conversation | None:
@@ -511,9 +540,10 @@ def _conversation(
             raise _Skip("missing_id" if record.get(spec.id_field) in (None, "") else "bad_id")
         messages = _messages(record, spec, report)
     except _Skip as skip:
-        label = where if cid is None else f"{where} (id {cid!r})"
+        label = where if cid is None else f"{where} (id {without_lone_surrogates(cid)[0]!r})"
         report.skip(skip.reason, label, skip.detail)
         return None
+    cid, messages = _repair_surrogates(cid, messages, report)
     return Conversation(id=cid, source=name, messages=messages)
 
 
@@ -592,9 +622,10 @@ def _one(
     if isinstance(record, MTBenchQuestion):
         # A generation prompt: the first user turn only (the second depends on the answer to it).
         report.turns += len(record.turns)
-        return Conversation(
-            id=record.id, source=name, messages=(Message(role="user", content=record.turns[0]),)
+        cid, messages = _repair_surrogates(
+            record.id, (Message(role="user", content=record.turns[0]),), report
         )
+        return Conversation(id=cid, source=name, messages=messages)
     if isinstance(record, dict) and isinstance(record.get(spec.messages_field), list):
         report.turns += len(record[spec.messages_field])
     return _conversation(where, record, cid, spec, name, report)

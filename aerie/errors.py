@@ -7,6 +7,7 @@ there: ``aerie.diskspace.writing``)::
 
     AerieError
     ├── ConfigError                 a bad field, value, override or preset name
+    │   └── CacheDirError           aerie's cache (AERIE_CACHE_DIR, default ~/.cache/aerie) cannot be written
     ├── StoreError                  the artifact store (local dir or S3)
     │   ├── ObjectNotFoundError     no object under that key
     │   └── IntegrityError          a checksum that does not match (corrupted or partial object)
@@ -51,6 +52,10 @@ class AerieError(Exception):
 
 class ConfigError(AerieError, ValueError):
     """A bad config field, value, override or preset name."""
+
+
+class CacheDirError(ConfigError):
+    """aerie's cache folder cannot be created or written: the message names it and AERIE_CACHE_DIR."""
 
 
 class StoreError(AerieError):

@@ -11,6 +11,15 @@ is the reasoning and the text after it the answer; a start tag (or a prompt that
 without an end tag means the model was cut off inside its reasoning: all of it is reasoning and there
 is no answer. Text with neither tag is all answer.
 
+Reasoning-only answers, one rule wherever they arrive (the `reasoning` field, `<think>…</think>` in
+`content`, or a block cut off before its end tag): a turn's answer is its content once its reasoning is
+split off (`split_answer`: by the target's parser; with none, by the `<think>` convention when the
+content starts with the start tag, since no answer does). A turn whose answer is then blank has no
+answer to learn: generation refuses it (`empty_answer`), never stores it and never sends it back as
+history; the merge keeps it only as a truncated turn whose reasoning is supervised, and quarantines
+its conversation (`reasoning_only_answer`) when the reasoning is dropped or the template cannot render
+it (only an end of turn would be supervised).
+
 Which parser a target takes is read from its architecture and chat template (`parser_for`): a
 template that never writes the parser's end tag is not a thinking model's, whatever its family.
 """
@@ -80,6 +89,9 @@ PARSERS: dict[str, ReasoningParser] = {
     )
 }
 
+# The start tags recognised in a content even without a parser (`split_answer`).
+_CONVENTIONS = (PARSERS["qwen3"], PARSERS["kimi"])
+
 # Architecture prefixes (config.json `architectures[0]`) and the parser of their thinking models.
 _BY_ARCHITECTURE = (
     ("Qwen3", "qwen3"),
@@ -91,6 +103,19 @@ _BY_ARCHITECTURE = (
 )
 # Kimi-K2 thinking checkpoints are DeepseekV3 architectures: their template's turn markers tell them apart.
 _KIMI_MARKER = "<|im_assistant|>"
+
+
+def split_answer(text: str, parser: ReasoningParser | None) -> Split:
+    """A turn's content split into reasoning and answer by the target's `parser`; with none (a template
+    that is not a thinking one, an endpoint aerie knows nothing of), by a convention aerie knows when the
+    content starts with its start tag: an answer never opens with `<think>`, a reasoning block does."""
+    if parser is not None:
+        return parser.split(text)
+    head = text.lstrip()
+    for convention in _CONVENTIONS:
+        if head.startswith(convention.start):
+            return convention.split(text)
+    return Split(reasoning=None, answer=text)
 
 
 def parser_named(name: str) -> ReasoningParser:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from aerie.configbase import StrictModel
 from aerie.errors import TargetError
-from aerie.settings import get_settings
+from aerie.settings import cache_path, get_settings
 
 if TYPE_CHECKING:
     import torch
@@ -517,9 +517,8 @@ def resolve_target(cfg: TargetConfig | str, cache_dir: Path | None = None) -> Ta
     """Resolve a target to an HF-format directory (converting the embedded GGUF once) and its facts."""
     if isinstance(cfg, str):
         cfg = TargetConfig(name=cfg)
-    cache_dir = Path(cache_dir or get_settings().cache_dir) / "targets"
     if cfg.name in EMBEDDED:
-        path, revision = _embedded_dir(cfg.name, cache_dir)
+        path, revision = _embedded_dir(cfg.name, cache_path("targets", root=cache_dir))
     elif (Path(cfg.name).expanduser() / "config.json").is_file():
         path = Path(cfg.name).expanduser().resolve()
         revision = cfg.revision or _dir_digest(path)

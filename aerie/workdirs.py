@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from aerie.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 PREFIX = "aerie-"
@@ -104,5 +106,12 @@ def work_dir(prefix: str) -> Iterator[Path]:
     sweep_stale()
     pid = os.getpid()
     owner = f"{prefix}{host_tag()}-{pid}-{process_start(pid) or 0}-"
-    with tempfile.TemporaryDirectory(prefix=owner) as tmp:
+    try:
+        made = tempfile.TemporaryDirectory(prefix=owner)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot make a work folder in {tempfile.gettempdir()} ({exc.strerror or exc}): set TMPDIR to "
+            "a writable directory with room for the work"
+        ) from exc
+    with made as tmp:
         yield Path(tmp)

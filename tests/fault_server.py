@@ -4,15 +4,17 @@ Every answer is a deterministic function of the request's messages (`answer_for`
 recompute the whole regenerated conversation and check that each turn saw the right history. A fault
 plan maps a prompt (the last user message) to the faults its successive requests get, then normal
 answers: 429 with Retry-After (seconds or an HTTP date), 5xx bursts, answers slower than the client's
-read timeout, malformed JSON, an empty `choices`, an in-band provider error, a dropped connection, or
-any status (401, 400, 404). A GET (`/v1/models`, the check before generation) answers the model
-list, 401 without the key, or `get_status`. It runs in a thread of the test process
+read timeout, malformed JSON, an empty `choices`, an in-band provider error, a dropped connection, any
+status (401, 400, 404), a redirect, or a 200 that is not JSON (an HTML page, an SSE stream). A GET
+(`/v1/models`, the check before generation) answers the model list, 401 without the key, `get_status`
+or `get_fault`. It runs in a thread of the test process
 (`with FaultServer() as server:`) or standalone (`python tests/fault_server.py --port 8123 --delay 0.2`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import ssl
@@ -38,6 +40,8 @@ class Fault:
     reasoning: str | None = None  # ... and this `reasoning_content`
     finish_reason: str | None = None  # ... and this finish_reason
     unpriced: bool = False  # ... without a cost in its usage, even when the server prices answers
+    content_type: str = "application/json"  # what the answer says it is (an HTML page, an SSE stream)
+    location: str | None = None  # a Location header (a redirect)
 
 
 OK = Fault()
@@ -87,6 +91,7 @@ class FaultServer:
     cost: float | None = None  # per-request cost reported in usage (OpenRouter style)
     reasoning: bool = False  # answer with `reasoning_content` as a thinking model does
     get_status: int = 200  # what a GET (`/v1/models`, the endpoint check before generation) gets
+    get_fault: Fault | None = None  # ... or this answer (its status, raw body, content type, Location)
     seen: list[Seen] = field(default_factory=list)
     gets: list[Seen] = field(default_factory=list)  # the GETs received (prompt = the path)
     answered: Counter[str] = field(default_factory=Counter)  # prompt -> normal answers sent
@@ -187,12 +192,20 @@ class _Handler(BaseHTTPRequestHandler):
             code, body = state.get_status, {"error": {"message": f"injected HTTP {state.get_status}"}}
         else:
             code, body = 200, {"object": "list", "data": [{"id": "fault-model", "object": "model"}]}
+        fault = state.get_fault if state.get_fault is not None and code != 401 else status(code)
         with state._lock:
-            state.gets.append(Seen(self.path, time.monotonic(), status(code), auth, {}))
-        payload = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+            state.gets.append(Seen(self.path, time.monotonic(), fault, auth, {}))
+        payload = fault.raw_body if fault.raw_body is not None else json.dumps(body).encode()
+        self._answer(fault, payload)
+
+    def _answer(self, fault: Fault, payload: bytes) -> None:
+        self.send_response(fault.status)
+        self.send_header("Content-Type", fault.content_type)
         self.send_header("Content-Length", str(len(payload)))
+        if fault.retry_after is not None:
+            self.send_header("Retry-After", fault.retry_after)
+        if fault.location is not None:
+            self.send_header("Location", fault.location)
         self.end_headers()
         self.wfile.write(payload)
 
@@ -228,16 +241,9 @@ class _Handler(BaseHTTPRequestHandler):
             if fault.content is None:
                 with state._lock:
                     state.answered[prompt] += 1
-        try:
-            self.send_response(fault.status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            if fault.retry_after is not None:
-                self.send_header("Retry-After", fault.retry_after)
-            self.end_headers()
-            self.wfile.write(payload)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client gave up (read timeout): exactly the case being tested
+        # A client that gave up (read timeout) is exactly the case being tested.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self._answer(fault, payload)
 
 
 def main() -> None:

@@ -173,3 +173,55 @@ def test_a_gpu_request_on_an_engine_without_a_gpu_runtime_names_server_gpus_and_
     with pytest.raises(ServerLaunchError, match=r"no GPU runtime .*\(server.gpus=-1\): set server.gpus=0"):
         ModelServer(spec).start()
     assert mine(client, spec.nonce) == []  # the container the engine created but would not start is gone
+
+
+OWNER = """
+import sys, time
+from pathlib import Path
+from aerie.serving import DockerLauncher, ModelServer
+from tests.docker_support import fake_container_spec
+
+launcher = DockerLauncher()
+server = ModelServer(fake_container_spec(Path(sys.argv[1]), "--warmup-seconds", "0"), launcher=launcher)
+server.start()
+print(launcher.container.id, server.spec.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_container_dies_with_its_owner_killed_by_sigkill(client: Any, tmp_path: Path) -> None:
+    """The owner is a real process that starts the server and is then SIGKILLed: it runs no cleanup,
+    and the engine's attach stream closing is all that tells the container."""
+    root = Path(__file__).resolve().parent.parent
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(tmp_path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None
+        container_id, port = owner.stdout.readline().split()
+        container = client.containers.get(container_id)
+        assert container.status == "running"
+        time.sleep(1.0)  # still running while its owner lives
+        container.reload()
+        assert container.status == "running"
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 60
+        while container.status == "running" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            container.reload()
+        assert container.status == "exited", f"still {container.status} after its owner died"
+        logs = container.logs().decode(errors="replace")
+        assert "the process that started this container is gone: stopping the server" in logs
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", int(port))) != 0  # nothing serves the port any more
+    finally:
+        owner.kill()
+        import docker.errors
+
+        with contextlib.suppress(docker.errors.NotFound, NameError):
+            container.remove(force=True)

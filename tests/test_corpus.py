@@ -268,7 +268,7 @@ def test_a_reasoning_only_answer_is_a_truncated_turn_never_a_complete_one():
         check_conversation(
             conversation, truncated=False, finish_reasons=[], truncated_policy="keep", reasoning_policy="drop"
         )
-    assert err.value.code == "empty_content"
+    assert err.value.code == "reasoning_only_answer"
     assert (
         err.value.detail
         == "message 1 (assistant) has only reasoning and no final answer (corpus.reasoning=drop)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,62 @@ def test_a_bad_prompt_file_is_named_with_its_line(drafter_dir, tmp_path, capsys)
     odd.write_text(json.dumps({"q": 1}) + "\n")
     assert main(["evaluate", "--drafter", str(drafter_dir), "--prompts", str(odd), *SETTINGS]) == 2
     assert "cannot tell what its records hold" in capsys.readouterr().err
+
+
+# -- the drafter directory is checked before the target loads ----------------------------------------
+
+
+def _copy(drafter_dir, tmp_path):
+    import shutil
+
+    return Path(shutil.copytree(drafter_dir, tmp_path / "copy"))
+
+
+def _refused(args: list[str], capsys) -> str:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("damage", ["missing", "cut_in_half", "not_safetensors"])
+def test_a_broken_drafter_is_refused_before_the_target_is_touched(
+    drafter_dir, prompt_files, tmp_path, capsys, damage
+):
+    broken = _copy(drafter_dir, tmp_path)
+    weights = broken / "model.safetensors"
+    if damage == "missing":
+        weights.unlink()
+    elif damage == "cut_in_half":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        weights.write_text("<html>not weights</html>")
+    # A target that does not exist: reaching it would fail otherwise, so the drafter is checked first.
+    args = ["evaluate", "--drafter", str(broken), "--prompts", str(prompt_files[0]), *SETTINGS]
+    err = _refused([*args, f"target.name={tmp_path / 'no-such-target'}"], capsys)
+    expected = {
+        "missing": f"drafter directory {broken} lacks ['model.safetensors']",
+        "cut_in_half": f"{weights} is cut short",
+        "not_safetensors": f"{weights} is not a readable safetensors file",
+    }[damage]
+    assert expected in err
+
+
+def test_a_drafter_for_another_target_is_refused_unless_allowed(drafter_dir, prompt_files, tmp_path, capsys):
+    other = _copy(drafter_dir, tmp_path)
+    provenance = json.loads((other / "aerie.json").read_text())
+    base = ["evaluate", "--drafter", str(other), "--prompts", str(prompt_files[0]), "--limit", "1", *SETTINGS]
+
+    (other / "aerie.json").write_text(json.dumps({**provenance, "target": "Qwen/Qwen3-8B"}))
+    err = _refused(base, capsys)
+    assert "was trained for target 'Qwen/Qwen3-8B' (its aerie.json), not 'smollm2-135m-instruct'" in err
+    assert "--allow-other-target" in err
+
+    (other / "aerie.json").write_text(json.dumps({**provenance, "target_revision": "0123abcd"}))
+    err = _refused(base, capsys)
+    assert "at revision 0123abcd (its aerie.json)" in err and "target.revision=0123abcd" in err
+
+    # The explicit override measures it anyway (same shapes: the weights fit this target).
+    assert main([*base, "--allow-other-target"]) == 0
+    assert "acceptance length" in capsys.readouterr().out

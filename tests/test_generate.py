@@ -345,6 +345,41 @@ def test_an_empty_final_answer_is_an_error_record_never_a_good_sample(server: Fa
     assert sorted(read_output(store, again.prefix)["id"].to_list()) == ["c000", "c001", "c002", "c003"]
 
 
+def test_reasoning_left_inline_is_split_off_and_a_reasoning_only_answer_is_refused(
+    server: FaultServer, tmp_path: Path
+):
+    # An endpoint without a reasoning parser: the think block arrives inside `content`.
+    server.plan = {
+        "question 0.0": [Fault(content="<think>\nfirst R\n</think>\n\nthe answer")],
+        "question 1.0": [Fault(content="<think>only thinking</think>\n")],  # closed, nothing after
+        "question 2.0": [Fault(content="<think>cut off inside", finish_reason="length")],
+        "question 3.0": [REASONING_ONLY],  # the same answer in the reasoning field
+    }
+    cfg, spec = config(server.url), spec_for()
+    cfg = cfg.model_copy(update={"max_failure_fraction": 1.0})
+    store = LocalStore(tmp_path / "store")
+    result = generate_dataset(
+        conversations(4), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+    )
+    (row,) = read_output(store, result.prefix).to_dicts()
+    assert row["id"] == "c000"
+    assert row["messages"][1] == {"role": "assistant", "content": "the answer", "reasoning": "\nfirst R\n"}
+    # The next turn's history holds the answer only, never the think block.
+    (second,) = server.requests_for("question 0.1")
+    assert second.body["messages"][1] == {"role": "assistant", "content": "the answer"}
+    errors = {
+        e["id"]: e
+        for e in map(json.loads, store.get_bytes(f"{result.prefix}/errors.jsonl").decode().splitlines())
+    }
+    assert {i: e["kind"] for i, e in errors.items()} == {
+        "c001": "empty_answer",
+        "c002": "empty_answer",
+        "c003": "empty_answer",
+    }
+    assert (errors["c001"]["reasoning"], errors["c002"]["reasoning"]) == ("only thinking", "cut off inside")
+    assert all("only reasoning" in e["message"] for e in errors.values())
+
+
 @pytest.mark.integration
 def test_kill_9_mid_run_then_rerun_yields_each_record_exactly_once(server: FaultServer, tmp_path: Path):
     """Generation runs in a child process (the real `run()`, reading a JSONL source); it is killed

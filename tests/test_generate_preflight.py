@@ -18,7 +18,7 @@ from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, S
 from aerie.generate.preflight import preflight_path
 from aerie.generate.work import run
 from aerie.store import LocalStore
-from tests.fault_server import FaultServer
+from tests.fault_server import Fault, FaultServer
 from tests.processes import free_port
 from tests.stage_work import dataset_dir, generate_all
 
@@ -137,3 +137,61 @@ def test_the_aerie_command_exits_2_with_one_line_naming_the_endpoint(
     assert code == 2
     assert f"aerie: error: generation endpoint {url}/models: connection refused" in err
     assert SECRET not in err and "Traceback" not in err
+
+
+# -- answers that are not an API's: a redirect, a login page, an event stream -------------------------
+
+LOGIN_PAGE = f"<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body>token {SECRET} {'x' * 400}"
+
+
+def _run_fails(cfg: GenerateConfig, tmp_path: Path, match: str) -> str:
+    with pytest.raises(EndpointRequestError, match=match) as err:
+        run(cfg, cfg.datasets[0], dataset_dir(LocalStore(tmp_path / "store"), "r", cfg, cfg.datasets[0]))
+    assert SECRET not in str(err.value)
+    return str(err.value)
+
+
+def test_a_redirect_is_not_followed_and_named_as_one(tmp_path: Path):
+    target = "https://gateway.example/v1/chat/completions?sig=secret-signature"
+    with FaultServer(default=Fault(status=307, raw_body=b"", location=target)) as server:
+        cfg = config(server.url, source(tmp_path))
+        cfg.endpoint.max_retries = 3
+        text = _run_fails(cfg, tmp_path, "answered HTTP 307, a redirect to https://gateway.example/v1/chat")
+        assert "does not follow redirects" in text and "model name" not in text
+        assert "secret-signature" not in text  # the query of a signed URL is not shown
+        asked = len(server.seen)
+        assert asked == len({s.prompt for s in server.seen}) <= 2  # each prompt once: not retried or followed
+        # The check before generation says the same of a redirected GET.
+        server.get_fault = Fault(status=308, raw_body=b"", location="/api/v1/models")
+        text = _run_fails(cfg, tmp_path, "answered HTTP 308, a redirect to http://127.0.0.1:")
+        assert "/api/v1/models" in text and len(server.seen) == asked
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body", "says"),
+    [
+        ("text/html; charset=utf-8", LOGIN_PAGE, "a login or proxy page"),
+        ("text/event-stream", 'data: {"choices": [{"delta": {"content": "A"}}]}\n\n', "an event stream"),
+    ],
+)
+def test_a_200_that_is_not_json_fails_at_once_with_its_type_and_start(
+    tmp_path: Path, content_type: str, body: str, says: str
+):
+    page = Fault(raw_body=body.encode(), content_type=content_type)
+    with FaultServer(default=page) as server:
+        cfg = config(server.url, source(tmp_path))
+        cfg.endpoint.max_retries = 5
+        text = _run_fails(
+            cfg, tmp_path, f"answered HTTP 200 with a body that is not JSON \\({content_type}\\)"
+        )
+        assert says in text
+        begins = text.split("It begins: ", 1)[1]
+        assert body.split()[0] in begins and len(begins) <= 200 + 2  # about 200 characters, quoted
+        asked = len(server.seen)
+        assert asked == len({s.prompt for s in server.seen}) <= 2  # each prompt once: never asked again
+        assert "***" in text or content_type == "text/event-stream"  # the echoed key is redacted
+        # A login page in front of the whole host answers the check before generation already.
+        if "html" in content_type:
+            server.get_fault = page
+            _run_fails(cfg, tmp_path, "answered HTTP 200 with an HTML page \\(text/html")
+            assert len(server.seen) == asked

@@ -121,3 +121,39 @@ def test_skipped_lines_are_reported_with_their_line_numbers(
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "line 3: not_a_dict" in logged and "line 10: truncated_tail" in logged
     assert result.figures["records"] == 8
+
+
+@pytest.mark.integration  # the regenerated case asks the fault server on 127.0.0.1
+@pytest.mark.parametrize("regenerate", [False, True])
+def test_a_lone_surrogate_is_replaced_and_counted_and_the_rest_is_generated(
+    tmp_path: Path, regenerate: bool
+) -> None:
+    from aerie.generate.config import EndpointConfig
+    from aerie.generate.output import read_conversations
+    from tests.fault_server import FaultServer
+
+    # As a scraper writes half an emoji: the JSON escape of one UTF-16 surrogate without its partner.
+    broken = '{"id": "half\\ud83d", "conversations": [{"from": "human", "value": "smile \\ud83d please"}, {"from": "gpt", "value": "ok \\ude00"}]}'
+    whole = record("whole", ("human", "a pair \ud83d\ude00 is fine"), ("gpt", "yes"))
+    path = write_jsonl(
+        tmp_path / "scraped.jsonl", [broken, whole, record("plain", ("human", "q"), ("gpt", "a"))]
+    )
+    store = LocalStore(tmp_path / "store")
+    with FaultServer() as server:
+        spec = DatasetSpec(
+            name="local", source=SourceSpec(kind="jsonl", path=str(path)), regenerate=regenerate
+        )
+        cfg = GenerateConfig(datasets=[spec], endpoint=EndpointConfig(base_url=server.url, max_retries=0))
+        result = run(cfg, spec, dataset_dir(store, "r", cfg, spec))
+        prompts = sorted(s.prompt for s in server.seen)
+    assert result.figures["records"] == 3 and result.figures["failed"] == 0
+    assert load_manifest(store, result.prefix)["loader"]["repaired"] == {"lone_surrogate_replaced": 1}
+    frame = read_conversations(store.local_path(f"{result.prefix}/conversations.parquet"))
+    rows = {r["id"]: r for r in frame.to_dicts()}
+    assert sorted(rows) == ["half\ufffd", "plain", "whole"]
+    assert rows["half\ufffd"]["messages"][0]["content"] == "smile \ufffd please"
+    assert rows["whole"]["messages"][0]["content"] == "a pair \U0001f600 is fine"  # a pair is one character
+    if regenerate:
+        assert prompts == ["a pair \U0001f600 is fine", "q", "smile \ufffd please"]
+    else:
+        assert prompts == [] and rows["half\ufffd"]["messages"][1]["content"] == "ok \ufffd"

@@ -42,7 +42,11 @@ def test_run_request_mirrors_sglangs_documented_docker_run(
     kw = run_kwargs(spec)
     model, dumps = str((tmp_path / "Kimi-K2.5").resolve()), str((tmp_path / "dumps").resolve())
 
-    assert kw["image"] == "aerie/sglang-extract:0.5.14" and kw["command"] == spec.command and kw["detach"]
+    assert kw["image"] == "aerie/sglang-extract:0.5.14" and kw["command"] == spec.command
+    # Run under the tether, stdin held open by the owner's attach: the container dies with its owner.
+    assert kw["entrypoint"][:2] == ["/bin/sh", "-c"] and kw["stdin_open"] and not kw["detach"] and kw["init"]
+    image_entrypoint = ["python3", "-m", "aerie.sglang_plugin.launch"]
+    assert run_kwargs(spec, image_entrypoint)["command"] == [*image_entrypoint, *spec.command]
     assert kw["name"] == "aerie-sglang-extract-0123456789ab"
     assert kw["labels"] == {
         LABEL_RUN: "0123456789abcdef",
@@ -87,6 +91,9 @@ class RecordingContainer:
         self.calls.append(("logs", kw))
         yield b"[2026-01-01 00:00:00] Load weight begin. avail mem=70 GB\n"
 
+    def start(self) -> None:
+        self.calls.append(("start", None))
+
     def stop(self, timeout: int) -> None:
         self.calls.append(("stop", timeout))
         self.attrs["State"] = {"Status": "exited", "ExitCode": 0}
@@ -100,12 +107,23 @@ class RecordingClient:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
-        self.containers = self
+        self.containers = self.images = self.api = self
         self.container = RecordingContainer(self.calls)
+        self.attrs: dict[str, Any] = {"Config": {"Entrypoint": None}}  # the image's
 
-    def run(self, **kw: Any) -> RecordingContainer:
-        self.calls.append(("run", kw))
+    def get(self, image: str) -> RecordingClient:
+        return self
+
+    def create(self, **kw: Any) -> RecordingContainer:
+        self.calls.append(("create", kw))
         return self.container
+
+    def attach_socket(self, container_id: str, params: dict[str, Any]) -> RecordingClient:
+        self.calls.append(("attach", params))
+        return self
+
+    def close(self) -> None:
+        self.calls.append(("detach", None))
 
 
 def test_launcher_sends_the_request_then_stops_and_removes(tmp_path: Path) -> None:
@@ -113,11 +131,17 @@ def test_launcher_sends_the_request_then_stops_and_removes(tmp_path: Path) -> No
     client = RecordingClient()
     launcher = DockerLauncher(client=client)
     launcher.start(spec)
-    assert client.calls[0] == ("run", run_kwargs(spec))
+    # Created, stdin attached, then started: no moment runs the server without its tether.
+    assert client.calls[:3] == [
+        ("create", run_kwargs(spec)),
+        ("attach", {"stdin": 1, "stream": 1}),
+        ("start", None),
+    ]
     assert launcher.exit_code() is None and launcher.describe() == "container aerie-x (abc123)"
     result = launcher.stop(spec.grace_s)
-    requests = [call for call in client.calls if call[0] in ("run", "stop", "remove")]
-    assert requests[1:] == [("stop", 20), ("remove", True)]  # SIGTERM, 20 s grace, kill; then removed
+    requests = [call for call in client.calls if call[0] in ("stop", "remove", "detach")]
+    # SIGTERM, 20 s grace, kill; then removed, and the attach let go.
+    assert requests == [("stop", 20), ("remove", True), ("detach", None)]
     assert result.exit_code == 0 and not result.killed
     assert "Load weight begin" in spec.log_path.read_text()  # logs streamed into the log file
     assert launcher.stop(spec.grace_s) is result  # idempotent

@@ -109,7 +109,8 @@ def test_qwen3_inline_reasoning_is_parsed_like_the_field(qwen3):
     result = _encode(qwen3, [inline], QWEN, id=["t"])
     assert _supervised(qwen3, result) == _supervised(qwen3, _encode(qwen3, [TWO_TURNS], QWEN, id=["t"]))
     assert result.counts["reasoning_inline_parsed"] == 2
-    # Without a parser (a target that is not a thinking model) the content is taken as it is.
+    # Without a parser (reasoning_parser=none) a content that opens with <think> is still split by that
+    # convention: the same reasoning, where this template renders it.
     raw = _supervised(qwen3, _encode(qwen3, [inline], None, id=["t"]))
     assert raw["t"] == ["<think>\nR2 second thoughts\n</think>\n\nA2<|im_end|>\n"]
 
@@ -210,6 +211,36 @@ def test_a_template_without_reasoning_supervises_none_of_it(smollm2):
     assert "WARNING" in line and "none is supervised" in line
 
 
+# -- reasoning-only answers: one rule wherever they arrive ------------------------------------------
+
+
+@pytest.mark.parametrize("parser", [None, QWEN], ids=["no-parser", "qwen3-forced"])
+def test_a_reasoning_only_answer_the_template_cannot_render_is_quarantined(smollm2, parser):
+    # SmolLM2's template renders no reasoning: a turn that only reasoned would supervise one end of turn.
+    tok = smollm2.load_tokenizer()
+    shapes = {
+        "field": [msg("user", "Q"), msg("assistant", "", reasoning="R only")],
+        "inline": [msg("user", "Q"), msg("assistant", "<think>R only</think>\n\n")],
+        "cut": [msg("user", "Q"), msg("assistant", "<think>R cut off")],
+        "answered": [msg("user", "Q"), msg("assistant", "<think>R</think>\n\nA")],
+        "plain": [msg("user", "Q"), msg("assistant", "an answer about </think> tags")],
+    }
+    result = _encode(tok, list(shapes.values()), parser, id=list(shapes), finish_reasons=[["stop"]] * 5)
+    assert [(q["id"], q["reason"]) for q in result.quarantine] == [
+        ("field", "reasoning_only_answer"),
+        ("inline", "reasoning_only_answer"),
+        ("cut", "reasoning_only_answer"),
+    ]
+    assert "does not render" in result.quarantine[0]["detail"]
+    supervised = _supervised(tok, result)
+    # The answer, never the think block (the leading newlines are the template's and the answer's).
+    assert [run.lstrip("\n") for run in supervised["answered"]] == ["A<|im_end|>\n"]
+    if parser is None:  # without a parser only a content that opens with the tag holds reasoning
+        assert [run.lstrip("\n") for run in supervised["plain"]] == [
+            "an answer about </think> tags<|im_end|>\n"
+        ]
+
+
 # -- policies ---------------------------------------------------------------------------------------
 
 
@@ -219,7 +250,7 @@ def test_policy_drop_trains_answers_only(kimi):
     assert _supervised(kimi, result) == {"t": ["</think>A1<|im_end|>", "</think>A2<|im_end|>"]}
     assert "thoughts" not in kimi.decode(result.frame["input_ids"][0])
     (entry,) = result.quarantine
-    assert (entry["id"], entry["reason"]) == ("only", "empty_content")
+    assert (entry["id"], entry["reason"]) == ("only", "reasoning_only_answer")
     assert "corpus.reasoning=drop" in entry["detail"]
     assert _reasoning_counts(result) == (0, 0)
 

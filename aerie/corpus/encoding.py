@@ -130,6 +130,8 @@ class BatchEncoder:
             samples, notes = self.renderer.samples(
                 checked.messages, checked.truncated_turns, self.options.history_mismatch
             )
+        except Rejected:
+            raise
         except Exception as exc:  # noqa: BLE001 - a template's raise_exception, or any error it hits on this row
             raise Rejected("template_error", f"the chat template refused it: {str(exc)[:300]}") from exc
         counts.update(notes)

@@ -26,7 +26,9 @@ reasoning parser finds that empty block (or a generation prompt that opened it),
 back in it: P_i plus what the model wrote after it, reasoning first. Such a turn is then not a prefix of
 the whole conversation either, so it gets its own sample like any rewritten turn, and each turn's
 reasoning is supervised exactly once. A turn cut off inside its reasoning ends where its reasoning
-ends: the end tag it never wrote is not supervised.
+ends: the end tag it never wrote is not supervised. Such a turn whose reasoning the template neither
+renders nor leaves a block for has nothing to supervise but an end of turn it never wrote: its
+conversation is quarantined (`reasoning_only_answer`, aerie.reasoning's rule).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from aerie.corpus.validate import Rejected
 from aerie.errors import DataError
 from aerie.reasoning import ReasoningParser
 from aerie.targets import TargetInfo
@@ -164,6 +167,13 @@ class ChatRenderer:
             if reasoning.strip():
                 placed = self._place_reasoning(full, start, reasoning)
                 if placed is None:
+                    if i in truncated_turns and not messages[i]["content"]:
+                        raise Rejected(
+                            "reasoning_only_answer",
+                            f"message {i} (assistant) has only reasoning, which the chat template does not "
+                            "render: only an end of turn would be supervised (see corpus.chat_template, "
+                            "corpus.reasoning_parser)",
+                        )
                     notes["reasoning_not_rendered"] += 1
                     unrendered.append(reasoning)
                 else:

@@ -6,12 +6,14 @@ with a user, every turn has text, and at least one assistant turn remains once t
 quarantined with a reason code (counted in the manifest) and a detail naming the message.
 
 Reasoning: inline `<think>…</think>` in an assistant turn's content is split off by the target's
-reasoning parser (`aerie.reasoning`), so it lands where the `reasoning` field would have put it. An
+reasoning parser, or by the `<think>` convention when the content opens with the tag
+(`aerie.reasoning.split_answer`), so it lands where the `reasoning` field would have put it. An
 assistant turn with reasoning and no answer (cut off inside its reasoning, or one that only reasoned) is
 never a complete answer: it is a truncated turn, by the same rule as an answer cut off at max_tokens.
-The reasoning policy (`corpus.reasoning`) then keeps its reasoning (train), removes all reasoning
-(drop: such a turn has nothing left and the conversation is quarantined) or quarantines any
-conversation that carries reasoning (refuse).
+The reasoning policy (`corpus.reasoning`) then keeps its reasoning (train; the renderer quarantines the
+conversation when the template cannot render it), removes all reasoning (drop: such a turn has nothing
+left and the conversation is quarantined, `reasoning_only_answer`) or quarantines any conversation
+that carries reasoning (refuse).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from aerie.reasoning import ReasoningParser
+from aerie.reasoning import ReasoningParser, split_answer
 
 ROLES = ("system", "user", "assistant")
 
@@ -48,9 +50,7 @@ def _assistant_turn(
     content: str, reasoning: str | None, parser: ReasoningParser | None, notes: Counter[str]
 ) -> tuple[str, str | None]:
     """An assistant turn's answer and reasoning, inline reasoning split off by the target's parser."""
-    if parser is None:
-        return content, reasoning
-    split = parser.split(content)
+    split = split_answer(content, parser)
     if split.reasoning is None:
         return content, reasoning
     notes["reasoning_inline_parsed"] += 1
@@ -106,9 +106,13 @@ def check_conversation(
                     # answer: truncated, so the end of turn it never wrote is not supervised.
                     unanswered.add(len(out))
                     text = ""
+        if dropped and not text.strip():
+            raise Rejected(
+                "reasoning_only_answer",
+                f"message {i} ({role}) has only reasoning and no final answer (corpus.reasoning=drop)",
+            )
         if not text.strip() and len(out) not in unanswered:
-            has = "only reasoning and no final answer (corpus.reasoning=drop)" if dropped else "no text"
-            raise Rejected("empty_content", f"message {i} ({role}) has {has}")
+            raise Rejected("empty_content", f"message {i} ({role}) has no text")
         msg = {"role": role, "content": text}
         if reasoning:
             msg["reasoning"] = reasoning

@@ -16,6 +16,7 @@ from typing import Any
 from aerie.datasets import SourceSpec
 from aerie.errors import DataError, SchemaError
 from aerie.evaluate.config import EvaluateConfig, PromptSet
+from aerie.evaluate.drafter_files import check_drafter_files, check_trained_for
 from aerie.evaluate.prompts import prompt_set, prompt_tokenizer
 from aerie.evaluate.reasoning_split import prompt_template
 from aerie.evaluate.report import acceptance_by_group, acceptance_table, proposer_label
@@ -74,10 +75,20 @@ def _first_record(path: Path) -> dict[str, Any]:
 
 
 def evaluate_drafter(
-    cfg: EvaluateConfig, target: TargetInfo, drafter_dir: str | Path, progress: ProgressFn = no_progress
+    cfg: EvaluateConfig,
+    target: TargetInfo,
+    drafter_dir: str | Path,
+    progress: ProgressFn = no_progress,
+    *,
+    allow_other_target: bool = False,
 ) -> dict[str, Any]:
     """Every (prompt set, temperature, proposer, chain length) of `cfg` on the drafter at `drafter_dir`;
-    the results as the evaluate stage records them, their rows per prompt and category, and the table."""
+    the results as the evaluate stage records them, their rows per prompt and category, and the table.
+    The drafter directory is checked first (`check_drafter_files`; and that its aerie.json names this
+    target and revision, unless `allow_other_target`), before the target is loaded."""
+    check_drafter_files(drafter_dir)
+    if not allow_other_target:
+        check_trained_for(Path(drafter_dir), target.name, target.revision)
     sets = cfg.prompt_sets()
     if any(s.kind == "heldout" for s in sets):
         raise DataError("a held-out split belongs to a pipeline's corpus: name prompt files instead")

@@ -23,7 +23,7 @@ from aerie.extract.corpus_rows import SplitFiles, open_split, slice_bounds
 from aerie.extract.resume import ProgressFile, progress_key
 from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.serving import ServerConfig
-from aerie.settings import get_settings
+from aerie.settings import cache_path
 from aerie.shards.schema import SHARD_SCHEMA_VERSION
 from aerie.stage import WorkContext
 from aerie.targets import TargetInfo
@@ -66,7 +66,7 @@ def servers_of(cfg: ExtractConfig, slice_index: int | None) -> range:
 def work_dir(cfg: ExtractConfig, run_name: str, key: str) -> Path:
     if cfg.work_dir:
         return Path(cfg.work_dir).expanduser().resolve() / run_name / key
-    return Path(get_settings().cache_dir) / "extract" / run_name / key
+    return cache_path("extract") / run_name / key
 
 
 def dump_root(

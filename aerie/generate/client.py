@@ -6,7 +6,10 @@ malformed JSON, an empty `choices`, an in-band provider error) is retried with e
 jitter, honouring `Retry-After`; a 429's `Retry-After` pauses every request, since the limit is the
 account's, not the request's. A failure that cannot pass is never retried: 401/403 raise
 `EndpointAuthError`, 404 and a 400 on a request shape that never worked raise `EndpointRequestError`,
-and both stop the dataset with a message that says what to fix. The API key is sent only in the
+and both stop the dataset with a message that says what to fix. So do a redirect (3xx: not followed,
+since a redirected POST may lose its body or key; the message names where it points) and a 200 whose
+body is not JSON and says so (an HTML login page, an SSE stream): it will not change on a retry, and
+the message gives its content type and the start of its body. The API key is sent only in the
 Authorization header and is scrubbed from every message this module builds.
 """
 
@@ -22,7 +25,7 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
@@ -83,6 +86,28 @@ def public_url(url: str) -> str:
     if parts.port:
         netloc = f"{netloc}:{parts.port}"
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def redirect_target(response: httpx.Response, url: str) -> str:
+    """Where a 3xx answer points, safe to show (no credentials, no query), or a note that it names none."""
+    location = response.headers.get("location")
+    return public_url(urljoin(url, location)) if location else "(no Location header)"
+
+
+def body_start(response: httpx.Response, api_key: str | None, limit: int = 200) -> str:
+    """The first `limit` characters of a body, whitespace collapsed, the key (if echoed) redacted."""
+    text = " ".join(response.text[: limit * 4].split())[:limit]
+    return text.replace(api_key, "***") if api_key else text
+
+
+def not_json(response: httpx.Response) -> bool:
+    """A 200 whose body is not JSON and will not become JSON on a retry: a content type that is not
+    JSON (an HTML login page, an SSE stream), or, without one, a body that starts like HTML or SSE."""
+    kind = response.headers.get("content-type", "").lower()
+    if kind:
+        return "json" not in kind
+    head = response.content[:64].lstrip()
+    return head.startswith((b"<", b"data:", b"event:"))
 
 
 def uses_proxy(url: str) -> bool:
@@ -255,6 +280,8 @@ class ChatClient:
             raise _Transient("connection", f"{type(exc).__name__} talking to {self.safe_url}: {exc}") from exc
         if response.status_code != 200:
             self._raise_for_status(response)
+        if not_json(response):
+            raise EndpointRequestError(self._not_json_message(response))
         completion = self._parse(response.content, attempt)
         self.stats.succeeded += 1
         if completion.model:
@@ -269,6 +296,12 @@ class ChatClient:
             raise EndpointAuthError(
                 f"the endpoint rejected the API key in ${self.endpoint.api_key_env} (HTTP {status}): "
                 f"check the key{'' if self._api_key else ' (none is set)'}; {where}: {detail}"
+            )
+        if 300 <= status < 400:
+            raise EndpointRequestError(
+                f"{where}, a redirect to {redirect_target(response, self.url)}: aerie does not follow "
+                "redirects (a redirected POST may lose its body or API key); set generate.endpoint.base_url "
+                "to the address it points to"
             )
         if status == 402:
             raise EndpointRequestError(f"{where}: payment required: add credits to the account. {detail}")
@@ -331,6 +364,18 @@ class ChatClient:
             # OpenRouter reports a provider failure mid-generation in-band, with HTTP 200.
             raise _Transient("endpoint_error", f"{self.safe_url}: the provider failed mid-generation")
         return completion
+
+    def _not_json_message(self, response: httpx.Response) -> str:
+        kind = response.headers.get("content-type") or "no content type"
+        hint = (
+            "an event stream: remove `stream` from the dataset's sampling.extra_body"
+            if "event-stream" in kind.lower()
+            else "a page, not an API (a login or proxy page?): check generate.endpoint.base_url"
+        )
+        return (
+            f"{self.safe_url} answered HTTP 200 with a body that is not JSON ({kind}): {hint}. "
+            f"It begins: {body_start(response, self._api_key)!r}"
+        )
 
     def _scrub(self, text: str) -> str:
         return text.replace(self._api_key, "***") if self._api_key else text

@@ -8,6 +8,9 @@ fails in seconds, naming the endpoint (never the key) and what went wrong:
     connection refused          EndpointUnreachableError   nothing listens at that host and port
     no route, no DNS, timeout   EndpointUnreachableError   the host cannot be reached
     HTTP 401 / 403              EndpointAuthError          the key is missing or rejected
+    HTTP 3xx                    EndpointRequestError       a redirect (not followed): names where to
+    HTTP 2xx with an HTML page  EndpointRequestError       a login or proxy page, not an API: names its
+                                                           content type and the start of its body
     HTTP 404 / 405 / 501        (a note, no error)         the endpoint serves no such GET: the first
                                                            completion checks it instead
     HTTP 429 / 502-504          retried twice (1 s, 2 s), then EndpointError
@@ -25,7 +28,7 @@ import httpx
 
 import aerie
 from aerie.errors import EndpointAuthError, EndpointError, EndpointRequestError, EndpointUnreachableError
-from aerie.generate.client import parse_retry_after, public_url
+from aerie.generate.client import body_start, parse_retry_after, public_url, redirect_target
 from aerie.generate.config import EndpointConfig
 
 log = logging.getLogger(__name__)
@@ -102,7 +105,20 @@ def _verdict(
 ) -> str | None:
     status = response.status_code
     if 200 <= status < 300:
+        kind = response.headers.get("content-type", "")
+        if "html" in kind.lower():
+            raise EndpointRequestError(
+                f"generation endpoint {shown} answered HTTP {status} with an HTML page ({kind}), not an API "
+                f"(a login or proxy page?): check generate.endpoint.base_url. It begins: "
+                f"{body_start(response, api_key)!r}"
+            )
         return None
+    if 300 <= status < 400:
+        raise EndpointRequestError(
+            f"generation endpoint {shown} answered HTTP {status}, a redirect to "
+            f"{redirect_target(response, str(response.request.url))}: aerie does not follow redirects; set "
+            "generate.endpoint.base_url to the address it points to"
+        )
     detail = response.text[:300].strip()
     if api_key:
         detail = detail.replace(api_key, "***")  # some providers echo the key they were sent

@@ -3,11 +3,15 @@
 A drafter learns the *target's* outputs, so the data's assistant turns are dropped and, for every user
 turn, the target answers given the regenerated history so far: multi-turn data stays on-policy. The
 history sent back holds only visible answers; a thinking model's reasoning is stored beside each turn
-but never fed back (the providers ask for that, and it is what the model sees when serving).
+but never fed back (the providers ask for that, and it is what the model sees when serving). An
+endpoint without a reasoning parser leaves a `<think>` block inline in `content`: it is split off here
+(`aerie.reasoning.split_answer`) into the turn's reasoning, and an answer that is only reasoning, in
+either place, is refused (`empty_answer`): aerie.reasoning states the rule.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -17,6 +21,7 @@ from aerie.conversation import Conversation, Message
 from aerie.errors import RequestFailedError
 from aerie.generate.client import ChatClient, Completion
 from aerie.generate.config import DatasetSpec, SamplingParams
+from aerie.reasoning import split_answer
 
 
 class EmptyAnswerError(RequestFailedError):
@@ -151,7 +156,7 @@ async def regenerate(
             out.append(message)
             history.append({"role": message.role, "content": message.content})
             continue
-        completion = await client.complete(history, sampling)
+        completion = visible(await client.complete(history, sampling))
         _check_answer(completion, prepared, len(tally.finish_reasons) + 1, sampling)
         out.append(Message(role="assistant", content=completion.content, reasoning=completion.reasoning))
         history.append({"role": "assistant", "content": completion.content})
@@ -172,6 +177,19 @@ async def regenerate(
         cost=sum(tally.costs) if tally.costs else None,
         requests=tally.requests,
         turns_past_context=past_context,
+    )
+
+
+def visible(completion: Completion) -> Completion:
+    """The completion with reasoning left inline in its content moved to its reasoning: the answer is
+    what follows the block (none when it was cut off inside it). Reasoning the endpoint already returned
+    apart wins; the inline copy is dropped, as the merge drops it."""
+    split = split_answer(completion.content, None)
+    if split.reasoning is None:
+        return completion
+    given = completion.reasoning if completion.reasoning and completion.reasoning.strip() else None
+    return dataclasses.replace(
+        completion, content=split.answer.lstrip(), reasoning=given if given is not None else split.reasoning
     )
 
 

@@ -139,6 +139,12 @@ def load_source(spec: DatasetSpec, report: LoadReport) -> list[Conversation]:
         log.warning("dataset %r: %s", spec.name, describe_skips(report))
     if report.truncated:
         log.warning("dataset %r: %s", spec.name, report.truncated)
+    if report.repaired.get("lone_surrogate_replaced"):
+        log.warning(
+            "dataset %r: %d conversations held a lone surrogate (half an emoji), replaced by U+FFFD",
+            spec.name,
+            report.repaired["lone_surrogate_replaced"],
+        )
     return conversations
 
 
@@ -486,6 +492,7 @@ def _loader_summary(report: LoadReport | None) -> dict[str, Any]:
     return {
         "loaded": report.loaded,
         "skipped": dict(report.skipped),
+        "repaired": dict(report.repaired),
         "truncated": report.truncated,
         # Where the first skipped records are ("line 7: invalid_json (...)"), so they can be fixed.
         "examples": list(report.examples),

@@ -7,6 +7,15 @@ mounted. The container gets a unique name and aerie's labels (`aerie.run=<nonce>
 found and removed, and only aerie's containers ever are; its logs are streamed by a thread into the same
 log file the process launcher writes, and its state comes from the engine. Images are never pulled:
 aerie's are built locally (`make images`), so a missing one is an error naming the build.
+
+A container dies with its owner, however the owner ends (SIGKILL and the OOM killer included): the
+engine has no parent-death setting, so the owner holds the container's stdin open through the engine's
+attach stream (created with `OpenStdin` and `StdinOnce`, attached before the start), and the command
+runs under a small `/bin/sh` tether (`TETHER`): when the owner's process is gone the kernel closes its
+socket, the engine closes the container's stdin, and the tether sends the server SIGTERM, then SIGKILL
+after `TETHER_GRACE_S`. The server runs as the tether's exec'd shell under the engine's init (`--init`),
+which passes the engine's own stop signal on and exits with the server's exit code. The exited container is removed by the next launch
+(`_remove_leftovers`, by its owner label). The image needs `/bin/sh` (every SGLang image has one).
 """
 
 from __future__ import annotations
@@ -35,6 +44,16 @@ LABEL_SERVER = "aerie.server"
 LABEL_OWNER = "aerie.owner"
 BUILD_HINT = (
     "build it with `make images` (docker/build-images.sh), or docker build -f docker/<recipe> for another"
+)
+TETHER_GRACE_S = 30
+# The tether (see the module's docstring). fd 3 keeps the attached stdin (a background list's stdin is
+# /dev/null in sh); the server is exec'd in the foreground (its signals as usual, the shell's pid, so
+# `$$` names it), under the engine's init (`init=True`), which passes it the engine's stop signal.
+TETHER = (
+    "exec 3<&0 </dev/null\n"
+    '( cat <&3 >/dev/null; echo "aerie: the process that started this container is gone: stopping the server" >&2\n'
+    f"  kill -TERM $$; sleep {TETHER_GRACE_S}; kill -KILL $$ ) &\n"
+    'exec "$@" 3<&-\n'
 )
 # Passed through from aerie's environment when set (gated models); never logged.
 PASSTHROUGH_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
@@ -65,18 +84,23 @@ def container_env(spec: ServerSpec) -> dict[str, str]:
     return env
 
 
-def run_kwargs(spec: ServerSpec) -> dict[str, Any]:
-    """The keyword arguments of `docker.DockerClient.containers.run` for this spec."""
+def run_kwargs(spec: ServerSpec, image_entrypoint: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The keyword arguments of `docker.DockerClient.containers.create` for this spec: its command
+    (after the image's own entrypoint, `image_entrypoint`) run under the tether, stdin held open."""
     DeviceRequest = _sdk("docker.types").DeviceRequest
 
     if spec.image is None:
         raise ServerLaunchError(f"server {spec.name}: the docker launcher needs an image")
     kwargs: dict[str, Any] = {
         "image": spec.image,
-        "command": list(spec.command),
+        "entrypoint": ["/bin/sh", "-c", TETHER, "aerie-tether"],
+        "command": [*image_entrypoint, *spec.command],
         "name": container_name(spec),
         "labels": {LABEL_RUN: spec.nonce, LABEL_SERVER: spec.name, LABEL_OWNER: owner_label()},
-        "detach": True,
+        # Not detached, stdin open: the engine sets StdinOnce, so the owner's attach holds it.
+        "detach": False,
+        "stdin_open": True,
+        "init": True,
         "environment": container_env(spec),
         # The server listens on spec.port inside; publish it on the host address the spec names only.
         "ports": {f"{spec.port}/tcp": (spec.host, spec.port)},
@@ -166,6 +190,7 @@ class DockerLauncher(Launcher):
         self._container: Any | None = None
         self._log_thread: threading.Thread | None = None
         self._stopped: StopResult | None = None
+        self._tether: Any | None = None  # the attach socket holding the container's stdin
         self._oom = False
         self._spec: ServerSpec | None = None
 
@@ -258,9 +283,13 @@ class DockerLauncher(Launcher):
             raise ServerError(f"server {spec.name} was already started ({self.describe()})")
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._container = self.client.containers.run(**run_kwargs(spec))
+            entrypoint = self.client.images.get(spec.image).attrs.get("Config", {}).get("Entrypoint")
+            self._container = self.client.containers.create(**run_kwargs(spec, entrypoint or ()))
+            # Attached before the start: from here on the container dies with this process.
+            self._tether = self.client.api.attach_socket(self._container.id, params={"stdin": 1, "stream": 1})
+            self._container.start()
         except errors.APIError as exc:
-            # `run` is create + start: a start the engine refused leaves a created container behind.
+            # A start the engine refused leaves a created container behind.
             self._remove_run(spec)
             raise ServerLaunchError(f"server {spec.name}: {refusal(exc, spec)}") from exc
         self._log_thread = threading.Thread(
@@ -350,6 +379,10 @@ class DockerLauncher(Launcher):
             self._container.remove(force=True)
         if self._log_thread is not None:
             self._log_thread.join(timeout=5)
+        if self._tether is not None:
+            with contextlib.suppress(OSError):
+                self._tether.close()
+            self._tether = None
         killed = code == 137 and grace_s > 0
         self._stopped = StopResult(code, killed, time.monotonic() - began)
         return self._stopped
