@@ -21,8 +21,8 @@ from aerie.train.objective import Teacher, document_weights, supervised_rows, tt
 from aerie.train.recipes import RECIPES, recipe
 from tests.test_dflash import CFG, V, packed_batch, random_drafter
 from tests.test_train import _spec, small_cfg
-from tests.train_support import make_samples, tiny_target
 from tests.test_train import tiny as tiny  # noqa: F401  (the module fixture, reused)
+from tests.train_support import make_samples, tiny_target
 
 
 @pytest.fixture(autouse=True)
