@@ -14,7 +14,8 @@ overrides applied, through the evaluate stage (`aerie.pipeline.run_pipeline`), o
 train stage with `--until train` (the trainer's held-out acceptance is then the figure). An override
 `recipe=NAME` stands for a named recipe's settings (`aerie.train.recipes`: eagle3_converged,
 dflash_authors), so `--variant dflash_authors recipe=dflash_authors train.epochs=2` is that recipe
-at two epochs. Each family's variants share its extraction (EAGLE-3 and DFlash capture different
+at two epochs; `--final` overrides come after every variant's (a sweep's data size and epochs over the
+recipes' own). Each family's variants share its extraction (EAGLE-3 and DFlash capture different
 layers: one extraction per family). `--budget-s` leaves the variants that would start with less than
 `--reserve-s` of it left unrun (recorded as skipped), so a sweep inside a time limit still writes its
 record; list the variants in the order they matter. Generation, merge and
@@ -63,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a variant: its name, then its key=value overrides (none: the preset as it is)",
     )  # fmt: skip
     ap.add_argument("--common", nargs="*", default=[], help="overrides applied to every variant first")
+    ap.add_argument(
+        "--final", nargs="*", default=[],
+        help="overrides applied to every variant last: the sweep's data size over a recipe's epochs",
+    )  # fmt: skip
     ap.add_argument("--until", choices=("train", "evaluate"), default="evaluate", help="the last stage run")
     ap.add_argument("--budget-s", type=float, help="seconds for the whole sweep (default: no limit)")
     ap.add_argument("--reserve-s", type=float, default=60.0, help="start no variant with less left")
@@ -240,13 +245,14 @@ def main(argv: list[str] | None = None) -> None:
         "complete": False,
         "preset": args.preset,
         "common": args.common,
+        "final": args.final,
         "variants": [],
         "winners": {},
     }
     store_override = [f"store.uri={args.store}"] if args.store else []
     # Every variant's config first: a typo in the last one must not surface after an hour of the others.
     configs = [
-        load_config(args.preset, [*args.common, *expand(overrides), *store_override])
+        load_config(args.preset, [*args.common, *expand(overrides), *args.final, *store_override])
         for _, *overrides in args.variant
     ]
     for (name, *overrides), cfg in zip(args.variant, configs, strict=True):

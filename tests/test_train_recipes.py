@@ -4,19 +4,22 @@ a batch in samples (gradient accumulation), and the named recipes' settings, eac
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from aerie.errors import ConfigError
 from aerie.presets import load_config
 from aerie.shards.format import HiddenSample
+from aerie.shards.writer import ShardWriter
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch, SampleIndex
 from aerie.train.dflash_objective import block_labels, block_loss, sample_anchors, slot_weights
 from aerie.train.distributed import DistInfo
-from aerie.train.loop import build_trainer, objective_for, rows_per_step, run_training
+from aerie.train.loop import TrainSpec, build_trainer, objective_for, rows_per_step, run_training
 from aerie.train.objective import Teacher, document_weights, supervised_rows, ttt_loss
 from aerie.train.recipes import RECIPES, recipe
 from tests.test_dflash import CFG, V, packed_batch, random_drafter
@@ -149,7 +152,7 @@ def test_every_recipe_loads_onto_a_preset_with_its_settings() -> None:
             for part in key.split("."):
                 node = getattr(node, part)
             got = getattr(node, "family", node)  # train.drafter=NAME names the section's family
-            assert str(got) == value or float(got) == pytest.approx(float(value)), (name, key, got)
+            assert str(got).lower() == value or float(got) == pytest.approx(float(value)), (name, key, got)
     with pytest.raises(ConfigError, match="unknown training recipe 'nope'"):
         recipe("nope")
 
@@ -165,6 +168,46 @@ def _recaptured(model, samples: list[HiddenSample], layers: list[int]) -> list[H
     return out
 
 
+def _shards(samples: list[HiddenSample], out: Path, layers: int) -> list[str]:
+    writer = ShardWriter(
+        out,
+        storage="bf16",
+        shard_bytes=1 << 20,
+        hidden_size=samples[0].last_hidden.shape[1],
+        aux_layers=layers,
+    )
+    infos = [info for s in samples if (info := writer.add(s)) is not None]
+    if (last := writer.close()) is not None:
+        infos.append(last)
+    return [str(i.path) for i in infos]
+
+
+def _dflash_spec(
+    tmp_path: Path, target, train: list[HiddenSample], held: list[HiddenSample], cfg: TrainConfig
+) -> TrainSpec:
+    """`tests.test_train._spec` for shards of DFlash's captured layers (the vocabulary map is unused)."""
+    v = target.vocab_size
+    vocab = tmp_path / "vocab.safetensors"
+    save_file(
+        {
+            "used": torch.arange(v),
+            "d2t": torch.zeros(v, dtype=torch.long),
+            "t2d": torch.ones(v, dtype=torch.bool),
+        },
+        str(vocab),
+    )
+    layers = train[0].aux_hidden.shape[1] // target.hidden_size
+    return TrainSpec(
+        cfg=cfg,
+        target=target,
+        train_shards=_shards(train, tmp_path / "train", layers),
+        eval_shards=_shards(held, tmp_path / "eval", layers),
+        vocab_path=str(vocab),
+        work_dir=str(tmp_path / "work"),
+        device="cpu",
+    )
+
+
 def test_the_dflash_authors_recipe_trains_at_tiny_shapes(tmp_path) -> None:
     """Its block, layers, anchors, decay, schedule, batch in samples and per-sample loss, on a tiny target:
     the loop runs it, accumulates rows and keeps the best step by held-out acceptance."""
@@ -176,7 +219,9 @@ def test_the_dflash_authors_recipe_trains_at_tiny_shapes(tmp_path) -> None:
     layers = cfg.capture_layers(target.num_layers)
     train = make_samples(model, target, 4, prompt=8, response=40, seed=0)
     held = make_samples(model, target, 2, prompt=8, response=40, seed=1)
-    spec = _spec(tmp_path, (target, _recaptured(model, train, layers), _recaptured(model, held, layers)), cfg)
+    spec = _dflash_spec(
+        tmp_path, target, _recaptured(model, train, layers), _recaptured(model, held, layers), cfg
+    )
     records: list[dict] = []
     state = run_training(spec, DistInfo(), records.append)
     start = next(r for r in records if r["kind"] == "start")

@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_sweep_trains_recipes_on_shared_shards_and_records_them(tmp_path: Path) -> None:
     overrides = pipeline_support.tiny_overrides(tmp_path / "artifacts", run="sweep", port=free_port())
     out = tmp_path / "sweep.json"
-    tiny = ["train.epochs=2", "train.batch_sequences=2", "train.batch_tokens=96"]
+    tiny = ["train.batch_sequences=2", "train.batch_tokens=96"]
     command = [
         sys.executable, str(ROOT / "benchmarks/train_sweep.py"), "smollm2-local", "--until", "train",
-        "--out", str(out), "--common", *overrides, "deploy.enabled=false",
+        "--out", str(out), "--common", *overrides, "deploy.enabled=false", "--final", "train.epochs=2",
         "--variant", "eagle3_current",
         "--variant", "eagle3_converged", "recipe=eagle3_converged", *tiny,
         "--variant", "dflash_authors", "recipe=dflash_authors", *tiny, "train.drafter.anchors_per_sequence=8",
@@ -40,6 +40,7 @@ def test_the_sweep_trains_recipes_on_shared_shards_and_records_them(tmp_path: Pa
     assert v["eagle3_converged"]["extract"] == {**v["eagle3_current"]["extract"], "cache_hit": True}
     assert v["dflash_authors"]["extract"]["key"] != v["eagle3_current"]["extract"]["key"]
     assert v["eagle3_converged"]["settings"]["lr"] == 6e-4
+    assert v["eagle3_converged"]["settings"]["epochs"] == 2  # --final over the recipe's 10
     assert v["eagle3_converged"]["settings"]["loss_normalization"] == "sequence"
     assert v["dflash_authors"]["settings"]["drafter"]["block_size"] == 16
     for name in ("eagle3_current", "eagle3_converged", "dflash_authors"):

@@ -41,6 +41,7 @@ run() {
   logged "$out" sweep "$PY" "$ROOT/benchmarks/train_sweep.py" smollm2-gpu --store "$H/store" --until train \
     --budget-s $((SWEEP_BUDGET_S - $(date +%s) + began)) --reserve-s "$SWEEP_RESERVE_S" \
     --out "$out/train_sweep-$card.json" \
-    --common $GEN_OVERRIDES deploy.enabled=false train.train_fraction=0.5 train.epochs=1 train.eval_every=15 \
+    --common $GEN_OVERRIDES deploy.enabled=false \
+    --final train.train_fraction=0.5 train.epochs=1 train.eval_every=15 \
     "${variants[@]}"
 }
