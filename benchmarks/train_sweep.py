@@ -287,8 +287,11 @@ def main(argv: list[str] | None = None) -> None:
     record["sweep_s"] = round(time.monotonic() - began, 1)
     out.write_text(json.dumps(record, indent=1) + "\n")
     done = [v for v in record["variants"] if "error" not in v and "skipped" not in v]
-    failed = [f"{v['name']}: {v.get('error') or 'skipped, ' + v['skipped']}" for v in record["variants"]]
-    failed = [f for f, v in zip(failed, record["variants"], strict=True) if "error" in v or "skipped" in v]
+    failed = [
+        f"{v['name']}: " + (v["error"] if "error" in v else f"skipped, {v['skipped']}")
+        for v in record["variants"]
+        if "error" in v or "skipped" in v
+    ]
     print("\n".join([f"wrote {out}", table(done), json.dumps(record["winners"]), *failed]))
 
 
