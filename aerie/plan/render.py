@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aerie.plan import online, served
+from aerie.plan import family, online, served
 from aerie.plan.plan import Plan
 
 
@@ -81,6 +81,7 @@ def table(plan: Plan) -> str:
         ),
     ]
     lines += online.lines(plan)
+    lines += family.lines(cfg)
     notes = sorted({n for st in plan.stages for n in st.assumptions})
     cites = sorted({c for st in plan.stages for c in st.calibrated_by})
     if notes:

@@ -124,7 +124,24 @@ class TrainConfig(StrictModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     grad_clip: float = Field(0.5, gt=0, description="Gradient norm clip.")
-    batch_tokens: int = Field(8192, ge=16, description="Packed tokens per optimizer step per device.")
+    batch_tokens: int = Field(
+        8192, ge=16, description="Packed tokens of one row (a forward and backward) per device."
+    )
+    batch_sequences: int | None = Field(
+        None,
+        ge=1,
+        description="Samples per optimizer step over all devices, the global batch of trainers that step "
+        "one sample at a time: each step accumulates the gradients of round(batch_sequences x mean sample "
+        "tokens / (batch_tokens x devices)) rows (at least one), so a step holds that many samples on "
+        "average; None = one row of batch_tokens per device a step.",
+    )
+    loss_normalization: Literal["token", "sequence"] = Field(
+        "token",
+        description="How a row's loss averages its supervised positions (per TTT step or block slot): "
+        "token = every supervised token weighs the same, so long answers weigh more; sequence = each "
+        "document's mean, then the mean over the row's documents, so every sample weighs the same (what "
+        "trainers that step one sample per device do).",
+    )
     max_length: int = Field(2048, ge=16, description="Longest sample (tokens); longer are truncated.")
     init_head_from_target: bool = Field(
         True,

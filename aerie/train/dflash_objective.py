@@ -36,6 +36,7 @@ from aerie.train.objective import (
     Teacher,
     _identity,
     autocast,
+    document_weights,
     soft_cross_entropy,
     walk_answers,
 )
@@ -90,14 +91,19 @@ def block_loss(
     reduce: Reduce = _identity,
     world_size: int = 1,
     model: nn.Module | None = None,
+    per_document: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(weighted loss, metric sums [5, B-1] with `STAT_ROWS`) of the blocks after `anchors`.
 
     `teacher` is the target's full lm_head (`Teacher(lm_head, arange(V), ...)`): the draft vocabulary
     of DFlash is the target's. Each slot's loss is normalised by its supervised count over all ranks
     (`reduce`) and multiplied by `world_size`, because DDP averages gradients over ranks. `model` runs
-    the forward when it is not `drafter` itself (DDP around it)."""
-    loss, stats, _ = block_scores(drafter, teacher, batch, anchors, loss_decay, reduce, world_size, model)
+    the forward when it is not `drafter` itself (DDP around it). `per_document` weighs every document
+    the same (`train.loss_normalization: sequence`): each slot's loss is the mean over documents of each
+    document's mean over its supervised blocks."""
+    loss, stats, _ = block_scores(
+        drafter, teacher, batch, anchors, loss_decay, reduce, world_size, model, per_document
+    )
     return loss, stats
 
 
@@ -110,6 +116,7 @@ def block_scores(
     reduce: Reduce = _identity,
     world_size: int = 1,
     model: nn.Module | None = None,
+    per_document: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`block_loss`'s loss and sums, and correct [A, B-1] bool: slot j of anchor i is supervised and its
     draft is the target's argmax (what the held-out walk reads)."""
@@ -126,8 +133,13 @@ def block_scores(
     ce, draft_argmax = soft_cross_entropy(logits, probs)
     ce, valid_f = ce.view(-1, b - 1), valid.float()
     counts = valid_f.sum(0)  # [B-1]
-    weights = slot_weights(b, loss_decay, anchors.device) * world_size / reduce(counts).clamp(min=1)
-    loss = (ce * valid_f * weights).sum()
+    if per_document:
+        docs = batch.doc_ids[anchors]
+        per = torch.stack([document_weights(docs, valid[:, j]) for j in range(b - 1)], dim=1)  # [A, B-1]
+    else:
+        per = valid_f
+    weights = slot_weights(b, loss_decay, anchors.device) * world_size / reduce(per.sum(0)).clamp(min=1e-9)
+    loss = (ce * per * weights).sum()
     with torch.no_grad():
         correct = (draft_argmax == teacher_argmax).view(-1, b - 1) & valid
         chain_ok = torch.cumprod(correct.long(), dim=1).bool()  # slots 1..j all right
@@ -194,6 +206,7 @@ class DFlashObjective:
             return block_loss(
                 cast(DFlashDrafter, tr.drafter), tr.teacher, batch, anchors, self.block.loss_decay,
                 reduce=reduce, world_size=tr.dist.world, model=model,
+                per_document=self.cfg.loss_normalization == "sequence",
             )  # fmt: skip
 
     @torch.no_grad()

@@ -62,7 +62,8 @@ class Objective(Protocol):
     def loss(
         self, tr: Trainer, model: nn.Module, batch: Batch, reduce: Callable[[Tensor], Tensor], *, step: int
     ) -> tuple[Tensor, Tensor]:
-        """(loss, metric sums [5, width]) of one packed row at optimizer step `step`."""
+        """(loss, metric sums [5, width]) of one packed row; `step` numbers the rows of this rank (the
+        optimizer step when a step takes one row)."""
         ...
 
     def evaluate(self, tr: Trainer, batch: Batch) -> tuple[Tensor, tuple[int, int]]:
@@ -112,6 +113,7 @@ class Trainer:
     work_dir: Path
     emit: Emit
     source: DataSource  # the shards, or the online feeder's servers
+    accumulate: int = 1  # rows per optimizer step and device (`train.batch_sequences`)
 
 
 def train(tr: Trainer, state: TrainState, started: float | None = None) -> TrainState:
@@ -121,9 +123,10 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
     started, elapsed_before = started or time.perf_counter(), state.elapsed_s
     # Exactly the rows the remaining steps take: a source reading further (online: extracting) would
     # work for rows no step uses, and one that ran out of rows would wait for them forever.
-    remaining = tr.total_steps - state.step
+    remaining = (tr.total_steps - state.step) * tr.accumulate
+    first = state.step * tr.accumulate * dist.world + dist.rank
     stream = Prefetcher(
-        tr.source.batches(tr.train_plans, state.step * dist.world + dist.rank, dist.world, remaining),
+        tr.source.batches(tr.train_plans, first, dist.world, remaining),
         cfg.prefetch_batches,
         pin=tr.device.type == "cuda",
     )
@@ -134,25 +137,23 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
     try:
         with _stop_requests(enabled=dist.world == 1) as asked:
             while state.step < tr.total_steps:
-                host_batch = stream.next_unless(lambda: bool(asked))
-                if host_batch is None:  # asked to stop while the data was late: the last step is whole
+                rows = step_rows(tr, stream, asked, state.step)
+                if rows is None:  # asked to stop while the data was late: the last step is whole
                     if state.step != checkpointed:
                         save(tr, state)
                     tr.emit({"kind": "stopped", "step": state.step, "signal": asked[0]})
                     break
-                batch = host_batch.to(tr.device, tr.dtype)
-                loss, stats = tr.objective.loss(tr, tr.model, batch, dist.reduce, step=state.step)
-                loss.backward()
+                loss, stats, tokens = rows
                 grad_norm = torch.nn.utils.clip_grad_norm_(tr.drafter.parameters(), cfg.grad_clip)
                 lr = float(tr.scheduler.get_last_lr()[0])
                 tr.optimizer.step()
                 tr.scheduler.step()
                 tr.optimizer.zero_grad(set_to_none=True)
                 state.step += 1
-                state.tokens += batch.tokens * dist.world
+                state.tokens += tokens * dist.world
                 state.elapsed_s = elapsed_before + time.perf_counter() - started
                 window += stats
-                window_tokens += batch.tokens * dist.world
+                window_tokens += tokens * dist.world
                 last = state.step == tr.total_steps
                 if state.step % cfg.log_every == 0 or last:
                     elapsed = time.perf_counter() - window_start
@@ -181,6 +182,32 @@ def train(tr: Trainer, state: TrainState, started: float | None = None) -> Train
     if asked:  # the previous handlers are back; the signal as if it came now (its default skips `finally`)
         signal.raise_signal(asked[0])
     return state
+
+
+def step_rows(
+    tr: Trainer, stream: Prefetcher, asked: list[int], step: int
+) -> tuple[Tensor, Tensor, int] | None:
+    """Forward and backward of one optimizer step's `tr.accumulate` rows, each row's loss over
+    `tr.accumulate` (the step's loss is the mean of its rows'): (that loss, metric sums, tokens); None
+    when asked to stop while a row was late (the partial step's gradients are dropped)."""
+    loss_sum: Tensor | None = None
+    stats = torch.zeros(5, tr.objective.width, device=tr.device)
+    tokens = 0
+    for row in range(tr.accumulate):
+        host_batch = stream.next_unless(lambda: bool(asked))
+        if host_batch is None:
+            tr.optimizer.zero_grad(set_to_none=True)
+            return None
+        batch = host_batch.to(tr.device, tr.dtype)
+        # One row a step numbers rows by step, as before accumulation existed (a resume draws the same).
+        index = step * tr.accumulate + row
+        loss, part = tr.objective.loss(tr, tr.model, batch, tr.dist.reduce, step=index)
+        (loss / tr.accumulate).backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        stats += part
+        tokens += batch.tokens
+    assert loss_sum is not None  # accumulate >= 1
+    return loss_sum / tr.accumulate, stats, tokens
 
 
 @contextlib.contextmanager
@@ -330,7 +357,8 @@ def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer,
     train_index, eval_index = _indices(spec, source)
     train_plans = EpochPlans(train_index, cfg.batch_tokens, cfg.max_length, cfg.seed)
     eval_plans = EpochPlans(eval_index, cfg.batch_tokens, cfg.max_length, cfg.seed, shuffle=False)
-    total_steps = max(1, math.floor(cfg.epochs * train_plans.batches_per_epoch / dist.world))
+    accumulate = rows_per_step(cfg, train_index, dist.world)
+    total_steps = max(1, math.floor(cfg.epochs * train_plans.batches_per_epoch / (dist.world * accumulate)))
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
@@ -338,13 +366,22 @@ def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer,
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(cfg, total_steps))
     tr = Trainer(
         cfg, objective, drafter, model, teacher, optimizer, scheduler, train_plans, eval_plans, total_steps,
-        device, dtype, attention, dist, Path(spec.work_dir), emit, source,
+        device, dtype, attention, dist, Path(spec.work_dir), emit, source, accumulate,
     )  # fmt: skip
     state = TrainState()
     if spec.resume_from:
         state = load_checkpoint(Path(spec.resume_from), drafter, optimizer, scheduler)
         state.runs += 1
     return tr, state
+
+
+def rows_per_step(cfg: TrainConfig, index: SampleIndex, world: int) -> int:
+    """Rows each device accumulates per optimizer step: 1, or for `batch_sequences` the rows that hold
+    that many samples of `index` on average (lengths cut at max_length), over `world` devices."""
+    if cfg.batch_sequences is None or len(index) == 0:
+        return 1
+    mean_tokens = float(np.minimum(index.length, cfg.max_length).mean())
+    return max(1, round(cfg.batch_sequences * mean_tokens / (cfg.batch_tokens * world)))
 
 
 def cosine_with_warmup(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
@@ -396,7 +433,15 @@ def run_training(spec: TrainSpec, dist: DistInfo, emit: Emit) -> TrainState:
     started = time.perf_counter()
     tr, state = build_trainer(spec, dist, emit)
     try:
-        tr.emit({"kind": "start", "step": state.step, "total_steps": tr.total_steps, "world": dist.world})
+        tr.emit(
+            {
+                "kind": "start",
+                "step": state.step,
+                "total_steps": tr.total_steps,
+                "world": dist.world,
+                "rows_per_step": tr.accumulate,
+            }
+        )
         return train(tr, state, started)
     finally:
         tr.source.close()  # first: the figures then show each server's end

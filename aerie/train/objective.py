@@ -179,6 +179,7 @@ def ttt_loss(
     reduce: Reduce = _identity,
     world_size: int = 1,
     hits: list[Tensor] | None = None,
+    documents: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Weighted loss (scalar) and the metric sums [5, K] (rows: STAT_ROWS), summed over all ranks.
 
@@ -188,10 +189,17 @@ def ttt_loss(
     in_vocab [T] from `Teacher.argmax_in_draft_vocab` (eval only). `hits`, when given (eval), receives
     per step k the [T-2-k] bool `correct & valid`: row t's step k names x_{t+2+k} (for `walk_answers`).
     The loss is normalised by the *global* supervised count of each step and multiplied by the world size,
-    because DDP averages gradients over ranks.
+    because DDP averages gradients over ranks. `documents` [T] (the row's doc ids), when given, weighs
+    every document the same instead (`train.loss_normalization: sequence`): each step's loss is the mean
+    over documents of each document's mean (`document_weights`).
     """
     k_steps = len(logits)
     counts = reduce(torch.stack([v.sum() for v in valid]).float())  # [K]
+    if documents is None:
+        weights, totals = [v.float() for v in valid], counts
+    else:
+        weights = [document_weights(documents[: v.shape[0]], v) for v in valid]
+        totals = reduce(torch.stack([w.sum() for w in weights]))  # documents supervised at each step
     stats = torch.zeros(len(STAT_ROWS), k_steps, device=probs.device)
     stats[1] = counts
     loss = probs.new_zeros((), dtype=torch.float32)
@@ -200,7 +208,7 @@ def ttt_loss(
         n = valid[k].shape[0]
         ce, draft_argmax = soft_cross_entropy(logits.pop(0), probs[1 + k : 1 + k + n])
         ce = ce[:n]  # rows past n have no target: ce 0, no gradient
-        weight = valid[k].float() * (step_decay**k * world_size / counts[k].clamp(min=1))
+        weight = weights[k] * (step_decay**k * world_size / totals[k].clamp(min=1e-9))
         loss = loss + (ce * weight).sum()
         with torch.no_grad():
             correct = draft_argmax[:n] == teacher_argmax[1 + k : 1 + k + n]
@@ -216,6 +224,15 @@ def ttt_loss(
             chain_ok = chain_ok & correct
     stats[[0, 2, 3, 4]] = reduce(stats[[0, 2, 3, 4]])
     return loss, stats
+
+
+def document_weights(documents: Tensor, keep: Tensor) -> Tensor:
+    """[n] float: for each kept entry 1 / (kept entries of its document), 0 elsewhere; a sum of values
+    times these weights is the sum over documents of each document's mean (their sum is the number of
+    documents with a kept entry)."""
+    ids = torch.where(keep, documents, torch.full_like(documents, -1))
+    _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    return keep.float() / counts[inverse].float()
 
 
 def summarize(stats: Tensor) -> dict[str, float | list[float]]:
@@ -350,6 +367,7 @@ class Eagle3Objective:
         return ttt_loss(
             logits, probs, teacher_argmax, valid, self.cfg.step_decay,
             in_vocab=in_vocab, reduce=reduce, world_size=tr.dist.world, hits=hits,
+            documents=batch.doc_ids if self.cfg.loss_normalization == "sequence" else None,
         )  # fmt: skip
 
     def evaluate(self, tr: Trainer, batch: Batch) -> tuple[Tensor, tuple[int, int]]:

@@ -151,6 +151,11 @@ def key_of(
     if online is None:
         keyed.pop("source")  # keyed as before there was a choice
     keyed.pop("online")  # buffer and cache sizes change how, not what
+    # Keyed as before these settings existed while they are at their defaults (one row a step, per token).
+    if keyed.get("batch_sequences") is None:
+        keyed.pop("batch_sequences", None)
+    if keyed.get("loss_normalization") == "token":
+        keyed.pop("loss_normalization", None)
     upstream = [corpus.manifest_sha256, target.revision]
     if online is not None:
         ex, srv = online

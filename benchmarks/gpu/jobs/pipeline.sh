@@ -9,7 +9,7 @@ plan_h200() {
   # the decoder's batch sizes on prompts of 16-900 tokens, 200-384 new (near the run's mean context).
   PRESET=smollm2-gpu
   RUN=smollm2-gpu
-  OVERRIDES=""
+  OVERRIDES=${OVERRIDES:-""}  # e.g. a smaller generation for the sweep job (jobs/sweep.sh: GEN_OVERRIDES)
   UNTIL=${UNTIL:-"merge deploy"}
   BUDGET_S=${BUDGET_S:-1600}
   DECODE_RUNNING=${DECODE_RUNNING:-}
