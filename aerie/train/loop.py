@@ -328,8 +328,11 @@ def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer,
     if spec.online is not None:
         source = OnlineFeeder(spec.online, cfg, spec.target, dist, emit)
     train_index, eval_index = _indices(spec, source)
-    train_plans = EpochPlans(train_index, cfg.batch_tokens, cfg.max_length, cfg.seed)
-    eval_plans = EpochPlans(eval_index, cfg.batch_tokens, cfg.max_length, cfg.seed, shuffle=False)
+    whole = not cfg.split_samples
+    train_plans = EpochPlans(train_index, cfg.batch_tokens, cfg.max_length, cfg.seed, whole=whole)
+    eval_plans = EpochPlans(
+        eval_index, cfg.batch_tokens, cfg.max_length, cfg.seed, shuffle=False, whole=whole
+    )
     total_steps = max(1, math.floor(cfg.epochs * train_plans.batches_per_epoch / dist.world))
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
