@@ -138,8 +138,8 @@ def _probabilities(qg: Tensor, kf: Tensor, offset: int, lse: Tensor | None) -> t
     """Softmax probabilities [nkv, g, n, S] of query rows offset.. against keys 0..S-1 (row i sees keys
     <= offset + i) and their lse [nkv, g, n]; `lse` given (the backward) skips the reduction. In place on
     one score tensor: a block costs one [nkv, g, n, S] buffer."""
-    n = qg.shape[2]
-    scores = torch.matmul(qg, kf.unsqueeze(1).transpose(-1, -2))  # [nkv, g, n, S]
+    nkv, g, n, hd = qg.shape
+    scores = torch.bmm(qg.reshape(nkv, g * n, hd), kf.transpose(1, 2)).view(nkv, g, n, -1)  # [nkv, g, n, S]
     future = torch.ones(n, n, dtype=torch.bool, device=qg.device).triu(1)  # keys offset+i+1.. of row i
     scores[..., offset : offset + n].masked_fill_(future, float("-inf"))
     if lse is None:
@@ -152,7 +152,8 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, offset: int) -> tuple[Tensor
     n, nh, hd = q.shape
     nkv = k.shape[1]
     probs, lse = _probabilities(_grouped(q, nkv), k.transpose(0, 1).float(), offset, None)
-    out = torch.matmul(probs, v.transpose(0, 1).float().unsqueeze(1))  # [nkv, g, n, hd]
+    g = nh // nkv
+    out = torch.bmm(probs.view(nkv, g * n, -1), v.transpose(0, 1).float()).view(nkv, g, n, hd)
     return out.permute(2, 0, 1, 3).reshape(n, nh, hd).to(q.dtype), lse.permute(2, 0, 1).reshape(n, nh)
 
 
@@ -184,12 +185,14 @@ class BlockAttention(torch.autograd.Function):
         row = (d_out * o).sum(-1)  # [nkv, g, n]
         if grad_lse is not None:
             row = row - grad_lse.reshape(n, nkv, g).permute(1, 2, 0).float()
-        d_v = torch.matmul(probs.transpose(-1, -2), d_out).sum(1)  # [nkv, S, hd]
-        d_s = torch.matmul(d_out, vf.unsqueeze(1).transpose(-1, -2))  # dP [nkv, g, n, S]
+        flat_do = d_out.reshape(nkv, g * n, hd)
+        d_v = torch.bmm(probs.view(nkv, g * n, -1).transpose(1, 2), flat_do)  # [nkv, S, hd], summed over g
+        d_s = torch.bmm(flat_do, vf.transpose(1, 2)).view(nkv, g, n, -1)  # dP [nkv, g, n, S]
         d_s.sub_(row[..., None]).mul_(probs)
         del probs
-        d_q = torch.matmul(d_s, kf.unsqueeze(1)) / math.sqrt(hd)  # [nkv, g, n, hd]
-        d_k = torch.matmul(d_s.transpose(-1, -2), qg).sum(1)  # [nkv, S, hd] (qg carries the scale)
+        flat_ds = d_s.view(nkv, g * n, -1)
+        d_q = torch.bmm(flat_ds, kf).view(nkv, g, n, hd) / math.sqrt(hd)
+        d_k = torch.bmm(flat_ds.transpose(1, 2), qg.reshape(nkv, g * n, hd))  # [nkv, S, hd] (qg is scaled)
         return (
             d_q.permute(2, 0, 1, 3).reshape(n, nh, hd).to(q.dtype),
             d_k.transpose(0, 1).to(k.dtype),
