@@ -128,10 +128,15 @@ def blocked_causal_attention(
     return torch.cat(outs), torch.cat(lses)
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the block attention computes in: fp32 for fp32 and narrower inputs, fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _grouped(q: Tensor, nkv: int) -> Tensor:
     """q [n, nh, hd] -> [nkv, g, n, hd] fp32, scaled by 1/sqrt(hd) (the score scale, applied once)."""
     n, nh, hd = q.shape
-    return q.reshape(n, nkv, nh // nkv, hd).permute(1, 2, 0, 3).float() / math.sqrt(hd)
+    return q.reshape(n, nkv, nh // nkv, hd).permute(1, 2, 0, 3).to(_wide(q.dtype)) / math.sqrt(hd)
 
 
 def _probabilities(qg: Tensor, kf: Tensor, offset: int, lse: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -151,9 +156,9 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, offset: int) -> tuple[Tensor
     """q [n, nh, hd] (rows offset..offset+n-1), k/v [S, nkv, hd] -> out [n, nh, hd], lse [n, nh] fp32."""
     n, nh, hd = q.shape
     nkv = k.shape[1]
-    probs, lse = _probabilities(_grouped(q, nkv), k.transpose(0, 1).float(), offset, None)
+    probs, lse = _probabilities(_grouped(q, nkv), k.transpose(0, 1).to(_wide(q.dtype)), offset, None)
     g = nh // nkv
-    out = torch.bmm(probs.view(nkv, g * n, -1), v.transpose(0, 1).float()).view(nkv, g, n, hd)
+    out = torch.bmm(probs.view(nkv, g * n, -1), v.transpose(0, 1).to(_wide(q.dtype))).view(nkv, g, n, hd)
     return out.permute(2, 0, 1, 3).reshape(n, nh, hd).to(q.dtype), lse.permute(2, 0, 1).reshape(n, nh)
 
 
@@ -177,14 +182,14 @@ class BlockAttention(torch.autograd.Function):
         nkv = k.shape[1]
         g = nh // nkv
         qg = _grouped(q, nkv)  # [nkv, g, n, hd], scaled
-        kf, vf = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [nkv, S, hd]
+        kf, vf = k.transpose(0, 1).to(_wide(q.dtype)), v.transpose(0, 1).to(_wide(q.dtype))  # [nkv, S, hd]
         lse_g = lse.reshape(n, nkv, g).permute(1, 2, 0)  # [nkv, g, n]
         probs, _ = _probabilities(qg, kf, ctx.offset, lse_g)
-        d_out = grad_out.reshape(n, nkv, g, hd).permute(1, 2, 0, 3).float()  # [nkv, g, n, hd]
-        o = out.reshape(n, nkv, g, hd).permute(1, 2, 0, 3).float()
+        d_out = grad_out.reshape(n, nkv, g, hd).permute(1, 2, 0, 3).to(_wide(q.dtype))  # [nkv, g, n, hd]
+        o = out.reshape(n, nkv, g, hd).permute(1, 2, 0, 3).to(_wide(q.dtype))
         row = (d_out * o).sum(-1)  # [nkv, g, n]
         if grad_lse is not None:
-            row = row - grad_lse.reshape(n, nkv, g).permute(1, 2, 0).float()
+            row = row - grad_lse.reshape(n, nkv, g).permute(1, 2, 0).to(_wide(q.dtype))
         flat_do = d_out.reshape(nkv, g * n, hd)
         d_v = torch.bmm(probs.view(nkv, g * n, -1).transpose(1, 2), flat_do)  # [nkv, S, hd], summed over g
         d_s = torch.bmm(flat_do, vf.transpose(1, 2)).view(nkv, g, n, -1)  # dP [nkv, g, n, S]

@@ -10,7 +10,6 @@ round-weighted mean.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,26 +29,28 @@ def bucket_name(start: int, end: int | None) -> str:
 
 
 NAMES = tuple(bucket_name(s, e) for s, e in BUCKETS)
+Buckets = tuple[tuple[int, int | None], ...]
 
 
-def bucket_of(position: int) -> int:
-    """Index in BUCKETS of an output position."""
-    for i, (start, end) in enumerate(BUCKETS):
+def bucket_of(position: int, buckets: Buckets = BUCKETS) -> int:
+    """Index in `buckets` of an output position."""
+    for i, (start, end) in enumerate(buckets):
         if position >= start and (end is None or position < end):
             return i
-    raise ValueError(f"output position {position} is negative")
+    raise ValueError(f"output position {position} is in no bucket of {buckets}")
 
 
-@dataclass
 class PositionCounts:
     """Verify rounds and the tokens they emitted, by the output position where each round started."""
 
-    rounds: list[int] = field(default_factory=lambda: [0] * len(BUCKETS))
-    tokens: list[int] = field(default_factory=lambda: [0] * len(BUCKETS))
+    def __init__(self, buckets: Buckets = BUCKETS) -> None:
+        self.buckets = buckets
+        self.rounds = [0] * len(buckets)
+        self.tokens = [0] * len(buckets)
 
     def add(self, out: SpecOutput) -> None:
         for (start, _), emitted in zip(out.rounds, out.round_tokens(), strict=True):
-            i = bucket_of(start)
+            i = bucket_of(start, self.buckets)
             self.rounds[i] += 1
             self.tokens[i] += emitted
 
@@ -57,14 +58,14 @@ class PositionCounts:
         """Per bucket (by name, in order): its bounds, rounds, tokens and acceptance length (tokens per
         verify round, bonus included, as `SpecStats.accept_length`; None where no round started)."""
         return {
-            name: {
+            bucket_name(start, end): {
                 "start": start,
                 "end": end,
                 "rounds": self.rounds[i],
                 "tokens": self.tokens[i],
                 "accept_length": round(self.tokens[i] / self.rounds[i], 4) if self.rounds[i] else None,
             }
-            for i, (name, (start, end)) in enumerate(zip(NAMES, BUCKETS, strict=True))
+            for i, (start, end) in enumerate(self.buckets)
         }
 
 
