@@ -262,3 +262,22 @@ def test_a_frame_without_reasoning_keeps_everything():
     summary = stats.summary(64)
     assert summary["reasoning"]["count"] == 0 and summary["reasoning_kept_fraction"] == 1.0
     assert summary["samples"]["max"] == 20 and summary["supervised_tokens_kept"] == 12
+
+
+def test_the_kimi_plan_prints_what_its_limits_keep(roomy_disk):
+    from aerie.plan.plan import make_plan
+    from aerie.plan.render import table
+
+    plan = make_plan(kimi_k25_8gpu())
+    text = table(plan)
+    assert plan.lengths is not None
+    line = next(x for x in text.splitlines() if "reasoning tokens kept" in x)
+    assert f"{plan.lengths.reasoning_kept:.1%}" in line and "max_tokens 28,672" in line
+    assert plan.lengths.reasoning_kept > 0.99  # what the preset's comment says it chose the limits for
+    assert plan.record()["lengths"]["max_length"] == 32768
+    # The old limits keep far less of a turn that reasons for its whole budget.
+    old = kimi_k25_8gpu()
+    old.corpus.max_length = old.train.max_length = OLD_LIMIT
+    for d in old.generate.datasets:
+        d.sampling.max_tokens = OLD_LIMIT
+    assert make_plan(old).lengths.reasoning_kept < plan.lengths.reasoning_kept  # type: ignore[union-attr]
