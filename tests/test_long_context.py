@@ -178,7 +178,7 @@ def test_packed_documents_never_see_each_other():
     positions = torch.cat([torch.arange(n) for n in lengths])
     packed = drafter(aux, ids, positions, docs, 3)
     start = 0
-    for d, n in enumerate(lengths):
+    for n in lengths:
         alone = drafter(aux[start : start + n], ids[start : start + n], positions[start : start + n],
                         torch.zeros(n, dtype=torch.int32), 3)  # fmt: skip
         for step, (a, b) in enumerate(zip(alone, packed, strict=True)):

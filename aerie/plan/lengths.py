@@ -76,18 +76,20 @@ def estimate_lengths(cfg: PipelineConfig, profiles: list[Profile], chars_per_tok
     """The turns of every dataset, their lengths and what the limits keep of them."""
     limit = min(cfg.corpus.max_length, cfg.train.max_length)
     overhead = TEMPLATE_TOKENS_PER_MESSAGE
-    prompts, answers, caps = [], [], []
+    prompts: list[int] = []
+    answers: list[int] = []
+    caps: list[int] = []
     for spec, prof in zip(cfg.generate.datasets, profiles, strict=True):
         cap = spec.sampling.max_tokens
         for users, data_answers in zip(prof.user_chars, prof.answer_chars, strict=True):
             history = 0
             for i, chars in enumerate(data_answers):
                 history += round(users[i] / chars_per_token) + overhead if i < len(users) else 0
-                answer = round(chars / chars_per_token) if chars is not None else cap
+                tokens = round(chars / chars_per_token) if chars is not None else cap
                 prompts.append(history)
-                answers.append(answer)
-                caps.append(cap if spec.regenerate else answer)
-                history += min(answer, cap) + overhead
+                answers.append(tokens)
+                caps.append(cap if spec.regenerate else tokens)
+                history += min(tokens, cap) + overhead
     prompt, answer, cap_arr = (np.asarray(x, dtype=np.int64) for x in (prompts, answers, caps))
     room = np.maximum(0, limit - prompt)
     generated = np.minimum(answer, cap_arr)
