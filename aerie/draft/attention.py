@@ -90,7 +90,7 @@ def causal_doc_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocCausalMask) -
     parts = zip(q.split(mask.sizes), k.split(mask.sizes), v.split(mask.sizes), mask.padding, strict=True)
     for qd, kd, vd, padding in parts:
         if padding:  # zeros with lse 0: finite, so the TTT merge and its gradients stay finite
-            out, lse = torch.zeros_like(qd), qd.new_zeros(qd.shape[:2], dtype=torch.float32)
+            out, lse = torch.zeros_like(qd), qd.new_zeros(qd.shape[:2], dtype=_wide(qd.dtype))
         else:
             out, lse = blocked_causal_attention(qd, kd, vd)
         outs.append(out)
@@ -213,13 +213,14 @@ def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], mask: Doc
         return out0
     t, nh, hd = q.shape
     nkv = keys[0].shape[1]
-    qg = q.reshape(t, nkv, nh // nkv, hd).float()  # [T, nkv, g, hd]
-    diag_k = torch.stack(keys[1:], dim=-2).float()  # [T, nkv, k, hd]
-    diag_v = torch.stack(values[1:], dim=-2).float()  # [T, nkv, k, hd]
+    wide = _wide(q.dtype)
+    qg = q.reshape(t, nkv, nh // nkv, hd).to(wide)  # [T, nkv, g, hd]
+    diag_k = torch.stack(keys[1:], dim=-2).to(wide)  # [T, nkv, k, hd]
+    diag_v = torch.stack(values[1:], dim=-2).to(wide)  # [T, nkv, k, hd]
     diag = torch.einsum("tngd,tnjd->tngj", qg, diag_k) / math.sqrt(hd)  # [T, nkv, g, k]
-    lse0 = lse0.reshape(t, nkv, nh // nkv, 1)
+    lse0 = lse0.to(wide).reshape(t, nkv, nh // nkv, 1)
     total = torch.logsumexp(torch.cat([lse0, diag], dim=-1), dim=-1, keepdim=True)  # [T, nkv, g, 1]
-    out = torch.exp(lse0 - total) * out0.reshape(t, nkv, nh // nkv, hd).float()
+    out = torch.exp(lse0 - total) * out0.reshape(t, nkv, nh // nkv, hd).to(wide)
     out = out + torch.einsum("tngj,tnjd->tngd", torch.exp(diag - total), diag_v)
     return out.reshape(t, nh, hd).to(q.dtype)
 
