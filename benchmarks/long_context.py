@@ -65,24 +65,25 @@ def draft_config(shape: dict[str, int], max_length: int) -> DraftConfig:
 
 
 def synthetic_row(cfg: DraftConfig, tokens: int, device: str, dtype: torch.dtype) -> tuple[Any, ...]:
-    """One document of `tokens` (its first 10% the prompt), random features, the target's head and vocab."""
-    g = torch.Generator().manual_seed(0)
+    """One document of `tokens` (its first 10% the prompt), random features, the target's head and vocab,
+    drawn on `device` (a Kimi-sized embedding and head are 1.2G numbers each)."""
+    g = torch.Generator(device).manual_seed(0)
     h, v, vd = cfg.hidden_size, cfg.vocab_size, cfg.draft_vocab_size
-    loss_mask = torch.ones(tokens, dtype=torch.bool)
+    loss_mask = torch.ones(tokens, dtype=torch.bool, device=device)
     loss_mask[: tokens // 10] = False
     batch = Batch(
-        input_ids=torch.randint(0, v, (tokens,), generator=g),
+        input_ids=torch.randint(0, v, (tokens,), generator=g, device=device),
         loss_mask=loss_mask,
-        positions=torch.arange(tokens),
-        doc_ids=torch.zeros(tokens, dtype=torch.int32),
-        aux_hidden=torch.randn(tokens, 3 * h, generator=g).to(dtype),
-        last_hidden=torch.randn(tokens, h, generator=g).to(dtype),
+        positions=torch.arange(tokens, device=device),
+        doc_ids=torch.zeros(tokens, dtype=torch.int32, device=device),
+        aux_hidden=torch.randn(tokens, 3 * h, generator=g, device=device).to(dtype),
+        last_hidden=torch.randn(tokens, h, generator=g, device=device).to(dtype),
         tokens=tokens,
-    ).to(device, dtype)
-    embed = (torch.randn(v, h, generator=g) * 0.02).to(dtype)
-    lm_head = torch.randn(v, h, generator=g) * (4 / h**0.5)  # peaked teacher logits
-    used = torch.sort(torch.randperm(v, generator=g)[:vd]).values
-    t2d = torch.zeros(v, dtype=torch.bool)
+    )
+    embed = (torch.randn(v, h, generator=g, device=device) * 0.02).to(dtype)
+    lm_head = torch.randn(v, h, generator=g, device=device) * (4 / h**0.5)  # peaked teacher logits
+    used = torch.sort(torch.randperm(v, generator=g, device=device)[:vd]).values
+    t2d = torch.zeros(v, dtype=torch.bool, device=device)
     t2d[used] = True
     return batch, embed, lm_head, used, t2d
 
@@ -95,8 +96,9 @@ def one_length(args: argparse.Namespace) -> dict[str, Any]:
     cfg = draft_config(shape, args.one)
     batch, embed, lm_head, used, t2d = synthetic_row(cfg, args.one, args.device, dtype)
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(cfg, embed).to(args.device)
-    drafter.set_vocab(used - torch.arange(cfg.draft_vocab_size), t2d)
+    with torch.device(args.device):  # a billion parameters are initialised where they train
+        drafter = Eagle3Drafter(cfg, embed)
+    drafter.set_vocab(used - torch.arange(cfg.draft_vocab_size, device=args.device), t2d)
     teacher = Teacher(lm_head, used, t2d, keep_full=False).to(args.device, dtype)
     del lm_head
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
