@@ -174,9 +174,16 @@ def kimi_k25_8gpu() -> PipelineConfig:
         price_output_per_mtok=3.00,
         prices_date=date(2026, 1, 27),
     )
-    cfg.generate.datasets = _sharegpt(SamplingParams(temperature=0.6, max_tokens=4096))
+    # Lengths (`aerie plan kimi-k2.5-8gpu` prints them): Kimi-K2.5 thinks by default and its reasoning runs
+    # to many thousands of tokens (Moonshot's CLI asks 32,000 tokens a turn; 16,000 is the least that
+    # API providers advise for complete thoughts), so a turn may write 28,672 tokens, and a sample holds
+    # 32,768: the 4,096 left cover the prompt of 99% of ShareGPT's turns (p99 2,418 tokens), so the plan
+    # keeps 99.99% of the reasoning of a turn that uses its whole budget, where 4,096 and 4,096 kept 81%
+    # and cut every longer trace to its start. Training at 32K: train.recompute and whole samples below,
+    # whose memory benchmarks/long_context.py measures.
+    cfg.generate.datasets = _sharegpt(SamplingParams(temperature=0.6, max_tokens=28672))
     cfg.generate.max_parallel_datasets = 4
-    cfg.corpus.max_length = 4096
+    cfg.corpus.max_length = 32768
     cfg.corpus.num_workers = 16
     cfg.server.backend = "sglang"
     cfg.server.launcher = "docker"
@@ -192,11 +199,14 @@ def kimi_k25_8gpu() -> PipelineConfig:
     cfg.train.draft.intermediate_size = 12288
     cfg.train.epochs = 10
     cfg.train.lr = 5e-5
-    cfg.train.batch_tokens = 16384
-    cfg.train.max_length = 4096
+    cfg.train.batch_tokens = 32768
+    cfg.train.max_length = 32768
+    cfg.train.split_samples = False  # a reasoning turn trains whole, with all of its context
+    cfg.train.recompute = True
     # The offline evaluator holds the target in process on one device, and 595 GB of weights fit no one
     # GPU: Kimi's acceptance and speed-up are measured served, by the deploy stage at TP 8.
     cfg.evaluate.enabled = False
+    cfg.evaluate.max_new_tokens = 28672  # as long as a turn may write: acceptance_by_position reaches 8K+
     cfg.deploy.num_steps = 3
     cfg.deploy.num_draft_tokens = 4
     return cfg

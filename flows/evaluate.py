@@ -28,7 +28,11 @@ def report(result: StageResult, store: ArtifactStore) -> None:
     )
     with work_dir("aerie-report-") as tmp:
         local = store.get_file(f"{result.prefix}/{ACCEPTANCE_PNG}", Path(tmp) / ACCEPTANCE_PNG)
-        image_artifact(local, key="evaluate-acceptance", description="acceptance per draft position")
+        image_artifact(
+            local,
+            key="evaluate-acceptance",
+            description="acceptance per draft position and by position in the output",
+        )
 
 
 POLICY = StagePolicy(

@@ -61,6 +61,11 @@ def test_a_drafter_is_evaluated_on_prompt_files(drafter_dir, prompt_files, tmp_p
         (d, t) for d in ("support", "chats", "bench") for t in (0.0, 1.0)
     }
     assert all(1.0 <= r["accept_length"] <= 3.0 for r in report["results"])
+    for r in report["results"]:  # by position in the output: the buckets partition the verify rounds
+        buckets = r["acceptance_by_position"]
+        assert list(buckets) == ["0-512", "512-2K", "2K-8K", "8K+"]
+        assert sum(b["rounds"] for b in buckets.values()) == r["spec_verify_ct"]
+        assert buckets["0-512"]["accept_length"] == pytest.approx(r["accept_length"], abs=1e-3)
     groups = {(g["dataset"], g["group"]) for g in report["by_group"]}
     assert {("support", "writing"), ("support", "math")} <= groups
 

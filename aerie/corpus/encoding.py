@@ -80,6 +80,7 @@ class BatchEncoder:
             result.counts["boundary_tokens"] += e.straddled
             # The reasoning in the data (cut or not) and what of it is supervised once cut to max_length.
             reasoning_tokens = int(thought.sum()) + self.aligner.count(p.sample.unrendered)
+            full_tokens, full_supervised = len(ids), int(mask.sum())  # before the cut (aerie.corpus.lengths)
             if len(ids) > limit:
                 result.counts["samples_cut_to_max_length"] += 1
                 result.counts["tokens_cut"] += len(ids) - limit
@@ -106,6 +107,8 @@ class BatchEncoder:
                 ("n_supervised", supervised),
                 ("n_reasoning", reasoning_tokens),
                 ("n_reasoning_supervised", reasoning_supervised),
+                ("n_tokens_full", full_tokens),
+                ("n_supervised_full", full_supervised),
                 ("split", split),
                 ("bucket", bucket),
             ):

@@ -54,6 +54,8 @@ SPILL: dict[str, pl.DataType] = {
     "order": pl.UInt64(),  # shuffle key
     "n_reasoning": pl.Int32(),  # reasoning tokens in the data the sample carries (counted, not written)
     "n_reasoning_supervised": pl.Int32(),  # of them, supervised within max_length
+    "n_tokens_full": pl.Int32(),  # the sample's tokens before the cut to max_length
+    "n_supervised_full": pl.Int32(),  # its supervised tokens before the cut
     **CORPUS,
 }
 

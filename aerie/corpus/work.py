@@ -24,6 +24,7 @@ import polars as pl
 
 from aerie.corpus.config import EXECUTION_FIELDS, CorpusConfig
 from aerie.corpus.encoding import EncodeOptions
+from aerie.corpus.lengths import LengthStats, describe_lengths
 from aerie.corpus.pool import encoder_pool
 from aerie.corpus.schema import CORPUS, task_frame
 from aerie.corpus.shuffle import SPLITS, Layout, Spill, dedupe_and_order
@@ -202,6 +203,7 @@ class _Build:
         self.token_counts = token_counts
         self.counts: Counter[str] = Counter()
         self.stats = {name: SplitStats() for name in SPLITS}
+        self.lengths = LengthStats()
         self.shards: dict[str, list[dict[str, Any]]] = {name: [] for name in SPLITS}
 
     def quarantine_entry(self, entry: dict[str, str]) -> None:
@@ -251,6 +253,7 @@ class _Build:
                 self.counts["dropped.duplicate"] += duplicates.height
                 self.counts["reasoning_tokens"] += int(kept["n_reasoning"].sum())
                 self.counts["reasoning_tokens_supervised"] += int(kept["n_reasoning_supervised"].sum())
+                self.lengths.add(kept)
                 file = self._write(name, kept.select(list(CORPUS)))
                 spill.release(split, bucket)
                 self.progress(0.9 + 0.1 * done / max(total, 1), f"wrote {file}")
@@ -323,6 +326,8 @@ def _manifest(
     )
     if warning:
         log.warning("merge: %s", warning)
+    lengths = build.lengths.summary(cfg.max_length)
+    log.info("merge: %s", describe_lengths(lengths))
     return {
         "target": {"name": target.name, "revision": target.revision, "vocab_size": target.vocab_size},
         "tokenizer_sha256": tokenizer_sha256(target),
@@ -336,6 +341,7 @@ def _manifest(
             "warning": warning,
         },
         "max_length": cfg.max_length,
+        "lengths": lengths,
         "seed": cfg.seed,
         "config": cfg.model_dump(mode="json"),
         "inputs": [
@@ -369,5 +375,10 @@ def _manifest(
             "duplicates": dropped.get("duplicate", 0),
             "sources": len({src for s in splits.values() for src in s["by_source"]}),
             **reasoning,
+            "samples_over_max_length": lengths["samples_over_max_length"],
+            "supervised_kept_fraction": lengths["supervised_kept_fraction"],
+            "reasoning_kept_fraction": lengths["reasoning_kept_fraction"],
+            "sample_tokens_p99": lengths["samples"]["p99"],
+            "reasoning_tokens_p99": lengths["reasoning"]["p99"],
         },
     }

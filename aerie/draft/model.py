@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from aerie.draft.attention import DocCausalMask, cached_attention, ttt_attention
 
@@ -237,6 +238,7 @@ class Eagle3Drafter(nn.Module):
         doc_ids: Tensor,
         ttt_length: int,
         attention: str = "dense",
+        recompute: bool = False,
     ) -> list[Tensor]:
         """Training-time test over one packed row of T tokens; returns the logits [T, Vd] of each step.
 
@@ -245,26 +247,48 @@ class Eagle3Drafter(nn.Module):
         output as g (step 0: fc(h_t)), sits at RoPE position positions[t] + k, and predicts the target's
         distribution at t+1+k. Rows whose shifted token falls past their document carry garbage; the
         visibility below keeps it out of valid rows and the loss masks those rows.
+
+        `recompute` (activation checkpointing over the unroll): each step keeps only its inputs and its
+        output, key and value, and the backward runs the step again for the rest. A step's activations
+        (the 2H concat, q, the MLP's three [T, I] tensors, ...) are several times its [T, H] output, so at
+        long rows this trades a third more compute for most of the unroll's memory.
         """
         t = input_ids.shape[0]
         mask = DocCausalMask(doc_ids, attention)
         keys: list[Tensor] = []
         values: list[Tensor] = []
-
-        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            keys.append(k)
-            values.append(v)
-            return ttt_attention(q, keys, values, mask)
-
         g = self.fc(aux_hidden)  # [T, H]
         pad = input_ids.new_zeros(ttt_length)
         shifted = torch.cat([input_ids, pad])  # [T + K]
         logits = []
+        record = recompute and torch.is_grad_enabled()
         for k in range(ttt_length):
             embeds = self.embed(shifted[1 + k : 1 + k + t]).to(g.dtype)  # x_{t+1+k}: [T, H]
-            g = self.midlayer(embeds, g, positions + k, attend)  # [T, H]
+            if record:
+                g, key, value = checkpoint(
+                    self._ttt_step, embeds, g, positions + k, mask, k, *keys, *values, use_reentrant=False
+                )
+            else:
+                g, key, value = self._ttt_step(embeds, g, positions + k, mask, k, *keys, *values)
+            keys.append(key)
+            values.append(value)
             logits.append(self.logits(g))  # [T, Vd]
         return logits
+
+    def _ttt_step(
+        self, embeds: Tensor, g: Tensor, positions: Tensor, mask: DocCausalMask, k: int, *earlier: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Unroll step k given the keys then values of steps 0..k-1 (`earlier`): (output g, its key, value).
+        A pure function of its arguments, so a checkpoint can run it again in the backward."""
+        keys, values = list(earlier[:k]), list(earlier[k:])
+        new: list[Tensor] = []
+
+        def attend(q: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            new.extend((key, value))
+            return ttt_attention(q, [*keys, key], [*values, value], mask)
+
+        out = self.midlayer(embeds, g, positions, attend)
+        return out, new[0], new[1]
 
     @torch.no_grad()
     def step(

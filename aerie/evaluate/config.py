@@ -33,11 +33,16 @@ class PromptSet(StrictModel):
     - `prompts`: a JSONL or Parquet file of single prompts (`text_field`, optional `category_field`);
     - `conversations`: multi-turn conversations read by `source` (the generate stage's loaders and field
       mapping); each user turn is a prompt with the file's conversation before it (`turns="all"`), or
-      only the first user turn (`turns="first"`).
+      only the first user turn (`turns="first"`);
+    - `long_reasoning`: the packaged multi-step problems (math, logic, code, science, planning;
+      aerie/evaluate/data/long_reasoning.jsonl) that make a thinking target reason for thousands of tokens,
+      in the `prompts` format (or `path`). With thinking on (the target's default, or
+      `prompt_format.chat_template_kwargs`) and a `max_new_tokens` as long as the target writes, they
+      measure acceptance deep into the output (`acceptance_by_position`).
     """
 
     name: str = Field(pattern=r"^[a-z0-9_]+$", description="The set's name in results and figures.")
-    kind: Literal["mtbench", "heldout", "prompts", "conversations"]
+    kind: Literal["mtbench", "heldout", "prompts", "conversations", "long_reasoning"]
     path: str | None = Field(None, description="The file of an `mtbench` or `prompts` set.")
     limit: int | None = Field(None, ge=1, description="Prompts taken (MT-Bench: spread over its categories).")
     text_field: str = Field("prompt", description="`prompts`: the field holding the prompt text.")

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 MTBENCH = "mtbench"
 HELDOUT = "heldout"
+# Multi-step problems that make a thinking target reason at length (`PromptSet` kind `long_reasoning`).
+LONG_REASONING = Path(__file__).parent / "data" / "long_reasoning.jsonl"
 ALL_ROWS = 1 << 62  # a held-out set without a limit takes every eval row
 
 
@@ -192,6 +194,10 @@ def prompt_set(tokenizer: Any, spec: PromptSet, max_tokens: int) -> list[EvalPro
         return mtbench_prompts(tokenizer, spec.limit, max_tokens, path=spec.path, name=spec.name)
     if spec.kind == "prompts":
         return file_prompts(tokenizer, spec, max_tokens)
+    if spec.kind == "long_reasoning":
+        return file_prompts(
+            tokenizer, spec.model_copy(update={"path": spec.path or str(LONG_REASONING)}), max_tokens
+        )
     if spec.kind == "conversations":
         return conversation_prompts(tokenizer, spec, max_tokens)
     raise DataError(f"prompt set {spec.name!r}: kind {spec.kind!r} is read from the corpus, not a file")

@@ -12,6 +12,7 @@ from typing import Any
 from aerie.diskspace import writing
 from aerie.errors import EvaluationError
 from aerie.evaluate.config import PROMPT_LOOKUP
+from aerie.evaluate.positions import NAMES, position_table
 
 ACCEPTANCE_PNG = "acceptance.png"
 
@@ -212,6 +213,7 @@ def evaluation_markdown(report: dict[str, Any]) -> str:
         "",
         *(["## Acceptance length by category", "", *group_table(by_group)] if by_group else []),
         *reasoning_section(results),
+        *position_table(results),
         *diagnosis_section(report.get("diagnosis") or {}, results),
         "## Setup",
         "",
@@ -247,33 +249,42 @@ def evaluation_markdown(report: dict[str, Any]) -> str:
 
 
 def plot_acceptance(results: list[dict[str, Any]], path: Path) -> Path:
-    """Conditional acceptance per position, one panel per dataset, a line per proposer and step count."""
+    """One column per dataset, a line per proposer and step count: conditional acceptance per draft
+    position (top) and acceptance length by position in the output (bottom; `aerie.evaluate.positions`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     datasets = list(dict.fromkeys(r["dataset"] for r in results))
-    fig, axes = plt.subplots(1, max(1, len(datasets)), figsize=(6 * max(1, len(datasets)), 4), squeeze=False)
-    for ax, dataset in zip(axes[0], datasets, strict=False):
+    cols = max(1, len(datasets))
+    fig, axes = plt.subplots(2, cols, figsize=(6 * cols, 8), squeeze=False)
+    for col, dataset in enumerate(datasets):
+        ax, deep = axes[0][col], axes[1][col]
         for r in (r for r in results if r["dataset"] == dataset):
             cond = r["conditional_acceptance"]
             xs = [j + 1 for j, c in enumerate(cond) if c is not None]
             ys = [c for c in cond if c is not None]
             style = "--" if r["proposer"] == PROMPT_LOOKUP else "-"
-            ax.plot(
-                xs,
-                ys,
-                style,
-                marker="o",
-                label=f"{proposer_label(r)} k={r['num_steps']} (τ={r['accept_length']:.2f})",
-            )
+            label = f"{proposer_label(r)} k={r['num_steps']} (τ={r['accept_length']:.2f})"
+            ax.plot(xs, ys, style, marker="o", label=label)
+            by_position = r.get("acceptance_by_position") or {}
+            points = [
+                (i, b["accept_length"]) for i, b in enumerate(by_position.values()) if b["accept_length"]
+            ]
+            if points:
+                deep.plot([i for i, _ in points], [a for _, a in points], style, marker="o", label=label)
         ax.set_title(f"{dataset}: acceptance per draft position")
         ax.set_xlabel("draft position")
         ax.set_ylabel("P(accepted | previous accepted)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        deep.set_title(f"{dataset}: acceptance length by position in the output")
+        deep.set_xticks(range(len(NAMES)), list(NAMES))
+        deep.set_xlabel("output tokens (where the verify round starts)")
+        deep.set_ylabel("tokens per verify round")
+        deep.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     with writing(path, EvaluationError):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aerie.errors import EvaluationError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.drafter_files import fetch_drafter
+from aerie.evaluate.positions import PositionCounts
 from aerie.evaluate.prompts import ALL_ROWS, EvalPrompt, heldout_prompts, prompt_set, prompt_tokenizer
 from aerie.evaluate.reasoning_split import KINDS, SplitCounts, format_key, prompt_template, reader_for
 from aerie.evaluate.report import ACCEPTANCE_PNG, acceptance_by_group, evaluation_markdown, plot_acceptance
@@ -323,6 +324,7 @@ def measure_setting(
         loaded["reasoning_reader"] = reader_for(cfg.prompt_format, target)
     reader = loaded["reasoning_reader"]
     split = SplitCounts()
+    positions = PositionCounts()
     started = time.perf_counter()
     for start in range(0, len(prompts), cfg.batch_size):
         batch = prompts[start : start + cfg.batch_size]
@@ -339,6 +341,7 @@ def measure_setting(
         outputs = decoder.generate([p.input_ids for p in batch], cfg.max_new_tokens)
         for prompt, out in zip(batch, outputs, strict=True):
             stats.add(out)
+            positions.add(out)
             if reader is not None:
                 split.add(reader.kinds(prompt.input_ids, out), out)
             answers[prompt.id] = out.output_ids
@@ -367,6 +370,7 @@ def measure_setting(
         "proposer": proposer_name,
         "temperature": temperature,
         **stats.to_dict(),
+        "acceptance_by_position": positions.to_dict(),
     }
     if reader is not None:
         result.update(split.to_dict())

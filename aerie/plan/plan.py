@@ -9,6 +9,7 @@ from aerie.config import PipelineConfig
 from aerie.errors import ContextLengthError, GpuMemoryError, NotEnoughDiskError, PlanError
 from aerie.plan import disk, online, sizes, throughput
 from aerie.plan.facts import Hardware, TargetFacts, hardware, rates, target_facts
+from aerie.plan.lengths import LengthPlan, estimate_lengths
 from aerie.plan.machine import MachineSpeed, machine_speed
 from aerie.plan.prices import Cost, api_cost
 
@@ -29,6 +30,7 @@ class Plan:
     stages: list[throughput.StageEstimate]
     disk: disk.DiskPlan
     machine: MachineSpeed | None = None  # a CPU plan: this machine against the calibration's
+    lengths: LengthPlan | None = None  # turn lengths and what the limits keep of them
     refusals: list[PlanError] = field(default_factory=list)
 
     @property
@@ -85,6 +87,7 @@ class Plan:
                 "others_share": round(self.machine.others_share, 2),
             },
             "refusals": [str(r) for r in self.refusals],
+            "lengths": None if self.lengths is None else self.lengths.record(),
         }
 
 
@@ -109,6 +112,7 @@ def make_plan(cfg: PipelineConfig, hardware_name: str | None = None, *, fixed: b
         stages=throughput.estimate(cfg, target, size, hw, fixed),
         disk=disk.estimate(cfg, target, size),
         machine=None if hw.gpu else machine_speed(rates(hw.name) or {}),
+        lengths=estimate_lengths(cfg, size.profiles, size.chars_per_token),
     )
     plan.refusals = [*_context(cfg, target), *_gpu_memory(cfg, target, hw), *_disk(plan)]
     return plan

@@ -42,6 +42,7 @@ def table(plan: Plan) -> str:
         f"{s.train_tokens:,} tokens trained ({cfg.train.epochs:g} epochs)",
         f"  {s.chars_per_token:.2f} characters per token, {s.chars_per_token_source}",
         "",
+        *([*plan.lengths.lines(), ""] if plan.lengths is not None else []),
         f"API cost: {'$' + format(plan.cost.total_usd, ',.2f') if plan.cost.total_usd is not None else 'unknown'} ({plan.cost.note})",
         "",
         f"{'stage':10s} {'time':>9s} {'GPUs':>5s} {'GPU time':>9s}  model",

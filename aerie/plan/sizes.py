@@ -63,6 +63,7 @@ class Sizes:
     eval_records: int  # the held-out split, which also bounds the evaluation's held-out prompts
     chars_per_token: float
     chars_per_token_source: str
+    profiles: list[Profile] = field(default_factory=list, repr=False)  # what the lengths are read from
 
     @property
     def conversations(self) -> int:
@@ -207,4 +208,5 @@ def estimate(cfg: PipelineConfig, target: TargetFacts) -> Sizes:
         eval_records=round(records * cfg.corpus.eval_fraction),
         chars_per_token=ratio,
         chars_per_token_source=ratio_source,
+        profiles=profiles,
     )

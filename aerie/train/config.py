@@ -143,6 +143,12 @@ class TrainConfig(StrictModel):
         "trainers that step one sample per device do).",
     )
     max_length: int = Field(2048, ge=16, description="Longest sample (tokens); longer are truncated.")
+    split_samples: bool = Field(
+        True,
+        description="Pack rows full: a sample that does not fit a row's remaining room is cut there and its "
+        "rest starts the next row, without the context before the cut. false: it starts the next row whole "
+        "(the room left is padding), so every sample up to batch_tokens trains with all of its context.",
+    )
     init_head_from_target: bool = Field(
         True,
         description="Start lm_head from the target's lm_head rows of the draft vocab (and norm from its final norm).",
@@ -165,6 +171,12 @@ class TrainConfig(StrictModel):
     attention: Literal["auto", "flex", "dense"] = Field(
         "auto", description="TTT attention: flex (compiled, CUDA), dense (matmul, CPU); auto picks by device."
     )
+    recompute: bool = Field(
+        False,
+        description="Activation checkpointing over the training-time-test unroll: each step's activations are "
+        "recomputed in the backward instead of kept (about a third more compute, most of the unroll's memory "
+        "saved); for long max_length (benchmarks/long_context.py measures both).",
+    )
     prefetch_batches: int = Field(4, ge=1, description="Batches the background loader keeps ready.")
     cache_dir: str | None = Field(
         None, description="Local dir for downloaded shards and the work dir; None = <AERIE_CACHE_DIR>/train."
@@ -180,5 +192,10 @@ class TrainConfig(StrictModel):
             raise ValueError(
                 f"train.batch_tokens {self.batch_tokens} must be at least train.ttt_length + 2 = "
                 f"{self.ttt_length + 2}: a packed batch must hold one sample of the unroll"
+            )
+        if not self.split_samples and self.batch_tokens < self.max_length:
+            raise ValueError(
+                f"train.split_samples=false keeps samples whole, but train.batch_tokens {self.batch_tokens} "
+                f"is below train.max_length {self.max_length}: a row cannot hold the longest sample"
             )
         return self

@@ -3,8 +3,11 @@
 Packing puts whole documents back to back in one row and cuts the last one at the row's end; the cut
 remainder starts the next row as its own document, keeping its original positions (so RoPE sees the
 same positions as the target did). Only the last row of an epoch is padded, so there is no padding waste
-and every step has the same shape (which compiled kernels like). Attention never crosses documents:
-each row carries `doc_ids`.
+and every step has the same shape (which compiled kernels like). With `whole` (`train.split_samples:
+false`) a sample that does not fit the row's remaining room starts the next row instead, the room left
+padded, so every sample of up to `batch_tokens` is trained in one piece with all of its context: what
+long reasoning turns need, at the price of some padding. Attention never crosses documents: each row
+carries `doc_ids`.
 
 The epoch plan is a pure function of (sample lengths, seed, epoch, batch_tokens, max_length), so a data
 position is just the global batch index: DDP rank r takes batches r, r+W, r+2W, ... and a resumed run
@@ -98,9 +101,16 @@ class SampleIndex:
 
 
 def plan_epoch(
-    lengths: np.ndarray, batch_tokens: int, max_length: int, seed: int, epoch: int, shuffle: bool = True
+    lengths: np.ndarray,
+    batch_tokens: int,
+    max_length: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    whole: bool = False,
 ) -> list[list[Piece]]:
-    """Rows of pieces for one epoch: a seeded shuffle, samples truncated to max_length, packed and cut."""
+    """Rows of pieces for one epoch: a seeded shuffle, samples truncated to max_length, packed and cut
+    (`whole`: a sample that fits a row but not the current row's room starts the next row)."""
     order = (
         np.random.default_rng([seed, epoch]).permutation(lengths.size) if shuffle else np.arange(lengths.size)
     )
@@ -109,6 +119,9 @@ def plan_epoch(
     room = batch_tokens
     for sample in order.tolist():
         start, remaining = 0, min(int(lengths[sample]), max_length)
+        if whole and row and room < remaining <= batch_tokens:
+            rows.append(row)
+            row, room = [], batch_tokens
         while remaining > 0:
             take = min(room, remaining)
             row.append(Piece(sample, start, take))
@@ -218,11 +231,17 @@ class EpochPlans:
     """Maps a global batch index to its pieces, computing each epoch's plan once."""
 
     def __init__(
-        self, index: SampleIndex, batch_tokens: int, max_length: int, seed: int, shuffle: bool = True
+        self,
+        index: SampleIndex,
+        batch_tokens: int,
+        max_length: int,
+        seed: int,
+        shuffle: bool = True,
+        whole: bool = False,
     ) -> None:
         self.index, self.batch_tokens = index, batch_tokens
         self._plan: Callable[[int], list[list[Piece]]] = lru_cache(maxsize=2)(
-            lambda epoch: plan_epoch(index.length, batch_tokens, max_length, seed, epoch, shuffle)
+            lambda epoch: plan_epoch(index.length, batch_tokens, max_length, seed, epoch, shuffle, whole)
         )
         self.batches_per_epoch = len(self._plan(0))
 

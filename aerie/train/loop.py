@@ -355,8 +355,11 @@ def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer,
     if spec.online is not None:
         source = OnlineFeeder(spec.online, cfg, spec.target, dist, emit)
     train_index, eval_index = _indices(spec, source)
-    train_plans = EpochPlans(train_index, cfg.batch_tokens, cfg.max_length, cfg.seed)
-    eval_plans = EpochPlans(eval_index, cfg.batch_tokens, cfg.max_length, cfg.seed, shuffle=False)
+    whole = not cfg.split_samples
+    train_plans = EpochPlans(train_index, cfg.batch_tokens, cfg.max_length, cfg.seed, whole=whole)
+    eval_plans = EpochPlans(
+        eval_index, cfg.batch_tokens, cfg.max_length, cfg.seed, shuffle=False, whole=whole
+    )
     accumulate = rows_per_step(cfg, train_index, dist.world)
     total_steps = max(1, math.floor(cfg.epochs * train_plans.batches_per_epoch / (dist.world * accumulate)))
     params = [p for p in drafter.parameters() if p.requires_grad]

@@ -360,6 +360,7 @@ class Eagle3Objective:
                 batch.doc_ids,
                 self.cfg.ttt_length,
                 tr.attention,
+                self.cfg.recompute,
             )
         probs, teacher_argmax = tr.teacher.distribution(batch.last_hidden, logits[0].dtype)
         in_vocab = tr.teacher.argmax_in_draft_vocab(batch.last_hidden) if exact else None
