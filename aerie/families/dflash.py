@@ -15,8 +15,8 @@ from aerie.errors import ConfigError
 from aerie.families.spec import DrafterSettings, Family, Part
 
 if TYPE_CHECKING:
+    from aerie.families.protocols import TrainSettings
     from aerie.targets import TargetGeometry
-    from aerie.train.config import TrainConfig
 
 
 class DFlashSettings(DrafterSettings):
@@ -58,7 +58,7 @@ def spread_layers(num_layers: int, count: int) -> list[int]:
     return [first + int((2 * i * (last - first) + count - 1) // (2 * (count - 1))) for i in range(count)]
 
 
-def _params(settings: DFlashSettings, train: TrainConfig, geometry: TargetGeometry) -> int:
+def _params(settings: DFlashSettings, train: TrainSettings, geometry: TargetGeometry) -> int:
     """fc over its k layers and its decoder layers (norms left out: a few H each); the embedding and
     head are the target's."""
     h, shape = geometry.hidden_size, train.draft.resolve(geometry)

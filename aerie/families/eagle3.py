@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Literal
 from aerie.families.spec import DrafterSettings, Family, Part
 
 if TYPE_CHECKING:
+    from aerie.families.protocols import TrainSettings
     from aerie.targets import TargetGeometry
-    from aerie.train.config import TrainConfig
 
 
 class Eagle3Settings(DrafterSettings):
@@ -26,7 +26,7 @@ def eagle3_layers(num_layers: int, count: int = 3) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
-def _params(settings: Eagle3Settings, train: TrainConfig, geometry: TargetGeometry) -> int:
+def _params(settings: Eagle3Settings, train: TrainSettings, geometry: TargetGeometry) -> int:
     """fc, one decoder layer (its q/k/v read embeddings and hidden states together), the draft lm_head."""
     h, shape = geometry.hidden_size, train.draft.resolve(geometry)
     inter, heads, kv, hd = shape.intermediate_size, shape.num_heads, shape.num_kv_heads, shape.head_dim

@@ -3,7 +3,8 @@ imported parts (`Part`).
 
 The declaration is light on purpose: the config, the planner and the CLI read it without importing
 torch or any stage, and a part's module is imported only when a stage uses it (`Part.load`). The
-parts' types are the protocols of the packages that call them, so a wrong signature is a type error.
+parts' types are the protocols of `aerie.families.protocols`, so a wrong signature is a type error and
+this package imports nothing above it.
 """
 
 from __future__ import annotations
@@ -11,25 +12,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast
 
 from aerie.configbase import StrictModel
+from aerie.families.protocols import Exporter, Loader
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
-    from aerie.engine.speculative.decoder import Proposer
-    from aerie.targets import TargetGeometry, TargetInfo
-    from aerie.train.config import TrainConfig
-    from aerie.train.loop import Objective
-
-    class FamilyProposer(Proposer, Protocol):
-        """A family's proposer: it also says which target hidden states it reads."""
-
-        @property
-        def aux_layers(self) -> list[int] | None: ...
+    from aerie.families.protocols import FamilyProposer, Objective, TrainSettings
+    from aerie.targets import TargetGeometry
 
 
 T = TypeVar("T")
@@ -40,22 +32,6 @@ class DrafterSettings(StrictModel):
     its fields (`aerie.families.<name>`)."""
 
     family: str
-
-
-class Exporter(Protocol):
-    def __call__(
-        self, drafter: Any, out_dir: str | Path, target: TargetInfo, provenance: dict[str, Any] | None = None
-    ) -> Path:
-        """Write the directory a server loads; returns it."""
-        ...
-
-
-class Loader(Protocol):
-    def __call__(
-        self, path: str | Path, target: TargetInfo, device: str | torch.device = ..., dtype: torch.dtype = ...
-    ) -> Any:
-        """The drafter an export wrote, read back."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -94,9 +70,9 @@ class Family:
     vocabulary: Literal["draft", "target"]
     served_algorithm: str
     deployable: bool
-    draft_params: Callable[[Any, TrainConfig, TargetGeometry], int]
+    draft_params: Callable[[Any, TrainSettings, TargetGeometry], int]
     model: Part[type[nn.Module]]
-    objective: Part[Callable[[TrainConfig], Objective]]
+    objective: Part[Callable[[Any], Objective[Any, Any, Any]]]
     export: Part[Exporter]
     loader: Part[Loader]
     proposer: Part[Callable[[Any], FamilyProposer]]

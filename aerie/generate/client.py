@@ -29,11 +29,11 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
-import aerie
 from aerie.errors import EndpointAuthError, EndpointRequestError, RequestFailedError
 from aerie.generate.config import EndpointConfig, SamplingParams
 from aerie.generate.ratelimit import RateLimiter
 from aerie.generate.transport import Http11Transport
+from aerie.version import __version__
 
 RETRYABLE_STATUS = frozenset({408, 409, 429})
 # 400s that name one over-long prompt, not a broken configuration: that conversation fails, the run goes on.
@@ -188,7 +188,7 @@ class ChatClient:
         return Http11Transport(self.endpoint.concurrency, ssl_context=ssl_context)
 
     def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "User-Agent": f"aerie/{aerie.__version__}"}
+        headers = {"Content-Type": "application/json", "User-Agent": f"aerie/{__version__}"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         if self.endpoint.referer:

@@ -26,10 +26,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
-import aerie
 from aerie.errors import EndpointAuthError, EndpointError, EndpointRequestError, EndpointUnreachableError
 from aerie.generate.client import body_start, parse_retry_after, public_url, redirect_target
 from aerie.generate.config import EndpointConfig
+from aerie.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def check_endpoint(endpoint: EndpointConfig, base_url: str, api_key: str | None)
     GET there), None when it answered and accepted the key."""
     url = base_url.rstrip("/") + preflight_path(endpoint, base_url)
     shown = public_url(url)
-    headers = {"User-Agent": f"aerie/{aerie.__version__}"}
+    headers = {"User-Agent": f"aerie/{__version__}"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     timeout = httpx.Timeout(endpoint.connect_timeout_s, read=min(endpoint.read_timeout_s, READ_TIMEOUT_S))

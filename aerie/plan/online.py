@@ -19,13 +19,33 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from aerie.plan import disk, sizes, throughput
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
-    from aerie.plan.plan import Plan
+    from aerie.plan.facts import TargetFacts
+
+
+class Planned(Protocol):
+    """What the comparison reads of a plan (`aerie.plan.plan.Plan` has it; that module imports this one)."""
+
+    @property
+    def cfg(self) -> PipelineConfig: ...
+
+    @property
+    def target(self) -> TargetFacts: ...
+
+    @property
+    def sizes(self) -> sizes.Sizes: ...
+
+    @property
+    def stages(self) -> list[throughput.StageEstimate]: ...
+
+    @property
+    def disk(self) -> disk.DiskPlan: ...
+
 
 Source = Literal["shards", "online"]
 # Online wins a tie: within this share of offline's GPU time it costs about the same and stores nothing.
@@ -153,7 +173,7 @@ def short_for_shards(plan: disk.DiskPlan) -> list[str]:
     return out
 
 
-def of_plan(plan: Plan) -> SourceComparison:
+def of_plan(plan: Planned) -> SourceComparison:
     """The comparison for the plan's config. An online config's plan holds no shards: offline's side is
     planned for the same config on shards."""
     offline_disk = plan.disk
@@ -163,7 +183,7 @@ def of_plan(plan: Plan) -> SourceComparison:
     return compare(plan.cfg, plan.sizes, plan.stages, offline_disk)
 
 
-def lines(plan: Plan) -> list[str]:
+def lines(plan: Planned) -> list[str]:
     """The comparison as `aerie plan` prints it."""
     c = of_plan(plan)
     s3 = f" ({_bytes(c.s3_bytes)} to S3)" if c.s3_bytes else ""

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-import aerie
 from aerie.errors import ConfigError
 from aerie.serving.config import WORKER_IMAGE, ServerConfig, is_sglang_image
 from aerie.sglang_plugin.compat import ALLOW_UNTESTED_ENV, DEEPSEEK_V3_DEFAULTS, SUPPORTED_SGLANG
@@ -25,7 +24,7 @@ from aerie.sglang_plugin.compat import ALLOW_UNTESTED_ENV, DEEPSEEK_V3_DEFAULTS,
 REFERENCE_MODULE = "aerie.engine"
 CONTAINER_HF_CACHE = "/root/.cache/huggingface"
 # aerie's source root (the checkout, for an editable install): SGLang's own environment lives beside it.
-AERIE_ROOT = Path(aerie.__file__).resolve().parent.parent
+AERIE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the aerie package
 # Where `make setup-sglang` links SGLang's own environment (Python 3.11, its own torch).
 SGLANG_VENV = AERIE_ROOT / ".venv-sglang"
 SGLANG_SETUP = "make setup-sglang"

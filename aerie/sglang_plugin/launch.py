@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aerie
 from aerie.errors import ServerLaunchError
 from aerie.sglang_plugin.capture import DUMP_DIR_ENV
 from aerie.sglang_plugin.compat import check_sglang_version, installed_sglang_version
+from aerie.version import __version__
 
 MODULE = "aerie.sglang_plugin.launch"
 PLUGIN_GROUP = "sglang.srt.plugins"
@@ -144,11 +144,9 @@ def rewrite_args(argv: Sequence[str], environ: Mapping[str, str]) -> LaunchPlan:
 def register_plugin(site_dir: Path) -> Path:
     """Write a minimal `*.dist-info` declaring the entry point; importlib.metadata finds it on any
     sys.path entry, so putting `site_dir` on PYTHONPATH registers the plugin in every child process."""
-    info = site_dir / f"{DIST_NAME}-{aerie.__version__}.dist-info"
+    info = site_dir / f"{DIST_NAME}-{__version__}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {DIST_NAME}\nVersion: {aerie.__version__}\n"
-    )
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST_NAME}\nVersion: {__version__}\n")
     (info / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\n{PLUGIN_NAME} = {PLUGIN_TARGET}\n")
     return site_dir
 
@@ -157,7 +155,7 @@ def child_env(environ: Mapping[str, str], site_dir: Path, dump_dir: Path) -> dic
     """The environment SGLang runs with: the plugin and aerie importable, the dump dir set, and the
     plugin allowed through SGLANG_PLUGINS when that whitelist is in use."""
     env = dict(environ)
-    aerie_root = str(Path(aerie.__file__).resolve().parent.parent)
+    aerie_root = str(Path(__file__).resolve().parents[2])  # the folder holding the aerie package
     paths = [str(site_dir), aerie_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env[DUMP_DIR_ENV] = str(dump_dir)

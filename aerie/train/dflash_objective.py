@@ -42,7 +42,7 @@ from aerie.train.objective import (
 )
 
 if TYPE_CHECKING:
-    from aerie.train.loop import Trainer
+    from aerie.train.running import RunningLoop
 
 EVAL_ANCHORS = 64  # anchors per held-out forward: [64 * (B-1), V] logits at a time
 
@@ -166,7 +166,7 @@ def block_hits(anchors: Tensor, correct: Tensor, rows: int) -> list[Tensor]:
 
 
 class DFlashObjective:
-    """DFlash's part of the training loop (`aerie.train.loop.Objective`): blocks after sampled anchors,
+    """DFlash's part of the training loop (`aerie.families.protocols.Objective`): blocks after sampled anchors,
     taught by the target's full head; held out, a block after every anchor, walked in rounds."""
 
     def __init__(self, cfg: TrainConfig) -> None:
@@ -197,7 +197,7 @@ class DFlashObjective:
         return drafter, Teacher(load_lm_head(target), torch.arange(v), torch.ones(v, dtype=torch.bool))
 
     def loss(
-        self, tr: Trainer, model: nn.Module, batch: Batch, reduce: Reduce, *, step: int = 0
+        self, tr: RunningLoop, model: nn.Module, batch: Batch, reduce: Reduce, *, step: int = 0
     ) -> tuple[Tensor, Tensor]:
         """Blocks after anchors drawn for this step and rank (a resumed run draws the same ones)."""
         generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + tr.dist.rank)
@@ -210,7 +210,7 @@ class DFlashObjective:
             )  # fmt: skip
 
     @torch.no_grad()
-    def evaluate(self, tr: Trainer, batch: Batch) -> tuple[Tensor, tuple[int, int]]:
+    def evaluate(self, tr: RunningLoop, batch: Batch) -> tuple[Tensor, tuple[int, int]]:
         """Every anchor of a held-out row, in groups (their logits are [group * (B-1), V]); the answers
         walked as the decoder walks them."""
         drafter = cast(DFlashDrafter, tr.drafter)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from aerie.errors import ConfigError, TrainingError
 from aerie.families import family_of
+from aerie.families.protocols import Objective
 from aerie.targets import TargetInfo
 from aerie.train.checkpoint import TrainState, checkpoint_name, load_checkpoint, save_checkpoint, save_weights
 from aerie.train.config import TrainConfig
@@ -43,39 +44,7 @@ Emit = Callable[[dict[str, Any]], None]
 BEST = "best"
 
 
-class Objective(Protocol):
-    """A drafter family's part of the loop (`aerie.families`: the family's `objective`, built from the
-    TrainConfig): everything that differs between families; the loop around it is one."""
-
-    width: int  # metric columns: TTT steps, or drafted slots of a block
-
-    def drafter(self, target: TargetInfo, draft_vocab_size: int, dtype: torch.dtype = ...) -> nn.Module:
-        """A fresh drafter (the stage also builds one to load the best weights into)."""
-        ...
-
-    def build(
-        self, target: TargetInfo, vocab: dict[str, Tensor], dtype: torch.dtype
-    ) -> tuple[nn.Module, Teacher]:
-        """The drafter to train and its teacher (on the CPU; the loop moves them)."""
-        ...
-
-    def loss(
-        self, tr: Trainer, model: nn.Module, batch: Batch, reduce: Callable[[Tensor], Tensor], *, step: int
-    ) -> tuple[Tensor, Tensor]:
-        """(loss, metric sums [5, width]) of one packed row; `step` numbers the rows of this rank (the
-        optimizer step when a step takes one row)."""
-        ...
-
-    def evaluate(self, tr: Trainer, batch: Batch) -> tuple[Tensor, tuple[int, int]]:
-        """(metric sums, (rounds, verify tokens) of its answers walked) of one held-out row."""
-        ...
-
-    def window_loss(self, summary: dict[str, float | list[float]]) -> float:
-        """The logged scalar, from per-column losses."""
-        ...
-
-
-def objective_for(cfg: TrainConfig) -> Objective:
+def objective_for(cfg: TrainConfig) -> Objective[Trainer, Batch, Teacher]:
     """`cfg.drafter`'s family part of the loop."""
     return family_of(cfg.drafter).objective.load()(cfg)
 
@@ -97,7 +66,9 @@ class TrainSpec(BaseModel):
 @dataclass
 class Trainer:
     cfg: TrainConfig
-    objective: Objective  # what the drafter family decides: model, teacher, loss, held-out walk
+    objective: Objective[
+        Trainer, Batch, Teacher
+    ]  # what the drafter family decides: model, teacher, loss, held-out walk
     drafter: nn.Module  # the module whose weights are saved
     model: nn.Module  # what the step calls: the drafter, or DDP around it
     teacher: Teacher

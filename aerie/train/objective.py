@@ -46,7 +46,7 @@ from aerie.train.data import Batch
 from aerie.train.fused import EAGER_CHUNK_ELEMENTS, SOFT_CE, TEACHER
 
 if TYPE_CHECKING:
-    from aerie.train.loop import Trainer
+    from aerie.train.running import RunningLoop
 
 STAT_ROWS = ("loss_sum", "count", "correct", "cond_num", "cond_den")
 
@@ -312,7 +312,7 @@ def walk_answers(batch: Batch, hits: list[Tensor], max_new_tokens: int = 1 << 30
 
 
 class Eagle3Objective:
-    """EAGLE-3's part of the training loop (`aerie.train.loop.Objective`): one Llama layer unrolled
+    """EAGLE-3's part of the training loop (`aerie.families.protocols.Objective`): one Llama layer unrolled
     `ttt_length` steps over each packed row, taught by the target's head over the draft vocabulary, and
     the held-out answers walked in rounds by its hits."""
 
@@ -341,7 +341,7 @@ class Eagle3Objective:
 
     def loss(
         self,
-        tr: Trainer,
+        tr: RunningLoop,
         model: nn.Module,
         batch: Batch,
         reduce: Reduce,
@@ -371,7 +371,7 @@ class Eagle3Objective:
             documents=batch.doc_ids if self.cfg.loss_normalization == "sequence" else None,
         )  # fmt: skip
 
-    def evaluate(self, tr: Trainer, batch: Batch) -> tuple[Tensor, tuple[int, int]]:
+    def evaluate(self, tr: RunningLoop, batch: Batch) -> tuple[Tensor, tuple[int, int]]:
         """One held-out row: (metric sums [5, K], (rounds, verify tokens) of its answers walked)."""
         hits: list[Tensor] = []
         stats = self.loss(tr, tr.drafter, batch, _identity, exact=True, hits=hits)[1]

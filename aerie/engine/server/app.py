@@ -26,7 +26,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-import aerie
 from aerie.engine.generation import GenRequest, GenResult, SamplingParams
 from aerie.engine.server.args import RefServerArgs, launch_command
 from aerie.engine.server.chat import ChatFormat, StreamSplitter
@@ -42,6 +41,7 @@ from aerie.engine.server.protocol import (
 )
 from aerie.engine.server.scheduler import Scheduler
 from aerie.engine.server.sglang_log import logger
+from aerie.version import __version__
 
 Status = Literal["Starting", "Up", "Draining"]
 HEALTH_RID_PREFIX = "HEALTH_CHECK_"
@@ -82,7 +82,7 @@ def _error(message: str, code: int = 400) -> JSONResponse:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="aerie reference server", version=aerie.__version__)
+    app = FastAPI(title="aerie reference server", version=__version__)
     app.state.server = state
 
     @app.get("/health")
@@ -181,7 +181,7 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "aux_layers_convention": "input",
         "served_model_name": state.served_model_name,
         "launch_command": launch_command(a.launch_command),
-        "version": aerie.__version__,
+        "version": __version__,
         "frontend": "aerie-refserver",
         "status": state.status,
         "pid": os.getpid(),

@@ -33,14 +33,32 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from aerie.engine.server.sglang_log import logger
 
-if TYPE_CHECKING:
-    from aerie.engine.server.slots import KVSlots
+
+class Cache(Protocol):
+    """What the graphs read of the KV cache (`aerie.engine.server.slots.KVSlots` has it; that module
+    imports this one)."""
+
+    @property
+    def device(self) -> torch.device | str: ...
+
+    @property
+    def length(self) -> int:
+        """Positions allocated per row."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """Bumped whenever the buffers are reallocated (captured graphs hold pointers)."""
+        ...
+
+    def ensure(self, rows: int, length: int) -> None: ...
+
 
 # decode(ids [R], positions [R], rows [R], width) -> logits [R, V]: one token per row over the
 # first `width` cache positions
@@ -106,7 +124,7 @@ class DecodeGraphs:
     def __init__(
         self,
         decode: Decode,
-        kv: KVSlots,
+        kv: Cache,
         rows: int,
         *,
         vocab: int,

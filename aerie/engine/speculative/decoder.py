@@ -35,43 +35,17 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from aerie.errors import EvaluationError
+from aerie.families.protocols import Proposer
 
 # Compact a cache when its slots exceed this many times the longest row's live slots (plus slack).
 _COMPACT_FACTOR = 2
 _COMPACT_SLACK = 64
-
-
-class Proposer(Protocol):
-    """Drafts tokens for the sequences being decoded. Sequences are named by stable integer ids.
-
-    `add` is called once per sequence after the target's prefill, `propose` once per round for the
-    active sequences, `advance` after each verify with what the target accepted, `remove` when a
-    sequence finishes. `aux` (when `needs_aux`) holds the target's captured hidden states
-    [n, len(aux_layers) * H] of the positions the target just processed, each paired with the token
-    that followed that position: in `add`, `contexts` is prompt + first token and aux row i (position
-    i) pairs with context[i + 1]; in `advance`, aux row i pairs with new_tokens[i].
-    """
-
-    name: str
-    needs_aux: bool
-
-    def add(
-        self, seqs: Sequence[int], contexts: Sequence[list[int]], aux: Sequence[Tensor] | None
-    ) -> None: ...
-
-    def propose(self, seqs: Sequence[int], k: int) -> list[list[int]]: ...
-
-    def advance(
-        self, seqs: Sequence[int], new_tokens: Sequence[list[int]], aux: Sequence[Tensor] | None
-    ) -> None: ...
-
-    def remove(self, seqs: Sequence[int]) -> None: ...
 
 
 class NoProposer:
