@@ -40,10 +40,13 @@ from aerie.deploy.report import deployment_markdown
 from aerie.deploy.serving_plan import serving_plan, with_measured
 from aerie.errors import EvaluationError, TargetError
 from aerie.evaluate.drafter_files import drafter_keys, fetch_drafter, name_in_drafter
+from aerie.evaluate.drafter_files import family_of as family_at
 from aerie.evaluate.prompts import mtbench_prompts
+from aerie.families import family
 from aerie.manifest import StageResult, stage_key
 from aerie.progress import ProgressFn
 from aerie.serving import ModelServer, ServerConfig, ServerSpec, SpeculativeArgs, spec_for
+from aerie.serving.spec import NGRAM
 from aerie.stage import WorkContext
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo, read_config
@@ -64,11 +67,13 @@ class Promotion:
 
 
 def speculative_args(cfg: DeployConfig, server: ServerConfig, drafter_dir: str) -> SpeculativeArgs:
-    """The speculative flags for the configured backend. SGLang gets all three (topk 1 is a chain of
-    num_steps drafts verified as num_steps+1 tokens); the reference server decodes chains and takes
-    only the step count."""
+    """The speculative flags for the configured backend, under the drafter's family's algorithm (its
+    `aerie.json` names the family). SGLang gets all three (topk 1 is a chain of num_steps drafts
+    verified as num_steps+1 tokens); the reference server decodes chains and takes only the step count."""
+    algorithm = family(family_at(Path(drafter_dir))).served_algorithm
     if server.backend == "sglang":
         return SpeculativeArgs(
+            algorithm=algorithm,
             draft_model_path=drafter_dir,
             num_steps=cfg.num_steps,
             eagle_topk=cfg.eagle_topk,
@@ -79,7 +84,7 @@ def speculative_args(cfg: DeployConfig, server: ServerConfig, drafter_dir: str) 
             f"deploy.eagle_topk {cfg.eagle_topk}: the reference server drafts chains only (topk 1); "
             "use server.backend=sglang for tree drafts"
         )
-    return SpeculativeArgs(draft_model_path=drafter_dir, num_steps=cfg.num_steps)
+    return SpeculativeArgs(algorithm=algorithm, draft_model_path=drafter_dir, num_steps=cfg.num_steps)
 
 
 def serves_ngram(cfg: DeployConfig, server: ServerConfig) -> bool:
@@ -115,7 +120,7 @@ def server_specs(
                 model_path=target.path,
                 mode="serve",
                 name=f"{server.backend}-ngram",
-                speculative=SpeculativeArgs(algorithm="NGRAM", num_draft_tokens=cfg.ngram_draft_tokens),
+                speculative=SpeculativeArgs(algorithm=NGRAM, num_draft_tokens=cfg.ngram_draft_tokens),
                 trust_remote_code=target.trust_remote_code,
             )
         }

@@ -4,13 +4,16 @@
     family_of(cfg.train.drafter).deployable     the family a `train.drafter` section names
 
 A family is its parts (model, objective, export and loader, proposer: modules of its own) plus one
-`Family` declaration and one line in `BUILTIN` below, or a `register(...)` call before the config
-loads (`docs/extending.md`). Nothing outside this package branches on a family's name; the config
+`Family` declaration and one line in `BUILTIN` below, a `register(...)` call before the config loads,
+or an entry point in the group `aerie.families` naming the declaration (a plug-in: every process
+finds it, the reference server's included; `docs/extending.md`). The parts' protocols are
+`aerie.families.protocols`. Nothing outside this package branches on a family's name; the config
 checks what a family cannot do (deploy, captures) when it loads.
 """
 
 from __future__ import annotations
 
+from importlib.metadata import entry_points
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, SerializeAsAny, ValidationError
@@ -34,6 +37,7 @@ __all__ = [
     "family_of",
     "names",
     "register",
+    "serving",
     "spread_layers",
     "unregister",
 ]
@@ -43,7 +47,25 @@ BUILTIN: tuple[Family, ...] = (EAGLE3, DFLASH)
 # a run training another family measures its own drafter in its place.
 DEFAULT = EAGLE3.name
 
+ENTRY_POINTS = "aerie.families"  # plug-ins: each entry point names a `Family`
+
 _REGISTRY: dict[str, Family] = {f.name: f for f in BUILTIN}
+_plugins_loaded = False
+
+
+def _registry() -> dict[str, Family]:
+    """The families, plug-ins loaded on first use (a plug-in's module may import this package)."""
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        for point in entry_points(group=ENTRY_POINTS):
+            entry = point.load()
+            if not isinstance(entry, Family):
+                raise ConfigError(
+                    f"entry point {point.name} = {point.value} ({ENTRY_POINTS}) is not a Family"
+                )
+            register(entry)
+    return _REGISTRY
 
 
 def register(entry: Family) -> Family:
@@ -63,14 +85,23 @@ def unregister(name: str) -> None:
 
 
 def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    return tuple(_registry())
 
 
 def family(name: str) -> Family:
     try:
-        return _REGISTRY[name]
+        return _registry()[name]
     except KeyError:
         raise ConfigError(f"unknown drafter family {name!r}; allowed: {', '.join(_REGISTRY)}") from None
+
+
+def serving(algorithm: str) -> Family:
+    """The family whose drafters a server runs under SGLang's `--speculative-algorithm` `algorithm`."""
+    for entry in _registry().values():
+        if entry.served_algorithm == algorithm:
+            return entry
+    served = ", ".join(f.served_algorithm for f in _REGISTRY.values())
+    raise ConfigError(f"no drafter family is served as {algorithm!r}; served algorithms: {served}")
 
 
 def family_of(settings: DrafterSettings) -> Family:
@@ -91,7 +122,7 @@ def _settings(value: Any) -> Any:
     if not isinstance(value, dict):
         raise ValueError(f"a drafter family's name or a mapping of its settings, got {value!r}")
     name = value.get("family", DEFAULT)
-    if name not in _REGISTRY:
+    if name not in _registry():
         raise ValueError(f"unknown drafter family {name!r}; allowed: {', '.join(_REGISTRY)}")
     config = _REGISTRY[name].config
     try:

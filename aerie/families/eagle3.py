@@ -34,6 +34,39 @@ def _params(settings: Eagle3Settings, train: TrainSettings, geometry: TargetGeom
     return 3 * h * h + attention + 3 * h * inter + h * min(train.draft_vocab_size, geometry.vocab_size)
 
 
+def ttt_flops_per_token(
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    draft_vocab: int,
+    seq_len: int,
+    ttt: int,
+) -> float:
+    """Forward+backward FLOPs per trained token (the formula benchmarks/train.py reports MFU with):
+    6 x matmul parameters per TTT step (fc once), plus attention over ~seq/2 causal keys."""
+    layer = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    layer += 3 * hidden * intermediate + hidden * draft_vocab
+    fc = 3 * hidden * hidden
+    attention = sum(4 * heads * head_dim * ((seq_len + 1) / 2 + k) for k in range(ttt))
+    return 3 * (2 * (fc + ttt * layer) + attention)
+
+
+def _flops(settings: Eagle3Settings, train: TrainSettings, geometry: TargetGeometry, seq_len: int) -> float:
+    shape = train.draft.resolve(geometry)
+    return ttt_flops_per_token(
+        geometry.hidden_size,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.intermediate_size,
+        min(train.draft_vocab_size, geometry.vocab_size),
+        seq_len,
+        train.ttt_length,
+    )
+
+
 EAGLE3 = Family(
     name="eagle3",
     config=Eagle3Settings,
@@ -42,6 +75,7 @@ EAGLE3 = Family(
     served_algorithm="EAGLE3",
     deployable=True,
     draft_params=_params,
+    train_flops=_flops,
     model=Part("aerie.draft.model:Eagle3Drafter"),
     objective=Part("aerie.train.objective:Eagle3Objective"),
     export=Part("aerie.draft.export:export_drafter"),

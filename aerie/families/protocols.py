@@ -118,3 +118,6 @@ class TrainSettings(Protocol):
 
     @property
     def draft_vocab_size(self) -> int: ...
+
+    @property
+    def ttt_length(self) -> int: ...

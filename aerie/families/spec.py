@@ -58,7 +58,9 @@ class Family:
     - `served_algorithm`: SGLang's `--speculative-algorithm` for its export; `deployable`: whether the
       deploy stage serves it (checked when the config loads);
     - `draft_params(settings, train, geometry)`: trainable parameters for a target of that geometry,
-      the planner's FLOPs and sizes;
+      the planner's sizes; `train_flops(settings, train, geometry, seq_len)`: forward+backward FLOPs per
+      trained token of a `seq_len` row, the planner's training time (None: 6 x its parameters, a dense
+      forward and backward over each token);
     - `diagnosed`: whether the evaluator's teacher-forced diagnosis (`aerie.evaluate.diagnose`) reads it;
     - the parts: its model class, its objective (its part of the training loop), export and loader, and
       the proposer the lossless evaluator drafts with.
@@ -77,6 +79,15 @@ class Family:
     loader: Part[Loader]
     proposer: Part[Callable[[Any], FamilyProposer]]
     diagnosed: bool = False
+    train_flops: Callable[[Any, TrainSettings, TargetGeometry, int], float] | None = None
+
+    def flops_per_token(
+        self, settings: DrafterSettings, train: TrainSettings, geometry: TargetGeometry, seq_len: int
+    ) -> float:
+        """Forward+backward FLOPs per trained token (`train_flops`, or 6 x its parameters)."""
+        if self.train_flops is not None:
+            return self.train_flops(settings, train, geometry, seq_len)
+        return 6.0 * self.draft_params(settings, train, geometry)
 
     def layers(self, settings: DrafterSettings, num_layers: int) -> list[int]:
         """The output-of-layer ids it reads of a `num_layers` target ([] when it reads none)."""

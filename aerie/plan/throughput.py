@@ -10,6 +10,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from aerie.config import PipelineConfig
+from aerie.families import family_of
+
+# The calibration drafter benchmarks/train.py measured is an EAGLE-3 one: its FLOPs are that family's count.
+from aerie.families.eagle3 import ttt_flops_per_token
 from aerie.plan.facts import Hardware, Rate, TargetFacts, hardware, rates
 from aerie.plan.sizes import Sizes
 
@@ -37,25 +41,6 @@ class StageEstimate:
     @property
     def gpu_seconds(self) -> float:
         return self.seconds * self.gpus
-
-
-def train_flops_per_token(
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    intermediate: int,
-    draft_vocab: int,
-    seq_len: int,
-    ttt: int,
-) -> float:
-    """Forward+backward FLOPs per trained token (the formula benchmarks/train.py reports MFU with):
-    6 x matmul parameters per TTT step (fc once), plus attention over ~seq/2 causal keys."""
-    layer = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    layer += 3 * hidden * intermediate + hidden * draft_vocab
-    fc = 3 * hidden * hidden
-    attention = sum(4 * heads * head_dim * ((seq_len + 1) / 2 + k) for k in range(ttt))
-    return 3 * (2 * (fc + ttt * layer) + attention)
 
 
 def prefill_flops_per_token(target: TargetFacts, seq_len: int) -> float:
@@ -392,18 +377,9 @@ def _extract(m: Model, sizes: Sizes) -> StageEstimate:
 
 
 def draft_flops(m: Model, seq_len: int) -> float:
-    g, train = m.target.geometry, m.cfg.train
-    shape = train.draft.resolve(g)
-    return train_flops_per_token(
-        g.hidden_size,
-        shape.num_heads,
-        shape.num_kv_heads,
-        shape.head_dim,
-        shape.intermediate_size,
-        min(train.draft_vocab_size, g.vocab_size),
-        seq_len,
-        train.ttt_length,
-    )
+    """Forward+backward FLOPs per trained token of the drafter this config trains (its family's count)."""
+    train = m.cfg.train
+    return family_of(train.drafter).flops_per_token(train.drafter, train, m.target.geometry, seq_len)
 
 
 def _trained_positions(cfg: PipelineConfig, sizes: Sizes, world: int) -> tuple[int, int]:
@@ -466,7 +442,7 @@ def _train(m: Model, sizes: Sizes) -> StageEstimate:
 
 def _kimi_bench_flops(seq_len: int) -> float:
     """FLOPs per token of the Kimi-sized drafter benchmarks/train.py measured (its CONFIGS['kimi-k2.5'])."""
-    return train_flops_per_token(7168, 56, 8, 128, 18432, 32000, seq_len, 7)
+    return ttt_flops_per_token(7168, 56, 8, 128, 18432, 32000, seq_len, 7)
 
 
 # The prompt-passes of the evaluate stage `evaluate_stage_s` measured: 80 MT-Bench and 40 held-out prompts,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from aerie.errors import ConfigError
+from aerie.families import DEFAULT, family, serving
 from aerie.serving.config import WORKER_IMAGE, ServerConfig, is_sglang_image
 from aerie.sglang_plugin.compat import ALLOW_UNTESTED_ENV, DEEPSEEK_V3_DEFAULTS, SUPPORTED_SGLANG
 
@@ -57,25 +58,29 @@ STARTUP_BASE_S = {"reference": 120.0, "sglang": 600.0}
 UNKNOWN_SIZE_DEADLINE_S = 3600.0
 
 Mode = Literal["serve", "extract"]
+NGRAM = "NGRAM"  # SGLang's n-gram lookup: speculation without a drafter
 
 
 @dataclass(frozen=True)
 class SpeculativeArgs:
-    """SGLang speculative decoding with an EAGLE-3 drafter, or SGLang's own n-gram lookup
-    (`algorithm="NGRAM"`, no drafter: drafts from the tokens already in the context). None fields:
-    SGLang picks them."""
+    """Speculative decoding with a drafter, under its family's algorithm (`Family.served_algorithm`,
+    the default family's when none is given), or SGLang's own n-gram lookup (`algorithm="NGRAM"`, no
+    drafter: drafts from the tokens already in the context). None fields: the server picks them."""
 
     draft_model_path: str | None = None
     num_steps: int | None = None
     eagle_topk: int | None = None
     num_draft_tokens: int | None = None
-    algorithm: Literal["EAGLE3", "NGRAM"] = "EAGLE3"
+    algorithm: str = field(default_factory=lambda: family(DEFAULT).served_algorithm)
 
     def __post_init__(self) -> None:
-        if (self.algorithm == "EAGLE3") != (self.draft_model_path is not None):
+        drafted = self.algorithm != NGRAM
+        if drafted:
+            serving(self.algorithm)  # a family's algorithm, or ConfigError naming those there are
+        if drafted != (self.draft_model_path is not None):
             raise ConfigError(
-                f"speculative algorithm {self.algorithm}: EAGLE3 takes a drafter directory, NGRAM none "
-                f"(got {self.draft_model_path!r})"
+                f"speculative algorithm {self.algorithm}: a family's algorithm takes a drafter directory, "
+                f"{NGRAM} none (got {self.draft_model_path!r})"
             )
 
     def to_args(self) -> list[str]:
@@ -443,10 +448,10 @@ def spec_for(
             dump,
         )
         if speculative is not None:
-            if speculative.algorithm != "EAGLE3":
+            if speculative.algorithm == NGRAM:
                 raise ConfigError(
-                    f"the reference server speculates with an EAGLE-3 drafter only, not "
-                    f"{speculative.algorithm}; serve SGLang (server.backend=sglang) for n-gram speculation"
+                    "the reference server speculates with a trained drafter only, not n-gram lookup; "
+                    "serve SGLang (server.backend=sglang) for n-gram speculation"
                 )
             if speculative.eagle_topk is not None or speculative.num_draft_tokens is not None:
                 raise ConfigError(

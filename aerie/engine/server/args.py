@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from aerie.errors import ConfigError
+from aerie.families import serving
 from aerie.reasoning import PARSERS
 
 Mode = Literal["serve", "extract"]
@@ -243,7 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="A Jinja chat template file used instead of the tokenizer's (/v1/chat/completions).",
     )
     spec = p.add_argument_group("speculative decoding (served by aerie.engine.speculative.decoder)")
-    spec.add_argument("--speculative-algorithm", default=None, choices=["EAGLE3"])
+    spec.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        help="A drafter family's algorithm (aerie.families: Family.served_algorithm), e.g. EAGLE3.",
+    )
     spec.add_argument("--speculative-draft-model-path", "--speculative-draft-model", default=None)
     spec.add_argument("--speculative-num-steps", type=int, default=None)
     return p
@@ -324,8 +330,13 @@ def check_args(args: RefServerArgs) -> None:
             check_aux_layers(args.aux_layers, depth)
     if args.chat_template is not None and not Path(args.chat_template).expanduser().is_file():
         raise ArgsError(f"--chat-template {args.chat_template}: no such file (a Jinja template)")
-    if args.speculative_algorithm is not None and not args.speculative_draft_model_path:
-        raise ArgsError("--speculative-algorithm needs --speculative-draft-model-path")
+    if args.speculative_algorithm is not None:
+        if not args.speculative_draft_model_path:
+            raise ArgsError("--speculative-algorithm needs --speculative-draft-model-path")
+        try:
+            serving(args.speculative_algorithm)
+        except ConfigError as exc:
+            raise ArgsError(f"--speculative-algorithm: {exc}") from exc
 
 
 def parse_packs(spec: str) -> tuple[int, int]:

@@ -1,7 +1,8 @@
-"""The reference server's speculative mode: `--speculative-algorithm EAGLE3
---speculative-draft-model-path DIR --speculative-num-steps K`.
+"""The reference server's speculative mode: `--speculative-algorithm ALGO
+--speculative-draft-model-path DIR --speculative-num-steps K`, ALGO a drafter family's
+(`Family.served_algorithm`: EAGLE3, DFLASH or a plug-in's).
 
-Greedy requests are decoded by `SpecDecoder` with the EAGLE-3 drafter, continuously batched (requests
+Greedy requests are decoded by `SpecDecoder` with the family's proposer over its drafter, continuously batched (requests
 join between rounds), and report SGLang's speculative fields in `meta_info`: `spec_verify_ct`,
 `spec_accept_length` (= completion_tokens / spec_verify_ct), `spec_accept_token_num` (accepted drafts)
 and `spec_draft_token_num` (drafts verified). What the decoder does not do — sampling, stop strings,
@@ -15,7 +16,7 @@ from typing import Any
 
 from aerie.engine.generation import BatchedDecoder, GenRequest, GenResult
 from aerie.engine.speculative.decoder import SpecDecoder, SpecOutput
-from aerie.engine.speculative.eagle import EagleProposer
+from aerie.families import serving
 
 DEFAULT_NUM_STEPS = 3
 
@@ -47,15 +48,15 @@ class SpeculativeBackend:
 
     @classmethod
     def from_server(cls, loaded: Any, args: Any) -> SpeculativeBackend:
-        """Build from the reference server's loaded model and parsed args (loads the drafter)."""
-        from aerie.draft.export import load_drafter
+        """Build from the reference server's loaded model and parsed args (loads the drafter with the
+        loader of the family `--speculative-algorithm` names)."""
         from aerie.targets import resolve_target
 
+        drafting = serving(args.speculative_algorithm)
         target = resolve_target(args.model_path)
-        drafter = load_drafter(
-            args.speculative_draft_model_path, target, device=loaded.device, dtype=loaded.dtype
-        )
-        proposer = EagleProposer(drafter)
+        load = drafting.loader.load()
+        drafter = load(args.speculative_draft_model_path, target, device=loaded.device, dtype=loaded.dtype)
+        proposer = drafting.proposer.load()(drafter)
         decoder = SpecDecoder(
             loaded.model,
             proposer,
