@@ -1,70 +1,26 @@
-"""Drafter families are plug-ins: a toy family registered the way `docs/extending.md` says reaches the
-config, extraction, the planner, the evaluator and the deploy check through the registry alone, and
-nothing outside `aerie/families/` branches on a family's name."""
+"""Drafter families are plug-ins: a toy family (tests/toy_family.py) registered the way
+`docs/extending.md` says reaches the config, extraction, the planner, the evaluator, the deploy check
+and the reference server through the registry alone, and nothing outside `aerie/families/` branches on
+a family's name."""
 
 from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
 
-import pydantic
+import httpx
 import pytest
 
 from aerie.config import PipelineConfig
-from aerie.engine.speculative.decoder import NoProposer
 from aerie.errors import ConfigError
-from aerie.families import DrafterSettings, Family, Part, family, family_of, names, register, spread_layers
+from aerie.families import Family, family, family_of, names, register, serving, spread_layers
 from aerie.families import unregister as unregister_family
 from aerie.presets import load_config
-from aerie.targets import TargetGeometry
+from aerie.serving import SpeculativeArgs
+from tests.toy_family import TOY, TOY_ENTRY_POINT, ToyDrafter, ToyProposer, ToySettings, export_toy
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-# -- the toy family, as docs/extending.md's recipe writes one -----------------------------------------
-
-
-class ToySettings(DrafterSettings):
-    """The toy's own settings: `train.drafter.family=toy`, `train.drafter.num_target_layers=2`."""
-
-    family: Literal["toy"] = "toy"
-    num_target_layers: int = pydantic.Field(2, ge=1)
-
-
-class ToyDrafter:
-    """The toy's model: holds nothing (the recipe's parts are the family's own modules)."""
-
-
-class ToyProposer(NoProposer):
-    """The toy's proposer for the lossless evaluator: drafts nothing, reads no target layers."""
-
-    name = "toy"
-    aux_layers = None
-
-    def __init__(self, drafter: ToyDrafter) -> None:
-        self.drafter = drafter
-
-
-def toy_params(settings: ToySettings, train: object, geometry: TargetGeometry) -> int:
-    return settings.num_target_layers * geometry.hidden_size**2
-
-
-TOY = Family(
-    name="toy",
-    config=ToySettings,
-    capture_layers=lambda settings, num_layers: spread_layers(num_layers, settings.num_target_layers),
-    vocabulary="target",
-    served_algorithm="TOY",
-    deployable=False,
-    draft_params=toy_params,
-    model=Part("tests.test_families:ToyDrafter"),
-    objective=Part("tests.test_families:ToyDrafter"),
-    export=Part("tests.test_families:ToyDrafter"),
-    loader=Part("tests.test_families:ToyDrafter"),
-    proposer=Part("tests.test_families:ToyProposer"),
-)
 
 
 @pytest.fixture
@@ -98,6 +54,7 @@ def test_what_a_family_cannot_do_fails_when_the_config_loads(toy: Family) -> Non
         load_config("smollm2-local", ["train.drafter=medusa"])
     with pytest.raises(ConfigError, match="registered already"):
         register(Family(**{**TOY.__dict__, "served_algorithm": "OTHER"}))
+    assert isinstance(family("toy").config.model_validate({}), ToySettings)
 
 
 def test_the_stages_reach_the_family_through_the_registry(toy: Family, smollm2) -> None:
@@ -118,6 +75,78 @@ def test_the_stages_reach_the_family_through_the_registry(toy: Family, smollm2) 
     facts = target_facts(cfg.target)
     assert drafter_params(cfg, facts) == 3 * facts.geometry.hidden_size**2
     assert family("toy").model.load() is ToyDrafter
+
+
+def test_the_planner_counts_the_familys_flops(toy: Family) -> None:
+    """A family without its own FLOP count trains as a dense forward and backward over its parameters;
+    EAGLE-3's count (its TTT steps) is its own and stays out of other families' plans."""
+    from aerie.plan.facts import hardware, target_facts
+    from aerie.plan.throughput import Model, draft_flops
+
+    cfg = load_config("smollm2-local", TOY_RUN)
+    facts = target_facts(cfg.target)
+    model = Model(cfg, facts, hardware("h100"))
+    assert draft_flops(model, 512) == 6 * 3 * facts.geometry.hidden_size**2
+    eagle = load_config("smollm2-local", [])
+    longer = eagle.model_copy(
+        update={"train": eagle.train.model_copy(update={"ttt_length": 2 * eagle.train.ttt_length})}
+    )
+    assert draft_flops(Model(longer, facts, hardware("h100")), 512) > draft_flops(
+        Model(eagle, facts, hardware("h100")), 512
+    )
+
+
+def test_serving_takes_the_familys_algorithm(toy: Family) -> None:
+    assert serving("TOY") is toy and SpeculativeArgs("/d", algorithm="TOY").to_args()[:2] == [
+        "--speculative-algorithm",
+        "TOY",
+    ]
+    with pytest.raises(ConfigError, match="no drafter family is served as 'MEDUSA'"):
+        SpeculativeArgs("/d", algorithm="MEDUSA")
+
+
+@pytest.mark.integration  # a reference server process
+def test_the_reference_server_serves_a_plugin_family(toy: Family, tmp_path, monkeypatch, smollm2) -> None:
+    """The toy arrives in the server's process as a plug-in (an `aerie.families` entry point) and its
+    drafts are verified losslessly: the reply is the target's greedy text."""
+    import torch
+
+    from aerie.engine.speculative.decoder import greedy_reference
+    from tests.refserver_support import launch, wait_ready
+
+    site = tmp_path / "site"
+    info = site / "aerie_toy_family-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: aerie-toy-family\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[aerie.families]\n{TOY_ENTRY_POINT}\n")
+    monkeypatch.setenv("PYTHONPATH", f"{site}:{ROOT}")
+    drafter_dir = export_toy(ToyDrafter(), tmp_path / "drafter", smollm2)
+    server = launch(
+        smollm2.path,
+        tmp_path,
+        "--device",
+        "cpu",
+        *SpeculativeArgs(str(drafter_dir), num_steps=3, algorithm="TOY").to_args(),
+    )
+    try:
+        wait_ready(server, timeout=300)
+        text, new = "Count: 1, 1, 1, 1, 1,", 8
+        reply = httpx.post(
+            server.url + "/generate",
+            json={"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": new}},
+            timeout=300,
+        )
+    finally:
+        server.stop()
+    assert reply.status_code == 200, reply.text
+    item = reply.json()
+    torch.set_num_threads(1)
+    ids = list(smollm2.load_tokenizer()(text).input_ids)
+    assert item["output_ids"] == greedy_reference(
+        smollm2.load_model("cpu", "float32"), ids, new, smollm2.eos_token_ids
+    )
+    meta = item["meta_info"]
+    assert 0 < meta["spec_draft_token_num"] <= 3 * meta["spec_verify_ct"]  # the toy drafted, chains of 3
 
 
 # -- no branches on family names outside the registry -------------------------------------------------
