@@ -22,13 +22,12 @@ if TYPE_CHECKING:
 
 def extract_config(cfg: PipelineConfig, target: TargetInfo) -> ExtractConfig:
     """`cfg.extract` with the layers to capture filled in from `train.drafter`'s family (unless set):
-    the shards hold what the drafter reads. Where those are extraction's own default (EAGLE-3's three,
-    `TargetInfo.aux_layers_output`) it stays None, so the key is unchanged."""
+    the shards hold what the drafter reads, and every later reader takes them from here. The key is
+    unchanged where they are EAGLE-3's (`aerie.extract.plan.extract_key` names other layers only)."""
     ex = cfg.extract
-    layers = cfg.train.capture_layers(target.num_layers)
-    if ex.capture_layers is not None or layers == target.aux_layers_output:
+    if ex.capture_layers is not None:
         return ex
-    return ex.model_copy(update={"capture_layers": layers})
+    return ex.model_copy(update={"capture_layers": cfg.train.capture_layers(target.num_layers)})
 
 
 class ExtractStage(Stage):
