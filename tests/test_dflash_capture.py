@@ -74,7 +74,9 @@ def test_the_pipeline_fills_in_the_family_layers_and_eagle3_keys_stay(smollm2) -
     server = ServerConfig()
     eagle = load_config("smollm2-local", [])
     dflash = load_config("smollm2-local", DFLASH)
-    assert extract_config(eagle, smollm2).capture_layers == smollm2.aux_layers_output  # EAGLE-3's, filled in too
+    assert (
+        extract_config(eagle, smollm2).capture_layers == smollm2.aux_layers_output
+    )  # EAGLE-3's, filled in too
     assert extract_config(dflash, smollm2).capture_layers == [1, 8, 14, 21, 27]
     assert extract_config(dflash, smollm2).layers_input(smollm2) == [2, 9, 15, 22, 28]
     # The key an EAGLE-3 extraction had before the family existed, written out.
