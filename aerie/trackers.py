@@ -13,7 +13,7 @@ Where they write: `train.tracking_dir`, by default `<store>/<run>/trackers/` for
     mlflow.db                                        experiment `<run>`, one MLflow run per stage key
                                                      (`mlflow ui --backend-store-uri sqlite:///DIR/mlflow.db`;
                                                      MLFLOW_TRACKING_URI, when set, is used instead)
-    wandb/wandb/offline-run-*                        W&B offline runs, project `aerie`, group `<run>`
+    wandb/offline-run-*                              W&B offline runs, project `aerie`, group `<run>`
                                                      (`wandb sync`); WANDB_MODE=online streams instead
 
 A stage run that resumes (a stopped training) continues its tracker run: MLflow's is found by its

@@ -17,7 +17,8 @@ lookup's, the served speed-up, promoted or not), whose line is also the run log'
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import (
@@ -81,7 +82,9 @@ def eagle3_pipeline(
         )
 
     names = [s.name for s in planned(cfg, None)]
-    progress = create_progress_artifact(0.0, key=artifact_key(cfg.run, "progress"), description="starting")
+    progress = cast(
+        UUID, create_progress_artifact(0.0, key=artifact_key(cfg.run, "progress"), description="starting")
+    )
 
     def step(stage: Stage, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         # Hashed at most once in this run (the composer's look-ahead, `aerie.pipeline.rebuild_missing`,

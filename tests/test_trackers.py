@@ -30,6 +30,9 @@ from tests.tracker_support import (
 )
 
 RUN = "tracked"
+# The module's pipeline run (every stage, two served benchmarks) is its first test's: past the default
+# hang guard on a shared 2-core machine.
+pytestmark = pytest.mark.timeout(3000)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +43,7 @@ def tracked(tmp_path_factory) -> dict[str, Any]:
     overrides = [
         *pipeline_support.tiny_overrides(store, run=RUN, port=free_port()),
         "train.report_to=[tensorboard,mlflow,wandb]",
+        "train.log_every=1",  # a point per step: a curve, not the last step alone
         "deploy.promote_margin=0.01",
     ]
     report = run_pipeline(
@@ -111,9 +115,7 @@ def test_mlflow_runs_hold_the_loss_curve_config_and_each_stages_figures(tracked)
 @pytest.mark.slow
 def test_wandb_offline_run_parsed_holds_the_loss_curve(tracked):
     train = tracked["results"]["train"]
-    (run_file,) = (tracked["trackers"] / "wandb" / "wandb").glob(
-        f"offline-run-*-{RUN}-train-{train.key}/*.wandb"
-    )
+    (run_file,) = (tracked["trackers"] / "wandb").glob(f"offline-run-*-{RUN}-train-{train.key}/*.wandb")
     parsed = wandb_offline_run(run_file)
     losses = {row["step"]: row["train/loss"] for row in parsed["history"] if "train/loss" in row}
     assert losses == {r["step"]: r["loss"] for r in _train_records(tracked, "train")}
@@ -133,7 +135,6 @@ def test_every_drafter_directory_holds_its_card(tracked):
             "library_name": "sglang",
             "tags": ["speculative-decoding", "eagle3", "draft-model", "aerie"],
         }
-        assert f"--speculative-num-steps {manifests['deploy']['num_steps']}" in body or "promoted" not in body
         assert "--speculative-algorithm EAGLE3" in body
         assert ("vllm serve" in body) == (store / results["train"].prefix / "drafter" / VLLM_CONFIG).is_file()
         # The acceptance per prompt set and position, as the evaluation measured it.
@@ -143,6 +144,7 @@ def test_every_drafter_directory_holds_its_card(tracked):
             )
         assert f"`{RUN}/merge/{results['merge'].key}`" in body
     assert "## Served speed-up" not in evaluated[1]
+    assert f"--speculative-num-steps {manifests['deploy']['num_steps']}" in promoted[1]
     speculative = [r for r in manifests["deploy"]["rows"] if r["server"] == "speculative"]
     for r in speculative:
         assert f"| {r['concurrency']} |" in promoted[1] and f"{r['speedup']:,.4g}x" in promoted[1]

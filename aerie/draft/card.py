@@ -134,7 +134,7 @@ def _target_section(train: dict[str, Any]) -> list[str]:
         ("target layers read (output of)", _num(layers)),
         ("drafter architecture", ", ".join(config.get("architectures", [])) or None),
         ("draft vocabulary", _num(vocab.get("draft_vocab_size"))),
-        ("target output tokens it covers", _pct(vocab.get("coverage"))),
+        ("supervised tokens it covers", _pct(vocab.get("vocab_coverage"))),
     ]
     kept = [r for r in rows if r[1] not in (None, "–", "`None`")]
     return ["## Target", "", *_table(["", ""], kept), ""]

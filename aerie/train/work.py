@@ -337,9 +337,9 @@ class RecordHandler:
 def tracked_metrics(record: dict[str, Any]) -> dict[str, Any]:
     """What a train or eval record shows in the trackers: loss, learning rate, tokens/s, acceptance."""
     if record["kind"] == "train":
-        names = ("loss", "window_loss", "lr", "grad_norm", "tokens_per_s", "tokens")
+        names = ["loss", "window_loss", "lr", "grad_norm", "tokens_per_s", "tokens"]
         return {f"train/{n}": record[n] for n in names}
-    names = ("accept_length_rounds", "accept_length", "acc", "cond_acc", "loss")
+    names = ["accept_length_rounds", "accept_length", "acc", "cond_acc", "loss"]
     return {f"eval/{n}": record[n] for n in names if n in record}
 
 
