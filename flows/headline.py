@@ -23,6 +23,8 @@ def headline_rows(results: list[StageResult]) -> list[dict[str, Any]]:
         rows += _acceptance_rows(evaluation.figures)
     if (deployment := by_stage.get("deploy")) is not None:
         rows += _served_rows(deployment.figures)
+    elif rows:
+        rows.append({"figure": "served", "value": "not measured", "against": "no deploy stage in this run"})
     return rows
 
 
