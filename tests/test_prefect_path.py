@@ -80,7 +80,8 @@ def test_headline_rows_set_the_drafter_against_prompt_lookup_at_the_longest_chai
     ]
     assert (
         headline_text([evaluation])
-        == "accept length, mtbench, eagle3, 3 draft steps 2.25 (prompt lookup 1.125)"
+        == "accept length, mtbench, eagle3, 3 draft steps 2.25 (prompt lookup 1.125); "
+        "served not measured (no deploy stage in this run)"
     )
 
 
