@@ -61,6 +61,13 @@ lint: setup
 	$(PY) scripts/check_words.py
 	$(VENV)/bin/lint-imports
 	$(PY) scripts/import_circles.py
+	$(PY) scripts/doc_outputs.py
+	$(PY) scripts/check_figures.py $(FIGURE_PAGES)
+
+# The figure check (scripts/check_figures.py): every number of these pages is a figure at its exact key of
+# a benchmark record, or marked as a setting; a quote of a record whose code changed since says "stale".
+# The printed outputs (scripts/doc_outputs.py) are what their commands print today.
+FIGURE_PAGES ?= README.md benchmarks/README.md benchmarks/gpu/README.md docs/*.md
 
 typecheck: setup
 	$(VENV)/bin/mypy

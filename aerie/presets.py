@@ -83,6 +83,9 @@ def smollm2_local() -> PipelineConfig:
     cfg.deploy.concurrency = [1, 4]
     cfg.deploy.num_prompts = 8
     cfg.deploy.max_new_tokens = 32
+    # A CPU decodes a 32-token request in seconds: shorter windows still hold two requests a slot.
+    cfg.deploy.level_seconds = 5.0
+    cfg.deploy.requests_per_slot = 2
     return cfg
 
 
@@ -146,8 +149,8 @@ def smollm2_gpu() -> PipelineConfig:
     # temperatures triple the stage (on one H200 its 12 settings were 58% done after 367 s, against ~180 s
     # for the greedy four); add 0.6 and 1.0 back to see acceptance under sampling.
     cfg.evaluate.temperatures = [0.0]
-    cfg.deploy.concurrency = [1, 8, 32]
-    cfg.deploy.num_prompts = 32
+    cfg.deploy.concurrency = [1, 8, 32, 64]
+    cfg.deploy.num_prompts = 64
     cfg.deploy.max_new_tokens = 128
     return cfg
 

@@ -5,6 +5,8 @@ record, so no quoted figure is older than the record (scripts/check_figures.py c
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,42 +33,57 @@ def runs(validation: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return list(out.values())
 
 
-def shown(r: dict[str, Any], key: str) -> str:
-    value = r[key]
+def key(path: str, name: str = "") -> str:
+    """The comment after a figure that names its key (scripts/check_figures.py checks it)."""
+    return f"<!--{name}#{path}-->"
+
+
+def shown(r: dict[str, Any], field: str, at: str) -> str:
+    value = r[field]
     if value is None:
         return ""
-    return f"{value / 1e6:.1f} MB" if r["unit"] == "bytes" else f"{value:.1f} s"
+    said = f"{value / 1e6:.1f} MB" if r["unit"] == "bytes" else f"{value:.1f} s"
+    return said + key(f"{at}.{field}")
 
 
-def error(value: float) -> str:
-    return f"{value:+.1%}"
+def error(value: float, at: str = "") -> str:
+    return f"{value:+.1%}" + (key(at) if at else "")
 
 
-def load_words(r: dict[str, Any]) -> str:
+def load_words(r: dict[str, Any], at: str) -> str:
     load = r.get("load_while_running") or {}
     if not load.get("samples"):
         return "load not sampled"
-    return f"load average {load['load_1m_mean']} (max {load['load_1m_max']}) on `{load['cores']}` cores"
+    at += ".load_while_running"
+    return (
+        f"load average {load['load_1m_mean']}{key(at + '.load_1m_mean')} (max {load['load_1m_max']}"
+        f"{key(at + '.load_1m_max')}) on `{load['cores']}` cores"
+    )
 
 
-def run_heading(first: dict[str, Any]) -> str:
+def run_heading(first: dict[str, Any], at: str, name: str) -> str:
     preset, *overrides = first["preset"].split()
     run = first["run"]
     said = (
         f"**`{preset}`** with `{' '.join(overrides)}`, planned for `{first['hardware']}`, run from "
-        f"{run['start']} to {run['end']} at commit `{run['model_commit'][:10]}`; {load_words(first)} "
-        "while it ran"
+        f"`{run['start']}` to `{run['end']}` at commit `{run['model_commit'][:10]}`; "
+        f"{load_words(first, at).replace('<!--#', f'<!--{name}#', 1)} while it ran"
     )
     machine = first.get("machine_at_plan")
     if machine:
         said += (
-            f"; the plan's probe read this machine at {machine['ratio']}x the calibration machine's "
-            f"multiply rate, other work using {machine['others_share']:.0%} of the cores"
+            f"; the plan's probe read this machine at {machine['ratio']}x{key(at + '.machine_at_plan.ratio')} "
+            f"the calibration machine's multiply rate, other work using {machine['others_share']:.0%}"
+            f"{key(at + '.machine_at_plan.others_share')} of the cores"
         )
     return said + ":"
 
 
-def docs_section(record: dict[str, Any], left_out: list[dict[str, Any]]) -> str:
+def index(rows: list[dict[str, Any]], row: dict[str, Any]) -> int:
+    return next(i for i, r in enumerate(rows) if r is row)
+
+
+def docs_section(record: dict[str, Any], left_out: list[dict[str, Any]], name: str) -> str:
     validation = record["validation"]
     if not validation:
         return (
@@ -79,20 +96,23 @@ def docs_section(record: dict[str, Any], left_out: list[dict[str, Any]]) -> str:
     lines = [
         "### Validation rows",
         "",
-        f"{s['within_25_percent']} of {s['rows']} stage estimates came within {WITHIN:.0%} of the actual; "
-        f"the worst, {worst['stage']}, by {error(worst['error'])}. Each run against the plan printed before "
-        "it started:",
+        f"{s['within_25_percent']}{key('validation_summary.within_25_percent', name)} of {s['rows']}"
+        f"{key('validation_summary.rows')} stage estimates came within `{WITHIN:.0%}` of the actual; the worst, "
+        f"{worst['stage']}, by {error(worst['error'], 'validation_summary.worst.error')}. Each run against the "
+        "plan printed before it started:",
     ]
     for group in runs(validation):
-        lines += ["", run_heading(group[0]), ""]
+        lines += ["", run_heading(group[0], f"validation.{index(validation, group[0])}", name), ""]
         lines += [
             "| stage | estimate | actual | error | re-planned after the merge |",
             "|---|---:|---:|---:|---:|",
         ]
         for r in group:
-            after = f"{r['estimate_after_merge']:.1f} s" if r.get("estimate_after_merge") is not None else ""
+            at = f"validation.{index(validation, r)}"
+            after = shown(r, "estimate_after_merge", at) if r.get("estimate_after_merge") is not None else ""
             lines.append(
-                f"| {r['stage']} | {shown(r, 'estimate')} | {shown(r, 'actual')} | {error(r['error'])} | {after} |"
+                f"| {r['stage']} | {shown(r, 'estimate', at)} | {shown(r, 'actual', at)} | "
+                f"{error(r['error'], at + '.error')} | {after} |".replace("<!--#", f"<!--{name}#", 1)
             )
         skipped = [x["stage"] for x in left_out if x["preset"] == group[0]["preset"]]
         if skipped:
@@ -107,21 +127,23 @@ def results_table(record: dict[str, Any], name: str) -> str:
     first = {id(group[0]) for group in runs(record["validation"])}
     for i, r in enumerate(record["validation"]):
         preset, *overrides = r["preset"].split()
+        at = f"validation.{i}"
         run = (
             f"validation: `{preset}` `{' '.join(overrides)}` on `{r['hardware']}`, commit "
-            f"`{r['run']['model_commit'][:10]}`, {load_words(r)}"
+            f"`{r['run']['model_commit'][:10]}`, {load_words(r, at)}"
             if id(r) in first
             else "the same run"
         )
         lines.append(
-            f"| {run} | {r['stage']} | {shown(r, 'estimate')} | {shown(r, 'actual')} | {error(r['error'])} "
-            f"| `{name}` `validation.{i}` {day} |"
+            f"| {run} | {r['stage']} | {shown(r, 'estimate', at)} | {shown(r, 'actual', at)} | "
+            f"{error(r['error'], at + '.error')} | `{name}` `validation.{i}` {day} |"
         )
     c = record["calibration_summary"]
     worst = c["worst"]
     lines.append(
         f"| calibration: every row (fitted, or in view while the model was revised) | all | | | "
-        f"{c['within_25_percent']} of {c['rows']} within `25%`; worst {error(worst['error'])} "
+        f"{c['within_25_percent']}{key('calibration_summary.within_25_percent')} of {c['rows']}"
+        f"{key('calibration_summary.rows')} within `25%`; worst {error(worst['error'], 'calibration_summary.worst.error')} "
         f"(`{worst['preset']}` {worst['stage']}) | `{name}` `calibration_summary` {day} |"
     )
     if not record["validation"]:
@@ -140,18 +162,37 @@ def readme_row(record: dict[str, Any], name: str) -> str:
     worst = s["worst"]
     return (
         f"{README_ROW} aerie's stages | {hardware}; {presets} at sizes no calibration run used | "
-        f"{s['within_25_percent']} of {s['rows']} within `25%`, worst {error(worst['error'])} "
+        f"{s['within_25_percent']}{key('validation_summary.within_25_percent')} of {s['rows']}"
+        f"{key('validation_summary.rows')} within `25%`, worst {error(worst['error'], 'validation_summary.worst.error')} "
         f"({worst['stage']}) | {link} |"
     )
+
+
+def stale_words(root: Path, name: str) -> str:
+    """ " (stale)" where the code the record measures changed since it was written (scripts/check_figures.py
+    fails a quote of a stale record that does not say so), else nothing."""
+    spec = importlib.util.spec_from_file_location("check_figures", root / "scripts" / "check_figures.py")
+    if not spec or not spec.loader or not spec.origin or not Path(spec.origin).is_file():
+        return ""
+    check = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, check)
+    spec.loader.exec_module(check)
+    results = root / "benchmarks" / "results"
+    return " (stale)" if (results / name).is_file() and check.stale_reason(root, results, name) else ""
 
 
 def quote(record: dict[str, Any], name: str, root: Path) -> None:
     """Rewrite the three places that quote the record."""
     left_out = record.get("validation_left_out", [])
+    stale = stale_words(root, name)
     docs = root / "docs" / "plan.md"
-    docs.write_text(between_markers(docs.read_text(), name, docs_section(record, left_out), str(docs)))
+    section = docs_section(record, left_out, name).replace(
+        "### Validation rows", "### Validation rows" + stale, 1
+    )
+    docs.write_text(between_markers(docs.read_text(), name, section, str(docs)))
     bench = root / "benchmarks" / "README.md"
-    bench.write_text(between_markers(bench.read_text(), name, results_table(record, name), str(bench)))
+    table = results_table(record, name).replace(f"{name}` `", f"{name}`{stale} `")
+    bench.write_text(between_markers(bench.read_text(), name, table, str(bench)))
     readme = root / "README.md"
     lines = readme.read_text().splitlines(keepends=True)
     at = [i for i, line in enumerate(lines) if line.startswith(README_ROW)]
@@ -159,5 +200,5 @@ def quote(record: dict[str, Any], name: str, root: Path) -> None:
         raise SystemExit(
             f"{readme}: no single headline row starting {README_ROW!r} to write the summary into"
         )
-    lines[at[0]] = readme_row(record, name) + "\n"
+    lines[at[0]] = readme_row(record, name).removesuffix(" |") + f"{stale} |\n"
     readme.write_text("".join(lines))

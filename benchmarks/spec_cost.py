@@ -16,9 +16,14 @@ At each concurrency c, c requests of `--input-len` random token ids decode `--sh
 tokens (greedy, `ignore_eos`): the step time is the wall-clock difference over the difference in decode
 steps (baseline: new tokens; speculative: the longest request's verify rounds, SGLang's
 `spec_verify_ct`), so prefill and the fixed costs of a request cancel. A round's work does not depend on
-how many drafts are accepted (k draft forwards, one verify of k+1 tokens, one draft extend padded to
-k+1 tokens), so random weights, which accept almost nothing, time it as a trained drafter would be
-timed; the tokens a round yielded are recorded as `tokens_per_round`.
+how many drafts are accepted in its forwards (k draft forwards, one verify of k+1 tokens, one draft
+extend padded to k+1 tokens), but acceptance changes what follows a round (the KV cache kept, the
+tokens each request gains, when requests finish), so the speculative engines run with SGLang's
+simulated acceptance (`SGLANG_SIMULATE_ACC_LEN`, read by sglang/srt/speculative/spec_utils.py at import:
+each round accepts that many tokens on average, whatever the random drafter proposed; `--accept-length`,
+0 = off). The tokens a round yielded are recorded as `tokens_per_round`. Each (short, long) pair is
+repeated `--reps` times (3 by default) and every repetition's time is kept: aerie/plan/served.py fits
+its monotone cost model to all of them and takes their spread as its uncertainty.
 
 From the record: break-even acceptance = round time / step time (tokens a round must yield to match
 plain decoding), and served speed-up = acceptance length x step time / round time (`aerie/plan/served.py`).
@@ -263,6 +268,9 @@ def measure(engine: Any, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
         runs = [
             _batch(engine, rng, c, n, a.input_len, vocab) for _ in range(a.reps) for n in (a.short, a.long)
         ]
+        pairs = [(runs[2 * i], runs[2 * i + 1]) for i in range(a.reps)]
+        # Each repetition's own step time: its long run against its short one.
+        per_rep = [_ms_per_step(a, s_run, l_run) for s_run, l_run in pairs]
         short = min((r for r in runs if r["new"] == a.short), key=lambda r: r["wall_s"])
         long = min((r for r in runs if r["new"] == a.long), key=lambda r: r["wall_s"])
         # Decode steps: plain decoding yields one token a step (the first comes from prefill); a
@@ -278,6 +286,7 @@ def measure(engine: Any, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
             "steps": steps,
             "wall_s": {"short": round(short["wall_s"], 4), "long": round(long["wall_s"], 4)},
             "all_wall_s": [round(r["wall_s"], 4) for r in runs],
+            "ms_per_step_reps": [round(x, 4) for x in per_rep if x is not None],
         }
         if a.steps:
             tok, ver = sum(long["tokens"]), sum(long["verify"])
@@ -286,6 +295,16 @@ def measure(engine: Any, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
         out[f"c{c}"] = level
         print(json.dumps({"job": a.label, **level}), flush=True)
     return out
+
+
+def _ms_per_step(a: argparse.Namespace, short: dict[str, Any], long: dict[str, Any]) -> float | None:
+    """One repetition's time per decode step (baseline) or round (speculative); None where the long run
+    took no more steps than the short one."""
+    steps = max(long["verify"]) - max(short["verify"]) if a.steps else a.long - a.short
+    return 1000 * (long["wall_s"] - short["wall_s"]) / steps if steps > 0 else None
+
+
+SIMULATE_ENV = "SGLANG_SIMULATE_ACC_LEN"
 
 
 def job(a: argparse.Namespace) -> int:
@@ -304,7 +323,12 @@ def job(a: argparse.Namespace) -> int:
             return 2
         time.sleep(0.05)
     vocab = min(json.loads((target / "config.json").read_text())["vocab_size"], 32000)
-    result = {"startup_s": round(started, 1), "levels": measure(engine, a, vocab)}
+    simulated = os.environ.get(SIMULATE_ENV)
+    result = {
+        "startup_s": round(started, 1),
+        "simulated_accept_length": float(simulated) if a.steps and simulated else None,
+        "levels": measure(engine, a, vocab),
+    }
     (state / f"{a.label}.json").write_text(json.dumps(result, indent=2))
     engine.shutdown()
     return 0
@@ -395,7 +419,16 @@ def run(a: argparse.Namespace) -> int:
         "command": " ".join(sys.argv),
         "settings": {
             k: getattr(a, k)
-            for k in ("concurrency", "steps_list", "input_len", "short", "long", "reps", "max_total_tokens")
+            for k in (
+                "concurrency",
+                "steps_list",
+                "input_len",
+                "short",
+                "long",
+                "reps",
+                "max_total_tokens",
+                "accept_length",
+            )
         },
         "versions": _versions(),
         "shapes": {},
@@ -452,7 +485,12 @@ def _run_group(
     for s, label in zip(group, labels, strict=True):
         log = open(out / f"{label}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
         cmd = _child_cmd(a, name, s, target, drafter, state)
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        env = dict(os.environ)
+        if s and a.accept_length > 0:  # SGLang reads it when its speculative module is imported
+            env[SIMULATE_ENV] = str(min(a.accept_length, s + 1.0))
+        procs.append(
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        )
         print(f"started {label}", flush=True)
     deadline = t_start + a.budget_s
     _wait([state / f"{lb}.ready" for lb in labels], procs, min(deadline, time.time() + a.startup_timeout_s))
@@ -530,13 +568,14 @@ def record(a: argparse.Namespace) -> int:
             continue
         figures: dict[str, Any] = {}
         for key, lvl in base.items():
-            row: dict[str, Any] = {"step_ms": lvl["ms_per_step"]}
+            row: dict[str, Any] = {"step_ms": lvl["ms_per_step"], "step_ms_reps": lvl.get("ms_per_step_reps")}
             for mode, m in rec["modes"].items():
                 if mode == "baseline" or key not in m.get("levels", {}):
                     continue
                 k = m["num_steps"]
                 r = m["levels"][key]
                 row[f"round_ms_k{k}"] = r["ms_per_step"]
+                row[f"round_ms_reps_k{k}"] = r.get("ms_per_step_reps")
                 row[f"break_even_k{k}"] = round(r["ms_per_step"] / lvl["ms_per_step"], 3)
                 row[f"tokens_per_round_k{k}"] = r.get("tokens_per_round")
             figures[key] = row
@@ -603,8 +642,18 @@ def planner_entry(result: dict[str, Any], card_name: str) -> dict[str, Any]:
         levels = {}
         for key, row in rec["figures"].items():
             rounds = {k.removeprefix("round_ms_k"): v for k, v in row.items() if k.startswith("round_ms_k")}
+            reps = {
+                k.removeprefix("round_ms_reps_k"): v
+                for k, v in row.items()
+                if k.startswith("round_ms_reps_k") and v
+            }
             if rounds:
-                levels[key.removeprefix("c")] = {"step_ms": row["step_ms"], "round_ms": rounds}
+                level: dict[str, Any] = {"step_ms": row["step_ms"], "round_ms": rounds}
+                if row.get("step_ms_reps"):
+                    level["step_ms_reps"] = row["step_ms_reps"]
+                if reps:
+                    level["round_ms_reps"] = reps
+                levels[key.removeprefix("c")] = level
         if levels:
             shapes[name] = {
                 "active_params": rec["active_params"],
@@ -612,7 +661,15 @@ def planner_entry(result: dict[str, Any], card_name: str) -> dict[str, Any]:
                 "moe": rec["moe"],
                 "levels": levels,
             }
-    return {"source": f"spec_cost-{card_name}.json", "date": result["date"], "shapes": shapes}
+    settings = result.get("settings", {})
+    return {
+        "source": f"spec_cost-{card_name}.json",
+        "date": result["date"],
+        # Where the times hold: the prompt length they were measured at and the acceptance simulated.
+        "context": settings.get("input_len"),
+        "simulated_accept_length": settings.get("accept_length"),
+        "shapes": shapes,
+    }
 
 
 def check_against_serve(result: dict[str, Any]) -> dict[str, Any]:
@@ -673,11 +730,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--concurrency", default="1,8,32")
+    common.add_argument("--concurrency", default="1,8,32,64")
     common.add_argument("--input-len", type=int, default=128)
     common.add_argument("--short", type=int, default=32, help="new tokens of the short generation")
     common.add_argument("--long", type=int, default=96, help="new tokens of the long generation")
-    common.add_argument("--reps", type=int, default=2)
+    common.add_argument("--reps", type=int, default=3)
+    common.add_argument(
+        "--accept-length",
+        type=float,
+        default=2.5,
+        help="SGLang's simulated accept length for the speculative engines (SGLANG_SIMULATE_ACC_LEN; 0 = off)",
+    )
     common.add_argument("--max-total-tokens", type=int, default=16384)
     common.add_argument("--context-length", type=int, default=2048)
     common.add_argument("--attention-backend", default="fa3")
@@ -686,7 +749,7 @@ def main() -> int:
     r = sub.add_parser("run", parents=[common])
     r.add_argument("--out", required=True)
     r.add_argument("--shapes", default=",".join(SHAPES))
-    r.add_argument("--steps", dest="steps_list", default="3,7")
+    r.add_argument("--steps", dest="steps_list", default="1,3,5,7")
     r.add_argument("--budget-s", type=float, default=540.0)
     r.add_argument("--min-shape-s", type=float, default=60.0)
     r.add_argument("--startup-timeout-s", type=float, default=300.0)

@@ -25,4 +25,8 @@ def tiny_overrides(store: Path, *, run: str, port: int) -> list[str]:
         "deploy.concurrency=[1]",
         "deploy.num_prompts=2",
         "deploy.max_new_tokens=8",
+        # One short steady-state window: the pipeline tests check that deploy runs, not its figures.
+        "deploy.level_seconds=0.2",
+        "deploy.requests_per_slot=1",
+        "deploy.repeats=1",
     ]

@@ -4,6 +4,8 @@ against two real reference servers (baseline and speculative mode with an export
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from tests.evaluate_support import train_result
 from tests.stage_work import staged
 
 deploy = staged("deploy", work.deploy)
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _argv_value(argv: list[str], flag: str) -> str:
@@ -43,9 +46,14 @@ def test_sglang_speculative_launch_command(tmp_path, smollm2):
     assert not any(a.startswith("--speculative") for a in base)
     # Same server otherwise: the baseline differs only by the speculative flags (and its nonce).
     strip = {"--weight-version"}
-    assert [a for i, a in enumerate(base) if i == 0 or base[i - 1] not in strip] == [
-        a for i, a in enumerate(spec[: len(base)]) if i == 0 or spec[i - 1] not in strip
-    ]
+
+    def plain(argv: list[str]) -> list[str]:
+        flags = [i for i, a in enumerate(argv) if a.startswith("--speculative")]
+        dropped = {j for i in flags for j in (i, i + 1)}
+        kept = [a for i, a in enumerate(argv) if i not in dropped]
+        return [a for i, a in enumerate(kept) if i == 0 or kept[i - 1] not in strip]
+
+    assert plain(base) == plain(spec)
     # The drafter directory is mounted read-only at the same path inside the container.
     inside = specs["speculative"]
     assert inside.volumes[str(drafter_dir.resolve())] == str(drafter_dir.resolve())
@@ -135,6 +143,11 @@ def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smo
         num_steps=2,
         warmup_requests=1,
         promote_margin=0.01,
+        expected_concurrency=2,
+        # Steady state kept short on a CPU: a window of 0.2 s and one request per slot inside it, twice.
+        level_seconds=0.2,
+        requests_per_slot=1,
+        repeats=2,
     )
     server = ServerConfig(port=free_port(), device="cpu", startup_timeout_s=300, grace_s=10)
     seen: list[float] = []
@@ -152,7 +165,9 @@ def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smo
     rows = {(r["server"], r["concurrency"]): r for r in report["rows"]}
     assert set(rows) == {(s, c) for s in ("baseline", "speculative") for c in (1, 2)}
     for (name, _), row in rows.items():
-        assert row["requests"] == 2 and row["output_tokens"] > 0 and row["output_tokens_per_s"] > 0
+        assert row["requests"] >= 2 and row["output_tokens"] > 0 and row["output_tokens_per_s"] > 0
+        assert row["repeats"] == 2 and len(row["tokens_per_s_runs"]) == 2 and row["spread"] >= 0
+        assert row["window_s"] >= cfg.level_seconds and row["requests_per_slot"] >= 1
         assert row["ttft_p50_s"] > 0 and row["latency_p50_s"] >= row["ttft_p50_s"] * 0.5
         if name == "speculative":
             assert 1.0 <= row["accept_length"] <= cfg.num_steps + 1 + 1  # (+1: the prefill token)
@@ -160,6 +175,12 @@ def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smo
             assert row["accept_length"] is None
     # Speculative decoding is lossless: the same tokens from both servers, prompt by prompt.
     assert report["same_outputs"] == {"compared": 4, "identical": 4}
+    # The reference server speaks EAGLE-3 only: n-gram speculation is not served, and the report says so.
+    assert "ngram" not in report["servers"] and "measured on SGLang" in report["ngram"]
+    assert report["promotion"]["concurrency"] == 2  # decided at the user's expected concurrency
+    assert report["recommendation"]["concurrency"] == 2
+    prediction = json.loads(store.get_bytes(f"{result.prefix}/prediction.json"))
+    assert prediction["predicted"] is None and "CPU" in prediction["why_not_predicted"]
     assert "--speculative-algorithm EAGLE3" in report["servers"]["speculative"]["command"]
     assert report["promotion"]["promoted"]
     md = store.get_bytes(f"{result.prefix}/report.md").decode()
@@ -170,6 +191,39 @@ def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smo
         f"{drafter.prefix}/drafter/model.safetensors"
     )
     assert store.exists("r/promoted/report.md") and store.exists("r/promoted/evaluation-report.md")
+    serving = json.loads(store.get_bytes("r/promoted/serving.json"))
+    assert serving["expected_concurrency"] == 2 and serving["deployed_num_steps"] == 2
+    tiers = {t["concurrency"]: t for t in serving["tiers"]}
+    assert set(tiers) == {1, 2}
+    for c, tier in tiers.items():
+        assert tier["measured_speedup"] == rows[("speculative", c)]["speedup"]
+        assert tier["measured_accept_length"] == rows[("speculative", c)]["accept_length"]
+        # No prediction on a CPU: the measured serve recommends the deployed chain where it paid there.
+        if rows[("speculative", c)]["speedup"] > 1.0:
+            assert (
+                tier["num_steps"] == 2
+                and tier["launch_args"][tier["launch_args"].index("--speculative-num-steps") + 1] == "2"
+            )
+        else:
+            assert tier["num_steps"] is None and tier["launch_args"] == []
+    assert serving["recommendation"]["server"] in {"baseline", "speculative"}
+    # The served record is written from the deploy stage's report: one entry per level.
+    out = tmp_path / "served-cpu.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "served.py"), "record", "--report",
+         str(Path(store.root) / result.prefix / "report.json"), "--card", "cpu", "--machine", "this CPU",
+         "--command", "test_deploy", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    served = json.loads(out.read_text())
+    assert [lvl["concurrency"] for lvl in served["levels"]] == [1, 2]
+    for lvl in served["levels"]:
+        c = lvl["concurrency"]
+        assert lvl["measured_speedup"] == pytest.approx(rows[("speculative", c)]["speedup"], abs=1e-3)
+        assert lvl["predicted_speedup"] is None  # served on a CPU: no prediction, and the record says so
+        assert lvl["served_accept_length"] == rows[("speculative", c)]["accept_length"]
+        assert set(lvl["spread"]) == {"baseline", "speculative"}
     assert load_manifest(store, result.prefix)["figures"]["promoted"] is True
     assert seen[-1] == 1.0
 
@@ -242,6 +296,108 @@ def test_deploy_with_sglang_in_docker(tmp_path, smollm2):
     assert spec_row["accept_length"] is not None and spec_row["accept_length"] >= 1.0
     assert not report["promotion"]["promoted"]  # a margin of 100x is never met
     assert not store.exists("r/promoted/promotion.json")
+
+
+def test_num_steps_is_bounded_and_expected_concurrency_decides_promotion():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="num_steps"):
+        DeployConfig(num_steps=15)
+    # The user's traffic joins the benchmarked levels and decides: the drafter pays at 1, not at 8.
+    cfg = DeployConfig(concurrency=[1], expected_concurrency=8, promote_margin=1.0)
+    assert cfg.concurrency == [1, 8] and cfg.deciding_concurrency == 8
+    rows = _rows({1: 100.0, 8: 600.0}, {1: 180.0, 8: 500.0})
+    assert not decide_promotion(rows, cfg).promoted
+    assert decide_promotion(rows, DeployConfig(concurrency=[1, 8], expected_concurrency=1)).promoted
+    with pytest.raises(ValidationError, match="disagree"):
+        DeployConfig(concurrency=[1, 8], expected_concurrency=8, promote_concurrency=1)
+
+
+def test_ngram_faster_than_the_drafter_blocks_promotion_and_is_recommended():
+    from aerie.deploy.work import recommend
+
+    rows = _rows({1: 100.0}, {1: 150.0}) + [
+        {"server": "ngram", "concurrency": 1, "output_tokens_per_s": 170.0}
+    ]
+    decision = decide_promotion(rows, DeployConfig(concurrency=[1]))
+    assert not decision.promoted and "n-gram" in decision.reason
+    assert recommend(rows, 1)["server"] == "ngram"
+
+
+def test_sglang_launches_serve_ngram_and_room_for_the_highest_level(tmp_path, smollm2):
+    drafter_dir = tmp_path / "drafter"
+    drafter_dir.mkdir()
+    server = ServerConfig(backend="sglang", port=30125)
+    specs = server_specs(DeployConfig(concurrency=[1, 64]), server, smollm2, str(drafter_dir))
+    assert set(specs) == {"baseline", "speculative", "ngram"}
+    ngram = specs["ngram"].command
+    assert _argv_value(ngram, "--speculative-algorithm") == "NGRAM"
+    assert "--speculative-draft-model-path" not in ngram
+    for spec in specs.values():  # SGLang caps speculative servers at 48 running requests otherwise
+        assert _argv_value(spec.command, "--max-running-requests") == "64"
+    assert "ngram" not in server_specs(DeployConfig(ngram="off"), server, smollm2, str(drafter_dir))
+    with pytest.raises(EvaluationError, match="n-gram"):
+        server_specs(DeployConfig(ngram="on"), ServerConfig(port=30126), smollm2, str(drafter_dir))
+
+
+def test_serving_plan_recommends_per_tier_the_k_the_fit_favours_and_refuses_unmeasured_tiers(monkeypatch):
+    """The prediction half of serving.json on a GPU card, from a small table of the data file's form
+    (figures chosen for easy arithmetic). The card is a stand-in: no GPU here to name one."""
+    from types import SimpleNamespace
+
+    from aerie.deploy.serving_plan import serving_plan, with_measured
+    from aerie.plan import served
+
+    def level(step: float, a: float, b: float) -> dict:
+        return {"step_ms": step, "round_ms": {str(k): a + b * k for k in (1, 3, 5, 7)}}
+
+    table = {
+        "cards": {
+            "x100": {
+                "source": "spec_cost-x100.json",
+                "shapes": {
+                    "s": {
+                        "active_params": 1e8,
+                        "moe": False,
+                        "levels": {"1": level(2.0, 2.0, 0.3), "8": level(2.0, 3.0, 0.6)},
+                    }
+                },
+            }
+        }
+    }
+    monkeypatch.setattr(served, "_table", lambda: table)
+    monkeypatch.setattr(served, "this_card", lambda: "x100")
+    target = SimpleNamespace(name="t", architecture="LlamaForCausalLM", size_bytes=2e8)
+    figures = {f"accept_mtbench_eagle3_k{k}": 1.0 + 0.5 * k for k in (1, 3, 5, 7)}
+    cfg = DeployConfig(concurrency=[1, 8, 64], num_steps=3)
+    plan = serving_plan(cfg, ServerConfig(backend="sglang"), target, figures)
+    tiers = {t["concurrency"]: t for t in plan["tiers"]}
+    for c in (1, 8):
+        best = max(
+            (1, 3, 5, 7),
+            key=lambda k: (
+                plan["accept_length"][str(k)]["served"] / plan["break_even_accept_length"][str(k)][str(c)]
+            ),
+        )
+        speedup = (
+            plan["accept_length"][str(best)]["served"] / plan["break_even_accept_length"][str(best)][str(c)]
+        )
+        if speedup > 1.0:
+            assert tiers[c]["num_steps"] == best and f"{best + 1}" in tiers[c]["launch_args"]
+        else:
+            assert tiers[c]["num_steps"] is None and tiers[c]["launch_args"] == []
+        assert tiers[c]["predicted_speedup"] == pytest.approx(speedup, abs=2e-3)
+    # c64 lies outside the measured levels: nothing predicted, nothing recommended, and why.
+    assert tiers[64]["predicted_speedup"] is None and tiers[64]["launch_args"] is None
+    assert "concurrency 64 outside the measured 1-8" in tiers[64]["why"]
+    # The serve then fills the unpredicted tier from what it measured.
+    report = {
+        "num_steps": 3,
+        "rows": [{"server": "speculative", "concurrency": 64, "speedup": 1.3, "accept_length": 2.0}],
+    }
+    measured = {t["concurrency"]: t for t in with_measured(plan, report)["tiers"]}
+    assert measured[64]["num_steps"] == 3 and measured[64]["measured_speedup"] == 1.3
+    assert "measured at k=3" in measured[64]["why"]
 
 
 def test_benchmark_summary_figures():

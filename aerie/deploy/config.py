@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from aerie.configbase import StrictModel
+
+# The longest chain the deploy stage serves: SGLang's own adaptive tiers stop at 7 steps, the cost model is
+# measured up to 7 (benchmarks/spec_cost.py), and past 8 drafts a chain's later positions accept almost
+# nothing while each draft step still costs a forward.
+MAX_NUM_STEPS = 8
+
+# Why each timed level runs this long (the figures are from benchmarks/results/sglang-h200.json and
+# spec_cost-h200.json): there a level of 8-64 requests lasted 0.85-3.9 s, two requests per slot, so the
+# ramp (every slot prefilling at once) and the drain (the last wave finishing alone) were most of the wall
+# time, and the speculative round measured 7.3 ms at c8 against 2.9 ms isolated. A 128-192-token request
+# lasts 0.3 s (c1) to 1.3 s (c32 speculative) on an H200, about twice that at c64. Eight requests per slot
+# inside the timed window make the trimmed ramp and drain (about one request lifetime each) small beside
+# it, and 20 s holds eight of the slowest requests measured; each level is repeated for its spread.
+LEVEL_SECONDS = 20.0
+REQUESTS_PER_SLOT = 8
 
 
 class DeployConfig(StrictModel):
@@ -16,7 +33,9 @@ class DeployConfig(StrictModel):
     )
     num_prompts: int = Field(32, ge=1, description="Prompts per concurrency level.")
     max_new_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
-    num_steps: int = Field(3, ge=1, description="--speculative-num-steps of the deployed server.")
+    num_steps: int = Field(
+        3, ge=1, le=MAX_NUM_STEPS, description="--speculative-num-steps of the deployed server."
+    )
     eagle_topk: int = Field(1, ge=1, description="--speculative-eagle-topk.")
     num_draft_tokens: int | None = Field(
         None, ge=2, description="--speculative-num-draft-tokens; None = steps+1."
@@ -29,6 +48,30 @@ class DeployConfig(StrictModel):
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request HTTP timeout of the benchmark.")
     promote_margin: float = Field(1.05, gt=0, description="Promote when speed-up >= this.")
+    level_seconds: float = Field(
+        LEVEL_SECONDS,
+        gt=0,
+        description="Shortest timed window of a level: requests keep coming (a closed loop, one per slot) "
+        "until it and requests_per_slot are both reached; ramp-up and drain lie outside it.",
+    )
+    requests_per_slot: int = Field(
+        REQUESTS_PER_SLOT, ge=1, description="Requests each slot completes inside a level's timed window."
+    )
+    repeats: int = Field(3, ge=1, description="Timed repetitions of each level (their spread is reported).")
+    ngram: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Serve SGLang's own n-gram speculation (--speculative-algorithm NGRAM, no drafter) "
+        "beside the drafter: auto = when the backend is SGLang (the reference server has none).",
+    )
+    ngram_draft_tokens: int = Field(
+        8, ge=2, le=64, description="--speculative-num-draft-tokens of the n-gram server."
+    )
+    expected_concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="Requests in flight the user's traffic holds: promotion and the recommendation are "
+        "decided at this level (added to `concurrency` when missing). None = promote_concurrency.",
+    )
     promote_concurrency: int | None = Field(
         None,
         ge=1,
@@ -40,6 +83,14 @@ class DeployConfig(StrictModel):
     def _levels_make_sense(self) -> DeployConfig:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency must list positive levels, got {self.concurrency}")
+        if self.expected_concurrency is not None:
+            if self.promote_concurrency not in (None, self.expected_concurrency):
+                raise ValueError(
+                    f"expected_concurrency {self.expected_concurrency} and promote_concurrency "
+                    f"{self.promote_concurrency} disagree: promotion is decided at the expected traffic"
+                )
+            if self.expected_concurrency not in self.concurrency:
+                self.concurrency = sorted({*self.concurrency, self.expected_concurrency})
         if self.promote_concurrency is not None and self.promote_concurrency not in self.concurrency:
             raise ValueError(
                 f"promote_concurrency {self.promote_concurrency} is not one of concurrency {self.concurrency}"
@@ -50,3 +101,8 @@ class DeployConfig(StrictModel):
                 f"num_draft_tokens {self.num_draft_tokens} contradicts it (SGLang would override it)"
             )
         return self
+
+    @property
+    def deciding_concurrency(self) -> int:
+        """The level whose speed-up decides promotion and the recommended server."""
+        return self.expected_concurrency or self.promote_concurrency or min(self.concurrency)

@@ -10,9 +10,21 @@ with `--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR --specul
 --speculative-eagle-topk 1 --speculative-num-draft-tokens K+1`, or the reference server with the
 same flags it supports. The benchmark client is `aerie.deploy.bench` against `/generate`.
 
+Beside them, on SGLang, SGLang's own n-gram speculation (`--speculative-algorithm NGRAM`, no drafter;
+`deploy.ngram`): a drafter that free n-gram lookup beats is never promoted. The reference server speaks
+EAGLE-3 only, so there n-gram speculation is not served and the report says so. Every SGLang launch gets
+`--max-running-requests` of the highest level: SGLang caps a speculative server at 48 otherwise, and
+the baseline beside it must batch the same.
+
+Each level runs at steady state, repeated (`aerie.deploy.bench`); the prediction of the cost model
+(`aerie.plan.served`) is written to `prediction.json` before any server starts.
+
 Promotion: the speed-up (speculative output tokens/s over the baseline's) at the deciding concurrency
-level (`promote_concurrency`, default the lowest benchmarked: speculative decoding pays at low batch,
-large batches are compute-bound and the baseline catches up) must reach `promote_margin`.
+level (`expected_concurrency`, else `promote_concurrency`, else the lowest benchmarked: speculative
+decoding pays at low batch, large batches are compute-bound and the baseline catches up) must reach
+`promote_margin`, and the n-gram server must not serve faster there. The promoted drafter carries
+`serving.json` (docs/serving.md): per tier the predicted and measured speed-up, the break-even
+acceptance and the recommended SGLang launch arguments.
 """
 
 from __future__ import annotations
@@ -22,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aerie.deploy.bench import TTFT_METHOD, LevelResult, benchmark
+from aerie.deploy.bench import TTFT_METHOD, LevelResult, benchmark, engine_accept_length
 from aerie.deploy.config import DeployConfig
 from aerie.deploy.report import deployment_markdown
+from aerie.deploy.serving_plan import serving_plan, with_measured
 from aerie.draft.card import update_card
 from aerie.errors import EvaluationError, TargetError
 from aerie.evaluate.drafter_files import drafter_keys, fetch_drafter
@@ -71,11 +84,46 @@ def speculative_args(cfg: DeployConfig, server: ServerConfig, drafter_dir: str) 
     return SpeculativeArgs(draft_model_path=drafter_dir, num_steps=cfg.num_steps)
 
 
+def serves_ngram(cfg: DeployConfig, server: ServerConfig) -> bool:
+    """Whether SGLang's n-gram speculation is served beside the drafter (the reference server has none)."""
+    if cfg.ngram == "on" and server.backend != "sglang":
+        raise EvaluationError(
+            f"deploy.ngram on: the {server.backend} server speculates with an EAGLE-3 drafter only; n-gram "
+            "speculation is measured on SGLang (server.backend=sglang), or set deploy.ngram auto"
+        )
+    return cfg.ngram != "off" and server.backend == "sglang"
+
+
+def with_batch_room(server: ServerConfig, cfg: DeployConfig) -> ServerConfig:
+    """SGLang launched with room for the highest level: its speculative launches default to 48 running
+    requests (SGLang 0.5.23's speculative argument hook), which would queue a c64 level's requests while
+    the baseline batched them all. A value in `server.extra_args` is kept."""
+    if server.backend != "sglang" or "--max-running-requests" in server.extra_args:
+        return server
+    extra = [*server.extra_args, "--max-running-requests", str(max(cfg.concurrency))]
+    return server.model_copy(update={"extra_args": extra})
+
+
 def server_specs(
     cfg: DeployConfig, server: ServerConfig, target: TargetInfo, drafter_dir: str
 ) -> dict[str, ServerSpec]:
-    """The baseline and speculative launches (same backend, model and port; launched one at a time)."""
-    server = with_drafter_dtype(server, target, drafter_dir)
+    """The baseline, speculative and (SGLang) n-gram launches (same backend, model and port; launched
+    one at a time)."""
+    server = with_batch_room(with_drafter_dtype(server, target, drafter_dir), cfg)
+    ngram = (
+        {
+            "ngram": spec_for(
+                server,
+                model_path=target.path,
+                mode="serve",
+                name=f"{server.backend}-ngram",
+                speculative=SpeculativeArgs(algorithm="NGRAM", num_draft_tokens=cfg.ngram_draft_tokens),
+                trust_remote_code=target.trust_remote_code,
+            )
+        }
+        if serves_ngram(cfg, server)
+        else {}
+    )
     return {
         "baseline": spec_for(
             server,
@@ -92,6 +140,7 @@ def server_specs(
             speculative=speculative_args(cfg, server, drafter_dir),
             trust_remote_code=target.trust_remote_code,
         ),
+        **ngram,
     }
 
 
@@ -121,8 +170,9 @@ def _config_dtype(model_dir: Path) -> str | None:
 
 
 def decide_promotion(rows: list[dict[str, Any]], cfg: DeployConfig) -> Promotion:
-    """Promote when speculative tokens/s / baseline tokens/s >= promote_margin at the deciding level."""
-    level = cfg.promote_concurrency or min(cfg.concurrency)
+    """Promote when speculative tokens/s / baseline tokens/s >= promote_margin at the deciding level and
+    SGLang's n-gram speculation (where served) is not faster there."""
+    level = cfg.deciding_concurrency
     by = {(r["server"], r["concurrency"]): r for r in rows}
     spec, base = by.get(("speculative", level)), by.get(("baseline", level))
     if spec is None or base is None:
@@ -135,7 +185,29 @@ def decide_promotion(rows: list[dict[str, Any]], cfg: DeployConfig) -> Promotion
         f"speed-up {speedup:.3f}x at concurrency {level} "
         f"{'>=' if verdict else '<'} the margin {cfg.promote_margin:.3f}x"
     )
+    ngram = by.get(("ngram", level))
+    if verdict and ngram is not None and ngram["output_tokens_per_s"] > spec["output_tokens_per_s"]:
+        verdict = False
+        reason += (
+            f", but SGLang's n-gram speculation serves faster there "
+            f"({ngram['output_tokens_per_s'] / base['output_tokens_per_s']:.3f}x, no drafter needed)"
+        )
     return Promotion(verdict, reason, level, round(speedup, 4))
+
+
+def recommend(rows: list[dict[str, Any]], level: int) -> dict[str, Any]:
+    """The server that served fastest at the user's concurrency, among those measured there."""
+    at = [r for r in rows if r["concurrency"] == level and r["output_tokens_per_s"]]
+    if not at:
+        return {"concurrency": level, "server": None, "reason": f"nothing measured at concurrency {level}"}
+    best = max(at, key=lambda r: r["output_tokens_per_s"])
+    return {
+        "concurrency": level,
+        "server": best["server"],
+        "output_tokens_per_s": best["output_tokens_per_s"],
+        "speedup": best.get("speedup"),
+        "reason": f"{best['server']} serves fastest at concurrency {level} ({_speeds(at)})",
+    }
 
 
 def key_of(
@@ -178,17 +250,23 @@ def deploy(
 
     prompts = [p.input_ids for p in mtbench_prompts(target.load_tokenizer(), None, 4096)]
     prompts = [prompts[i % len(prompts)] for i in range(cfg.num_prompts)]
+    figures_in = evaluation.figures if evaluation else {}
+    # The prediction first, before any server starts: what the cost model expects is on record whatever
+    # the serve then measures.
+    predicted = serving_plan(cfg, server, target, figures_in)
+    store.put_bytes(sd.path("prediction.json"), json.dumps(predicted, indent=2).encode())
     with work_dir("aerie-deploy-") as tmp:
         drafter_dir = fetch_drafter(store, drafter, Path(tmp) / "drafter")
         specs = server_specs(cfg, server, target, str(drafter_dir))
         rows: list[dict[str, Any]] = []
+        engine: dict[str, float | None] = {}
         outputs: dict[str, dict[int, list[list[int]]]] = {}
         for i, (name, spec) in enumerate(specs.items()):
 
             def report(fraction: float, message: str, base: float = i / len(specs)) -> None:
                 progress(base + fraction / len(specs), message)
 
-            results, outputs[name] = _benchmark_server(name, spec, prompts, cfg, report)
+            results, outputs[name], engine[name] = _benchmark_server(name, spec, prompts, cfg, report)
             rows += [r.to_dict() for r in results]
     _add_speedups(rows)
     decision = decide_promotion(rows, cfg)
@@ -199,12 +277,21 @@ def deploy(
         "evaluation": evaluation.prefix if evaluation else None,
         "backend": server.backend,
         "servers": {name: {"command": spec.describe()} for name, spec in specs.items()},
+        "ngram": "served" if "ngram" in specs else _no_ngram(cfg, server),
         "num_prompts": cfg.num_prompts,
         "max_new_tokens": cfg.max_new_tokens,
         "num_steps": cfg.num_steps,
+        "steady_state": {
+            "level_seconds": cfg.level_seconds,
+            "requests_per_slot": cfg.requests_per_slot,
+            "repeats": cfg.repeats,
+        },
         "ttft_method": TTFT_METHOD,
         "rows": rows,
+        "engine_accept_length": engine,
         "same_outputs": same,
+        "prediction": predicted,
+        "recommendation": recommend(rows, cfg.deciding_concurrency),
         "promotion": {
             "promoted": decision.promoted,
             "reason": decision.reason,
@@ -229,14 +316,27 @@ def deploy(
     return result
 
 
+def _speeds(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{r['server']} {r['output_tokens_per_s']:.1f} tok/s" for r in rows)
+
+
+def _no_ngram(cfg: DeployConfig, server: ServerConfig) -> str:
+    if cfg.ngram == "off":
+        return "not served (deploy.ngram off)"
+    return (
+        f"not served: the {server.backend} server speculates with an EAGLE-3 drafter only; SGLang's "
+        "n-gram speculation is measured on SGLang (server.backend=sglang)"
+    )
+
+
 def _benchmark_server(
     name: str, spec: ServerSpec, prompts: list[list[int]], cfg: DeployConfig, progress: ProgressFn
-) -> tuple[list[LevelResult], dict[int, list[list[int]]]]:
+) -> tuple[list[LevelResult], dict[int, list[list[int]]], float | None]:
     def starting(fraction: float, message: str) -> None:
         progress(0.2 * fraction, f"{name}: {message}")
 
     with ModelServer(spec, progress=starting) as live:
-        return benchmark(
+        results, outputs = benchmark(
             live.url,
             name,
             prompts,
@@ -245,7 +345,12 @@ def _benchmark_server(
             warmup=cfg.warmup_requests,
             timeout_s=cfg.request_timeout_s,
             progress=lambda f, m: progress(0.2 + 0.8 * f, m),
+            seconds=cfg.level_seconds,
+            requests_per_slot=cfg.requests_per_slot,
+            repeats=cfg.repeats,
         )
+        # SGLang's own running acceptance (/server_info), over the server's life, warm-up included.
+        return results, outputs, engine_accept_length(live.url) if name != "baseline" else None
 
 
 def _add_speedups(rows: list[dict[str, Any]]) -> None:
@@ -258,12 +363,13 @@ def _add_speedups(rows: list[dict[str, Any]]) -> None:
 def _same_outputs(outputs: dict[str, dict[int, list[list[int]]]]) -> dict[str, int]:
     """Prompts whose greedy output is identical on both servers (a lossless server agrees on all, up
     to floating-point differences between batch shapes on GPU)."""
-    base, spec = outputs.get("baseline", {}), outputs.get("speculative", {})
+    base = outputs.get("baseline", {})
     compared = identical = 0
-    for level, outs in spec.items():
-        for a, b in zip(outs, base.get(level, []), strict=False):
-            compared += 1
-            identical += a == b
+    for name in ("speculative", "ngram"):
+        for level, outs in outputs.get(name, {}).items():
+            for a, b in zip(outs, base.get(level, []), strict=False):
+                compared += 1
+                identical += a == b
     return {"compared": compared, "identical": identical}
 
 
@@ -285,6 +391,9 @@ def promote(
             store.put_file(f"{prefix}/drafter/{name}", local)
     store.put_bytes(f"{prefix}/report.json", json.dumps(report, indent=2).encode())
     store.put_bytes(f"{prefix}/report.md", markdown.encode())
+    if report.get("prediction") is not None:
+        serving = with_measured(report["prediction"], report)
+        store.put_bytes(f"{prefix}/serving.json", json.dumps(serving, indent=2).encode())
     if evaluation is not None:
         _copy_evaluation(store, evaluation, prefix)
     pointer = {
@@ -313,7 +422,7 @@ def _copy_evaluation(store: ArtifactStore, evaluation: StageResult, prefix: str)
 def _figures(rows: list[dict[str, Any]], decision: Promotion, same: dict[str, int]) -> dict[str, Any]:
     figures: dict[str, Any] = {"promoted": decision.promoted, "speedup": decision.speedup}
     for r in rows:
-        tag = "spec" if r["server"] == "speculative" else "base"
+        tag = {"speculative": "spec", "ngram": "ngram"}.get(r["server"], "base")
         figures[f"{tag}_tok_s_c{r['concurrency']}"] = round(r["output_tokens_per_s"], 2)
         if r["server"] == "speculative" and r.get("accept_length") is not None:
             figures[f"accept_length_c{r['concurrency']}"] = round(r["accept_length"], 3)

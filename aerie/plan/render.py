@@ -53,6 +53,13 @@ def table(plan: Plan) -> str:
     lines.append(
         f"{'total':10s} {duration(plan.seconds):>9s} {'':>5s} {duration(plan.gpu_seconds):>9s}  wall-clock, stages one after another"
     )
+    bounds = [f"  {st.stage}: {st.roofline}" for st in plan.stages if st.roofline]
+    if bounds:
+        lines += [
+            "",
+            "rooflines (each rate against its hardware's peak FLOP/s, and shards against the disk)",
+            *bounds,
+        ]
     lines += ["", "disk (at its fullest)"]
     for loc in plan.disk.locations:
         free = f", {nbytes(loc.free)} free" if loc.free is not None else ", not measurable here"
@@ -64,7 +71,14 @@ def table(plan: Plan) -> str:
     dep = cfg.deploy
     lines += [
         "",
-        *served.for_plan(plan.target, plan.hardware.name, plan.hardware.gpu, dep.num_steps, dep.concurrency),
+        *served.for_plan(
+            plan.target,
+            plan.hardware.name,
+            plan.hardware.gpu,
+            dep.num_steps,
+            dep.concurrency,
+            cfg.server.tp_size,
+        ),
     ]
     lines += online.lines(plan)
     notes = sorted({n for st in plan.stages for n in st.assumptions})

@@ -5,12 +5,19 @@ request in `round_ms`; plain decoding yields one in `step_ms`. So
 
     speed-up = accept_length x step_ms / round_ms,      break-even accept_length = round_ms / step_ms.
 
-Both times were measured in SGLang with random weights for target shapes from 135M to 8B and one MoE, at
-concurrency 1, 8 and 32, with k = 3 and 7 (`benchmarks/spec_cost.py`, folded into `data/spec_cost.json`).
-A target between two measured dense shapes takes both times interpolated in log(active parameters);
-one outside the range takes the nearest shape's; an MoE target takes the measured MoE's. Other k are
-interpolated (or extended) linearly in k, other concurrency levels in log(concurrency). A card without
-measurements takes the measured card's figures, and the prediction says so.
+Both times are measured in SGLang with random weights per target shape, card and concurrency at several
+step counts k, each repeated (`benchmarks/spec_cost.py`, folded into `data/spec_cost.json`). The times
+are fitted, not read off one cell, with a form that cannot contradict itself:
+
+    round_ms(k, c) = a(c) + b(c) k,   a, b >= 0 (least squares over every repetition at every k),
+    a(c), b(c), step_ms(c) non-decreasing in c (pooled adjacent violators over the measured levels),
+
+so a longer chain or a larger batch never predicts a faster round, whatever noise a cell carried; the
+fit's residuals give the uncertainty (`round_sd_ms`, and a speed-up interval from it). Between measured
+levels a, b and the step time are interpolated in log(concurrency); between measured shapes in
+log(active parameters). Nothing is extrapolated: a k or a concurrency outside the measured range gets
+no speed-up, only the reason (`refused`); a shape outside the measured range, an unmeasured MoE, an
+unmeasured card or an interpolated k or level is predicted and flagged (`flags`), and every printout says so.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import bisect
 import json
 import logging
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -50,6 +58,13 @@ class Prediction:
     step_ms: float
     round_ms: float
     accept_length: float | None
+    # One standard deviation of the fitted times, from the repetitions' residuals (0 where one run each).
+    step_sd_ms: float = 0.0
+    round_sd_ms: float = 0.0
+    # What was not measured as asked (interpolated k or level, another shape, card): printed beside it.
+    flags: tuple[str, ...] = ()
+    # Why no speed-up is given (k or concurrency outside what was measured); None = predicted.
+    refused: str | None = None
 
     @property
     def break_even(self) -> float:
@@ -58,18 +73,57 @@ class Prediction:
 
     @property
     def speedup(self) -> float | None:
-        return None if self.accept_length is None else self.accept_length / self.break_even
+        if self.accept_length is None or self.refused:
+            return None
+        return self.accept_length / self.break_even
+
+    @property
+    def speedup_range(self) -> tuple[float, float] | None:
+        """The speed-up with both times one standard deviation against it, then for it."""
+        if self.speedup is None or self.accept_length is None:
+            return None
+        low = (
+            self.accept_length
+            * max(self.step_ms - self.step_sd_ms, 1e-6)
+            / (self.round_ms + self.round_sd_ms)
+        )
+        high = (
+            self.accept_length
+            * (self.step_ms + self.step_sd_ms)
+            / max(self.round_ms - self.round_sd_ms, 1e-6)
+        )
+        return low, high
 
     def record(self) -> dict[str, Any]:
+        span = self.speedup_range
         return {
             "concurrency": self.concurrency,
             "num_steps": self.num_steps,
             "step_ms": round(self.step_ms, 4),
             "round_ms": round(self.round_ms, 4),
+            "step_sd_ms": round(self.step_sd_ms, 4),
+            "round_sd_ms": round(self.round_sd_ms, 4),
             "break_even_accept_length": round(self.break_even, 3),
             "accept_length": self.accept_length,
             "speedup": None if self.speedup is None else round(self.speedup, 3),
+            "speedup_range": None if span is None else [round(span[0], 3), round(span[1], 3)],
+            "flags": list(self.flags),
+            "refused": self.refused,
         }
+
+    def text(self) -> str:
+        """The speed-up as printed: refused with its reason, or with its interval and flags."""
+        if self.refused:
+            return f"no speed-up predicted ({self.refused})"
+        if self.speedup is None:
+            return "-"
+        span = self.speedup_range
+        out = f"{self.speedup:.2f}x"
+        if span is not None and span[1] - span[0] >= 0.01:
+            out += f" ({span[0]:.2f}-{span[1]:.2f})"
+        if self.flags:
+            out += f" [NOT MEASURED: {'; '.join(self.flags)}]"
+        return out
 
 
 @dataclass(frozen=True)
@@ -82,6 +136,9 @@ class ServedEstimate:
     predictions: list[Prediction]
     # How the measurements' prediction compared with a speed-up SGLang served, where the record says.
     check: str | None = None
+    # What holds for every level: the shape or card was not measured as such.
+    flags: tuple[str, ...] = ()
+    measured: dict[str, Any] | None = None
 
     def record(self) -> dict[str, Any]:
         return {
@@ -90,6 +147,8 @@ class ServedEstimate:
             "measured_card": self.measured_card,
             "basis": self.basis,
             "source": self.source,
+            "flags": list(self.flags),
+            "measured": self.measured,
             "levels": [p.record() for p in self.predictions],
         }
 
@@ -97,15 +156,13 @@ class ServedEstimate:
         """One line: the predicted speed-up (or only the break-even) per level."""
         tau = next((p.accept_length for p in self.predictions if p.accept_length is not None), None)
         k = self.predictions[0].num_steps if self.predictions else 0
-        parts = [
-            f"c{p.concurrency} {p.speedup:.2f}x" if p.speedup is not None else f"c{p.concurrency} -"
-            for p in self.predictions
-        ]
+        parts = [f"c{p.concurrency} {p.text()}" for p in self.predictions]
         even = "/".join(f"{p.break_even:.2f}" for p in self.predictions)
         at = f"at accept length {tau:.2f}" if tau is not None else "no evaluated accept length"
+        flagged = f" [NOT MEASURED: {'; '.join(self.flags)}]" if self.flags else ""
         return (
             f"predicted served speed-up (EAGLE-3 k={k}, {at}): {', '.join(parts)}; "
-            f"pays above {even} tokens per round ({self.basis}; measured on {self.measured_card})"
+            f"pays above {even} tokens per round ({self.basis}; measured on {self.measured_card}){flagged}"
         )
 
     def lines(self) -> list[str]:
@@ -117,15 +174,23 @@ class ServedEstimate:
         )
         k = self.predictions[0].num_steps if self.predictions else 0
         head = f"served speed-up with EAGLE-3 (k={k}, SGLang, measured on {on}; {self.basis}):"
-        rows = []
+        rows = [f"  NOT MEASURED: {flag}" for flag in self.flags]
         for p in self.predictions:
+            if p.refused:
+                rows.append(f"  c{p.concurrency}: no speed-up predicted ({p.refused})")
+                continue
+            sd = f" ±{p.round_sd_ms:.2f} ms" if p.round_sd_ms > 0 else " ms (no spread: one run a cell)"
             text = (
-                f"  c{p.concurrency}: step {p.step_ms:.2f} ms, round {p.round_ms:.2f} ms: pays above "
-                f"{p.break_even:.2f} accepted tokens per round"
+                f"  c{p.concurrency}: step {p.step_ms:.2f} ms, round {p.round_ms:.2f}{sd}: "
+                f"pays above {p.break_even:.2f} accepted tokens per round"
             )
             if p.speedup is not None:
-                text += f"; at {p.accept_length:.2f}: {p.speedup:.2f}x"
+                text += f"; at {p.accept_length:.2f}: {p.text()}"
+            elif p.flags:
+                text += f" [NOT MEASURED: {'; '.join(p.flags)}]"
             rows.append(text)
+        if self.measured:
+            rows.append(f"  measured: k {self.measured['k']}, concurrency {self.measured['concurrency']}")
         check = [f"  checked: {self.check}"] if self.check else []
         return [head, *rows, *check, f"  ({self.source})"]
 
@@ -159,38 +224,138 @@ def shape_of_target(target: Any) -> Shape:
     return Shape(name=target.name, active_params=float(active), moe=moe)
 
 
-def _interp(x: float, xs: list[float], ys: list[float], log_x: bool = True) -> float:
+# ---------------------------------------------------------------- the monotone fit
+
+
+@dataclass(frozen=True)
+class LevelFit:
+    """One shape's times at one concurrency: step_ms, and round_ms = a + b k, with their spread."""
+
+    concurrency: int
+    step_ms: float
+    step_sd_ms: float
+    a: float
+    b: float
+    round_sd_ms: float
+
+    def round_ms(self, k: float) -> float:
+        return self.a + self.b * k
+
+
+def fit_round(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(a, b, sd): least squares of round_ms = a + b k over (k, ms) points with a, b >= 0 (a round never
+    gets faster with more drafts, and never costs less than nothing), and the residuals' standard
+    deviation (0 with no more points than parameters)."""
+    n = len(points)
+    ks = [k for k, _ in points]
+    ys = [y for _, y in points]
+    mk, my = sum(ks) / n, sum(ys) / n
+    sxx = sum((k - mk) ** 2 for k in ks)
+    b = sum((k - mk) * (y - my) for k, y in points) / sxx if sxx > 0 else 0.0
+    a = my - b * mk
+    if b < 0:  # noise made the longer chain faster: the best monotone fit is flat
+        a, b = my, 0.0
+    if a < 0:  # through the origin
+        a, b = 0.0, sum(k * y for k, y in points) / max(sum(k * k for k in ks), 1e-12)
+    free = n - (2 if sxx > 0 else 1)
+    sd = math.sqrt(sum((y - a - b * k) ** 2 for k, y in points) / free) if free > 0 else 0.0
+    return a, b, sd
+
+
+def _pooled(values: list[float], weights: list[float] | None = None) -> list[float]:
+    """The closest non-decreasing sequence (pooled adjacent violators, weighted least squares)."""
+    blocks: list[list[float]] = []  # [value, weight, count]
+    for v, w in zip(values, weights or [1.0] * len(values), strict=True):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    out: list[float] = []
+    for v, _, n in blocks:
+        out += [v] * int(n)
+    return out
+
+
+def _samples(level: dict[str, Any]) -> tuple[list[float], list[tuple[float, float]]]:
+    """A level's step times and (k, round time) points: every repetition where the record keeps them
+    (`step_ms_reps`, `round_ms_reps`), else the one figure per cell."""
+    steps = [float(x) for x in level.get("step_ms_reps") or [level["step_ms"]]]
+    reps = level.get("round_ms_reps") or {}
+    points = [(float(k), float(ms)) for k, one in level["round_ms"].items() for ms in (reps.get(k) or [one])]
+    return steps, points
+
+
+def fit_shape(levels: dict[str, Any]) -> list[LevelFit]:
+    """The monotone fit of one shape's measured levels, ordered by concurrency."""
+    cs = sorted(int(c) for c in levels)
+    raw = []
+    for c in cs:
+        steps, points = _samples(levels[str(c)])
+        a, b, sd = fit_round(points)
+        mean = sum(steps) / len(steps)
+        step_sd = statistics.stdev(steps) if len(steps) > 1 else 0.0
+        raw.append((c, mean, step_sd, a, b, sd))
+    steps_ms = _pooled([r[1] for r in raw])
+    fixed = _pooled([r[3] for r in raw])
+    per_draft = _pooled([r[4] for r in raw])
+    return [LevelFit(c, steps_ms[i], raw[i][2], fixed[i], per_draft[i], raw[i][5]) for i, c in enumerate(cs)]
+
+
+def measured_steps(levels: dict[str, Any]) -> list[int]:
+    return sorted({int(k) for lvl in levels.values() for k in lvl["round_ms"]})
+
+
+def _log_interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """Linear in log x between the two points around x (x inside [xs[0], xs[-1]])."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)
+    t = (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+    return ys[i - 1] + t * (ys[i] - ys[i - 1])
+
+
+def _at_level(fits: list[LevelFit], c: int, k: int) -> tuple[float, float, float, float]:
+    """(step, round, step sd, round sd) at concurrency c (inside the measured range) and k drafts."""
+    xs = [float(f.concurrency) for f in fits]
+    step = _log_interp(c, xs, [f.step_ms for f in fits])
+    a = _log_interp(c, xs, [f.a for f in fits])
+    b = _log_interp(c, xs, [f.b for f in fits])
+    step_sd = _log_interp(c, xs, [f.step_sd_ms for f in fits])
+    round_sd = _log_interp(c, xs, [f.round_sd_ms for f in fits])
+    return step, a + b * k, step_sd, round_sd
+
+
+def _geo(x: float, xs: list[float], ys: list[float]) -> float:
     """Piecewise linear in (log x, log y) through the points; the end values outside them."""
     if len(xs) == 1 or x <= xs[0]:
         return ys[0]
     if x >= xs[-1]:
         return ys[-1]
     i = bisect.bisect_right(xs, x)
-    fx = (lambda v: math.log(v)) if log_x else (lambda v: v)
-    t = (fx(x) - fx(xs[i - 1])) / (fx(xs[i]) - fx(xs[i - 1]))
+    t = (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+    if min(ys[i - 1], ys[i]) <= 0:  # a spread of zero (one run a cell): linear, not geometric
+        return ys[i - 1] + t * (ys[i] - ys[i - 1])
     return math.exp(math.log(ys[i - 1]) + t * (math.log(ys[i]) - math.log(ys[i - 1])))
 
 
-def _round_at(rounds: dict[str, float], k: int) -> float:
-    """A round's time at k drafts: linear in k through the measured step counts (each draft step adds one
-    small forward; the verify grows by one token)."""
-    ks = sorted(int(s) for s in rounds)
-    if len(ks) == 1:
-        return rounds[str(ks[0])]
-    lo, hi = (ks[0], ks[1]) if k <= ks[0] else (ks[-2], ks[-1])
-    for a, b in zip(ks, ks[1:], strict=False):
-        if a <= k <= b:
-            lo, hi = a, b
-    slope = (rounds[str(hi)] - rounds[str(lo)]) / (hi - lo)
-    return max(rounds[str(lo)] + slope * (k - lo), 1e-3)
+def _refusal(k: int, c: int, ks: list[int], cs: list[int]) -> str | None:
+    if not ks or k < ks[0] or k > ks[-1]:
+        return f"k={k} outside the measured {ks[0]}-{ks[-1]}" if ks else "no step count measured"
+    if c < cs[0] or c > cs[-1]:
+        return f"concurrency {c} outside the measured {cs[0]}-{cs[-1]}"
+    return None
 
 
-def _at_level(levels: dict[str, Any], c: int, k: int) -> tuple[float, float]:
-    cs = sorted(int(x) for x in levels)
-    steps = [levels[str(x)]["step_ms"] for x in cs]
-    rounds = [_round_at(levels[str(x)]["round_ms"], k) for x in cs]
-    fc = [float(x) for x in cs]
-    return _interp(c, fc, steps), _interp(c, fc, rounds)
+def _level_flags(k: int, c: int, ks: list[int], cs: list[int]) -> tuple[str, ...]:
+    flags = []
+    if k not in ks:
+        flags.append(f"k={k} fitted between the measured k {','.join(map(str, ks))}")
+    if c not in cs:
+        flags.append(f"concurrency {c} interpolated between measured levels")
+    return tuple(flags)
 
 
 def estimate(
@@ -225,15 +390,37 @@ def estimate(
     ordered = sorted(family.items(), key=lambda kv: kv[1]["active_params"])
     xs = [s["active_params"] for _, s in ordered]
     names = [n for n, _ in ordered]
+    fits = [fit_shape(s["levels"]) for _, s in ordered]
+    # What every used shape measured: a k or level outside any of them is refused.
+    ks = sorted(set.intersection(*(set(measured_steps(s["levels"])) for _, s in ordered)))
+    cs = sorted(set.intersection(*({int(c) for c in s["levels"]} for _, s in ordered)))
     preds = []
     for c in concurrency:
-        pairs = [_at_level(s["levels"], c, num_steps) for _, s in ordered]
-        step = _interp(shape.active_params, xs, [p[0] for p in pairs])
-        rnd = _interp(shape.active_params, xs, [p[1] for p in pairs])
-        preds.append(Prediction(c, num_steps, step, rnd, taus.get(c)))
+        refused = _refusal(num_steps, c, ks, cs)
+        at = [_at_level(f, min(max(c, cs[0]), cs[-1]), num_steps) for f in fits]
+        values = [_geo(shape.active_params, xs, [p[i] for p in at]) for i in range(4)]
+        preds.append(
+            Prediction(
+                c,
+                num_steps,
+                values[0],
+                values[1],
+                taus.get(c),
+                step_sd_ms=values[2],
+                round_sd_ms=values[3],
+                flags=() if refused else _level_flags(num_steps, c, ks, cs),
+                refused=refused,
+            )
+        )
     basis = _basis(shape, xs, names)
+    flags = []
     if shape.moe and not any(s["moe"] for s in shapes.values()):
         basis += " (no MoE shape measured: a dense shape's times)"
+        flags.append("an MoE target predicted from dense shapes")
+    if "nearest" in basis or "between" in basis:  # not one of the measured shapes
+        flags.append(f"the shape itself ({shape.active_params / 1e9:.2g}B active)")
+    if measured != card:
+        flags.append(f"card {card}: {measured}'s times")
     return ServedEstimate(
         shape=shape,
         card=card,
@@ -242,6 +429,8 @@ def estimate(
         source=f"benchmarks/results/{entry['source']}",
         predictions=preds,
         check=entry.get("check"),
+        flags=tuple(flags),
+        measured={"k": ks, "concurrency": cs},
     )
 
 
@@ -278,9 +467,12 @@ def evaluated_accept_length(figures: dict[str, Any], num_steps: int) -> tuple[fl
 PLAN_ACCEPT_LENGTHS = (2.0, 3.0)
 
 
-def for_plan(target: Any, hardware: str, gpu: bool, num_steps: int, concurrency: list[int]) -> list[str]:
+def for_plan(
+    target: Any, hardware: str, gpu: bool, num_steps: int, concurrency: list[int], tp_size: int = 1
+) -> list[str]:
     """The plan's lines: break-even acceptance per level for the preset's target and deploy settings, and
-    the speed-up at a few acceptance lengths (the evaluated one is known only after training)."""
+    the speed-up at a few acceptance lengths (the evaluated one is known only after training). Every
+    shape was measured on one GPU: a target served over several is flagged."""
     if not gpu:
         return [
             f"served speed-up: not predicted on {hardware} (SGLang's speculative serving is measured on GPUs)"
@@ -289,12 +481,19 @@ def for_plan(target: Any, hardware: str, gpu: bool, num_steps: int, concurrency:
         est = estimate(shape_of_target(target), hardware, num_steps, concurrency)
     except ConfigError as exc:
         return [f"served speed-up: not predicted ({exc})"]
+    if tp_size > 1:
+        est = replace(est, flags=(*est.flags, f"tensor parallel {tp_size} (every shape measured on one GPU)"))
     lines = est.lines()
     for p in est.predictions:
+        if p.refused:
+            lines.append(f"  c{p.concurrency}: no speed-up predicted ({p.refused})")
+            continue
+        flags = [*est.flags, *p.flags]
+        note = f" [NOT MEASURED: {'; '.join(flags)}]" if flags else ""
         at = ", ".join(
             f"{tau:g}: {tau / p.break_even:.2f}x" for tau in PLAN_ACCEPT_LENGTHS if tau <= num_steps + 1
         )
-        lines.append(f"  c{p.concurrency} speed-up at accept length {at}")
+        lines.append(f"  c{p.concurrency} speed-up at accept length {at}{note}")
     return lines
 
 
@@ -317,9 +516,11 @@ def for_deploy(
     target: Any, num_steps: int, concurrency: list[int], evaluation_figures: dict[str, Any] | None
 ) -> ServedEstimate | None:
     """The deploy stage's prediction before it serves: the evaluated acceptance length at the served step
-    count (None when no evaluation measured it: then only the break-even)."""
+    count, mapped to the served one (`served_accept_length`; None when no evaluation measured it: then
+    only the break-even)."""
     found = evaluated_accept_length(evaluation_figures or {}, num_steps)
-    tau = None if found is None else min(max(found[0], 1.0), num_steps + 1.0)
+    # The offline accept length runs above the served one (fp32, longer answers): mapped to served.
+    tau = None if found is None else min(max(served_accept_length(found[0])[0], 1.0), num_steps + 1.0)
     try:
         return estimate(shape_of_target(target), this_card() or "h200", num_steps, concurrency, tau)
     except ConfigError:  # no measurements to predict from: the deployment measures anyway
@@ -348,3 +549,26 @@ def after_deploy(predicted: ServedEstimate | None, results: list[Any]) -> list[A
         for p in predicted.predictions
     }
     return [r.model_copy(update={"figures": {**r.figures, **extra}}) for r in results]
+
+
+ACCEPTANCE_MAP = Path(__file__).parent / "data" / "served_acceptance.json"
+
+
+@cache
+def _acceptance_map() -> dict[str, Any] | None:
+    return json.loads(ACCEPTANCE_MAP.read_text()) if ACCEPTANCE_MAP.exists() else None
+
+
+def served_accept_length(offline: float) -> tuple[float, str]:
+    """The accept length a drafter is expected to reach served, from the offline one (fp32, longer
+    answers, teacher-forced prompts): served - 1 = slope x (offline - 1), the slope fitted to the pairs
+    on record (`benchmarks/served.py acceptance-map`), and how good that map is. Without a map: the
+    offline one, said so."""
+    found = _acceptance_map()
+    if not found:
+        return offline, "offline accept length (no offline-to-served map on record)"
+    served = 1.0 + found["slope"] * (offline - 1.0)
+    return served, (
+        f"offline {offline:.2f} mapped to served {served:.2f} (slope {found['slope']:.3f} from "
+        f"{found['pairs_used']} pairs on record, residual sd {found['residual_sd']:.2f} tokens)"
+    )

@@ -32,6 +32,7 @@ class StageEstimate:
     formula: str
     calibrated_by: list[str] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
+    roofline: str = ""  # its rate against the hardware's peak FLOP/s (and the disk's write rate)
 
     @property
     def gpu_seconds(self) -> float:
@@ -63,6 +64,38 @@ def prefill_flops_per_token(target: TargetFacts, seq_len: int) -> float:
     att = target.geometry.attention
     attention = 2 * target.geometry.num_layers * att.num_heads * (att.head_dim + att.v_head_dim) * seq_len / 2
     return 2 * target.active_params + attention
+
+
+def roofline(
+    m: Model,
+    rate: float,
+    flops_per_token: float,
+    devices: int,
+    bytes_per_token: float | None = None,
+    unit: str = "tokens",
+) -> str:
+    """A rate as a fraction of what bounds it: the devices' peak FLOP/s for the work of a token (the
+    target's active parameters, or the drafter's step), and, for shards, the disk's measured write rate,
+    so a reader can judge how much is left."""
+    devices = max(1, devices)
+    peak = devices * m.hw.peak_flops
+    each = (
+        f"{m.hw.peak_flops / 1e12:,.1f} TFLOP/s"
+        if m.hw.peak_flops >= 1e12
+        else f"{m.hw.peak_flops / 1e9:,.0f} GFLOP/s"
+    )
+    said = (
+        f"{rate:,.0f} {unit}/s x {flops_per_token / 1e9:.3g} GFLOP each = {rate * flops_per_token / peak:.1%} of "
+        f"{devices} x {each} ({m.hw.name} peak)"
+    )
+    disk = m.rates.get("disk_write_bytes_per_s")
+    if bytes_per_token and disk is not None:
+        written = rate * bytes_per_token
+        said += (
+            f"; shard writes {written / 1e6:,.0f} MB/s = {written / disk.value:.0%} of the disk's measured "
+            f"{disk.value / 1e6:,.0f} MB/s"
+        )
+    return said
 
 
 class Model:
@@ -204,11 +237,14 @@ def _generate(m: Model, sizes: Sizes) -> StageEstimate:
         prefill = m.rate("extract_tokens_per_s", "flops", notes, cites)
         start = m.fixed("generate", 0.0, notes, cites)
     seconds = waves * start + sizes.completion_tokens / decode + sizes.prompt_tokens / prefill
+    decode_flops = prefill_flops_per_token(m.target, int(2 * mean_decode_context(sizes)))
+    gpus = cfg.server.tp_size if m.hw.gpu else 0
     formula = (
         f"{start:.0f} s start + {sizes.completion_tokens:,} completion tokens / {decode:,.0f}/s "
         f"+ {sizes.prompt_tokens:,} prompt tokens / {prefill:,.0f}/s"
     )
-    return StageEstimate("generate", seconds, cfg.server.tp_size if m.hw.gpu else 0, formula, cites, notes)
+    bound = "decode " + roofline(m, decode, decode_flops, gpus)
+    return StageEstimate("generate", seconds, gpus, formula, cites, notes, bound)
 
 
 def decode_rate_at(points: list[tuple[float, float]], context: float) -> float:
@@ -335,12 +371,27 @@ def _extract(m: Model, sizes: Sizes) -> StageEstimate:
         )
         start = m.server_start(notes, cites)
     seconds = start + tokens / rate
+    from aerie.plan.disk import aux_layers, shard_bytes_per_token
+
+    per_token = shard_bytes_per_token(
+        cfg.extract.storage_dtype,
+        m.target.geometry.hidden_size,
+        m.target.geometry.vocab_size,
+        aux_layers(cfg, m.target),
+    )
+    bound = roofline(m, rate, prefill_flops_per_token(m.target, cfg.corpus.max_length), gpus, per_token)
     return StageEstimate(
-        "extract", seconds, gpus, f"{start:.0f} s start + {tokens:,} tokens / {rate:,.0f}/s", cites, notes
+        "extract",
+        seconds,
+        gpus,
+        f"{start:.0f} s start + {tokens:,} tokens / {rate:,.0f}/s",
+        cites,
+        notes,
+        bound,
     )
 
 
-def _draft_flops(m: Model, seq_len: int) -> float:
+def draft_flops(m: Model, seq_len: int) -> float:
     g, train = m.target.geometry, m.cfg.train
     shape = train.draft.resolve(g)
     return train_flops_per_token(
@@ -375,7 +426,7 @@ def _train(m: Model, sizes: Sizes) -> StageEstimate:
             f"{sizes.train_tokens:,} tokens trained: each epoch's last row is padded"
         )
     # Sequences average about half the cap: attention is counted at max_length / 2.
-    flops = _draft_flops(m, cfg.train.max_length // 2)
+    flops = draft_flops(m, cfg.train.max_length // 2)
     if not m.hw.gpu:
         achieved = m.rate("train_flops_per_s", "flops", notes, cites)
         rate = achieved / flops
@@ -403,7 +454,13 @@ def _train(m: Model, sizes: Sizes) -> StageEstimate:
         fixed += start
     seconds = fixed + positions / rate
     return StageEstimate(
-        "train", seconds, gpus, f"{fixed:.0f} s + {positions:,} positions / {rate:,.0f}/s", cites, notes
+        "train",
+        seconds,
+        gpus,
+        f"{fixed:.0f} s + {positions:,} positions / {rate:,.0f}/s",
+        cites,
+        notes,
+        roofline(m, rate, flops, gpus, unit="positions"),
     )
 
 
@@ -482,7 +539,9 @@ def _weight_bound_steps(m: Model, notes: list[str]) -> float:
 def _deploy(m: Model, sizes: Sizes) -> StageEstimate:
     cfg, notes, cites = m.cfg, [], []  # type: ignore[var-annotated]
     d = cfg.deploy
-    steps_per_level = sum(math.ceil(d.num_prompts / c) * d.max_new_tokens for c in d.concurrency)
+    steps_per_level = sum(
+        math.ceil(d.num_prompts / c) * d.max_new_tokens for c in d.concurrency
+    )  # warm passes
     # Warm-up (`aerie.deploy.bench`): its requests one after another, then each level's workload once more.
     w = d.warmup_requests
     warmup = min(8, d.max_new_tokens) * w + steps_per_level if w else 0
@@ -498,13 +557,21 @@ def _deploy(m: Model, sizes: Sizes) -> StageEstimate:
     notes.append(
         "the speculative server taken as fast as the baseline (its speed-up is what deploy measures)"
     )
-    per_server = start + (steps_per_level + warmup) / steps
+    # Each level at steady state, `repeats` times: its window lasts level_seconds, longer where a slot's
+    # requests_per_slot requests (one decode step a token) take more, plus one request's ramp before it.
+    request_s = d.max_new_tokens / steps
+    timed = (
+        len(d.concurrency) * d.repeats * (max(d.level_seconds, d.requests_per_slot * request_s) + request_s)
+    )
+    per_server = start + warmup / steps + timed
+    servers = 3 if cfg.server.backend == "sglang" and d.ngram != "off" else 2
     gpus = cfg.server.tp_size if m.hw.gpu else 0
     return StageEstimate(
         "deploy",
-        2 * per_server,
+        servers * per_server,
         gpus,
-        f"2 servers x ({start:.0f} s start + {steps_per_level + warmup:,} decode steps / {steps:.1f}/s)",
+        f"{servers} servers x ({start:.0f} s start + {warmup:,} warm-up decode steps / {steps:.1f}/s + "
+        f"{timed:.0f} s timed: {len(d.concurrency)} levels x {d.repeats} runs)",
         cites,
         notes,
     )

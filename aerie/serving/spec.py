@@ -62,20 +62,27 @@ Mode = Literal["serve", "extract"]
 
 @dataclass(frozen=True)
 class SpeculativeArgs:
-    """SGLang speculative decoding with an EAGLE-3 drafter (None fields: SGLang picks them)."""
+    """SGLang speculative decoding with an EAGLE-3 drafter, or SGLang's own n-gram lookup
+    (`algorithm="NGRAM"`, no drafter: drafts from the tokens already in the context). None fields:
+    SGLang picks them."""
 
-    draft_model_path: str
+    draft_model_path: str | None = None
     num_steps: int | None = None
     eagle_topk: int | None = None
     num_draft_tokens: int | None = None
+    algorithm: Literal["EAGLE3", "NGRAM"] = "EAGLE3"
+
+    def __post_init__(self) -> None:
+        if (self.algorithm == "EAGLE3") != (self.draft_model_path is not None):
+            raise ConfigError(
+                f"speculative algorithm {self.algorithm}: EAGLE3 takes a drafter directory, NGRAM none "
+                f"(got {self.draft_model_path!r})"
+            )
 
     def to_args(self) -> list[str]:
-        args = [
-            "--speculative-algorithm",
-            "EAGLE3",
-            "--speculative-draft-model-path",
-            self.draft_model_path,
-        ]
+        args = ["--speculative-algorithm", self.algorithm]
+        if self.draft_model_path is not None:
+            args += ["--speculative-draft-model-path", self.draft_model_path]
         for flag, value in (
             ("--speculative-num-steps", self.num_steps),
             ("--speculative-eagle-topk", self.eagle_topk),
@@ -324,7 +331,11 @@ def _container_volumes(
         read_only.add(str(local_model.resolve()))
     if dump is not None:
         volumes[str(dump)] = str(dump)
-    if speculative is not None and Path(speculative.draft_model_path).exists():
+    if (
+        speculative is not None
+        and speculative.draft_model_path
+        and Path(speculative.draft_model_path).exists()
+    ):
         draft = str(Path(speculative.draft_model_path).resolve())
         volumes[draft] = draft
         read_only.add(draft)
@@ -433,6 +444,11 @@ def spec_for(
             dump,
         )
         if speculative is not None:
+            if speculative.algorithm != "EAGLE3":
+                raise ConfigError(
+                    f"the reference server speculates with an EAGLE-3 drafter only, not "
+                    f"{speculative.algorithm}; serve SGLang (server.backend=sglang) for n-gram speculation"
+                )
             if speculative.eagle_topk is not None or speculative.num_draft_tokens is not None:
                 raise ConfigError(
                     "the reference server decodes one speculative chain: it takes --speculative-num-steps "
