@@ -140,9 +140,9 @@ def test_every_drafter_directory_holds_its_card(tracked):
         assert ("vllm serve" in body) == (store / results["train"].prefix / "drafter" / VLLM_CONFIG).is_file()
         # The acceptance per prompt set and position, as the evaluation measured it.
         for r in manifests["evaluate"]["results"]:
-            assert (
-                f"| {r['dataset']} | {r['proposer']} | {r['num_steps']} | {r['accept_length']:,.4g} |" in body
-            )
+            row = f"| {r['dataset']} | {r['proposer']} | {r['num_steps']} | {r['accept_length']:,.4g} |"
+            shown = [line for line in body.splitlines() if line.startswith(f"| {r['dataset']} |")]
+            assert row in body, (row, shown)
         assert f"`{RUN}/merge/{results['merge'].key}`" in body
     assert "## Served speed-up" not in evaluated[1]
     assert f"--speculative-num-steps {manifests['deploy']['num_steps']}" in promoted[1]
