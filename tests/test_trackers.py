@@ -140,7 +140,9 @@ def test_every_drafter_directory_holds_its_card(tracked):
         assert ("vllm serve" in body) == (store / results["train"].prefix / "drafter" / VLLM_CONFIG).is_file()
         # The acceptance per prompt set and position, as the evaluation measured it.
         for r in manifests["evaluate"]["results"]:
-            row = f"| {r['dataset']} | {r['proposer']} | {r['num_steps']} | {r['accept_length']:,.4g} |"
+            t = r.get("temperature") or 0
+            proposer = r["proposer"] + (f" (t={t:g})" if t else "")  # each sampled temperature its own row
+            row = f"| {r['dataset']} | {proposer} | {r['num_steps']} | {r['accept_length']:,.4g} |"
             shown = [line for line in body.splitlines() if line.startswith(f"| {r['dataset']} |")]
             assert row in body, (row, shown)
         assert f"`{RUN}/merge/{results['merge'].key}`" in body
