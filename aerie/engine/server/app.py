@@ -171,6 +171,9 @@ async def _health(state: ServerState, *, generate: bool) -> Response:
         # Healthy as soon as the probe is answered, or any model step completes after it was sent.
         if (future.done() and future.exception() is None) or state.scheduler.last_progress > started:
             return Response(status_code=200)
+        if future.done():  # the probe's own step failed (and no other step completed meanwhile)
+            exc = future.exception()
+            return _error(f"The health probe's generation failed: {type(exc).__name__}: {exc}", 503)
         await asyncio.wait([future], timeout=0.02)
     logger.info(
         f"Health check failed. Server couldn't get a response from the model worker for last "

@@ -6,10 +6,11 @@ passes its first SKIP visits, then fails the next COUNT (COUNT `*`: every one af
 | name | where | raises |
 |---|---|---|
 | `kv_alloc` | each KV cache buffer the slot decoder allocates | `torch.OutOfMemoryError`, as a full device does |
-| `step` | each decoding step of the running batch | `RuntimeError` (a step that keeps failing) |
+| `step` | each generation step: a prefill of newcomers or a decoding step | `RuntimeError` (a step that keeps failing) |
 
-Unset (the normal case) every point is a no-op. The warm-up request allocates the cache and decodes a
-few steps too, so a SKIP that lets it pass keeps the server starting.
+Unset (the normal case) every point is a no-op. The warm-up request (a prefill and up to 7 decoding
+steps) and the first health probe (a prefill) allocate and step too: a SKIP that lets them pass keeps
+the server starting.
 """
 
 from __future__ import annotations

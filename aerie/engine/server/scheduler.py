@@ -270,7 +270,7 @@ class Scheduler:
                 if admit:
                     self.stats.prefill_tokens += sum(len(i.request.input_ids) for i in admit)
                     requests = [i.request for i in admit]
-                    self._guarded(admit, lambda: self.backend.admit(requests))  # noqa: B023 (called at once)
+                    self._guarded(admit, lambda: self._admit(requests))  # noqa: B023 (called at once)
                 if self._running:
                     self._guarded(list(self._running.values()), self._step)
                 if generating:
@@ -287,6 +287,10 @@ class Scheduler:
             taken.append(item)
             tokens += len(item.input_ids)
         return taken
+
+    def _admit(self, requests: list[GenRequest]) -> list[GenResult]:
+        faults.hit("step")
+        return self.backend.admit(requests)
 
     def _step(self) -> list[GenResult]:
         faults.hit("step")
@@ -338,17 +342,19 @@ class Scheduler:
         requeue or fail its requests, and count it towards `unhealthy`."""
         logger.exception("generation step failed")
         self.stats.failures += 1
-        self.stats.failures_in_a_row += 1
         oom = isinstance(exc, torch.OutOfMemoryError)
-        if oom:
-            self._release_memory()
         dropped = {id(r) for r in self.backend.abort_all()} | {id(i.request) for i in items}
+        # An allocation failure the backend recovered from (its memory handed back, its budget lowered)
+        # is not a step that keeps failing; anything else counts towards `unhealthy`.
+        recovered = oom and self._release_memory()
+        if not recovered:
+            self.stats.failures_in_a_row += 1
         retry: list[_GenItem] = []
         for key in dropped:
             item = self._running.pop(key, None)
             if item is None or item.future.done():
                 continue
-            if oom and item.request.stream is None and item.oom_retries < _OOM_RETRIES:
+            if recovered and item.request.stream is None and item.oom_retries < _OOM_RETRIES:
                 item.oom_retries += 1
                 retry.append(item)
             else:
@@ -358,20 +364,22 @@ class Scheduler:
         if self.stats.failures_in_a_row >= self.unhealthy_after and not self.unhealthy:
             self._turn_unhealthy(exc)
 
-    def _release_memory(self) -> None:
+    def _release_memory(self) -> bool:
+        """Have the backend drop what may point at freed memory; whether it could."""
         release = getattr(self.backend, "release_memory", None)
         if release is None:
-            return
+            return False
         try:
             release()
         except Exception:  # the device itself is failing: the failures in a row will say so
             logger.exception("releasing memory after an allocation failure failed")
-            return
+            return False
         self.stats.oom_recoveries += 1
         logger.warning(
             "Out of memory in a generation step: the KV cache and CUDA graphs were dropped (captured "
             "again on the next step); the batch's requests wait to be admitted again"
         )
+        return True
 
     def _turn_unhealthy(self, exc: Exception) -> None:
         self.unhealthy = (

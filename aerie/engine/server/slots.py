@@ -33,6 +33,7 @@ import torch
 from aerie.engine.generation import BatchedDecoder, GenRequest, GenResult
 from aerie.engine.server import faults, packed
 from aerie.engine.server.decode_graphs import CudaGraphRunner, DecodeGraphs
+from aerie.engine.server.sglang_log import logger
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -78,6 +79,7 @@ class KVSlots:
         self.shape = (kv_heads, head_dim)
         self.max_length = max_length
         self.capacity: int | None = None  # cells (rows x length) doubling may not go past
+        self.failed_cells = 0  # the size of the last allocation that failed (0: none)
         self.dtype, self.device = dtype, device
         self.rows = self.length = 0
         self.version = 0  # bumped whenever the buffers are reallocated (captured graphs hold pointers)
@@ -109,6 +111,7 @@ class KVSlots:
             # Some layers hold new buffers, the others old ones, and a captured graph may still point
             # at the old buffers just freed: keep nothing (the version bump drops the graphs).
             self.release()
+            self.failed_cells = new_rows * new_length
             raise
         self.rows, self.length = new_rows, new_length
         self.version += 1
@@ -211,13 +214,36 @@ class SlotDecoder(BatchedDecoder):
         """After an allocation failed: drop the running rows, the KV buffers and the captured graphs
         (which point into those buffers and their own pool), and hand the memory back, so nothing is
         left pointing at freed memory. Graphs are captured again on the next step."""
+        attempted = self.kv.failed_cells or self.kv.rows * self.kv.length
         self.abort_all()
         self.kv.release()
+        self.kv.failed_cells = 0
         if self.graphs is not None:
             self.graphs.drop()
         if str(self.device).startswith("cuda"):
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+        self._shrink(attempted)
+
+    def _shrink(self, attempted: int) -> None:
+        """The device could not hold `attempted` cells (with whatever else it held): a quarter less is
+        the budget from now on, and the running batch fits it at the full context (CUDA graphs are made
+        again for the smaller batch). Repeated failures shrink it geometrically, never below one row."""
+        if attempted <= 0:
+            return
+        capacity = attempted * 3 // 4 if self.capacity is None else min(self.capacity, attempted * 3 // 4)
+        self.capacity = self.kv.capacity = capacity
+        positions = -(-(self.context or self.kv.length or LENGTH_QUANTUM) // LENGTH_QUANTUM) * LENGTH_QUANTUM
+        running = max(1, min(self.max_running, capacity // positions))
+        logger.warning(
+            f"KV cache budget lowered to {capacity:,} cells after an allocation of {attempted:,} failed; "
+            f"max_running_requests {self.max_running} -> {running}"
+        )
+        if running != self.max_running:
+            self.max_running = running
+            self.admit_when_free = max(1, running // 8)
+            if self.graphs is not None and not self.graphs.disabled:
+                self.graphs = self._make_graphs()
 
     def _need(self, request: GenRequest) -> int:
         """The positions a request's row may reach, as the cache rounds them."""
