@@ -140,7 +140,7 @@ def _generate(dec: SlotDecoder, waves: list[list[GenRequest]]) -> tuple[dict[str
         for wave in waves:
             futures += scheduler.submit_generations(wave)
             time.sleep(0.5)
-        return {f.result(120).request.rid: f.result().output_ids for f in futures}, scheduler
+        return {f.result(900).request.rid: f.result().output_ids for f in futures}, scheduler
     finally:
         scheduler.stop()
 
@@ -148,7 +148,7 @@ def _generate(dec: SlotDecoder, waves: list[list[GenRequest]]) -> tuple[dict[str
 def _waves(loaded: Any) -> list[list[GenRequest]]:
     """Short requests, then a ~300-token one that grows the cache from 256 to 512 positions while the
     first run (the growth that hit the allocation failure on the H100)."""
-    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
     first = [GenRequest(f"r{i}", loaded.tokenizer(p)["input_ids"], params) for i, p in enumerate(PROMPTS)]
     long_prompt = loaded.tokenizer("the quick brown fox jumps over the lazy dog " * 34)["input_ids"]
     return [first, [GenRequest("long", long_prompt, SamplingParams(max_new_tokens=5, temperature=0.0))]]
