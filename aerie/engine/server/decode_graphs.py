@@ -177,8 +177,11 @@ class DecodeGraphs:
 
     def drop(self) -> None:
         """Drop every graph and its pool (they may point at freed memory); the next step captures anew."""
-        self._new_generation()
-        self.kv_version = -1
+        self.graphs.clear()
+        self.checked.clear()
+        self.pool = None
+        self.widths = []
+        self.kv_version = -1  # the next step plans its widths on the buffers of then
 
     def _new_generation(self) -> None:
         # The graphs hold the old buffers' addresses. Their pool goes with them: once they are
