@@ -208,7 +208,7 @@ def test_the_server_survives_an_out_of_memory_step_and_answers_correctly(
     monkeypatch.setenv(faults.FAULTS_ENV, "kv_alloc=60:1")
     server = launch(smollm2.path, tmp_path, "--device", "cpu", "--dtype", "float32", "--random-seed", "0")
     try:
-        wait_ready(server)
+        wait_ready(server, timeout=600)  # a loaded shared host can take minutes to start it
         alone = _post(server.url, PROMPTS[0])
         assert alone.status_code == 200, alone.text
         batch = _post(server.url, PROMPTS)
@@ -247,7 +247,7 @@ def test_steps_that_keep_failing_turn_the_server_unhealthy_with_the_reason(
     monkeypatch.setenv(faults.FAULTS_ENV, "step=9:*")
     server = launch(smollm2.path, tmp_path, "--device", "cpu", "--unhealthy-after", "3")
     try:
-        wait_ready(server)
+        wait_ready(server, timeout=600)  # a loaded shared host can take minutes to start it
         health = _turn_unhealthy(server.url)
         assert health.status_code == 503
         assert "3 generation steps failed in a row" in health.json()["error"]["message"]
@@ -275,7 +275,13 @@ def test_the_watch_ends_an_unhealthy_server_and_a_fresh_one_serves(smollm2: Any,
         config({faults.FAULTS_ENV: "step=9:*"}), model_path=smollm2.path, log_path=tmp_path / "a.log"
     )
     with ModelServer(faulty) as server:
-        _turn_unhealthy(server.url)
+        for _ in range(8):  # each request fails at a step; the third failure in a row ends the server
+            try:
+                _post(server.url, PROMPTS[0], tokens=32)
+            except httpx.TransportError:  # the watch ended it while this request was on its way
+                break
+            if server.crash_detected_at is not None:
+                break
         deadline = time.monotonic() + 10
         while server.crash_detected_at is None and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -299,26 +299,29 @@ class Scheduler:
     def _take_admissions(self) -> list[_GenItem]:
         taken: list[_GenItem] = []
         tokens = 0
-        self._refuse_misfits()
-        while self._waiting and self.backend.can_admit(self._waiting[0].request, len(taken), tokens):
-            item = self._waiting.popleft()
-            taken.append(item)
-            tokens += len(item.request.input_ids)
+        while self._waiting:
+            head = self._waiting[0]
+            if not self.backend.can_admit(head.request, len(taken), tokens):
+                if self._refused(head):
+                    continue
+                break
+            taken.append(self._waiting.popleft())
+            tokens += len(head.request.input_ids)
         for item in taken:
             self._running[id(item.request)] = item
         self.stats.peak_running = max(self.stats.peak_running, len(self._running))
         return taken
 
-    def _refuse_misfits(self) -> None:
-        """Fail the waiting requests the backend could never hold (say why), so none waits forever."""
+    def _refused(self, head: _GenItem) -> bool:
+        """Fail the first waiting request if the backend could never hold it (saying why), so it does not
+        wait forever; whether it did."""
         refusal = getattr(self.backend, "refusal", None)
-        if refusal is None:
-            return
-        for item in list(self._waiting):
-            why = refusal(item.request)
-            if why is not None:
-                self._waiting.remove(item)
-                item.future.set_exception(RequestError(f"rid {item.request.rid}: {why}"))
+        why = refusal(head.request) if refusal is not None else None
+        if why is None:
+            return False
+        self._waiting.popleft()
+        head.future.set_exception(RequestError(f"rid {head.request.rid}: {why}"))
+        return True
 
     def _guarded(self, items: list[_GenItem], work: Callable[[], list[GenResult]]) -> None:
         """Run a prefill or a step; resolve finished requests; on an error fail the batch, not the server."""
