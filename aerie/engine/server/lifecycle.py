@@ -193,7 +193,7 @@ def build_backend(args: RefServerArgs, loaded: Any) -> Any:
         return BatchedDecoder(loaded.model, loaded.tokenizer, **common)
     graphs: slots.GraphMode = "cuda" if args.cuda_graphs and str(loaded.device).startswith("cuda") else "off"
     logger.info(f"Decode backend: SlotDecoder, CUDA graphs {graphs}")
-    plan = kv_plan(args, loaded)
+    plan = kv_plan(args, loaded, fixed_rows=graphs != "off")
     logger.info(plan.line())
     common["max_running"] = plan.max_running
     decoder = slots.SlotDecoder(
@@ -203,7 +203,7 @@ def build_backend(args: RefServerArgs, loaded: Any) -> Any:
     return decoder
 
 
-def kv_plan(args: RefServerArgs, loaded: Any) -> Any:
+def kv_plan(args: RefServerArgs, loaded: Any, *, fixed_rows: bool) -> Any:
     """The slot decoder's cache budget and running batch for this model on this device
     (`aerie.engine.server.memory`)."""
     from aerie.engine.server import memory, slots
@@ -219,6 +219,7 @@ def kv_plan(args: RefServerArgs, loaded: Any) -> Any:
         asked_running=args.max_running_requests,
         max_total_tokens=args.max_total_tokens,
         budget=memory.device_budget(str(loaded.device), args.mem_fraction_static),
+        fixed_rows=fixed_rows,
     )
 
 

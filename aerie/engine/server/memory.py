@@ -11,8 +11,10 @@ card with more memory grows that rectangle until an allocation fails (512 rows o
   CUDA that memory is `--mem-fraction-static` of the card (SGLang's meaning: weights and cache
   together) less what is in use now (the weights); on the CPU, that fraction of the host's available
   memory;
-- the running batch: `--max-running-requests`, lowered where that many rows at the full context
-  would not fit the budget, so that any request the server accepts fits once admitted.
+- the running batch: `--max-running-requests`. With CUDA graphs (every step runs all rows) it is
+  lowered where that many rows at the full context would not fit the budget, so that any request the
+  server accepts fits once admitted; without them rows are allocated as requests join, and admission
+  makes a request wait until the cache has room for it.
 
 `KVPlan.line()` is the one log line that says what was chosen and why.
 """
@@ -37,6 +39,7 @@ class KVPlan:
     asked_running: int  # --max-running-requests
     budget_bytes: int  # the memory the cache may take
     source: str  # where the budget came from
+    fixed_rows: bool = True  # every step runs all max_running rows (CUDA graphs)
 
     @property
     def lowered(self) -> bool:
@@ -56,7 +59,12 @@ class KVPlan:
                 f"{self.asked_running} rows x {self.positions:,} positions need {need:.2f} GB (raise "
                 f"--max-total-tokens or --mem-fraction-static to run more)"
             )
-        return f"{head}; max_running_requests {self.max_running} fits"
+        if self.fixed_rows:
+            return f"{head}; max_running_requests {self.max_running} fits at the full context"
+        return (
+            f"{head}; max_running_requests {self.max_running}: rows are allocated as requests join, and a "
+            "request waits until the cache has room for it"
+        )
 
 
 def cell_bytes(num_layers: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -90,8 +98,10 @@ def plan_kv(
     asked_running: int,
     max_total_tokens: int | None,
     budget: tuple[int, str],
+    fixed_rows: bool = True,
 ) -> KVPlan:
-    """The plan for a cache of `cell`-byte cells whose rows grow to `context` positions."""
+    """The plan for a cache of `cell`-byte cells whose rows grow to `context` positions; `fixed_rows`:
+    every step runs all rows (CUDA graphs)."""
     positions = -(-context // quantum) * quantum
     if max_total_tokens is not None:
         capacity = max_total_tokens
@@ -99,5 +109,5 @@ def plan_kv(
     else:
         budget_bytes, source = budget
         capacity = budget_bytes // cell
-    running = max(1, min(asked_running, capacity // positions))
-    return KVPlan(cell, capacity, positions, running, asked_running, budget_bytes, source)
+    running = max(1, min(asked_running, capacity // positions)) if fixed_rows else asked_running
+    return KVPlan(cell, capacity, positions, running, asked_running, budget_bytes, source, fixed_rows)

@@ -227,14 +227,16 @@ class SlotDecoder(BatchedDecoder):
 
     def _shrink(self, attempted: int) -> None:
         """The device could not hold `attempted` cells (with whatever else it held): a quarter less is
-        the budget from now on, and the running batch fits it at the full context (CUDA graphs are made
-        again for the smaller batch). Repeated failures shrink it geometrically, never below one row."""
+        the budget from now on; with CUDA graphs the running batch is lowered to fit it at the full
+        context (the graphs are made again for the smaller batch). Repeated failures shrink it geometrically, never below one row."""
         if attempted <= 0:
             return
         capacity = attempted * 3 // 4 if self.capacity is None else min(self.capacity, attempted * 3 // 4)
         self.capacity = self.kv.capacity = capacity
         positions = -(-(self.context or self.kv.length or LENGTH_QUANTUM) // LENGTH_QUANTUM) * LENGTH_QUANTUM
-        running = max(1, min(self.max_running, capacity // positions))
+        graphs = self.graphs is not None and not self.graphs.disabled
+        # Eager rows are allocated as requests join (admission waits for room); graph steps run them all.
+        running = max(1, min(self.max_running, capacity // positions)) if graphs else self.max_running
         logger.warning(
             f"KV cache budget lowered to {capacity:,} cells after an allocation of {attempted:,} failed; "
             f"max_running_requests {self.max_running} -> {running}"
