@@ -2,7 +2,7 @@
 
 | endpoint | answer |
 |---|---|
-| `/health`, `/health_generate` | 503 while Starting (before the warm-up succeeds) or Draining (after SIGTERM), or once unhealthy (steps failed repeatedly: the body's `error.message` says why); else a real 1-token generation: 200 when any model step completes within the timeout |
+| `/health`, `/health_generate` | 503 while Starting (before the warm-up succeeds) or Draining (after SIGTERM), or once unhealthy (steps failed repeatedly: the body's `message` says why); else a real 1-token generation: 200 when any model step completes within the timeout |
 | `/ready` | 200 iff Up (a flag, no generation) |
 | `/server_info` (`/get_server_info`) | args, `weight_version`, `launch_command`, `version`, resolved device/dtype/aux layers, status, pid; `internal_states[0]`: counters and `extract_phases_s` (`scheduler.PhaseClock`) |
 | `/model_info` (`/get_model_info`), `/v1/models` | model facts; 200 as soon as the port is open (not readiness signals) |
