@@ -179,7 +179,7 @@ def kimi_k25_8gpu() -> PipelineConfig:
     # API providers advise for complete thoughts), so a turn may write 28,672 tokens, and a sample holds
     # 32,768: the 4,096 left cover the prompt of 99% of ShareGPT's turns (p99 2,418 tokens), so the plan
     # keeps 99.99% of the reasoning of a turn that uses its whole budget, where 4,096 and 4,096 kept 81%
-    # and cut every longer trace to its start. Training at 32K: train.recompute and whole samples below,
+    # and cut every longer trace to its start. Training at 32K: train.recompute and the rows below,
     # whose memory benchmarks/long_context.py measures.
     cfg.generate.datasets = _sharegpt(SamplingParams(temperature=0.6, max_tokens=28672))
     cfg.generate.max_parallel_datasets = 4
@@ -199,9 +199,13 @@ def kimi_k25_8gpu() -> PipelineConfig:
     cfg.train.draft.intermediate_size = 12288
     cfg.train.epochs = 10
     cfg.train.lr = 5e-5
-    cfg.train.batch_tokens = 32768
+    # 16,384-token rows: the largest Kimi-sized drafter step measured to fit (81.65 GiB on an H200,
+    # benchmarks/results/train-h200.json), which `aerie plan` scales to refuse a larger one. A longer sample
+    # goes on over the next rows (train.split_samples), so every supervised token of a 32K turn is still
+    # trained, its draft attention seeing the row it is in. Whole 32K rows (split_samples false) wait for
+    # benchmarks/long_context.py to measure the recomputed step at that length on the card.
+    cfg.train.batch_tokens = 16384
     cfg.train.max_length = 32768
-    cfg.train.split_samples = False  # a reasoning turn trains whole, with all of its context
     cfg.train.recompute = True
     # The offline evaluator holds the target in process on one device, and 595 GB of weights fit no one
     # GPU: Kimi's acceptance and speed-up are measured served, by the deploy stage at TP 8.

@@ -1,7 +1,9 @@
-"""Failure notifications as code: a webhook block and an automation on failed/crashed/timed-out runs.
+"""Failure notifications as code: a webhook block and an automation on crashed deployment runs.
 
-The automation lives on the Prefect server, so it fires even when the worker running the flow dies
-(the flow's in-process `on_failure` hook cannot). Apply it once per server:
+A failed run posts its own alert, from the pipeline flow's hook (naming the stage and the error). The
+automation lives on the Prefect server and covers what no hook can: a run whose process died (the
+worker killed, the machine gone), which the server marks Crashed. It reacts to deployment runs only
+(tag `aerie`), not to their subflows, so one crash posts once. Apply it once per server:
 
     python -m deployments.notifications --webhook-url "$AERIE_WEBHOOK_URL"
 """
@@ -21,7 +23,7 @@ from prefect.events.schemas.automations import EventTrigger, Posture
 
 BLOCK_NAME = "aerie-failures"
 AUTOMATION_NAME = "aerie-run-failed"
-FAILED_EVENTS = {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"}
+FAILED_EVENTS = {"prefect.flow-run.Crashed"}
 
 
 def save_webhook_block(url: str) -> UUID:
@@ -38,12 +40,15 @@ def save_webhook_block(url: str) -> UUID:
 def failure_automation(block_id: UUID) -> Automation:
     return Automation(
         name=AUTOMATION_NAME,
-        description="An aerie flow run failed, crashed or timed out.",
+        description="An aerie deployment run crashed (its process died).",
         trigger=EventTrigger(
             posture=Posture.Reactive,
             expect=FAILED_EVENTS,
             match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={"prefect.resource.role": "tag", "prefect.resource.id": "prefect.tag.aerie"},
+            match_related=[
+                {"prefect.resource.role": "tag", "prefect.resource.id": "prefect.tag.aerie"},
+                {"prefect.resource.role": "deployment"},
+            ],
             threshold=1,
             within=0,
         ),

@@ -7,7 +7,7 @@ them down itself) and its retry resumes from the shards already uploaded (`progr
 
 With `extract.num_slices` > 1 the slices are the stage's parts (`aerie.extract.stage.EXTRACT`): a
 subflow each on this host, one after the other, or with `extract.slice_deployment` set (e.g.
-"extract-slice/gpu", prefect.yaml) a run of that deployment each, all at once, every slice host running
+"extract-slice/slice-gpu", prefect.yaml) a run of that deployment each, all at once, every slice host running
 its own preflight (`flows.fanout`); the stage is then assembled from the slices' records.
 """
 

@@ -1,5 +1,5 @@
 """A stage's parts through a Prefect deployment: one flow run per part still to do, each on the host
-whose worker takes it (extraction's slices through `extract.slice_deployment`, e.g. "extract-slice/gpu",
+whose worker takes it (extraction's slices through `extract.slice_deployment`, e.g. "extract-slice/slice-gpu",
 prefect.yaml), all started at once, linked as subflows of the stage's, then waited for. A part whose run
 did not complete comes back as the stage's `part_error` naming the part, its run and its final state;
 a completed one as its `Part` (its record is in the store, where the stage's `assemble` reads it)."""

@@ -7,19 +7,31 @@ runs each through the one generic stage subflow (`flows.stage`): a stage of part
 datasets, extraction's slices) as a subflow per part, or a run per part of `extract.slice_deployment`. Each stage returns the URI of its manifest (a `StageResult`), never
 data; each is cached across runs, so re-running a finished pipeline costs seconds and changing a
 training parameter re-runs only training and what follows. A failing stage fails the flow (subflow
-calls raise), and the `on_failure`/`on_crashed` hooks post to the configured webhook.
+calls raise), and this flow's `on_failure`/`on_crashed` hook posts one alert to the configured webhook, naming the
+run, the stage that failed and the first line of its error (the stage subflows post none).
+
+On the flow run's page: a progress artifact (`<run>-progress`: the stage running, stages done of all),
+and at the end the summary table (`<run>-summary`: the drafter's acceptance length against prompt
+lookup's, the served speed-up, promoted or not), whose line is also the run log's last.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.runtime import flow_run
 
 from aerie.config import PipelineConfig, apply_overrides
 from aerie.manifest import StageResult
-from aerie.pipeline import PipelineReport, check_secrets, compose, figure_text, resolve
+from aerie.pipeline import PipelineReport, check_secrets, compose, figure_text, planned, resolve
 from aerie.plan import track
 from aerie.plan.render import table
 from aerie.presets import get_preset
@@ -27,7 +39,8 @@ from aerie.stage import Stage, StageContext, Upstream
 from aerie.store import open_store
 from aerie.targets import TargetConfig, TargetInfo, resolve_target
 
-from .reporting import artifact_key, notify_failure
+from .headline import headline_rows, headline_text
+from .reporting import artifact_key, notify_failure, running_stage
 from .stage import run_stage
 
 
@@ -68,15 +81,26 @@ def eagle3_pipeline(
             f"```\n{table(plan)}\n```", key=artifact_key(cfg.run, "plan"), description="plan"
         )
 
+    names = [s.name for s in planned(cfg, None)]
+    progress = cast(
+        UUID, create_progress_artifact(0.0, key=artifact_key(cfg.run, "progress"), description="starting")
+    )
+
     def step(stage: Stage, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         # Hashed at most once in this run (the composer's look-ahead, `aerie.pipeline.rebuild_missing`,
         # has mostly done it already): the subflow is handed the key and the parts rather than hashing
         # them again.
         key = stage.remembered_key(cfg, ctx, upstream)
         parts = stage.parts(cfg, ctx, upstream)
-        return run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing, key, parts)
+        done = names.index(stage.name)
+        update_progress_artifact(
+            progress, 100.0 * done / len(names), f"{stage.name}: stage {done + 1} of {len(names)}"
+        )
+        with running_stage(flow_run.get_id(), stage.name):  # the failure alert names it
+            return run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing, key, parts)
 
     results = compose(cfg, ctx, step, plan=plan)
+    update_progress_artifact(progress, 100.0, f"{len(names)} of {len(names)} stages done")
     _summarize(cfg, results, track.gpu_seconds(plan, store, results))
     return results
 
@@ -85,14 +109,13 @@ def _summarize(cfg: PipelineConfig, results: list[StageResult], gpu_seconds: flo
     report = PipelineReport(
         config=cfg, results=results, seconds=sum(r.seconds for r in results), gpu_seconds=gpu_seconds
     )
-    # One line in the log, the table in the artifacts: `aerie run` prints the table itself, once.
-    get_run_logger().info(
-        "pipeline %s: %d stages in %.1f s; the summary is the artifact %s",
-        cfg.run,
-        len(results),
-        report.seconds,
-        artifact_key(cfg.run, "summary"),
-    )
+    # The headline in the log's last line, the tables in the artifacts: `aerie run` prints the whole
+    # summary itself, once.
+    headline = headline_rows(results)
+    if headline:
+        create_table_artifact(
+            headline, key=artifact_key(cfg.run, "summary"), description=f"aerie {cfg.run}: headline figures"
+        )
     rows: list[dict[str, Any]] = [
         {
             "stage": r.stage,
@@ -109,7 +132,16 @@ def _summarize(cfg: PipelineConfig, results: list[StageResult], gpu_seconds: flo
         rows, key=artifact_key(cfg.run, "pipeline"), description=f"aerie pipeline {cfg.run}"
     )
     create_markdown_artifact(
-        f"```\n{report.table()}\n```", key=artifact_key(cfg.run, "summary"), description="pipeline summary"
+        f"```\n{report.table()}\n```", key=artifact_key(cfg.run, "stages"), description="every stage"
+    )
+    get_run_logger().info(
+        "pipeline %s: %d stages in %.1f s; %s; tables: artifacts %s, %s",
+        cfg.run,
+        len(results),
+        report.seconds,
+        headline_text(results) or "no evaluation or deployment in this run",
+        artifact_key(cfg.run, "summary"),
+        artifact_key(cfg.run, "pipeline"),
     )
 
 

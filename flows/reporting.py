@@ -7,10 +7,13 @@ artifact (throttled, so a fast loop does not flood the API) and a log line every
 from __future__ import annotations
 
 import base64
+import contextlib
+import logging
 import re
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
@@ -95,32 +98,86 @@ def image_artifact(path: str | Path, key: str, description: str) -> None:
     )
 
 
-def failure_message(flow_name: str, flow_run: Any, state: Any) -> dict[str, str]:
-    """The Slack-compatible payload for a failed or crashed run: flow, run, stage, error and a link."""
+# The stage each pipeline flow run is running (by flow run id), for its failure alert.
+_RUNNING: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def running_stage(flow_run_id: str | None, stage: str) -> Iterator[None]:
+    """While the pipeline flow runs `stage`: a failure inside it is that stage's (kept for the alert)."""
+    if flow_run_id is not None:
+        _RUNNING[flow_run_id] = stage
+    yield
+    if flow_run_id is not None:
+        _RUNNING.pop(flow_run_id, None)
+
+
+def failure_message(flow_name: str, flow_run: Any, state: Any, stage: str | None = None) -> dict[str, str]:
+    """The Slack-compatible payload for a failed run: the run, the stage, the error's first line, a link."""
     ui = get_settings().prefect_ui_url
     link = f"{ui.rstrip('/')}/runs/flow-run/{flow_run.id}" if ui else f"flow run id {flow_run.id}"
-    error = (state.message or state.name or "").strip()
-    stage = _failed_stage(error)
     text = (
         f":red_circle: aerie run *{flow_run.name}* of flow `{flow_name}` is {state.name}"
-        f"{f' in stage `{stage}`' if stage else ''}.\nError: {error[:1500]}\n{link}"
+        f"{f' in stage `{stage}`' if stage else ''}.\nError: {first_error_line(state)[:500]}\n{link}"
     )
     return {"text": text}
 
 
-def _failed_stage(message: str) -> str | None:
-    match = re.search(r"(generate|merge|extract|train|evaluate|deploy)[\w-]*", message)
-    return match.group(0) if match else None
+def first_error_line(state: Any) -> str:
+    """`Type: first line of the message` of the exception that failed the run, else the state's message."""
+    with contextlib.suppress(Exception):
+        exc = state.result(raise_on_failure=False)
+        if isinstance(exc, BaseException):
+            lines = str(exc).strip().splitlines()
+            return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    lines = (state.message or state.name or "").strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
-    """Flow hook (on_failure / on_crashed): post to AERIE_WEBHOOK_URL. A failed post is logged, never raised:
-    a notification must not mask the run's own error. The URL is a secret and never logged."""
+    """The pipeline flow's on_failure hook: one post to AERIE_WEBHOOK_URL per failed run, naming the
+    stage that failed (the stage subflows post nothing: their failure fails this flow). A failed post is
+    logged, never raised: a notification must not mask the run's own error. The URL is a secret and never
+    logged. A run whose process died cannot run it: the automation of deployments/notifications.py
+    posts for crashed and timed-out runs."""
+    stage = _RUNNING.pop(str(flow_run.id), None)
     url = get_settings().webhook_url
     if url is None:
         return
-    payload = failure_message(flow.name, flow_run, state)
+    payload = failure_message(flow.name, flow_run, state, stage)
     try:
         httpx.post(url.get_secret_value(), json=payload, timeout=10.0).raise_for_status()
     except httpx.HTTPError as exc:
         get_run_logger().warning("failure notification not delivered: %s", type(exc).__name__)
+
+
+class ShowEachTracebackOnce(logging.Filter):
+    """Prefect logs a failure's traceback at every level it passes (the task, each subflow, the flow):
+    the first record of an exception keeps it, the later ones keep only their line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._shown: dict[int, BaseException] = {}  # by id, holding the exception so the id stays its own
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        with self._lock:
+            if id(exc) in self._shown:
+                record.exc_info, record.exc_text = None, None
+            else:
+                if len(self._shown) > 256:  # a long-lived worker: forget the oldest
+                    self._shown.pop(next(iter(self._shown)))
+                self._shown[id(exc)] = exc
+        return True
+
+
+def show_each_traceback_once() -> None:
+    """Install `ShowEachTracebackOnce` on Prefect's flow- and task-run loggers (once per process)."""
+    shown = ShowEachTracebackOnce()
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ShowEachTracebackOnce) for f in logger.filters):
+            logger.addFilter(shown)

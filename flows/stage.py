@@ -41,7 +41,7 @@ from aerie.targets import TargetInfo
 from . import deploy, evaluate, extract, generate, merge, train
 from .fanout import through_deployment
 from .policy import StagePolicy, default_policy
-from .reporting import artifact_key, notify_failure, prefect_progress, stage_table
+from .reporting import artifact_key, prefect_progress, show_each_traceback_once, stage_table
 from .retrying import retry_unless
 from .stagecache import cache_key, run_cached
 
@@ -54,6 +54,7 @@ POLICIES: dict[str, StagePolicy] = {
     "deploy": deploy.POLICY,
 }
 _BY_NAME: dict[str, Stage] = {stage.name: stage for stage in STAGES}
+show_each_traceback_once()
 
 
 def policy_of(stage: str) -> StagePolicy:
@@ -115,7 +116,7 @@ def _retrying(runner: Any, policy: StagePolicy, **options: Any) -> Any:
     )
 
 
-@flow(on_failure=[notify_failure], on_crashed=[notify_failure])
+@flow
 def stage_part_flow(
     stage: str,
     cfg: PipelineConfig,
@@ -134,7 +135,7 @@ def stage_part_flow(
 extract_slice_flow = stage_part_flow.with_options(name=extract.POLICY.part_flow)
 
 
-@flow(flow_run_name="{stage}", on_failure=[notify_failure], on_crashed=[notify_failure])
+@flow(flow_run_name="{stage}")
 def stage_flow(
     stage: str,
     cfg: PipelineConfig,

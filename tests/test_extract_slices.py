@@ -5,7 +5,7 @@ processes), its own progress object and its record; `assemble` builds the manife
    a missing slice record makes `assemble` refuse naming it, a re-run slice resumes without launching,
    the assembled stage holds exactly the corpus and the very shards a single host with two servers
    writes (same stage key), and re-runs are no-ops.
-2. Prefect: `prefect deploy` of `extract-slice/local` to a real Prefect server, a process worker, and the
+2. Prefect: `prefect deploy` of `extract-slice/slice-local` to a real Prefect server, a process worker, and the
    extract stage's flow fanning out over it with `run_deployment`, then assembling.
 """
 
@@ -195,7 +195,7 @@ def test_extract_flow_fans_out_over_the_slice_deployment(prefect_api, tmp_path, 
         assert out.returncode == 0, f"prefect {' '.join(args)}:\n{out.stdout}\n{out.stderr}"
 
     cli("work-pool", "create", "aerie-local", "--type", "process", "--overwrite")
-    cli("--no-prompt", "deploy", "--name", "local")  # eagle3-pipeline/local and extract-slice/local
+    cli("--no-prompt", "deploy", "--name", "local", "--name", "slice-local")  # the pipeline and the slice
     store_cfg = StoreConfig(uri=str(tmp_path / "store"))
     store = open_store(store_cfg)
     splits, corpus = _corpus(store, smollm2.load_tokenizer(), 8)
@@ -207,7 +207,7 @@ def test_extract_flow_fans_out_over_the_slice_deployment(prefect_api, tmp_path, 
         (result,) = run_stage("extract", pipeline, smollm2, upstream)
         return result
 
-    fan_out = {"num_slices": 2, "slice_deployment": "extract-slice/local"}
+    fan_out = {"num_slices": 2, "slice_deployment": "extract-slice/slice-local"}
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
         worker = subprocess.Popen(

@@ -12,12 +12,23 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import shlex
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    LogFilter,
+    LogFilterTimestamp,
+)
+from prefect.exceptions import ObjectNotFound
+from prefect.logging.handlers import APILogWorker
 
 from aerie.config import PipelineConfig, apply_overrides
 from aerie.manifest import StageResult
@@ -138,14 +149,28 @@ def test_failure_posts_to_the_webhook(prefect_api, tmp_path, webhook, monkeypatc
         tiny_config(tmp_path / "artifacts"),
         ["generate.datasets.0.source.kind=jsonl", f"generate.datasets.0.source.path={missing}"],
     )
+    started = datetime.now(timezone.utc)
     try:
         state = eagle3_pipeline(config=cfg, return_state=True)
     finally:
         get_settings.cache_clear()
     assert state.is_failed()
-    texts = [body["text"] for body in received]
-    assert any("eagle3-pipeline" in t and str(missing) in t for t in texts), texts
-    assert all(url not in t for t in texts)
+    # One failure, one alert: the run, the stage, the error's first line (no traceback, no secret).
+    (text,) = [body["text"] for body in received]
+    assert "eagle3-pipeline" in text and "in stage `generate`" in text and str(missing) in text, text
+    assert "Traceback" not in text and url not in text
+    assert text.count("\n") == 2, text  # the headline, the error's first line, the link
+    # The traceback once in the run's logs, however many levels (task, subflows, flow) it passed.
+    APILogWorker.drain_all()
+    logs = asyncio.run(_logs_since(started))
+    assert sum(log.message.count("Traceback (most recent call last)") for log in logs) == 1, [
+        log.message[:200] for log in logs
+    ]
+
+
+async def _logs_since(started: datetime) -> list:
+    async with get_client() as client:
+        return await client.read_logs(log_filter=LogFilter(timestamp=LogFilterTimestamp(after_=started)))
 
 
 def test_prefect_deploy_and_a_worker_runs_the_deployment(prefect_api, pipeline_store):
@@ -159,8 +184,11 @@ def test_prefect_deploy_and_a_worker_runs_the_deployment(prefect_api, pipeline_s
         assert out.returncode == 0, f"prefect {' '.join(args)}:\n{out.stdout}\n{out.stderr}"
         return out.stdout
 
-    cli("work-pool", "create", "aerie-local", "--type", "process", "--overwrite")
-    cli("--no-prompt", "deploy", "--name", "local")
+    # The README's own lines: the pool, then the deployment, which registers eagle3-pipeline/local alone.
+    cli(*_readme_command("prefect work-pool create"))
+    cli(*_readme_command("prefect --no-prompt deploy"))
+    assert asyncio.run(_deployment_exists("eagle3-pipeline/local"))
+    assert not asyncio.run(_deployment_exists("extract-slice/local"))
     # Another evaluation than the in-process run's: the worker's flow run does real work (the deployment
     # benchmark, two server starts, is left out: the evaluation is the cheaper stage to change).
     overrides = [*tiny_overrides(pipeline_store), "evaluate.mtbench_questions=1", "deploy.enabled=false"]
@@ -184,7 +212,40 @@ def test_prefect_deploy_and_a_worker_runs_the_deployment(prefect_api, pipeline_s
 
     assert asyncio.run(state()) == "COMPLETED", worker.stdout[-3000:] + worker.stderr[-3000:]
     (made,) = set(pipeline_store.glob("tiny/evaluate/*/manifest.json")) - evaluations
-    assert json.loads(made.read_text())["figures"]["prompts_mtbench"] == 1
+    evaluation = json.loads(made.read_text())
+    assert evaluation["figures"]["prompts_mtbench"] == 1
+    # On the flow run itself: the live progress, finished, and the headline table.
+    artifacts = {a.key: a for a in asyncio.run(_artifacts_of(flow_run_id))}
+    assert artifacts["tiny-progress"].type == "progress" and artifacts["tiny-progress"].data == 100.0
+    summary = json.loads(artifacts["tiny-summary"].data)
+    drafter = next(r for r in summary if r["figure"].startswith("accept length, mtbench, eagle3"))
+    k = max(evaluation["config"]["num_steps"])
+    assert drafter["value"] == round(evaluation["figures"][f"accept_mtbench_eagle3_k{k}"], 3)
+    lookup = evaluation["figures"][f"accept_mtbench_prompt_lookup_k{k}"]
+    assert drafter["against"] == f"prompt lookup {lookup:.3f}"
+    assert {"figure": "served", "value": "not measured", "against": "no deploy stage in this run"} in summary
+
+
+def _readme_command(start: str) -> list[str]:
+    """The README's Prefect section's line that starts with `start`, as arguments after `prefect`."""
+    section = (REPO / "README.md").read_text().split("## Prefect deployments and the UI", 1)[1]
+    (line,) = [line for line in section.splitlines() if line.startswith(start)]
+    return shlex.split(line.split("#", 1)[0])[1:]
+
+
+async def _deployment_exists(name: str) -> bool:
+    async with get_client() as client:
+        try:
+            await client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            return False
+        return True
+
+
+async def _artifacts_of(flow_run_id: str) -> list:
+    async with get_client() as client:
+        found = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run_id)]))
+        return await client.read_artifacts(artifact_filter=found)
 
 
 @pytest.mark.timeout(900)

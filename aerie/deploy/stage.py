@@ -26,12 +26,18 @@ class DeployStage(Stage):
 
     def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
         from aerie.deploy.work import deploy
+        from aerie.trackers import Tracking
 
         out = self.stage_dir(cfg, ctx, upstream)
         work = ctx.work(out)
         return [
             deploy(
-                cfg.deploy, work, drafter=upstream.drafter, evaluation=upstream.evaluation, server=cfg.server
+                cfg.deploy,
+                work,
+                drafter=upstream.drafter,
+                evaluation=upstream.evaluation,
+                server=cfg.server,
+                tracking=Tracking.of(cfg),
             )
         ]
 

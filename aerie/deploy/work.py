@@ -38,6 +38,7 @@ from aerie.deploy.bench import TTFT_METHOD, LevelResult, benchmark, engine_accep
 from aerie.deploy.config import DeployConfig
 from aerie.deploy.report import deployment_markdown
 from aerie.deploy.serving_plan import serving_plan, with_measured
+from aerie.draft.card import update_card
 from aerie.errors import EvaluationError, TargetError
 from aerie.evaluate.drafter_files import drafter_keys, fetch_drafter, name_in_drafter
 from aerie.evaluate.drafter_files import family_of as family_at
@@ -50,6 +51,7 @@ from aerie.serving.spec import NGRAM
 from aerie.stage import WorkContext
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo, read_config
+from aerie.trackers import NO_TRACKING, Tracking
 from aerie.workdirs import work_dir
 
 STAGE = "deploy"
@@ -240,6 +242,7 @@ def deploy(
     drafter: StageResult,
     evaluation: StageResult | None,
     server: ServerConfig,
+    tracking: Tracking = NO_TRACKING,
 ) -> StageResult:
     """Benchmark the speculative server against the baseline; promote the drafter if it pays. Writes to
     `ctx.out` (keyed by `key_of` over these inputs)."""
@@ -312,7 +315,11 @@ def deploy(
         progress(0.99, "promoting the drafter")
         promote(store, run_name, drafter, evaluation, body, markdown)
     progress(1.0, decision.reason)
-    return sd.finish({**body, "figures": _figures(rows, decision, same)})
+    result = sd.finish({**body, "figures": _figures(rows, decision, same)})
+    tracking.report(
+        sd, result.figures, {"deploy": cfg.model_dump(mode="json"), "provenance": {"drafter": drafter.prefix}}
+    )
+    return result
 
 
 def _speeds(rows: list[dict[str, Any]]) -> str:
@@ -401,6 +408,11 @@ def promote(
         "speedup": report["promotion"]["speedup"],
         "concurrency": report["promotion"]["concurrency"],
     }
+    # The promoted copy's card adds the served figures; before the pointer, which marks the copy complete.
+    evaluated = evaluation.prefix if evaluation else None
+    update_card(
+        store, drafter.prefix, evaluation_prefix=evaluated, served=report, drafter_dir_key=f"{prefix}/drafter"
+    )
     store.put_bytes(f"{prefix}/promotion.json", json.dumps(pointer, indent=2).encode())
     return prefix
 

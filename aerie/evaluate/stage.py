@@ -65,7 +65,18 @@ class EvaluateStage(Stage):
         from aerie.evaluate.work import run
 
         out = self.stage_dir(cfg, ctx, upstream)
-        return [run(cfg.evaluate, ctx.work(out), drafter=upstream.drafter, corpus=upstream.corpus)]
+        from aerie.trackers import Tracking
+
+        work = ctx.work(out)
+        return [
+            run(
+                cfg.evaluate,
+                work,
+                drafter=upstream.drafter,
+                corpus=upstream.corpus,
+                tracking=Tracking.of(cfg),
+            )
+        ]
 
 
 EVALUATE = EvaluateStage()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aerie.draft.card import update_card
 from aerie.errors import EvaluationError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.drafter_files import fetch_drafter
@@ -33,6 +34,7 @@ from aerie.progress import ProgressFn
 from aerie.stage import WorkContext
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo, resolve_device, resolve_dtype
+from aerie.trackers import NO_TRACKING, Tracking
 from aerie.workdirs import work_dir
 
 if TYPE_CHECKING:
@@ -49,7 +51,14 @@ def key_of(cfg: EvaluateConfig, target: TargetInfo, drafter: StageResult, corpus
     return stage_key(STAGE, cfg, upstream + spread + format_key(cfg.prompt_format))
 
 
-def run(cfg: EvaluateConfig, ctx: WorkContext, *, drafter: StageResult, corpus: StageResult) -> StageResult:
+def run(
+    cfg: EvaluateConfig,
+    ctx: WorkContext,
+    *,
+    drafter: StageResult,
+    corpus: StageResult,
+    tracking: Tracking = NO_TRACKING,
+) -> StageResult:
     """Measure acceptance length (and per-position acceptance) for every dataset x proposer x steps,
     into `ctx.out` (keyed by `key_of` over these inputs)."""
     sd, store, target, progress = ctx.out, ctx.store, ctx.target, ctx.progress
@@ -92,7 +101,7 @@ def run(cfg: EvaluateConfig, ctx: WorkContext, *, drafter: StageResult, corpus: 
     store.put_bytes(sd.path("report.json"), json.dumps(body, indent=2).encode())
     store.put_bytes(sd.path("report.md"), evaluation_markdown(body).encode())
     progress(1.0, "report written")
-    return sd.finish(
+    result = sd.finish(
         {
             "target": {"name": target.name, "revision": target.revision},
             "drafter": drafter.prefix,
@@ -109,6 +118,11 @@ def run(cfg: EvaluateConfig, ctx: WorkContext, *, drafter: StageResult, corpus: 
             "figures": _figures(measured.results, datasets, agreement),
         }
     )
+    # The drafter's card gains the acceptance per prompt set; the trackers get the headline figures.
+    update_card(store, drafter.prefix, evaluation_prefix=sd.prefix)
+    params = {"evaluate": cfg.model_dump(mode="json"), "provenance": {"drafter": drafter.prefix}}
+    tracking.report(sd, result.figures, params)
+    return result
 
 
 def _check(cfg: EvaluateConfig) -> None:

@@ -35,7 +35,7 @@ class ExtractConfig(StrictModel):
     )
     slice_deployment: str | None = Field(
         None,
-        description="Prefect deployment of one slice (flow/deployment, e.g. 'extract-slice/gpu'): when set, "
+        description="Prefect deployment of one slice (flow/deployment, e.g. 'extract-slice/slice-gpu'): when set, "
         "the extraction stage's flow runs each unfinished slice through it (run_deployment, all at once) "
         "and assembles; None = here, one after the other (under Prefect a subflow each).",
     )

@@ -39,6 +39,9 @@ _STAGES: list[tuple[re.Pattern[str], float, str]] = [
 # SGLang's subprocess watchdog (once a second): a scheduler or detokenizer died; SGLang ends itself after
 # its crash diagnostics (some seconds later).
 SUBPROCESS_CRASHED = re.compile(r"Subprocess \S+ \(pid=\d+\) crashed with exit code")
+# The reference server's line once its steps keep failing (aerie.engine.server.scheduler.UNHEALTHY_LINE):
+# it stays up but serves nothing, so a watch ends it as it would a crashed one.
+SERVER_UNHEALTHY = re.compile(r"The reference server is unhealthy")
 # Lines after which SGLang kills itself (§2.1, §6): seen = the start has failed, whatever /health says.
 FATAL_PATTERNS = [
     re.compile(r"Initialization failed"),

@@ -7,6 +7,11 @@ gone at its next poll (the process launcher remembers the server's vital process
 ready; other children, such as the compiler processes torch.compile starts, may come and go), or
 SGLang's own crash line in the log, or the main process's exit; it then reports the crash and ends the
 server, so clients fail at once with the server's own last words.
+
+A reference server whose steps keep failing (a device poisoned by an illegal memory access answers
+every request with an error while its process lives on) logs that it is unhealthy and answers /health
+with 503: the watch takes that line as a crash too, so its owner restarts the server instead of
+sending it requests that can only fail.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 
 from aerie.serving.launcher import Launcher
-from aerie.serving.startup_log import SUBPROCESS_CRASHED, LogTail
+from aerie.serving.startup_log import SERVER_UNHEALTHY, SUBPROCESS_CRASHED, LogTail
 
 # After a lost process is seen, how long to wait for SGLang's own crash line before reporting without it
 # (its watchdog polls once a second).
@@ -94,7 +99,9 @@ class ServingWatch:
         """Log pieces read since the server was ready (by the watch, or by its server at the crash)."""
         self.lines_since_ready.extend(p.strip() for p in pieces if p.strip())
         for piece in pieces:
-            if self.crash_line is None and SUBPROCESS_CRASHED.search(piece):
+            if self.crash_line is None and (
+                SUBPROCESS_CRASHED.search(piece) or SERVER_UNHEALTHY.search(piece)
+            ):
                 self.crash_line = piece.strip()
 
     def _await_crash_line(self) -> None:

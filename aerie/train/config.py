@@ -181,6 +181,16 @@ class TrainConfig(StrictModel):
     cache_dir: str | None = Field(
         None, description="Local dir for downloaded shards and the work dir; None = <AERIE_CACHE_DIR>/train."
     )
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="Experiment trackers the train, evaluate and deploy stages report to (aerie.trackers; "
+        "the `trackers` extra): loss, learning rate, tokens/s, acceptance per position, config and provenance.",
+    )
+    tracking_dir: str | None = Field(
+        None,
+        description="Where the trackers write (TensorBoard logs, MLflow's sqlite store, W&B offline runs); "
+        "None = <store>/<run>/trackers for a local store, <AERIE_CACHE_DIR>/trackers/<run> for S3.",
+    )
 
     def capture_layers(self, num_layers: int) -> list[int]:
         """The target layers this drafter family reads, output-of-layer ids (what extraction captures)."""

@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aerie.diskspace import writing
+from aerie.draft.card import VLLM_CONFIG, CardFacts, drafter_location, write_card
 from aerie.draft.vocab import VocabMap, build_vocab_map, load_token_counts
 from aerie.errors import ConfigError, DataError, ObjectNotFoundError, TrainingError
 from aerie.extract.config import ExtractConfig
@@ -46,6 +47,7 @@ from aerie.shards.keys import shard_keys
 from aerie.stage import WorkContext
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo, resolve_device
+from aerie.trackers import Trackers, open_trackers, provenance
 from aerie.train.checkpoint import FILES
 from aerie.train.config import TrainConfig
 from aerie.train.data import localize_shards
@@ -53,6 +55,7 @@ from aerie.train.distributed import DistInfo
 from aerie.train.loop import BEST, TrainSpec, objective_for, run_training
 from aerie.train.online import OnlineSpec, SplitSpec
 from aerie.train.plots import plot_metrics
+from aerie.version import __version__
 
 STAGE = "train"
 METRICS = "metrics.jsonl"
@@ -60,7 +63,7 @@ EVENTS = "events.jsonl"
 LATEST = "checkpoints/latest.json"
 BEST_KEY = "checkpoints/best"
 # Fields that change where or how loudly the work runs, not its result: kept out of the stage key.
-_NOT_KEYED = {"cache_dir", "prefetch_batches", "log_every"}
+_NOT_KEYED = {"cache_dir", "prefetch_batches", "log_every", "report_to", "tracking_dir"}
 
 
 def run(
@@ -121,13 +124,17 @@ def run(
         online=online_spec,
     )
     events = RecordHandler(store, sd, work, cfg, _scaled(progress, 0.05, 0.95))
-    if cfg.num_gpus > 1:
-        _run_torchrun(spec, cfg.num_gpus, events)
-    else:
-        run_training(spec, DistInfo(), events)
+    first_step = int(resume.rsplit("-", 1)[-1]) if resume else 0
+    with open_trackers(cfg.report_to, cfg.tracking_dir, sd, first_step=first_step) as events.trackers:
+        events.trackers.log_params(_tracked_params(cfg, sd, target, shards, corpus))
+        if cfg.num_gpus > 1:
+            _run_torchrun(spec, cfg.num_gpus, events)
+        else:
+            run_training(spec, DistInfo(), events)
 
-    progress(0.95, "exporting the best drafter")
-    result = _finish(sd, store, cfg, target, vocab, work, events, progress)
+        progress(0.95, "exporting the best drafter")
+        result = _finish(sd, store, cfg, target, vocab, work, events, progress, corpus)
+        events.trackers.log_metrics({f"train/{k}": v for k, v in result.figures.items()}, events.step)
     # All a later run can need is in the store now (drafter, metrics, checkpoints); the local copy, with
     # the optimizer states, would otherwise stay behind for every training ever run on this machine.
     shutil.rmtree(work, ignore_errors=True)
@@ -259,6 +266,8 @@ class RecordHandler:
         self.best: dict[str, Any] | None = None
         self.fraction = 0.0
         self.online: list[dict[str, Any]] = []  # each rank's feeder figures (online training)
+        self.trackers = Trackers()  # the experiment trackers train.report_to names (aerie.trackers)
+        self.step = 0
 
     def __call__(self, record: dict[str, Any]) -> None:
         kind = record["kind"]
@@ -272,8 +281,9 @@ class RecordHandler:
         elif kind in ("train", "eval"):
             with writing(self.metrics, TrainingError), open(self.metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            step = record["step"]
+            step = self.step = record["step"]
             self.fraction = step / self.total_steps
+            self.trackers.log_metrics(tracked_metrics(record), step)
             if kind == "train":
                 self.last_train = record
                 message = f"step {step}/{self.total_steps} loss {record['loss']:.4f}"
@@ -327,6 +337,24 @@ class RecordHandler:
         if not self.metrics.is_file():
             return []
         return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+
+
+def tracked_metrics(record: dict[str, Any]) -> dict[str, Any]:
+    """What a train or eval record shows in the trackers: loss, learning rate, tokens/s, acceptance."""
+    if record["kind"] == "train":
+        names = ["loss", "window_loss", "lr", "grad_norm", "tokens_per_s", "tokens"]
+        return {f"train/{n}": record[n] for n in names}
+    names = ["accept_length_rounds", "accept_length", "acc", "cond_acc", "loss"]
+    return {f"eval/{n}": record[n] for n in names if n in record}
+
+
+def _tracked_params(
+    cfg: TrainConfig, sd: StageDir, target: TargetInfo, shards: StageResult | None, corpus: StageResult
+) -> dict[str, Any]:
+    """The run's config and provenance, as tracker parameters."""
+    source = {"corpus": corpus.prefix, "shards": shards.prefix if shards else None}
+    upstream = {"target": target.name, "target_revision": target.revision, **source}
+    return {"train": cfg.model_dump(mode="json"), "provenance": provenance(sd, **upstream)}
 
 
 def _restore(store: ArtifactStore, sd: StageDir, work: Path) -> str | None:
@@ -403,6 +431,7 @@ def _finish(
     work: Path,
     events: RecordHandler,
     progress: ProgressFn,
+    corpus: StageResult,
 ) -> StageResult:
     best_file = work / BEST / "model.safetensors"
     if not best_file.is_file():
@@ -426,9 +455,13 @@ def _finish(
     layers = cfg.capture_layers(target.num_layers)
     last_train = events.last_train or next((r for r in reversed(records) if r["kind"] == "train"), {})
     last_eval = events.last_eval or next((r for r in reversed(records) if r["kind"] == "eval"), {})
-    return sd.finish(
+    manifest = _with_card(
+        sd,
+        corpus,
+        out,
         {
             "target": {"name": target.name, "revision": target.revision},
+            "corpus": corpus.prefix,
             "layers": {
                 "output_convention": layers,
                 "input_convention": [i + 1 for i in layers],
@@ -471,8 +504,27 @@ def _finish(
                 "train_wall_s": last_train.get("elapsed_s"),
                 **(_online_figures(events.online) if cfg.source == "online" else {}),
             },
-        }
+        },
     )
+    return sd.finish(manifest)
+
+
+def _with_card(sd: StageDir, corpus: StageResult, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The drafter's card (aerie.draft.card) from what training knows, into the drafter directory;
+    the manifest with it among the drafter's files."""
+    store = sd.store
+    facts = CardFacts(
+        train={**manifest, "run": sd.run, "key": sd.key, "aerie_version": __version__},
+        drafter_dir=drafter_location(store, sd.path("drafter")),
+        corpus=load_manifest(store, corpus.prefix),
+        vllm=(out / VLLM_CONFIG).is_file(),
+    )
+    key = write_card(store, sd.path("drafter"), facts)
+    files = manifest["files"]["drafter"]
+    return {
+        **manifest,
+        "files": {**manifest["files"], "drafter": sorted({*files, key.removeprefix(sd.prefix + "/")})},
+    }
 
 
 def _online_record(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 | endpoint | answer |
 |---|---|
-| `/health`, `/health_generate` | 503 while Starting (before the warm-up succeeds) or Draining (after SIGTERM); else a real 1-token generation: 200 when any model step completes within the timeout |
+| `/health`, `/health_generate` | 503 while Starting (before the warm-up succeeds) or Draining (after SIGTERM), or once unhealthy (steps failed repeatedly: the body's `message` says why); else a real 1-token generation: 200 when any model step completes within the timeout |
 | `/ready` | 200 iff Up (a flag, no generation) |
 | `/server_info` (`/get_server_info`) | args, `weight_version`, `launch_command`, `version`, resolved device/dtype/aux layers, status, pid; `internal_states[0]`: counters and `extract_phases_s` (`scheduler.PhaseClock`) |
 | `/model_info` (`/get_model_info`), `/v1/models` | model facts; 200 as soon as the port is open (not readiness signals) |
@@ -39,7 +39,7 @@ from aerie.engine.server.protocol import (
     error_body,
     validation_message,
 )
-from aerie.engine.server.scheduler import Scheduler
+from aerie.engine.server.scheduler import Scheduler, ServerUnhealthy
 from aerie.engine.server.sglang_log import logger
 from aerie.version import __version__
 
@@ -61,6 +61,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     startup_time: dict[str, float] = field(default_factory=dict)
     chat_format: ChatFormat | None = None  # None: the tokenizer's template, no reasoning parser
+    kv_plan: dict[str, Any] | None = None  # the slot decoder's cache plan (aerie.engine.server.memory)
 
     @property
     def served_model_name(self) -> str:
@@ -125,9 +126,12 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _guard(state: ServerState, request: Request, handler: Any) -> Response:
-    """Parse JSON, refuse while draining, count the request in flight, map errors to SGLang's bodies."""
+    """Parse JSON, refuse while draining or unhealthy, count the request in flight, map errors to
+    SGLang's bodies."""
     if state.status == "Draining":
         return _error("The server is shutting down (SIGTERM received).", 503)
+    if state.scheduler.unhealthy:
+        return _error(f"The server is unhealthy: {state.scheduler.unhealthy}", 503)
     began = time.perf_counter()
     try:
         payload = await request.json()
@@ -140,12 +144,16 @@ async def _guard(state: ServerState, request: Request, handler: Any) -> Response
             return await handler(state, payload)
         except RequestError as exc:
             return _error(str(exc))
+        except ServerUnhealthy as exc:
+            return _error(f"The server is unhealthy: {exc}", 503)
         except Exception as exc:  # the model or the disk failed: a 500 that says what happened
             logger.exception(f"{request.url.path} failed")
             return _error(f"{type(exc).__name__}: {exc}", 500)
 
 
 async def _health(state: ServerState, *, generate: bool) -> Response:
+    if state.scheduler.unhealthy:
+        return _error(f"The server is unhealthy: {state.scheduler.unhealthy}", 503)
     if state.status != "Up":
         return Response(status_code=503)
     if not generate:
@@ -163,6 +171,9 @@ async def _health(state: ServerState, *, generate: bool) -> Response:
         # Healthy as soon as the probe is answered, or any model step completes after it was sent.
         if (future.done() and future.exception() is None) or state.scheduler.last_progress > started:
             return Response(status_code=200)
+        if future.done():  # the probe's own step failed (and no other step completed meanwhile)
+            exc = future.exception()
+            return _error(f"The health probe's generation failed: {type(exc).__name__}: {exc}", 503)
         await asyncio.wait([future], timeout=0.02)
     logger.info(
         f"Health check failed. Server couldn't get a response from the model worker for last "
@@ -189,6 +200,8 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         "context_len": m.context_len,
         "max_req_input_len": m.context_len - 1,
         "max_total_num_tokens": a.max_batch_tokens,
+        "kv_cache": state.kv_plan,
+        "unhealthy": s.unhealthy or None,
         "num_layers": m.num_layers,
         "hidden_size": m.hidden_size,
         "packed_attention": state.attention_backend,

@@ -42,6 +42,9 @@ class RefServerArgs:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     max_batch_tokens: int = 16384
     max_running_requests: int = 64
+    max_total_tokens: int | None = None  # KV cache cells (rows x positions); None: from device memory
+    mem_fraction_static: float = 0.8
+    unhealthy_after: int = 3
     dump_writers: int = 2
     gil_switch_us: int = 0
     trace_packs: str | None = None  # "SKIP:COUNT" (aerie.engine.server.trace)
@@ -81,6 +84,10 @@ class RefServerArgs:
         argv += ["--device", self.device, "--dtype", self.dtype]
         argv += ["--max-batch-tokens", str(self.max_batch_tokens)]
         argv += ["--max-running-requests", str(self.max_running_requests)]
+        if self.max_total_tokens is not None:
+            argv += ["--max-total-tokens", str(self.max_total_tokens)]
+        argv += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        argv += ["--unhealthy-after", str(self.unhealthy_after)]
         argv += ["--dump-writers", str(self.dump_writers)]
         argv += ["--gil-switch-us", str(self.gil_switch_us)]
         if self.trace_packs and self.trace_dir:
@@ -140,7 +147,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=16384,
         help="Tokens per packed extraction forward, and the prompt-token budget of a generation batch.",
     )
-    p.add_argument("--max-running-requests", type=int, default=64, help="Sequences decoded together at most.")
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=64,
+        help="Sequences decoded together at most; the slot decoder lowers it where that many rows at the "
+        "full context would not fit its KV cache (logged).",
+    )
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="Slot decoder: the KV cache's size in cells (rows x positions). Default: from the memory "
+        "--mem-fraction-static leaves it.",
+    )
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.8,
+        help="Slot decoder without --max-total-tokens: on CUDA the fraction of the card that weights and "
+        "KV cache together may take (SGLang's meaning; the rest is for activations and CUDA graphs); on the "
+        "CPU the fraction of the host's available memory the KV cache may take.",
+    )
+    p.add_argument(
+        "--unhealthy-after",
+        type=int,
+        default=3,
+        help="Failed model steps in a row after which the server reports itself unhealthy for good "
+        "(/health 503 with the reason) so that its launcher restarts it.",
+    )
     p.add_argument(
         "--dump-writers",
         type=int,
@@ -270,6 +305,9 @@ def parse_args(argv: Sequence[str]) -> RefServerArgs:
         dtype=ns.dtype,
         max_batch_tokens=ns.max_batch_tokens,
         max_running_requests=ns.max_running_requests,
+        max_total_tokens=ns.max_total_tokens,
+        mem_fraction_static=ns.mem_fraction_static,
+        unhealthy_after=ns.unhealthy_after,
         dump_writers=ns.dump_writers,
         gil_switch_us=ns.gil_switch_us,
         trace_packs=ns.trace_packs,
@@ -312,6 +350,12 @@ def check_args(args: RefServerArgs) -> None:
             "--max-batch-tokens, --max-running-requests and --dump-writers must be positive, --cpu-threads "
             "and --gil-switch-us >= 0"
         )
+    if args.max_total_tokens is not None and args.max_total_tokens < 1:
+        raise ArgsError(f"--max-total-tokens {args.max_total_tokens}: must be positive")
+    if not 0 < args.mem_fraction_static <= 1:
+        raise ArgsError(f"--mem-fraction-static {args.mem_fraction_static}: must be in (0, 1]")
+    if args.unhealthy_after < 1:
+        raise ArgsError(f"--unhealthy-after {args.unhealthy_after}: must be at least 1")
     if args.chunked_prefill_size != -1:
         raise ArgsError(
             f"--chunked-prefill-size {args.chunked_prefill_size}: the reference server never chunks; use -1"

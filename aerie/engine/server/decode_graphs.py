@@ -172,6 +172,9 @@ class DecodeGraphs:
         if self.pool is None:
             try:
                 self._capture_all(self.runner)
+            except torch.OutOfMemoryError:
+                self.drop()  # the caller frees memory and captures again later
+                raise
             except RuntimeError as exc:
                 self._disable(f"CUDA graph capture failed: {type(exc).__name__}: {exc}")
                 return None
@@ -189,6 +192,14 @@ class DecodeGraphs:
     def _captured_step(self, width: int) -> torch.Tensor:
         assert self.out is not None
         return self.out.copy_(self._forward(width))
+
+    def drop(self) -> None:
+        """Drop every graph and its pool (they may point at freed memory); the next step captures anew."""
+        self.graphs.clear()
+        self.checked.clear()
+        self.pool = None
+        self.widths = []
+        self.kv_version = -1  # the next step plans its widths on the buffers of then
 
     def _new_generation(self) -> None:
         # The graphs hold the old buffers' addresses. Their pool goes with them: once they are

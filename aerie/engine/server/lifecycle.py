@@ -122,6 +122,7 @@ def _start(args: RefServerArgs) -> Any:
         max_batch_tokens=args.max_batch_tokens,
         writer_threads=args.dump_writers,
         trace=_pack_trace(args, str(loaded.device)),
+        unhealthy_after=args.unhealthy_after,
         dump_metadata={
             "aux_layers": ",".join(map(str, aux)),
             "aux_layers_convention": "input",
@@ -136,10 +137,25 @@ def _start(args: RefServerArgs) -> Any:
         scheduler=scheduler,
         attention_backend=backend_name,
         startup_time={"load_weight": round(loaded.load_seconds, 3)},
+        kv_plan=_plan_info(backend),
         chat_format=None
         if loaded.tokenizer is None
         else ChatFormat.from_args(loaded.tokenizer, args.reasoning_parser, args.chat_template),
     )
+
+
+def _plan_info(backend: Any) -> dict[str, Any] | None:
+    """The cache plan as /server_info shows it (None for a backend without one)."""
+    plan = getattr(backend, "plan", None)
+    if plan is None:
+        return None
+    return {
+        "capacity_cells": plan.capacity,
+        "cell_bytes": plan.cell_bytes,
+        "max_running_requests": plan.max_running,
+        "asked_running_requests": plan.asked_running,
+        "source": plan.source,
+    }
 
 
 def build_backend(args: RefServerArgs, loaded: Any) -> Any:
@@ -177,7 +193,34 @@ def build_backend(args: RefServerArgs, loaded: Any) -> Any:
         return BatchedDecoder(loaded.model, loaded.tokenizer, **common)
     graphs: slots.GraphMode = "cuda" if args.cuda_graphs and str(loaded.device).startswith("cuda") else "off"
     logger.info(f"Decode backend: SlotDecoder, CUDA graphs {graphs}")
-    return slots.SlotDecoder(loaded.model, loaded.tokenizer, graphs=graphs, **common)
+    plan = kv_plan(args, loaded, fixed_rows=graphs != "off")
+    logger.info(plan.line())
+    common["max_running"] = plan.max_running
+    decoder = slots.SlotDecoder(
+        loaded.model, loaded.tokenizer, graphs=graphs, capacity=plan.capacity, **common
+    )
+    decoder.plan = plan
+    return decoder
+
+
+def kv_plan(args: RefServerArgs, loaded: Any, *, fixed_rows: bool) -> Any:
+    """The slot decoder's cache budget and running batch for this model on this device
+    (`aerie.engine.server.memory`)."""
+    from aerie.engine.server import memory, slots
+
+    cfg = loaded.model.config
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or loaded.hidden_size // cfg.num_attention_heads)
+    cell = memory.cell_bytes(loaded.num_layers, heads, head_dim, loaded.dtype.itemsize)
+    return memory.plan_kv(
+        cell=cell,
+        context=int(loaded.context_len),
+        quantum=slots.LENGTH_QUANTUM,
+        asked_running=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens,
+        budget=memory.device_budget(str(loaded.device), args.mem_fraction_static),
+        fixed_rows=fixed_rows,
+    )
 
 
 def _log_memory_plan(args: RefServerArgs, loaded: Any) -> None:

@@ -14,6 +14,15 @@ slow extraction says whether the forward, the copies, the dump writers or the fe
 
 `last_progress` records when a model step last completed: `/health` is healthy when any step
 completes after the probe started, the signal SGLang uses.
+
+A failed step fails its batch, not the server. An allocation failure (`torch.OutOfMemoryError`)
+first has the backend drop what could point at freed memory (`release_memory`: the KV cache and the
+CUDA graphs captured on it), and its requests wait to be admitted again (at most `_OOM_RETRIES`
+times each; a streamed one, whose tokens went out, fails). A request the cache could never hold is
+refused (`RequestError`, a 400 naming the sizes). After `unhealthy_after` failed steps in a row the
+server reports itself unhealthy for good (`unhealthy`: /health answers 503 with the reason, and the
+log line `UNHEALTHY_LINE` tells a launcher's watch to restart it): a step that keeps failing, such as
+one on a device whose context an illegal memory access has poisoned, will not heal by itself.
 """
 
 from __future__ import annotations
@@ -31,11 +40,21 @@ from typing import Any
 import torch
 
 from aerie.engine.generation import GenerationBackend, GenRequest, GenResult
+from aerie.engine.server import faults
 from aerie.engine.server.dump import write_dump
 from aerie.engine.server.extraction import HiddenStateCapture, PackCapture
+from aerie.engine.server.protocol import RequestError
 from aerie.engine.server.trace import PackTrace
 
 logger = logging.getLogger("aerie.engine")
+
+# The log line a server that has turned unhealthy writes (aerie.serving.startup_log matches it).
+UNHEALTHY_LINE = "The reference server is unhealthy"
+_OOM_RETRIES = 2  # times a request goes back to the queue after an allocation failure
+
+
+class ServerUnhealthy(RuntimeError):
+    """The server no longer serves: its steps kept failing (a 503 with the reason)."""
 
 
 @dataclass
@@ -49,6 +68,7 @@ class _ExtractItem:
 class _GenItem:
     request: GenRequest
     future: Future[GenResult] = field(default_factory=Future)
+    oom_retries: int = 0
 
 
 @dataclass
@@ -61,6 +81,8 @@ class SchedulerStats:
     extracted_tokens: int = 0
     dumps_written: int = 0
     failures: int = 0
+    failures_in_a_row: int = 0
+    oom_recoveries: int = 0  # allocation failures the backend recovered from
     peak_running: int = 0  # most requests decoded together so far (proves batching happened)
 
 
@@ -153,8 +175,11 @@ class Scheduler:
         dump_metadata: dict[str, str] | None = None,
         writer_threads: int = 2,
         trace: PackTrace | None = None,
+        unhealthy_after: int = 3,
     ) -> None:
         self.backend = backend
+        self.unhealthy_after = unhealthy_after
+        self.unhealthy = ""  # why the server no longer serves ("" while healthy)
         self.trace = trace  # profiles a few packs (--trace-packs)
         self.capture = capture
         self.dump_dir = dump_dir
@@ -188,6 +213,10 @@ class Scheduler:
     def submit_generations(self, requests: list[GenRequest]) -> list[Future[GenResult]]:
         """Queue requests together, so the worker can admit them in one prefill."""
         items = [_GenItem(r) for r in requests]
+        if self.unhealthy:
+            for item in items:
+                item.future.set_exception(ServerUnhealthy(self.unhealthy))
+            return [i.future for i in items]
         with self._cond:
             self._waiting.extend(items)
             self._cond.notify_all()
@@ -199,6 +228,10 @@ class Scheduler:
         if self.capture is None or self.dump_dir is None:
             raise RuntimeError("extraction needs --mode extract")
         items = [_ExtractItem(rid, ids) for rid, ids in sequences]
+        if self.unhealthy:
+            for ex in items:
+                ex.future.set_exception(ServerUnhealthy(self.unhealthy))
+            return [i.future for i in items]
         with self._cond:
             self._extract.extend(items)
             self._cond.notify_all()
@@ -237,9 +270,9 @@ class Scheduler:
                 if admit:
                     self.stats.prefill_tokens += sum(len(i.request.input_ids) for i in admit)
                     requests = [i.request for i in admit]
-                    self._guarded(admit, lambda: self.backend.admit(requests))  # noqa: B023 (called at once)
+                    self._guarded(admit, lambda: self._admit(requests))  # noqa: B023 (called at once)
                 if self._running:
-                    self._guarded(list(self._running.values()), self.backend.step)
+                    self._guarded(list(self._running.values()), self._step)
                 if generating:
                     self.phases.add(generate=time.perf_counter() - began)
 
@@ -255,31 +288,49 @@ class Scheduler:
             tokens += len(item.input_ids)
         return taken
 
+    def _admit(self, requests: list[GenRequest]) -> list[GenResult]:
+        faults.hit("step")
+        return self.backend.admit(requests)
+
+    def _step(self) -> list[GenResult]:
+        faults.hit("step")
+        return self.backend.step()
+
     def _take_admissions(self) -> list[_GenItem]:
         taken: list[_GenItem] = []
         tokens = 0
-        while self._waiting and self.backend.can_admit(self._waiting[0].request, len(taken), tokens):
-            item = self._waiting.popleft()
-            taken.append(item)
-            tokens += len(item.request.input_ids)
+        while self._waiting:
+            head = self._waiting[0]
+            if not self.backend.can_admit(head.request, len(taken), tokens):
+                if self._refused(head):
+                    continue
+                break
+            taken.append(self._waiting.popleft())
+            tokens += len(head.request.input_ids)
         for item in taken:
             self._running[id(item.request)] = item
         self.stats.peak_running = max(self.stats.peak_running, len(self._running))
         return taken
+
+    def _refused(self, head: _GenItem) -> bool:
+        """Fail the first waiting request if the backend could never hold it (saying why), so it does not
+        wait forever; whether it did."""
+        refusal = getattr(self.backend, "refusal", None)
+        why = refusal(head.request) if refusal is not None else None
+        if why is None:
+            return False
+        self._waiting.popleft()
+        head.future.set_exception(RequestError(f"rid {head.request.rid}: {why}"))
+        return True
 
     def _guarded(self, items: list[_GenItem], work: Callable[[], list[GenResult]]) -> None:
         """Run a prefill or a step; resolve finished requests; on an error fail the batch, not the server."""
         try:
             finished = work()
         except Exception as exc:  # one bad batch must not take the server down; its requests get the error
-            logger.exception("generation step failed")
-            self.stats.failures += 1
-            dropped = {id(r) for r in self.backend.abort_all()} | {id(i.request) for i in items}
-            for key in dropped:
-                item = self._running.pop(key, None)
-                if item is not None and not item.future.done():
-                    item.future.set_exception(exc)
+            self._failed(items, exc)
             return
+        self.stats.failures_in_a_row = 0
         self.last_progress = time.monotonic()
         for result in finished:
             done = self._running.pop(id(result.request), None)
@@ -288,6 +339,62 @@ class Scheduler:
         # Every request still running, and every one that just finished, produced one token.
         self.stats.generated_tokens += len(self._running) + len(finished)
         self._stream()
+
+    def _failed(self, items: list[_GenItem], exc: Exception) -> None:
+        """A prefill or step raised: free what the failure may have left pointing at freed memory,
+        requeue or fail its requests, and count it towards `unhealthy`."""
+        logger.exception("generation step failed")
+        self.stats.failures += 1
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        dropped = {id(r) for r in self.backend.abort_all()} | {id(i.request) for i in items}
+        # An allocation failure the backend recovered from (its memory handed back, its budget lowered)
+        # is not a step that keeps failing; anything else counts towards `unhealthy`.
+        recovered = oom and self._release_memory()
+        if not recovered:
+            self.stats.failures_in_a_row += 1
+        retry: list[_GenItem] = []
+        for key in dropped:
+            item = self._running.pop(key, None)
+            if item is None or item.future.done():
+                continue
+            if recovered and item.request.stream is None and item.oom_retries < _OOM_RETRIES:
+                item.oom_retries += 1
+                retry.append(item)
+            else:
+                item.future.set_exception(exc)
+        with self._cond:
+            self._waiting.extendleft(reversed(retry))  # first in line again, in their old order
+        if self.stats.failures_in_a_row >= self.unhealthy_after and not self.unhealthy:
+            self._turn_unhealthy(exc)
+
+    def _release_memory(self) -> bool:
+        """Have the backend drop what may point at freed memory; whether it could."""
+        release = getattr(self.backend, "release_memory", None)
+        if release is None:
+            return False
+        try:
+            release()
+        except Exception:  # the device itself is failing: the failures in a row will say so
+            logger.exception("releasing memory after an allocation failure failed")
+            return False
+        self.stats.oom_recoveries += 1
+        logger.warning(
+            "Out of memory in a generation step: the KV cache and CUDA graphs were dropped (captured "
+            "again on the next step); the batch's requests wait to be admitted again"
+        )
+        return True
+
+    def _turn_unhealthy(self, exc: Exception) -> None:
+        self.unhealthy = (
+            f"{self.stats.failures_in_a_row} generation steps failed in a row; the last: "
+            f"{type(exc).__name__}: {str(exc)[:300]}"
+        )
+        logger.error(f"{UNHEALTHY_LINE}: {self.unhealthy}. /health answers 503 from now on; restart it.")
+        with self._cond:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for item in waiting:
+            item.future.set_exception(ServerUnhealthy(self.unhealthy))
 
     def _stream(self) -> None:
         """Hand each streamed request that is still running its tokens so far."""
@@ -314,6 +421,7 @@ class Scheduler:
         if not pack.in_flight:
             self.phases.add(forward=pack.forward_s, copy=pack.copy_s)
         self.last_progress = time.monotonic()
+        self.stats.failures_in_a_row = 0
         self.stats.extracted_sequences += len(batch)
         self.stats.extracted_tokens += sum(len(i.input_ids) for i in batch)
         self._writers.submit(self._write_pack, batch, pack)
@@ -348,8 +456,11 @@ class Scheduler:
         requests get the error, the server goes on."""
         logger.exception("packed prefill failed")
         self.stats.failures += 1
+        self.stats.failures_in_a_row += 1
         for item in batch:
             item.future.set_exception(exc)
+        if self.stats.failures_in_a_row >= self.unhealthy_after and not self.unhealthy:
+            self._turn_unhealthy(exc)
 
     def _write_files(self, batch: list[_ExtractItem], pack: PackCapture) -> list[tuple[_ExtractItem, Any]]:
         """The pack's dump files; the items written, with their replies' dump meta. A failed item gets

@@ -31,14 +31,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from aerie.engine.generation import BatchedDecoder, GenRequest, GenResult
-from aerie.engine.server import packed
+from aerie.engine.server import faults, packed
 from aerie.engine.server.decode_graphs import CudaGraphRunner, DecodeGraphs
+from aerie.engine.server.sglang_log import logger
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-_LENGTH_QUANTUM = 256  # cache length grows in multiples of this, at least doubling
+LENGTH_QUANTUM = 256  # cache length grows in multiples of this, at least doubling
 
 # attend(layer index, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, Hq * D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -77,6 +78,8 @@ class KVSlots:
         positions are 193 GB, at its 8,192 half that); a longer request still grows them to its length."""
         self.shape = (kv_heads, head_dim)
         self.max_length = max_length
+        self.capacity: int | None = None  # cells (rows x length) doubling may not go past
+        self.failed_cells = 0  # the size of the last allocation that failed (0: none)
         self.dtype, self.device = dtype, device
         self.rows = self.length = 0
         self.version = 0  # bumped whenever the buffers are reallocated (captured graphs hold pointers)
@@ -92,15 +95,32 @@ class KVSlots:
             doubled = 2 * self.length
             if self.max_length is not None:
                 doubled = min(doubled, self.max_length)
-            new_length = max(-(-length // _LENGTH_QUANTUM) * _LENGTH_QUANTUM, doubled)
+            if self.capacity is not None:  # doubling stops at the budget too
+                doubled = min(doubled, self.capacity // new_rows // LENGTH_QUANTUM * LENGTH_QUANTUM)
+            new_length = max(-(-length // LENGTH_QUANTUM) * LENGTH_QUANTUM, doubled)
         heads, dim = self.shape
-        for store in (self.k, self.v):
-            for i, old in enumerate(store):
-                new = torch.zeros(new_rows, heads, new_length, dim, dtype=self.dtype, device=self.device)
-                if old.numel():
-                    new[: self.rows, :, : self.length] = old
-                store[i] = new
+        try:
+            for store in (self.k, self.v):
+                for i, old in enumerate(store):
+                    faults.hit("kv_alloc")
+                    new = torch.zeros(new_rows, heads, new_length, dim, dtype=self.dtype, device=self.device)
+                    if old.numel():
+                        new[: self.rows, :, : self.length] = old
+                    store[i] = new
+        except BaseException:
+            # Some layers hold new buffers, the others old ones, and a captured graph may still point
+            # at the old buffers just freed: keep nothing (the version bump drops the graphs).
+            self.release()
+            self.failed_cells = new_rows * new_length
+            raise
         self.rows, self.length = new_rows, new_length
+        self.version += 1
+
+    def release(self) -> None:
+        """Drop every buffer (their memory goes back to the allocator); the next `ensure` starts anew."""
+        self.k = [torch.empty(0) for _ in self.k]
+        self.v = [torch.empty(0) for _ in self.v]
+        self.rows = self.length = 0
         self.version += 1
 
     def move(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
@@ -119,10 +139,16 @@ class SlotDecoder(BatchedDecoder):
         tokenizer: PreTrainedTokenizerBase | None,
         *,
         graphs: GraphMode = "off",
+        capacity: int | None = None,
         **decoder_args: Any,
     ) -> None:
-        """`decoder_args` are BatchedDecoder's (eos_token_ids, device, max_running, ...)."""
+        """`decoder_args` are BatchedDecoder's (eos_token_ids, device, max_running, ...); `capacity`:
+        the cells (rows x positions) the cache may hold (`aerie.engine.server.memory`), None for no
+        limit. Admission keeps the cache within it."""
         super().__init__(model, tokenizer, **decoder_args)
+        self.capacity = capacity
+        self.plan: Any = None  # the memory plan it was sized by (set by the server; for /server_info)
+        self._admitting_need = 0  # the longest need among the requests admitted in this round
         device, max_running = self.device, self.max_running
         cfg = model.config
         self.base: Any = model.base_model  # a Llama-like decoder stack (checked by supports)
@@ -133,22 +159,28 @@ class SlotDecoder(BatchedDecoder):
         layers: Any = self.base.layers
         context = getattr(cfg, "max_position_embeddings", None)
         self.kv = KVSlots(len(layers), self.kv_heads, self.head_dim, dtype, device, max_length=context)
+        self.kv.capacity = capacity
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)  # tokens cached per running row
         self.admit_when_free = max(1, max_running // 8)
-        self.graphs: DecodeGraphs | None = None
-        if graphs != "off":
-            head: Any = model.lm_head.weight  # the logits' size and dtype, for the static output
-            self.graphs = DecodeGraphs(
-                self._decode_logits,
-                self.kv,
-                max_running,
-                vocab=int(head.shape[0]),
-                dtype=head.dtype,
-                runner=CudaGraphRunner() if graphs == "cuda" else None,
-                quantum=_LENGTH_QUANTUM,
-            )
+        self.context = int(context) if context else None
+        self.graph_mode = graphs
+        self.graphs: DecodeGraphs | None = self._make_graphs() if graphs != "off" else None
+
+    def _make_graphs(self) -> DecodeGraphs:
+        head: Any = self.model.lm_head.weight  # the logits' size and dtype, for the static output
+        return DecodeGraphs(
+            self._decode_logits,
+            self.kv,
+            self.max_running,
+            vocab=int(head.shape[0]),
+            dtype=head.dtype,
+            runner=CudaGraphRunner() if self.graph_mode == "cuda" else None,
+            quantum=LENGTH_QUANTUM,
+        )
 
     def can_admit(self, request: GenRequest, admitting: int, admitting_tokens: int) -> bool:
+        if not admitting:
+            self._admitting_need = 0
         free = self.max_running - self.num_running
         if admitting >= free:
             return False
@@ -157,7 +189,87 @@ class SlotDecoder(BatchedDecoder):
         # only once an eighth of its rows is free.
         if not admitting and self.num_running and free < self.admit_when_free:
             return False
-        return not (admitting and admitting_tokens + len(request.input_ids) > self.max_prefill_tokens)
+        if admitting and admitting_tokens + len(request.input_ids) > self.max_prefill_tokens:
+            return False
+        if not self._fits(request, admitting):
+            return False
+        self._admitting_need = max(self._admitting_need, self._need(request))
+        return True
+
+    def refusal(self, request: GenRequest) -> str | None:
+        """Why the cache could never hold `request` (even alone), or None when it can."""
+        if self.capacity is None:
+            return None
+        rows = self.max_running if self.graphs is not None and not self.graphs.disabled else 1
+        need = self._need(request)
+        if rows * need <= self.capacity:
+            return None
+        return (
+            f"the request may reach {need:,} positions ({len(request.input_ids):,} prompt tokens + "
+            f"max_new_tokens {request.params.max_new_tokens:,}); the KV cache holds {self.capacity:,} cells "
+            f"for {rows} row(s) (--max-total-tokens / --mem-fraction-static size it): lower max_new_tokens"
+        )
+
+    def release_memory(self) -> None:
+        """After an allocation failed: drop the running rows, the KV buffers and the captured graphs
+        (which point into those buffers and their own pool), and hand the memory back, so nothing is
+        left pointing at freed memory. Graphs are captured again on the next step."""
+        attempted = self.kv.failed_cells or self.kv.rows * self.kv.length
+        self.abort_all()
+        self.kv.release()
+        self.kv.failed_cells = 0
+        if self.graphs is not None:
+            self.graphs.drop()
+        if str(self.device).startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        self._shrink(attempted)
+
+    def _shrink(self, attempted: int) -> None:
+        """The device could not hold `attempted` cells (with whatever else it held): a quarter less is
+        the budget from now on; with CUDA graphs the running batch is lowered to fit it at the full
+        context (the graphs are made again for the smaller batch). Repeated failures shrink it geometrically, never below one row."""
+        if attempted <= 0:
+            return
+        capacity = attempted * 3 // 4 if self.capacity is None else min(self.capacity, attempted * 3 // 4)
+        self.capacity = self.kv.capacity = capacity
+        positions = -(-(self.context or self.kv.length or LENGTH_QUANTUM) // LENGTH_QUANTUM) * LENGTH_QUANTUM
+        graphs = self.graphs is not None and not self.graphs.disabled
+        # Eager rows are allocated as requests join (admission waits for room); graph steps run them all.
+        running = max(1, min(self.max_running, capacity // positions)) if graphs else self.max_running
+        logger.warning(
+            f"KV cache budget lowered to {capacity:,} cells after an allocation of {attempted:,} failed; "
+            f"max_running_requests {self.max_running} -> {running}"
+        )
+        if running != self.max_running:
+            self.max_running = running
+            self.admit_when_free = max(1, running // 8)
+            if self.graphs is not None and not self.graphs.disabled:
+                self.graphs = self._make_graphs()
+
+    def _need(self, request: GenRequest) -> int:
+        """The positions a request's row may reach, as the cache rounds them."""
+        need = len(request.input_ids) + max(1, request.params.max_new_tokens)
+        if self.context is not None:
+            need = min(need, self.context)
+        return -(-need // LENGTH_QUANTUM) * LENGTH_QUANTUM
+
+    def _fits(self, request: GenRequest, admitting: int) -> bool:
+        """Whether the cache stays within its capacity with `request` admitted too."""
+        if self.capacity is None:
+            return True
+        longest = max(
+            [self._admitting_need, self._need(request), *(self._need(r.request) for r in self.rows)]
+        )
+        graphs = self.graphs is not None and not self.graphs.disabled
+        rows = self.max_running if graphs else max(self.kv.rows, self.num_running + admitting + 1)
+        if rows * max(longest, self.kv.length) <= self.capacity:
+            return True
+        if not (self.rows or admitting or graphs) and self.kv.rows:
+            # Idle, with buffers shaped for an earlier batch: start them anew at the shape needed now.
+            self.kv.release()
+            return (admitting + 1) * longest <= self.capacity
+        return False
 
     def admit(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         if not requests:

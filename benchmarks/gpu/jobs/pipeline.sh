@@ -17,6 +17,13 @@ plan_h200() {
   MACHINE="one NVIDIA H200 GPU (about 139 GiB), 16 CPU cores, 128 GiB memory, 64 GiB disk"
 }
 
+# The same preset on one H100 (80 GB): the reference server sizes its KV cache and generation batch to the
+# card (its log's "KV cache plan:" line); the files keep their names.
+plan_h100() {
+  plan_h200
+  MACHINE="one NVIDIA H100 GPU (about 80 GiB), 16 CPU cores, 128 GiB memory, 64 GiB disk"
+}
+
 # A pipeline step within what is left of $BUDGET_S (counted from this host's first driver start): stopped at
 # it (gpuhost's exit 75), it marks the job stopped, and the steps after it do not start.
 budgeted() {
