@@ -65,6 +65,7 @@ from aerie.serving import ModelServer  # noqa: E402
 from aerie.serving.probe import port_is_free  # noqa: E402
 from aerie.store import LocalStore, StoreConfig, open_store  # noqa: E402
 from benchmarks import faults_gen as gen  # noqa: E402
+from benchmarks import faults_prefect, faults_servers  # noqa: E402
 from benchmarks.fault_case import Case, first_line, wait_until  # noqa: E402
 from tests import pipeline_support  # noqa: E402
 from tests.fake_servers.scenarios import fake_spec, start_stale_server  # noqa: E402
@@ -473,8 +474,11 @@ class Pipeline:
     """`aerie run smollm2-local <tiny overrides> --no-prefect` in a child, with its state under `work`
     (its temporary files too: $TMPDIR is `work/tmp`, so what a killed stage leaves there is seen)."""
 
-    def __init__(self, work: Path, port: int, run: str = "faults") -> None:
+    def __init__(
+        self, work: Path, port: int, run: str = "faults", prefect: dict[str, str] | None = None
+    ) -> None:
         self.work, self.port, self.run = work, port, run
+        self.prefect = prefect  # the environment that points `aerie run` at a Prefect server, or None
         self.tmp = work / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.overrides = [
@@ -493,13 +497,26 @@ class Pipeline:
     def start(self) -> subprocess.Popen[str]:
         aerie = Path(sys.executable).parent / "aerie"
         return subprocess.Popen(
-            [str(aerie), "run", "smollm2-local", *self.overrides, "--no-prefect"],
+            [
+                str(aerie),
+                "run",
+                "smollm2-local",
+                *self.overrides,
+                *([] if self.prefect else ["--no-prefect"]),
+            ],
             cwd=self.work,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(self.tmp)},
+            env=self.env(),
         )
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(self.tmp), **(self.prefect or {})}
+
+    @property
+    def path(self) -> str:
+        return "prefect" if self.prefect else "no-prefect"
 
     def finish(self) -> tuple[int, str, str]:
         proc = self.start()
@@ -536,7 +553,42 @@ def drop_port(value: Any, port: int) -> None:
             drop_port(v, port)
 
 
-BASELINE: dict[str, Snapshot] = {}
+BASELINE: dict[str, Snapshot] = {}  # the unfaulted pipeline's state, by path (no-prefect, prefect)
+SCRATCH: list[Path] = []  # the matrix's scratch folder
+
+
+def prefect_env(work: Path) -> dict[str, str]:
+    """The environment pointing `aerie run` at the matrix's Prefect server (started on first use)."""
+    faults_prefect.SERVER.start(SCRATCH[0] / "prefect-server")
+    return faults_prefect.SERVER.env(work / "prefect-client")
+
+
+def baseline(path: str) -> Snapshot:
+    """The unfaulted pipeline's state on `path`, which every pipeline case on it must equal (run once,
+    before the first of them)."""
+    if path not in BASELINE:
+        work = SCRATCH[0] / f"baseline-{path}"
+        work.mkdir(parents=True, exist_ok=True)
+        pipe = Pipeline(work, free_port(), prefect=prefect_env(work) if path == "prefect" else None)
+        code, _, err = pipe.finish()
+        if code != 0:
+            raise SystemExit(f"the unfaulted pipeline run ({path}) failed:\n{err[-3000:]}")
+        BASELINE[path] = pipe.snapshot()
+    return BASELINE[path]
+
+
+def path_of(name: str) -> str:
+    return "prefect" if name.startswith("prefect_") else "no-prefect"
+
+
+def prefect_case(name: str) -> Callable[[Path], Case]:
+    def run(work: Path) -> Case:
+        pipe = Pipeline(work, free_port(), prefect=prefect_env(work))
+        return faults_prefect.CASES[name](pipe, baseline("prefect"))
+
+    return run
+
+
 BAR = {s: f"{s}:" for s in STAGES}
 # Seconds after a stage's first progress line before the signal: inside the stage, before its end, for
 # the stages that last long enough for a fixed wait. The short ones are signalled on a sign of their own
@@ -562,8 +614,8 @@ def stage_at_work(pipe: Pipeline, stage: str, stderr: Callable[[], str]) -> Call
     return lambda: sign() or pipe.completed(stage)
 
 
-def pipeline_case(work: Path, stage: str, sig: signal.Signals) -> Case:
-    pipe = Pipeline(work, free_port())
+def pipeline_case(work: Path, stage: str, sig: signal.Signals, prefect: bool = False) -> Case:
+    pipe = Pipeline(work, free_port(), prefect=prefect_env(work) if prefect else None)
     proc = pipe.start()
     seen = threading.Event()
     lines: list[str] = []
@@ -579,6 +631,7 @@ def pipeline_case(work: Path, stage: str, sig: signal.Signals) -> Case:
             buf = buf[-400:]
 
     threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # Prefect logs there: never blocks
     if not seen.wait(600):
         proc.kill()
         return no_output(False, f"{sig.name} during {stage}", None, f"the stage {stage} never started", False)
@@ -601,7 +654,7 @@ def pipeline_case(work: Path, stage: str, sig: signal.Signals) -> Case:
         (x for x in err2.replace("\r", "\n").splitlines() if x.startswith("aerie: error:")), ""
     )
     left = pipe.left_in_tmp()
-    verdict = compare(BASELINE["pipeline"], pipe.snapshot())
+    verdict = compare(baseline(pipe.path), pipe.snapshot())
     fired = not finished_before and code != 0
     what = "after the stage had finished" if finished_before else "mid-stage"
     message = f"{sig.name} {what}: exit {code} in {exited_s:.1f} s {error[:200]}; re-run exit {code2}"
@@ -663,7 +716,7 @@ def case_concurrent_pipelines(work: Path) -> Case:
     line = next(
         (x for x in err2.replace("\r", "\n").splitlines() if x.startswith("aerie: ")), "no error line"
     )
-    verdict = compare(BASELINE["pipeline"], first.snapshot())
+    verdict = compare(baseline("no-prefect"), first.snapshot())
     refused = p2.returncode != 0 and "another" in line
     message = f"second run: exit {p2.returncode} after {took2:.1f} s: {line[:300]}; first run: exit {code1}"
     handled = code1 == 0 and (refused or p2.returncode == 0)
@@ -678,6 +731,17 @@ def case_concurrent_pipelines(work: Path) -> Case:
 
 
 # -- the matrix --------------------------------------------------------------------------------------------
+
+
+# `aerie run` through Prefect signalled mid-stage: generation's datasets and extraction's slices run as
+# subflows there, the merge and training as the stages' own subflows.
+PREFECT_STAGE_FAULTS = [
+    ("generate-sharegpt", signal.SIGKILL),
+    ("merge", signal.SIGTERM),
+    ("extract", signal.SIGKILL),
+    ("extract", signal.SIGTERM),
+    ("train", signal.SIGKILL),
+]
 
 
 def cases(skip_pipeline: bool, skip_sglang: bool) -> list[tuple[str, Callable[[Path], Case]]]:
@@ -697,10 +761,15 @@ def cases(skip_pipeline: bool, skip_sglang: bool) -> list[tuple[str, Callable[[P
         ("insecure_endpoint_url", gen.case_insecure_url),
         ("disk_full_journal", gen.case_disk_full_journal),
         ("two_runs_same_run", gen.case_two_runs_same_run),
+        ("lone_surrogate_in_source", gen.case_lone_surrogate),
+        ("endpoint_redirect_307", gen.case_redirect_307),
+        ("endpoint_html_200", gen.case_html_200),
         ("stale_server", case_stale_server),
         ("server_crash_while_loading", case_server_crash_while_loading),
         ("server_child_keeps_port", case_server_orphan_keeps_port),
         ("reference_server_killed_mid_extraction", lambda w: extraction_case(w, "reference")),
+        ("reference_server_oom_in_step", faults_servers.case_oom_in_step),
+        ("reference_server_unhealthy_restarted", faults_servers.case_unhealthy_restarted),
         ("s3_down", case_s3_down),
         ("s3_slow", case_s3_slow),
         ("s3_killed_mid_multipart", case_s3_killed_mid_multipart),
@@ -713,24 +782,39 @@ def cases(skip_pipeline: bool, skip_sglang: bool) -> list[tuple[str, Callable[[P
                 name = f"{'kill9' if sig == signal.SIGKILL else 'sigterm'}_during_{stage}"
                 out.append((name, lambda w, s=stage, g=sig: pipeline_case(w, s, g)))
         out.append(("two_pipelines_same_run", case_concurrent_pipelines))
+        for stage, sig in PREFECT_STAGE_FAULTS:
+            name = f"prefect_{'kill9' if sig == signal.SIGKILL else 'sigterm'}_during_{stage}"
+            out.append((name, lambda w, s=stage, g=sig: pipeline_case(w, s, g, prefect=True)))
+        out += [(name, prefect_case(name)) for name in faults_prefect.CASES]
     if not skip_sglang and (ROOT / ".venv-sglang" / "bin" / "python").exists():
         out.append(("sglang_killed_mid_extraction", lambda w: extraction_case(w, "sglang")))
     return out
 
 
-def unfaulted_pipeline(work: Path) -> None:
-    """The pipeline's run without a fault, which every pipeline case must equal (run once, before the
-    first of them)."""
-    pipe = Pipeline(work, free_port())
-    code, _, err = pipe.finish()
-    if code != 0:
-        raise SystemExit(f"the unfaulted pipeline run failed:\n{err[-3000:]}")
-    BASELINE["pipeline"] = pipe.snapshot()
+PIPELINE_CASES = ("kill9_during", "sigterm_during", "two_pipelines", "prefect_")
 
 
 def git_commit() -> str:
+    """The commit the matrix runs on, `+changes` where the code it runs (aerie, benchmarks, tests)
+    differs from it: a record then says it did not run that commit alone."""
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return done.stdout.strip()
+    dirty = subprocess.run(
+        [
+            "git",
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            "aerie",
+            "benchmarks",
+            "tests",
+            "flows",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def main() -> None:
@@ -759,6 +843,7 @@ def main() -> None:
     for name, value in DUMMY_ENV.items():
         os.environ[name] = value
     scratch = Path(tempfile.mkdtemp(prefix="aerie-faults-"))
+    SCRATCH.append(scratch)
     os.environ["AWS_CONFIG_FILE"] = str(scratch / "no-aws-config")
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(scratch / "no-aws-credentials")
     selected = [
@@ -777,8 +862,8 @@ def main() -> None:
     for name, fn in selected:
         work = scratch / name
         work.mkdir()
-        if name.startswith(("kill9_during", "sigterm_during", "two_pipelines")) and not BASELINE:
-            unfaulted_pipeline(scratch / "baseline")
+        if name.startswith(PIPELINE_CASES):
+            baseline(path_of(name))  # run before the case: its time is not the case's
         began = time.monotonic()
         try:
             case = fn(work)
@@ -786,7 +871,7 @@ def main() -> None:
             case = no_output(False, "", None, f"the case itself failed: {type(exc).__name__}: {exc}", False)
             case.compared = "not reached"
             traceback.print_exc()
-        case.case = name
+        case.case, case.path = name, path_of(name)
         case.wall_s = round(time.monotonic() - began, 1)
         results.append({**asdict(case), "commit": commit})
         verdict = "survived" if case.survived else "FAILED"
@@ -814,6 +899,7 @@ def main() -> None:
     print(
         f"{sum(c['survived'] for c in results)} of {len(results)} survived in {time.monotonic() - started:.0f} s"
     )
+    faults_prefect.SERVER.close()
     shutil.rmtree(scratch, ignore_errors=True)
 
 
