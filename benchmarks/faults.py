@@ -39,10 +39,12 @@ import hashlib
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import signal
 import socket
+import string
 import subprocess
 import sys
 import tempfile
@@ -290,6 +292,7 @@ class DelayProxy:
     def __init__(self, target_port: int, delay_s: float) -> None:
         self.target, self.delay = target_port, delay_s
         self.delayed = 0  # chunks held: the fault's counter
+        self.parts = 0  # multipart part uploads seen in the requests
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -314,6 +317,7 @@ class DelayProxy:
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
+                self.parts += data.count(b"partNumber=")
                 time.sleep(self.delay)
                 self.delayed += 1
                 dst.sendall(data)
@@ -342,42 +346,60 @@ def case_s3_slow(work: Path) -> Case:
     return Case.of(proxy.delayed > 0, f"{proxy.delayed} S3 chunks held 0.3 s each", None, verdict, message)
 
 
+LONG = 48 * 1024  # characters of random text per question: the stage's output needs several 5 MiB parts
+
+
+def long_questions(n: int) -> dict[int, str]:
+    rng = random.Random(7)  # the same questions in the faulted and the unfaulted run
+    return {i: f"question {i} " + "".join(rng.choices(string.ascii_letters, k=LONG)) for i in range(n)}
+
+
 def case_s3_killed_mid_multipart(work: Path) -> Case:
-    src = work / "shard.bin"
-    src.write_bytes(os.urandom(16 << 20))  # 4 parts of 5 MiB
-    want = Snapshot()
-    want.add("objects", "run/extract/shard-00000.safetensors", src.read_bytes())
+    """A generation stage writing to S3 (moto) whose output is uploaded in 5 MiB parts: the S3 server is
+    SIGKILLed once the first part is on its way. The stage fails naming the store; the server comes back
+    (moto keeps nothing: an empty bucket), the stage is re-run, and its output equals an unfaulted
+    run's."""
+    os.environ[KEY_ENV] = API_KEY
+    n = 160
+    edit = long_questions(n)
+    gen.write_source(work / "source.jsonl", n=n, edit=edit)
     port = free_port()
-    with moto(port) as (proc, cfg):
-        # Through a proxy holding each 64 KiB chunk 10 ms: the upload lasts seconds, so the kill lands
-        # inside it (unthrottled, it may end before its first progress report).
-        proxy = DelayProxy(port, 0.01)
-        store = open_store(cfg.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{proxy.port}"}))
-        killed: list[tuple[float, float]] = []
+    killed: list[float] = []
+    detect, message = None, "the stage did not fail"
+    with FaultServer(api_key=API_KEY) as server:
+        cfg, spec = gen.gen_setup(work, server.url)
+        cfg = cfg.model_copy(update={"work_dir": str(work / "gen-work")})
+        with moto(port) as (proc, live):
+            # Through a proxy holding each 64 KiB chunk 10 ms: a part lasts about a second, so the kill
+            # lands inside the upload.
+            proxy = DelayProxy(port, 0.01)
+            store = open_store(live.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{proxy.port}"}))
 
-        def kill_once(fraction: float, message: str) -> None:
-            if 0.2 < fraction < 1.0 and not killed:
-                os.killpg(proc.pid, signal.SIGKILL)
-                killed.append((time.monotonic(), fraction))
+            def kill_at_first_part() -> None:
+                with contextlib.suppress(RuntimeError):
+                    wait_until(lambda: proxy.parts > 0, 600)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed.append(time.monotonic())
 
-        detect, message = None, "the upload did not fail"
-        try:
-            store.put_file("run/extract/shard-00000.safetensors", src, progress=kill_once)
-        except StoreError as exc:
-            detect, message = time.monotonic() - killed[0][0] if killed else None, first_line(exc)
-        proc.wait()
+            threading.Thread(target=kill_at_first_part, daemon=True).start()
+            try:
+                generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
+            except StoreError as exc:
+                detect, message = (time.monotonic() - killed[0] if killed else None), first_line(exc)
+            proc.wait()
+        parts = proxy.parts
+        with moto(port):  # the server back, empty; the stage re-run through the same proxy
+            final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
+            verdict = gen.judged(work, store, final, server.url, edit=edit, n=n)
         proxy.close()
-    at = f" at {killed[0][1]:.0%}" if killed else " (never: the upload ended before a progress report)"
-    with moto(port) as (_, cfg):  # the server back (moto keeps no state: an empty bucket again)
-        store = open_store(cfg)
-        info = store.put_file("run/extract/shard-00000.safetensors", src)
-        got = Snapshot()
-        for key in store.list("run"):
-            got.add("objects", key, store.get_bytes(key))
-    verdict = compare(want, got)
-    handled = detect is not None and src.exists() and info.sha256 == want.items["objects"][0][1]
+    message += f"; {parts} part upload(s) seen before the kill; the stage re-run on the restarted server"
     return Case.of(
-        bool(killed), f"S3 server SIGKILLed{at} of a multipart upload", detect, verdict, message, handled
+        bool(killed),
+        "S3 server SIGKILLed during a multipart upload",
+        detect,
+        verdict,
+        message,
+        detect is not None,
     )
 
 
@@ -385,42 +407,41 @@ def case_s3_killed_mid_multipart(work: Path) -> Case:
 
 
 def case_corrupt_shard(work: Path) -> Case:
-    """A flipped byte in a corpus shard (a LocalStore keeps its sha256 beside it): the reader must refuse
-    it, naming the shard; after the producing stage is re-run, the corpus reads as before."""
-    from aerie.corpus.reader import iter_corpus
-    from tests.extract_support import write_corpus
-
-    def rows_of(result: Any) -> Snapshot:
-        snap = Snapshot()
-        for row in iter_corpus(store, result, "train"):
-            snap.add("corpus rows", row.id, [list(row.input_ids), list(row.loss_mask)])
-        return snap
-
+    """A flipped byte in a stage's stored output (generation's conversations.parquet; a LocalStore keeps
+    its sha256 beside it): reading it must be refused, naming the object and what to delete; doing what
+    the message says (delete the stage's folder it names, re-run the stage), the output equals an
+    unfaulted run's."""
+    os.environ[KEY_ENV] = API_KEY
     store = LocalStore(work / "store")
-    rows = [
-        {"id": f"c{i}", "source": "t", "input_ids": list(range(i, i + 20)), "loss_mask": [0] * 10 + [1] * 10}
-        for i in range(30)
-    ]
-    result = write_corpus(store, "r", {"train": rows}, rows_per_shard=10)
-    baseline = rows_of(result)
-    shard = store.local_path(f"{result.prefix}/train-00001.parquet")
-    assert shard is not None
-    before = shard.read_bytes()
-    data = bytearray(before)
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
-    fired = hashlib.sha256(shard.read_bytes()).digest() != hashlib.sha256(before).digest()
-    began = time.monotonic()
-    detect, message = None, "the flipped byte was read without an error"
-    try:
-        list(iter_corpus(store, result, "train"))
-    except Exception as exc:
-        detect, message = time.monotonic() - began, f"{type(exc).__name__}: {first_line(exc)}"
-    result = write_corpus(store, "r", {"train": rows}, rows_per_shard=10)  # the stage re-run rewrites it
-    verdict = compare(baseline, rows_of(result))
-    return Case.of(
-        fired, "1 byte flipped in a stored shard", detect, verdict, message, "IntegrityError" in message
-    )
+    with FaultServer(api_key=API_KEY) as server:
+        cfg, spec = gen.gen_setup(work, server.url)
+        result = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
+        key = f"{result.prefix}/conversations.parquet"
+        shard = store.local_path(key)
+        assert shard is not None
+        before = shard.read_bytes()
+        data = bytearray(before)
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        fired = hashlib.sha256(shard.read_bytes()).digest() != hashlib.sha256(before).digest()
+        began = time.monotonic()
+        detect, message = None, "the flipped byte was read without an error"
+        try:
+            store.get_file(key, work / "read" / "conversations.parquet")
+        except Exception as exc:
+            detect, message = time.monotonic() - began, f"{type(exc).__name__}: {first_line(exc)}"
+        # What the message says to delete (the stage's folder), then the stage re-run.
+        named = re.search(r"corrupt: delete (\S+) ", message)
+        if named:
+            shutil.rmtree(named.group(1))
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
+        try:
+            verdict = gen.judged(work, store, final, server.url)
+        except Exception as exc:  # the re-run left no readable output: everything it held is lost
+            verdict = compare(gen.unfaulted(work), Snapshot())
+            message += f"; after the re-run: {type(exc).__name__}: {first_line(exc)[:200]}"
+    told = "IntegrityError" in message and named is not None
+    return Case.of(fired, "1 byte flipped in a stored stage output", detect, verdict, message, told)
 
 
 # -- secrets ----------------------------------------------------------------------------------------------
