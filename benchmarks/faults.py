@@ -10,20 +10,29 @@ The cases (generation ones in benchmarks/faults_gen.py):
   HTTP 200 carrying an error, empty answers, the child generating killed (SIGKILL, SIGTERM), the server
   process killed mid-run, a disk that refuses the journal's writes (RLIMIT_FSIZE), a source that yields
   nothing valid, a prompt edited in place, Ctrl-C with answers in flight (`aerie run`), insecure or
-  malformed endpoint URLs, two runs on one run;
+  malformed endpoint URLs, two runs on one run, a lone surrogate in a source line, an endpoint answering
+  307 or a 200 HTML page;
 - model servers (tests/fake_servers): a stale server on the port, a crash while loading, a child that
   keeps the port after its parent exits;
 - a real extraction server SIGKILLed mid-extraction: the reference server, and SGLang on the CPU
   (.venv-sglang) unless `--skip-sglang`;
-- S3 (a moto server process): the endpoint down, the endpoint slow, the server killed mid-upload;
-- a flipped byte in a stored shard; secrets searched in every log, artifact and manifest;
+- the reference server told to fail (benchmarks/faults_servers.py): an out-of-memory allocation in a
+  step (absorbed), steps that keep failing (unhealthy, ended by the watch, the run re-run on a fresh one);
+- S3 (a moto server process): the endpoint down, the endpoint slow, the server killed during a generation
+  stage's multipart upload (the stage re-run);
+- a flipped byte in a stage's stored output (the stage folder the error names deleted, the stage re-run);
+  secrets searched in every log, artifact and manifest;
 - `aerie run` (the tiny smollm2-local pipeline of tests/pipeline_support.py) SIGKILLed or SIGTERMed
   during each stage (during the merge, once its spill folder exists), then run again; two `aerie run`
-  at once on one run name.
+  at once on one run name;
+- the same through Prefect (benchmarks/faults_prefect.py; a real `prefect server start`): `aerie run`
+  signalled during a stage (generation's datasets and extraction's slices are subflows there), the API
+  server SIGKILLed and restarted mid-run, a deployment run's worker SIGKILLed, a deployment run whose
+  flow process was SIGKILLed run again. Each case's `path` says which: `no-prefect` or `prefect`.
 
 Per case: `fired` and `fault` (the counter that proves the fault happened: faulted answers the server
 sent, the exit status a signal caused, a kill the injector made; a case whose fault did not fire fails),
-`handled` (refused, absorbed, or exited as expected), `lost`/`duplicates`/`changed`/`extra` (the final
+`handled` (refused, absorbed, or exited as expected), `path`, `lost`/`duplicates`/`changed`/`extra` (the final
 state against an unfaulted run's, by tests/fault_check.py: conversations by id, corpus rows and
 hidden-state samples by split and id with their contents' sha256, the drafter's files, evaluation answers,
 serving rows, every manifest without times and speeds), `compared` (those counts and the first
@@ -652,6 +661,7 @@ def pipeline_case(work: Path, stage: str, sig: signal.Signals, prefect: bool = F
             buf = buf[-400:]
 
     threading.Thread(target=watch, daemon=True).start()
+    assert proc.stdout is not None
     threading.Thread(target=proc.stdout.read, daemon=True).start()  # Prefect logs there: never blocks
     if not seen.wait(600):
         proc.kill()
@@ -765,6 +775,10 @@ PREFECT_STAGE_FAULTS = [
 ]
 
 
+def signalled(stage: str, sig: signal.Signals, prefect: bool = False) -> Callable[[Path], Case]:
+    return lambda work: pipeline_case(work, stage, sig, prefect)
+
+
 def cases(skip_pipeline: bool, skip_sglang: bool) -> list[tuple[str, Callable[[Path], Case]]]:
     out: list[tuple[str, Callable[[Path], Case]]] = [
         ("generate_kill9", lambda w: gen.case_generate_killed(w, signal.SIGKILL)),
@@ -801,11 +815,11 @@ def cases(skip_pipeline: bool, skip_sglang: bool) -> list[tuple[str, Callable[[P
         for stage in STAGES:
             for sig in (signal.SIGKILL, signal.SIGTERM):
                 name = f"{'kill9' if sig == signal.SIGKILL else 'sigterm'}_during_{stage}"
-                out.append((name, lambda w, s=stage, g=sig: pipeline_case(w, s, g)))
+                out.append((name, signalled(stage, sig)))
         out.append(("two_pipelines_same_run", case_concurrent_pipelines))
         for stage, sig in PREFECT_STAGE_FAULTS:
             name = f"prefect_{'kill9' if sig == signal.SIGKILL else 'sigterm'}_during_{stage}"
-            out.append((name, lambda w, s=stage, g=sig: pipeline_case(w, s, g, prefect=True)))
+            out.append((name, signalled(stage, sig, prefect=True)))
         out += [(name, prefect_case(name)) for name in faults_prefect.CASES]
     if not skip_sglang and (ROOT / ".venv-sglang" / "bin" / "python").exists():
         out.append(("sglang_killed_mid_extraction", lambda w: extraction_case(w, "sglang")))

@@ -161,18 +161,30 @@ def extracting(pipe: PipelineLike) -> bool:
     return any(p.is_file() for p in (pipe.work / "extract-work").rglob("*"))
 
 
-def flow_processes(pipe: PipelineLike) -> list[int]:
-    """The pids of the processes running this pipeline's flow (their command line names its store)."""
-    store = str(pipe.work / "store")
-    pids = []
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...)."""
+    parents: dict[int, int] = {}
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (proc / "stat").read_text()
+                parents[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def flow_processes(worker_pid: int) -> list[int]:
+    """The flow run processes the worker started (`python -m prefect.engine`)."""
+    out = []
+    for pid in descendants(worker_pid):
         with contextlib.suppress(OSError):
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
-            if store in cmd and "prefect" in cmd and "worker" not in cmd:
-                pids.append(int(proc.name))
-    return pids
+            if b"prefect.engine" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+    return out
 
 
 def case_api_restarted(pipe: PipelineLike, baseline: Snapshot) -> Case:
@@ -217,7 +229,13 @@ def case_worker_killed(pipe: PipelineLike, baseline: Snapshot) -> Case:
             lambda: extracting(pipe) or flow_state(pipe, first) in ("COMPLETED", "FAILED", "CRASHED"), 1200
         )
         if flow_state(pipe, first) == "RUNNING":
+            # The worker and what it started (the flow run's process), as when its host or container
+            # dies: its process group, and the flow run's processes wherever they are.
+            below = flow_processes(w.pid)
             os.killpg(w.pid, signal.SIGKILL)
+            for pid in below:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             w.wait()
             fired = True
     state1 = flow_state(pipe, first)
@@ -249,7 +267,7 @@ def case_deployment_retried(pipe: PipelineLike, baseline: Snapshot) -> Case:
         wait_until(
             lambda: extracting(pipe) or flow_state(pipe, first) in ("COMPLETED", "FAILED", "CRASHED"), 1200
         )
-        for pid in flow_processes(pipe) if flow_state(pipe, first) == "RUNNING" else []:
+        for pid in flow_processes(w.pid) if flow_state(pipe, first) == "RUNNING" else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)

@@ -50,6 +50,10 @@ def server(work: Path, port: int, name: str, faults: str = "", *args: str) -> Mo
     return ModelServer(spec_for(cfg, model_path=target.path, log_path=work / f"{name}.log"))
 
 
+def v1(server: ModelServer) -> str:
+    return f"{server.url}/v1"
+
+
 def setup(home: Path, url: str) -> tuple[GenerateConfig, Any]:
     gen.write_source(home / "source.jsonl", n=N)
     cfg, spec = gen.gen_setup(home, url, read_timeout_s=300.0, connect_timeout_s=10.0, max_retries=3)
@@ -80,10 +84,10 @@ def case_oom_in_step(work: Path) -> Case:
     store = LocalStore(work / "store")
     detect, message = None, ""
     with server(work, port, "faulty", "kv_alloc=60:1") as faulty:
-        cfg, spec = setup(work, faulty.url)
+        cfg, spec = setup(work, v1(faulty))
         began = time.monotonic()
         try:
-            final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=faulty.url)
+            final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=v1(faulty))
         except AerieError as exc:
             detect, message, final = time.monotonic() - began, first_line(exc), None
         info = server_info(faulty.url)
@@ -92,8 +96,8 @@ def case_oom_in_step(work: Path) -> Case:
     recoveries = int(state.get("oom_recoveries", 0))
     injected = log.count(f"injected by {FAULTS_ENV} (kv_alloc)")
     with server(work, port, "clean") as clean:
-        want = unfaulted_on(work, clean.url)
-    got = gen.output_snapshot(work, store, final, faulty.url) if final is not None else None
+        want = unfaulted_on(work, v1(clean))
+    got = gen.output_snapshot(work, store, final, v1(faulty)) if final is not None else None
     verdict = compare(want, got) if got is not None else compare(want, type(want)())
     message = message or (
         f"absorbed: {recoveries} out-of-memory recovery, the server stayed healthy "
@@ -121,10 +125,10 @@ def case_unhealthy_restarted(work: Path) -> Case:
     store = LocalStore(work / "store")
     detect, message, health, crash = None, "the run finished on a failing server", "", ""
     with server(work, port, "faulty", "step=9:*", "--unhealthy-after", "3") as faulty:
-        cfg, spec = setup(work, faulty.url)
+        cfg, spec = setup(work, v1(faulty))
         began = time.monotonic()
         try:
-            generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=faulty.url)
+            generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=v1(faulty))
         except AerieError as exc:
             detect, message = time.monotonic() - began, first_line(exc)
         with contextlib.suppress(httpx.HTTPError):
@@ -141,9 +145,9 @@ def case_unhealthy_restarted(work: Path) -> Case:
     log = (work / "faulty.log").read_text(errors="replace")
     unhealthy = "The reference server is unhealthy" in log
     with server(work, port, "fresh") as fresh:
-        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=fresh.url)
-        got = gen.output_snapshot(work, store, final, fresh.url)
-        want = unfaulted_on(work, fresh.url)
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=v1(fresh))
+        got = gen.output_snapshot(work, store, final, v1(fresh))
+        want = unfaulted_on(work, v1(fresh))
     verdict = compare(want, got)
     message = (
         f"{message[:250]} | {health or 'no answer to /health'} | watch: {crash[:200] or 'no crash seen'}"
