@@ -64,7 +64,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -624,8 +624,18 @@ BAR = {s: f"{s}:" for s in STAGES}
 # the stages that last long enough for a fixed wait. The short ones are signalled on a sign of their own
 # work instead (`TRIGGER`): a fixed wait outlasted the tiny generation and training once.
 KILL_AFTER_S = {"extract": 8.0, "evaluate": 1.0, "deploy": 9.0}
-# The first training step the stage reports (its progress line "step 1/6 loss ...").
-TRAIN_STEP = re.compile(r"train:[^\n]*step \d+/\d+ loss")
+# The first training step the stage reports (its progress line "step 1/6 loss ...", under Prefect logged
+# with the stage's title).
+TRAIN_STEP = re.compile(r"(train:|drafter training)[^\n]*step \d+/\d+ loss")
+# The stages' titles under Prefect (flows/*.py), which their logged progress lines begin with.
+PREFECT_TITLE = {
+    "generate-sharegpt": "generation",
+    "merge": "merging the corpus",
+    "extract": "hidden-state extraction",
+    "train": "drafter training",
+    "evaluate": "speculative decoding evaluation",
+    "deploy": "deployment benchmark",
+}
 
 
 def journaled(pipe: Pipeline) -> bool:
@@ -650,19 +660,22 @@ def pipeline_case(work: Path, stage: str, sig: signal.Signals, prefect: bool = F
     seen = threading.Event()
     lines: list[str] = []
 
-    def watch() -> None:
-        assert proc.stderr is not None
+    # Under Prefect a part's progress line adds the part's name to the title ("generation, sharegpt: ").
+    marker = PREFECT_TITLE[stage] if prefect else BAR[stage]
+
+    def watch(stream: IO[str] | None) -> None:
+        # Both streams: under Prefect the stages' progress is logged (by Prefect's console handler).
+        assert stream is not None
         buf = ""
-        while chunk := proc.stderr.read(256):
+        while chunk := stream.read(256):
             buf += chunk
             lines.append(chunk)
-            if BAR[stage] in buf and not seen.is_set():
+            if marker in buf and not seen.is_set():
                 seen.set()
             buf = buf[-400:]
 
-    threading.Thread(target=watch, daemon=True).start()
-    assert proc.stdout is not None
-    threading.Thread(target=proc.stdout.read, daemon=True).start()  # Prefect logs there: never blocks
+    for stream in (proc.stderr, proc.stdout):
+        threading.Thread(target=watch, args=(stream,), daemon=True).start()
     if not seen.wait(600):
         proc.kill()
         return no_output(False, f"{sig.name} during {stage}", None, f"the stage {stage} never started", False)
