@@ -542,7 +542,10 @@ class Pipeline:
         )
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(self.tmp), **(self.prefect or {})}
+        # Unbuffered: under Prefect the stages' progress is logged to a pipe, which Python otherwise
+        # flushes only every few KiB (the stage is then seen late, often after it finished).
+        env = {"PYTHONPATH": str(ROOT), "TMPDIR": str(self.tmp), "PYTHONUNBUFFERED": "1"}
+        return {**os.environ, **env, **(self.prefect or {})}
 
     @property
     def path(self) -> str:
