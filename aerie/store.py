@@ -224,7 +224,7 @@ class LocalStore:
         if want is not None and got != want:
             raise IntegrityError(
                 f"{path}: sha256 {got[:12]}… does not match the recorded {want[:12]}…; the object is "
-                "corrupt: delete it and re-run the stage that wrote it"
+                f"corrupt: {_remedy(path)}"
             )
 
     def _verified(self, key: str) -> Path:
@@ -306,3 +306,13 @@ def open_store(cfg: StoreConfig | str) -> ArtifactStore:
 
         return S3Store(cfg)
     return LocalStore(cfg.uri, mode=None if cfg.mode is None else int(cfg.mode, 8))
+
+
+def _remedy(path: Path) -> str:
+    """What to delete so that a re-run rewrites a corrupt object: the folder of the stage that wrote it
+    (the nearest one above it holding a manifest; deleting the object alone leaves the stage's manifest,
+    and the re-run takes the stage as done)."""
+    for folder in path.parents:
+        if (folder / "manifest.json").is_file():
+            return f"delete {folder} (the stage that wrote it) and re-run: that stage runs again"
+    return "delete it and re-run the stage that wrote it"

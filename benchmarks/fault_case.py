@@ -31,6 +31,7 @@ class Case:
     message: str  # the error the user saw, or what absorbed the fault
     compared: str  # the final state against an unfaulted run's: counts and the first differences
     wall_s: float = 0.0
+    path: str = "no-prefect"  # how the run went: `no-prefect` (in one process) or `prefect` (flows, subflows)
 
     @classmethod
     def of(

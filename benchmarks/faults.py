@@ -10,20 +10,29 @@ The cases (generation ones in benchmarks/faults_gen.py):
   HTTP 200 carrying an error, empty answers, the child generating killed (SIGKILL, SIGTERM), the server
   process killed mid-run, a disk that refuses the journal's writes (RLIMIT_FSIZE), a source that yields
   nothing valid, a prompt edited in place, Ctrl-C with answers in flight (`aerie run`), insecure or
-  malformed endpoint URLs, two runs on one run;
+  malformed endpoint URLs, two runs on one run, a lone surrogate in a source line, an endpoint answering
+  307 or a 200 HTML page;
 - model servers (tests/fake_servers): a stale server on the port, a crash while loading, a child that
   keeps the port after its parent exits;
 - a real extraction server SIGKILLed mid-extraction: the reference server, and SGLang on the CPU
   (.venv-sglang) unless `--skip-sglang`;
-- S3 (a moto server process): the endpoint down, the endpoint slow, the server killed mid-upload;
-- a flipped byte in a stored shard; secrets searched in every log, artifact and manifest;
+- the reference server told to fail (benchmarks/faults_servers.py): an out-of-memory allocation in a
+  step (absorbed), steps that keep failing (unhealthy, ended by the watch, the run re-run on a fresh one);
+- S3 (a moto server process): the endpoint down, the endpoint slow, the server killed during a generation
+  stage's multipart upload (the stage re-run);
+- a flipped byte in a stage's stored output (the stage folder the error names deleted, the stage re-run);
+  secrets searched in every log, artifact and manifest;
 - `aerie run` (the tiny smollm2-local pipeline of tests/pipeline_support.py) SIGKILLed or SIGTERMed
   during each stage (during the merge, once its spill folder exists), then run again; two `aerie run`
-  at once on one run name.
+  at once on one run name;
+- the same through Prefect (benchmarks/faults_prefect.py; a real `prefect server start`): `aerie run`
+  signalled during a stage (generation's datasets and extraction's slices are subflows there), the API
+  server SIGKILLed and restarted mid-run, a deployment run's worker SIGKILLed, a deployment run whose
+  flow process was SIGKILLed run again. Each case's `path` says which: `no-prefect` or `prefect`.
 
 Per case: `fired` and `fault` (the counter that proves the fault happened: faulted answers the server
 sent, the exit status a signal caused, a kill the injector made; a case whose fault did not fire fails),
-`handled` (refused, absorbed, or exited as expected), `lost`/`duplicates`/`changed`/`extra` (the final
+`handled` (refused, absorbed, or exited as expected), `path`, `lost`/`duplicates`/`changed`/`extra` (the final
 state against an unfaulted run's, by tests/fault_check.py: conversations by id, corpus rows and
 hidden-state samples by split and id with their contents' sha256, the drafter's files, evaluation answers,
 serving rows, every manifest without times and speeds), `compared` (those counts and the first
@@ -39,10 +48,12 @@ import hashlib
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import signal
 import socket
+import string
 import subprocess
 import sys
 import tempfile
@@ -53,7 +64,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,6 +76,7 @@ from aerie.serving import ModelServer  # noqa: E402
 from aerie.serving.probe import port_is_free  # noqa: E402
 from aerie.store import LocalStore, StoreConfig, open_store  # noqa: E402
 from benchmarks import faults_gen as gen  # noqa: E402
+from benchmarks import faults_prefect, faults_servers  # noqa: E402
 from benchmarks.fault_case import Case, first_line, wait_until  # noqa: E402
 from tests import pipeline_support  # noqa: E402
 from tests.fake_servers.scenarios import fake_spec, start_stale_server  # noqa: E402
@@ -289,6 +301,7 @@ class DelayProxy:
     def __init__(self, target_port: int, delay_s: float) -> None:
         self.target, self.delay = target_port, delay_s
         self.delayed = 0  # chunks held: the fault's counter
+        self.parts = 0  # multipart part uploads seen in the requests
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -313,6 +326,7 @@ class DelayProxy:
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(65536):
+                self.parts += data.count(b"partNumber=")
                 time.sleep(self.delay)
                 self.delayed += 1
                 dst.sendall(data)
@@ -341,42 +355,60 @@ def case_s3_slow(work: Path) -> Case:
     return Case.of(proxy.delayed > 0, f"{proxy.delayed} S3 chunks held 0.3 s each", None, verdict, message)
 
 
+LONG = 48 * 1024  # characters of random text per question: the stage's output needs several 5 MiB parts
+
+
+def long_questions(n: int) -> dict[int, str]:
+    rng = random.Random(7)  # the same questions in the faulted and the unfaulted run
+    return {i: f"question {i} " + "".join(rng.choices(string.ascii_letters, k=LONG)) for i in range(n)}
+
+
 def case_s3_killed_mid_multipart(work: Path) -> Case:
-    src = work / "shard.bin"
-    src.write_bytes(os.urandom(16 << 20))  # 4 parts of 5 MiB
-    want = Snapshot()
-    want.add("objects", "run/extract/shard-00000.safetensors", src.read_bytes())
+    """A generation stage writing to S3 (moto) whose output is uploaded in 5 MiB parts: the S3 server is
+    SIGKILLed once the first part is on its way. The stage fails naming the store; the server comes back
+    (moto keeps nothing: an empty bucket), the stage is re-run, and its output equals an unfaulted
+    run's."""
+    os.environ[KEY_ENV] = API_KEY
+    n = 160
+    edit = long_questions(n)
+    gen.write_source(work / "source.jsonl", n=n, edit=edit)
     port = free_port()
-    with moto(port) as (proc, cfg):
-        # Through a proxy holding each 64 KiB chunk 10 ms: the upload lasts seconds, so the kill lands
-        # inside it (unthrottled, it may end before its first progress report).
-        proxy = DelayProxy(port, 0.01)
-        store = open_store(cfg.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{proxy.port}"}))
-        killed: list[tuple[float, float]] = []
+    killed: list[float] = []
+    detect, message = None, "the stage did not fail"
+    with FaultServer(api_key=API_KEY) as server:
+        cfg, spec = gen.gen_setup(work, server.url)
+        cfg = cfg.model_copy(update={"work_dir": str(work / "gen-work")})
+        with moto(port) as (proc, live):
+            # Through a proxy holding each 64 KiB chunk 10 ms: a part lasts about a second, so the kill
+            # lands inside the upload.
+            proxy = DelayProxy(port, 0.01)
+            store = open_store(live.model_copy(update={"s3_endpoint_url": f"http://127.0.0.1:{proxy.port}"}))
 
-        def kill_once(fraction: float, message: str) -> None:
-            if 0.2 < fraction < 1.0 and not killed:
-                os.killpg(proc.pid, signal.SIGKILL)
-                killed.append((time.monotonic(), fraction))
+            def kill_at_first_part() -> None:
+                with contextlib.suppress(RuntimeError):
+                    wait_until(lambda: proxy.parts > 0, 600)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    killed.append(time.monotonic())
 
-        detect, message = None, "the upload did not fail"
-        try:
-            store.put_file("run/extract/shard-00000.safetensors", src, progress=kill_once)
-        except StoreError as exc:
-            detect, message = time.monotonic() - killed[0][0] if killed else None, first_line(exc)
-        proc.wait()
+            threading.Thread(target=kill_at_first_part, daemon=True).start()
+            try:
+                generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
+            except StoreError as exc:
+                detect, message = (time.monotonic() - killed[0] if killed else None), first_line(exc)
+            proc.wait()
+        parts = proxy.parts
+        with moto(port):  # the server back, empty; the stage re-run through the same proxy
+            final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
+            verdict = gen.judged(work, store, final, server.url, edit=edit, n=n)
         proxy.close()
-    at = f" at {killed[0][1]:.0%}" if killed else " (never: the upload ended before a progress report)"
-    with moto(port) as (_, cfg):  # the server back (moto keeps no state: an empty bucket again)
-        store = open_store(cfg)
-        info = store.put_file("run/extract/shard-00000.safetensors", src)
-        got = Snapshot()
-        for key in store.list("run"):
-            got.add("objects", key, store.get_bytes(key))
-    verdict = compare(want, got)
-    handled = detect is not None and src.exists() and info.sha256 == want.items["objects"][0][1]
+    message += f"; {parts} part upload(s) seen before the kill; the stage re-run on the restarted server"
     return Case.of(
-        bool(killed), f"S3 server SIGKILLed{at} of a multipart upload", detect, verdict, message, handled
+        bool(killed),
+        "S3 server SIGKILLed during a multipart upload",
+        detect,
+        verdict,
+        message,
+        detect is not None,
     )
 
 
@@ -384,42 +416,41 @@ def case_s3_killed_mid_multipart(work: Path) -> Case:
 
 
 def case_corrupt_shard(work: Path) -> Case:
-    """A flipped byte in a corpus shard (a LocalStore keeps its sha256 beside it): the reader must refuse
-    it, naming the shard; after the producing stage is re-run, the corpus reads as before."""
-    from aerie.corpus.reader import iter_corpus
-    from tests.extract_support import write_corpus
-
-    def rows_of(result: Any) -> Snapshot:
-        snap = Snapshot()
-        for row in iter_corpus(store, result, "train"):
-            snap.add("corpus rows", row.id, [list(row.input_ids), list(row.loss_mask)])
-        return snap
-
+    """A flipped byte in a stage's stored output (generation's conversations.parquet; a LocalStore keeps
+    its sha256 beside it): reading it must be refused, naming the object and what to delete; doing what
+    the message says (delete the stage's folder it names, re-run the stage), the output equals an
+    unfaulted run's."""
+    os.environ[KEY_ENV] = API_KEY
     store = LocalStore(work / "store")
-    rows = [
-        {"id": f"c{i}", "source": "t", "input_ids": list(range(i, i + 20)), "loss_mask": [0] * 10 + [1] * 10}
-        for i in range(30)
-    ]
-    result = write_corpus(store, "r", {"train": rows}, rows_per_shard=10)
-    baseline = rows_of(result)
-    shard = store.local_path(f"{result.prefix}/train-00001.parquet")
-    assert shard is not None
-    before = shard.read_bytes()
-    data = bytearray(before)
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
-    fired = hashlib.sha256(shard.read_bytes()).digest() != hashlib.sha256(before).digest()
-    began = time.monotonic()
-    detect, message = None, "the flipped byte was read without an error"
-    try:
-        list(iter_corpus(store, result, "train"))
-    except Exception as exc:
-        detect, message = time.monotonic() - began, f"{type(exc).__name__}: {first_line(exc)}"
-    result = write_corpus(store, "r", {"train": rows}, rows_per_shard=10)  # the stage re-run rewrites it
-    verdict = compare(baseline, rows_of(result))
-    return Case.of(
-        fired, "1 byte flipped in a stored shard", detect, verdict, message, "IntegrityError" in message
-    )
+    with FaultServer(api_key=API_KEY) as server:
+        cfg, spec = gen.gen_setup(work, server.url)
+        result = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
+        key = f"{result.prefix}/conversations.parquet"
+        shard = store.local_path(key)
+        assert shard is not None
+        before = shard.read_bytes()
+        data = bytearray(before)
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        fired = hashlib.sha256(shard.read_bytes()).digest() != hashlib.sha256(before).digest()
+        began = time.monotonic()
+        detect, message = None, "the flipped byte was read without an error"
+        try:
+            store.get_file(key, work / "read" / "conversations.parquet")
+        except Exception as exc:
+            detect, message = time.monotonic() - began, f"{type(exc).__name__}: {first_line(exc)}"
+        # What the message says to delete (the stage's folder), then the stage re-run.
+        named = re.search(r"corrupt: delete (\S+) ", message)
+        if named:
+            shutil.rmtree(named.group(1))
+        final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
+        try:
+            verdict = gen.judged(work, store, final, server.url)
+        except Exception as exc:  # the re-run left no readable output: everything it held is lost
+            verdict = compare(gen.unfaulted(work), Snapshot())
+            message += f"; after the re-run: {type(exc).__name__}: {first_line(exc)[:200]}"
+    told = "IntegrityError" in message and named is not None
+    return Case.of(fired, "1 byte flipped in a stored stage output", detect, verdict, message, told)
 
 
 # -- secrets ----------------------------------------------------------------------------------------------
@@ -473,8 +504,11 @@ class Pipeline:
     """`aerie run smollm2-local <tiny overrides> --no-prefect` in a child, with its state under `work`
     (its temporary files too: $TMPDIR is `work/tmp`, so what a killed stage leaves there is seen)."""
 
-    def __init__(self, work: Path, port: int, run: str = "faults") -> None:
+    def __init__(
+        self, work: Path, port: int, run: str = "faults", prefect: dict[str, str] | None = None
+    ) -> None:
         self.work, self.port, self.run = work, port, run
+        self.prefect = prefect  # the environment that points `aerie run` at a Prefect server, or None
         self.tmp = work / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.overrides = [
@@ -493,13 +527,29 @@ class Pipeline:
     def start(self) -> subprocess.Popen[str]:
         aerie = Path(sys.executable).parent / "aerie"
         return subprocess.Popen(
-            [str(aerie), "run", "smollm2-local", *self.overrides, "--no-prefect"],
+            [
+                str(aerie),
+                "run",
+                "smollm2-local",
+                *self.overrides,
+                *([] if self.prefect else ["--no-prefect"]),
+            ],
             cwd=self.work,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(self.tmp)},
+            env=self.env(),
         )
+
+    def env(self) -> dict[str, str]:
+        # Unbuffered: under Prefect the stages' progress is logged to a pipe, which Python otherwise
+        # flushes only every few KiB (the stage is then seen late, often after it finished).
+        env = {"PYTHONPATH": str(ROOT), "TMPDIR": str(self.tmp), "PYTHONUNBUFFERED": "1"}
+        return {**os.environ, **env, **(self.prefect or {})}
+
+    @property
+    def path(self) -> str:
+        return "prefect" if self.prefect else "no-prefect"
 
     def finish(self) -> tuple[int, str, str]:
         proc = self.start()
@@ -536,14 +586,59 @@ def drop_port(value: Any, port: int) -> None:
             drop_port(v, port)
 
 
-BASELINE: dict[str, Snapshot] = {}
+BASELINE: dict[str, Snapshot] = {}  # the unfaulted pipeline's state, by path (no-prefect, prefect)
+SCRATCH: list[Path] = []  # the matrix's scratch folder
+
+
+def prefect_env(work: Path) -> dict[str, str]:
+    """The environment pointing `aerie run` at the matrix's Prefect server (started on first use)."""
+    faults_prefect.SERVER.start(SCRATCH[0] / "prefect-server")
+    return faults_prefect.SERVER.env(work / "prefect-client")
+
+
+def baseline(path: str) -> Snapshot:
+    """The unfaulted pipeline's state on `path`, which every pipeline case on it must equal (run once,
+    before the first of them)."""
+    if path not in BASELINE:
+        work = SCRATCH[0] / f"baseline-{path}"
+        work.mkdir(parents=True, exist_ok=True)
+        pipe = Pipeline(work, free_port(), prefect=prefect_env(work) if path == "prefect" else None)
+        code, _, err = pipe.finish()
+        if code != 0:
+            raise SystemExit(f"the unfaulted pipeline run ({path}) failed:\n{err[-3000:]}")
+        BASELINE[path] = pipe.snapshot()
+    return BASELINE[path]
+
+
+def path_of(name: str) -> str:
+    return "prefect" if name.startswith("prefect_") else "no-prefect"
+
+
+def prefect_case(name: str) -> Callable[[Path], Case]:
+    def run(work: Path) -> Case:
+        pipe = Pipeline(work, free_port(), prefect=prefect_env(work))
+        return faults_prefect.CASES[name](pipe, baseline("prefect"))
+
+    return run
+
+
 BAR = {s: f"{s}:" for s in STAGES}
 # Seconds after a stage's first progress line before the signal: inside the stage, before its end, for
 # the stages that last long enough for a fixed wait. The short ones are signalled on a sign of their own
 # work instead (`TRIGGER`): a fixed wait outlasted the tiny generation and training once.
 KILL_AFTER_S = {"extract": 8.0, "evaluate": 1.0, "deploy": 9.0}
-# The first training step the stage reports (its progress line "step 1/6 loss ...").
-TRAIN_STEP = re.compile(r"train:[^\n]*step \d+/\d+ loss")
+# The first training step the stage reports (its progress line "step 1/6 loss ...", under Prefect logged
+# with the stage's title).
+TRAIN_STEP = re.compile(r"(train:|drafter training)[^\n]*step \d+/\d+ loss")
+# The stages' titles under Prefect (flows/*.py), which their logged progress lines begin with.
+PREFECT_TITLE = {
+    "generate-sharegpt": "generation",
+    "merge": "merging the corpus",
+    "extract": "hidden-state extraction",
+    "train": "drafter training",
+    "evaluate": "speculative decoding evaluation",
+    "deploy": "deployment benchmark",
+}
 
 
 def journaled(pipe: Pipeline) -> bool:
@@ -562,23 +657,28 @@ def stage_at_work(pipe: Pipeline, stage: str, stderr: Callable[[], str]) -> Call
     return lambda: sign() or pipe.completed(stage)
 
 
-def pipeline_case(work: Path, stage: str, sig: signal.Signals) -> Case:
-    pipe = Pipeline(work, free_port())
+def pipeline_case(work: Path, stage: str, sig: signal.Signals, prefect: bool = False) -> Case:
+    pipe = Pipeline(work, free_port(), prefect=prefect_env(work) if prefect else None)
     proc = pipe.start()
     seen = threading.Event()
     lines: list[str] = []
 
-    def watch() -> None:
-        assert proc.stderr is not None
+    # Under Prefect a part's progress line adds the part's name to the title ("generation, sharegpt: ").
+    marker = PREFECT_TITLE[stage] if prefect else BAR[stage]
+
+    def watch(stream: IO[str] | None) -> None:
+        # Both streams: under Prefect the stages' progress is logged (by Prefect's console handler).
+        assert stream is not None
         buf = ""
-        while chunk := proc.stderr.read(256):
+        while chunk := stream.read(256):
             buf += chunk
             lines.append(chunk)
-            if BAR[stage] in buf and not seen.is_set():
+            if marker in buf and not seen.is_set():
                 seen.set()
             buf = buf[-400:]
 
-    threading.Thread(target=watch, daemon=True).start()
+    for stream in (proc.stderr, proc.stdout):
+        threading.Thread(target=watch, args=(stream,), daemon=True).start()
     if not seen.wait(600):
         proc.kill()
         return no_output(False, f"{sig.name} during {stage}", None, f"the stage {stage} never started", False)
@@ -601,7 +701,7 @@ def pipeline_case(work: Path, stage: str, sig: signal.Signals) -> Case:
         (x for x in err2.replace("\r", "\n").splitlines() if x.startswith("aerie: error:")), ""
     )
     left = pipe.left_in_tmp()
-    verdict = compare(BASELINE["pipeline"], pipe.snapshot())
+    verdict = compare(baseline(pipe.path), pipe.snapshot())
     fired = not finished_before and code != 0
     what = "after the stage had finished" if finished_before else "mid-stage"
     message = f"{sig.name} {what}: exit {code} in {exited_s:.1f} s {error[:200]}; re-run exit {code2}"
@@ -663,7 +763,7 @@ def case_concurrent_pipelines(work: Path) -> Case:
     line = next(
         (x for x in err2.replace("\r", "\n").splitlines() if x.startswith("aerie: ")), "no error line"
     )
-    verdict = compare(BASELINE["pipeline"], first.snapshot())
+    verdict = compare(baseline("no-prefect"), first.snapshot())
     refused = p2.returncode != 0 and "another" in line
     message = f"second run: exit {p2.returncode} after {took2:.1f} s: {line[:300]}; first run: exit {code1}"
     handled = code1 == 0 and (refused or p2.returncode == 0)
@@ -678,6 +778,21 @@ def case_concurrent_pipelines(work: Path) -> Case:
 
 
 # -- the matrix --------------------------------------------------------------------------------------------
+
+
+# `aerie run` through Prefect signalled mid-stage: generation's datasets and extraction's slices run as
+# subflows there, the merge and training as the stages' own subflows.
+PREFECT_STAGE_FAULTS = [
+    ("generate-sharegpt", signal.SIGKILL),
+    ("merge", signal.SIGTERM),
+    ("extract", signal.SIGKILL),
+    ("extract", signal.SIGTERM),
+    ("train", signal.SIGKILL),
+]
+
+
+def signalled(stage: str, sig: signal.Signals, prefect: bool = False) -> Callable[[Path], Case]:
+    return lambda work: pipeline_case(work, stage, sig, prefect)
 
 
 def cases(skip_pipeline: bool, skip_sglang: bool) -> list[tuple[str, Callable[[Path], Case]]]:
@@ -697,10 +812,15 @@ def cases(skip_pipeline: bool, skip_sglang: bool) -> list[tuple[str, Callable[[P
         ("insecure_endpoint_url", gen.case_insecure_url),
         ("disk_full_journal", gen.case_disk_full_journal),
         ("two_runs_same_run", gen.case_two_runs_same_run),
+        ("lone_surrogate_in_source", gen.case_lone_surrogate),
+        ("endpoint_redirect_307", gen.case_redirect_307),
+        ("endpoint_html_200", gen.case_html_200),
         ("stale_server", case_stale_server),
         ("server_crash_while_loading", case_server_crash_while_loading),
         ("server_child_keeps_port", case_server_orphan_keeps_port),
         ("reference_server_killed_mid_extraction", lambda w: extraction_case(w, "reference")),
+        ("reference_server_oom_in_step", faults_servers.case_oom_in_step),
+        ("reference_server_unhealthy_restarted", faults_servers.case_unhealthy_restarted),
         ("s3_down", case_s3_down),
         ("s3_slow", case_s3_slow),
         ("s3_killed_mid_multipart", case_s3_killed_mid_multipart),
@@ -711,26 +831,41 @@ def cases(skip_pipeline: bool, skip_sglang: bool) -> list[tuple[str, Callable[[P
         for stage in STAGES:
             for sig in (signal.SIGKILL, signal.SIGTERM):
                 name = f"{'kill9' if sig == signal.SIGKILL else 'sigterm'}_during_{stage}"
-                out.append((name, lambda w, s=stage, g=sig: pipeline_case(w, s, g)))
+                out.append((name, signalled(stage, sig)))
         out.append(("two_pipelines_same_run", case_concurrent_pipelines))
+        for stage, sig in PREFECT_STAGE_FAULTS:
+            name = f"prefect_{'kill9' if sig == signal.SIGKILL else 'sigterm'}_during_{stage}"
+            out.append((name, signalled(stage, sig, prefect=True)))
+        out += [(name, prefect_case(name)) for name in faults_prefect.CASES]
     if not skip_sglang and (ROOT / ".venv-sglang" / "bin" / "python").exists():
         out.append(("sglang_killed_mid_extraction", lambda w: extraction_case(w, "sglang")))
     return out
 
 
-def unfaulted_pipeline(work: Path) -> None:
-    """The pipeline's run without a fault, which every pipeline case must equal (run once, before the
-    first of them)."""
-    pipe = Pipeline(work, free_port())
-    code, _, err = pipe.finish()
-    if code != 0:
-        raise SystemExit(f"the unfaulted pipeline run failed:\n{err[-3000:]}")
-    BASELINE["pipeline"] = pipe.snapshot()
+PIPELINE_CASES = ("kill9_during", "sigterm_during", "two_pipelines", "prefect_")
 
 
 def git_commit() -> str:
+    """The commit the matrix runs on, `+changes` where the code it runs (aerie, benchmarks, tests)
+    differs from it: a record then says it did not run that commit alone."""
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return done.stdout.strip()
+    dirty = subprocess.run(
+        [
+            "git",
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            "aerie",
+            "benchmarks",
+            "tests",
+            "flows",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    return done.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def main() -> None:
@@ -759,6 +894,7 @@ def main() -> None:
     for name, value in DUMMY_ENV.items():
         os.environ[name] = value
     scratch = Path(tempfile.mkdtemp(prefix="aerie-faults-"))
+    SCRATCH.append(scratch)
     os.environ["AWS_CONFIG_FILE"] = str(scratch / "no-aws-config")
     os.environ["AWS_SHARED_CREDENTIALS_FILE"] = str(scratch / "no-aws-credentials")
     selected = [
@@ -777,8 +913,8 @@ def main() -> None:
     for name, fn in selected:
         work = scratch / name
         work.mkdir()
-        if name.startswith(("kill9_during", "sigterm_during", "two_pipelines")) and not BASELINE:
-            unfaulted_pipeline(scratch / "baseline")
+        if name.startswith(PIPELINE_CASES):
+            baseline(path_of(name))  # run before the case: its time is not the case's
         began = time.monotonic()
         try:
             case = fn(work)
@@ -786,7 +922,7 @@ def main() -> None:
             case = no_output(False, "", None, f"the case itself failed: {type(exc).__name__}: {exc}", False)
             case.compared = "not reached"
             traceback.print_exc()
-        case.case = name
+        case.case, case.path = name, path_of(name)
         case.wall_s = round(time.monotonic() - began, 1)
         results.append({**asdict(case), "commit": commit})
         verdict = "survived" if case.survived else "FAILED"
@@ -814,6 +950,7 @@ def main() -> None:
     print(
         f"{sum(c['survived'] for c in results)} of {len(results)} survived in {time.monotonic() - started:.0f} s"
     )
+    faults_prefect.SERVER.close()
     shutil.rmtree(scratch, ignore_errors=True)
 
 

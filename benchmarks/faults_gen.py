@@ -27,7 +27,7 @@ from aerie.manifest import StageResult
 from aerie.store import ArtifactStore, LocalStore
 from benchmarks.fault_case import ROOT, Case, first_line, wait_until
 from tests.fault_check import Snapshot, Verdict, compare, generation_snapshot
-from tests.fault_server import IN_BAND_ERROR, OK, REASONING_ONLY, FaultServer, slow, status
+from tests.fault_server import IN_BAND_ERROR, OK, REASONING_ONLY, Fault, FaultServer, slow, status
 from tests.stage_work import dataset_dir
 
 API_KEY = "sk-aerie-fault-matrix-secret-0123456789"
@@ -93,10 +93,10 @@ def subs_for(work: Path, url: str, *more: tuple[str, str]) -> list[tuple[str, st
     return [*more, (url, "<endpoint>"), (str(work), "<work>")]
 
 
-def unfaulted(work: Path, edit: dict[int, str] | None = None) -> Snapshot:
+def unfaulted(work: Path, edit: dict[int, str] | None = None, n: int = N) -> Snapshot:
     """The same generation with no fault, in its own folder and server: what every case must equal."""
     home = work / "unfaulted"
-    write_source(home / "source.jsonl", edit=edit)
+    write_source(home / "source.jsonl", n=n, edit=edit)
     saved = os.environ.get(KEY_ENV)
     os.environ[KEY_ENV] = API_KEY
     try:
@@ -571,3 +571,83 @@ def case_insecure_url(work: Path) -> Case:
     return Case.of(
         sent > 0, "2 malformed URLs, 1 plain-http URL to a network host", detect, verdict, message, ok
     )
+
+
+# -- inputs and endpoints a new user meets ------------------------------------------------------------
+
+
+def case_lone_surrogate(work: Path) -> Case:
+    """A source line holding a lone surrogate escape (`"\\ud800"`, half an emoji, as scraped chat dumps
+    have): generation must go on, the half emoji replaced by U+FFFD and counted; the output equals an
+    unfaulted run's whose source held U+FFFD there in the first place."""
+    os.environ[KEY_ENV] = API_KEY
+    source = write_source(work / "source.jsonl", edit={5: "question 5 \ud800 half an emoji"})
+    held = "\\ud800" in source.read_text()  # the JSON escape itself, as the scraped line has it
+    store = LocalStore(work / "store")
+    detect, message, got, repaired = None, "", Snapshot(), 0
+    with FaultServer(api_key=API_KEY) as server:
+        cfg, spec = gen_setup(work, server.url)
+        began = time.monotonic()
+        try:
+            final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=server.url)
+            got = output_snapshot(work, store, final, server.url)
+            loader = got.manifests["generate"].get("loader", {})
+            repaired = int(loader.get("repaired", {}).pop("lone_surrogate_replaced", 0))
+            message = f"absorbed: {repaired} conversation repaired (U+FFFD), the run finished"
+        except Exception as exc:  # what a user saw: the product's own error or a traceback's last line
+            detect, message = time.monotonic() - began, f"{type(exc).__name__}: {first_line(exc)}"
+        asked = sum(1 for s in server.seen if "\ufffd" in s.prompt)
+    verdict = compare(unfaulted(work, edit={5: "question 5 \ufffd half an emoji"}), got)
+    message += f"; {asked} request(s) carried U+FFFD"
+    return Case.of(
+        held, 'a lone surrogate ("\\ud800") in one source line', detect, verdict, message, repaired == 1
+    )
+
+
+def case_redirect_307(work: Path) -> Case:
+    """An endpoint answering 307 (moved elsewhere): not followed (the key would travel to another host),
+    refused at once as a redirect naming where it points, not blamed on the model; fixed, the re-run
+    equals an unfaulted run."""
+    moved = Fault(status=307, location="https://elsewhere.example/v1/chat/completions", raw_body=b"")
+
+    def plan(s: FaultServer) -> None:
+        s.default = moved
+        s.get_fault = moved
+
+    def fix(s: FaultServer) -> None:
+        s.default, s.get_fault = OK, None
+
+    case = fault_then_rerun(
+        work, plan, lambda s: (served(s, with_code(307)), "HTTP 307 served"), expect_error=True, fix=fix
+    )
+    named = "redirect" in case.message.lower() and "elsewhere.example" in case.message
+    case.handled = case.handled and named and case.detect_s is not None and case.detect_s < 15
+    case.survived = case.fired and case.handled and case.survived
+    return case
+
+
+HTML_PAGE = b"<!DOCTYPE html><html><head><title>Sign in</title></head><body>Please log in</body></html>"
+
+
+def case_html_200(work: Path) -> Case:
+    """An endpoint whose answers are 200 with an HTML login page (its model list passes): stopped at once, naming the content type and
+    the body's start (no 40-50 s of retries); fixed, the re-run equals an unfaulted run."""
+    page = Fault(content_type="text/html; charset=utf-8", raw_body=HTML_PAGE)
+
+    def plan(s: FaultServer) -> None:
+        s.default = page  # the check before generation (a GET) passes: the answers are the pages
+
+    def fix(s: FaultServer) -> None:
+        s.default = OK
+
+    case = fault_then_rerun(
+        work,
+        plan,
+        lambda s: (served(s, lambda f: f == page), "HTML pages served with HTTP 200"),
+        expect_error=True,
+        fix=fix,
+    )
+    named = "text/html" in case.message and "Sign in" in case.message
+    case.handled = case.handled and named and case.detect_s is not None and case.detect_s < 15
+    case.survived = case.fired and case.handled and case.survived
+    return case

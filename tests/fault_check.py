@@ -37,6 +37,8 @@ VOLATILE = re.compile(
     r"(_s|_ms|_unix|seconds|per_s|per_second|_share|share|tok_s(_c\d+)?)$"
     r"|^(created_unix|plan|phases|throughput|commit_path|speedup|promoted|promotion|reason|elapsed_s)$"
     r"|latency|ttft|itl_|estimate"
+    # A served speed's repetitions and their spread (the deployment benchmark's steady-state levels).
+    r"|per_s_runs$|^spread$"
     # The free space of the disks the run checked before it began.
     r"|^preflight$"
     # The sha256 of an upstream manifest, which holds that stage's times.

@@ -60,11 +60,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 @contextlib.contextmanager
 def prefect_server(
-    home: Path, *, ui: bool = False, timeout_s: float = 180
+    home: Path, *, ui: bool = False, timeout_s: float = 180, port: int | None = None
 ) -> Iterator[tuple[str, dict[str, str]]]:
-    """`prefect server start` on a free port of 127.0.0.1 with its state in `home`; yields (base URL,
-    the environment it runs with) once /api/health answers, and stops it on the way out."""
-    port = free_port()
+    """`prefect server start` on `port` (else a free one) of 127.0.0.1 with its state in `home`; yields
+    (base URL, the environment it runs with) once /api/health answers, and stops it on the way out."""
+    port = port or free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     argv = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]

@@ -16,7 +16,7 @@ import pytest
 from aerie.generate.output import write_conversations
 from aerie.store import LocalStore
 from tests.extract_support import write_corpus
-from tests.fault_check import Snapshot, add_manifest, compare, generation_snapshot, run_snapshot
+from tests.fault_check import Snapshot, add_manifest, compare, generation_snapshot, normalize, run_snapshot
 
 
 def record(i: int, answer: str | None = None) -> dict:
@@ -170,3 +170,18 @@ def test_a_canarys_measured_error_compares_against_its_tolerance_not_for_equalit
     assert any("blocks[1].rel_err" in line and "over rtol" in line for line in verdict.differences), verdict
     verdict = compare(want, extract_snapshot({**extract_manifest(1.5e-7, 2.0e-7), "figures": {"samples": 7}}))
     assert any("figures.samples: 8 -> 7" in line for line in verdict.differences), verdict.differences
+
+
+def test_a_served_speeds_repetitions_and_spread_are_times_but_its_tokens_are_compared() -> None:
+    """The deployment benchmark's rows keep each repetition's speed and their spread (how fast the
+    machine ran, as a time is); the tokens each level produced are what it made."""
+
+    def served(speeds: list[float], tokens: int) -> Snapshot:
+        row = {"server": "baseline", "concurrency": 1, "output_tokens": tokens}
+        row |= {"tokens_per_s_runs": speeds, "spread": max(speeds) - min(speeds)}
+        snap = Snapshot()
+        snap.add("serving rows", "baseline/c1", normalize(row))
+        return snap
+
+    assert compare(served([7.4, 7.1], 8), served([4.99, 3.2], 8)).equal
+    assert not compare(served([7.4, 7.1], 8), served([7.4, 7.1], 7)).equal

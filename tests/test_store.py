@@ -287,6 +287,24 @@ def test_corrupted_object_is_detected(store: ArtifactStore, big_file: Path, tmp_
         store.open("run/manifest.json")
 
 
+def test_a_corrupt_local_object_names_the_stage_folder_to_delete(tmp_path: Path) -> None:
+    """Deleting the object alone would leave its stage's manifest (the re-run would take the stage as
+    done and the object would stay missing): the message names the stage's folder instead."""
+    store = LocalStore(tmp_path / "store")
+    store.put_bytes("run/stage/key/part/rows.bin", b"rows " * 100)
+    store.put_bytes("run/stage/key/manifest.json", b"{}")
+    path = store.local_path("run/stage/key/part/rows.bin")
+    assert path is not None
+    path.write_bytes(b"rowz " + path.read_bytes()[5:])
+    folder = tmp_path / "store" / "run" / "stage" / "key"
+    with pytest.raises(IntegrityError, match=f"delete {folder} \\(the stage that wrote it\\) and re-run"):
+        store.get_bytes("run/stage/key/part/rows.bin")
+    store.put_bytes("loose.bin", b"x")
+    (tmp_path / "store" / "loose.bin").write_bytes(b"y")
+    with pytest.raises(IntegrityError, match="delete it and re-run the stage that wrote it"):
+        store.get_bytes("loose.bin")
+
+
 def test_adopt_file_takes_the_file_over(store: ArtifactStore, big_file: Path, tmp_path: Path) -> None:
     src = tmp_path / "closed" / "shard-00000.safetensors"
     src.parent.mkdir()
