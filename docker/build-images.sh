@@ -123,7 +123,7 @@ sglang_digest() {
     cat "$repo/docker/sglang-cpu.Dockerfile" "$SGLANG_LOCK" "$repo/envs/sglang/VERSION" "$repo/.dockerignore"
     echo "$TORCH_SPEC"
     docker image inspect "$BASE" --format '{{.Id}}'
-    tracked tests/sglang_cpu_shims aerie/__init__.py aerie/errors.py aerie/sglang_plugin
+    tracked tests/sglang_cpu_shims aerie/__init__.py aerie/errors.py aerie/version.py aerie/sglang_plugin
   } | sha
 }
 

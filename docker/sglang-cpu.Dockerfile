@@ -27,7 +27,7 @@ RUN python3 -m venv /opt/venv \
 COPY tests/sglang_cpu_shims /opt/sglang-cpu-shims
 
 # plugin layer: begin
-COPY aerie/__init__.py aerie/errors.py /opt/aerie/aerie/
+COPY aerie/__init__.py aerie/errors.py aerie/version.py /opt/aerie/aerie/
 COPY aerie/sglang_plugin/ /opt/aerie/aerie/sglang_plugin/
 # plugin layer: end
 ENV PYTHONPATH=/opt/aerie:/opt/sglang-cpu-shims

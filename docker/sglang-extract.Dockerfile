@@ -13,7 +13,7 @@ FROM lmsysorg/sglang:v0.5.23
 # itself (torch and safetensors come with the image); nothing else of aerie (Prefect, polars...). The CPU
 # recipe (docker/sglang-cpu.Dockerfile) has the same lines, and tests/test_images.py checks they agree.
 # plugin layer: begin
-COPY aerie/__init__.py aerie/errors.py /opt/aerie/aerie/
+COPY aerie/__init__.py aerie/errors.py aerie/version.py /opt/aerie/aerie/
 COPY aerie/sglang_plugin/ /opt/aerie/aerie/sglang_plugin/
 # plugin layer: end
 ENV PYTHONPATH=/opt/aerie \

@@ -129,7 +129,9 @@ def test_sglang_accepts_every_command_aerie_builds(checked) -> None:
         f"{n}: {e}\n  {' '.join(sglang_argv(specs[n]))}" for n, e in refused.items()
     )
     resolved = sorted(name for name in specs if results[name]["resolved"])
-    assert resolved == [f"{CPU_PRESET} {r}" for r in ("baseline", "extract", "generate", "speculative")]
+    assert resolved == [
+        f"{CPU_PRESET} {r}" for r in ("baseline", "extract", "generate", "ngram", "speculative")
+    ]
 
 
 def test_no_command_uses_a_flag_sglang_retires(checked) -> None:

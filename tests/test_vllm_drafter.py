@@ -83,7 +83,11 @@ def trained_drafter(root: Path) -> tuple[TargetInfo, Path, list[list[int]]]:
         draft_vocab_size=128, ttt_length=3, epochs=6, lr=5e-3, batch_tokens=96, max_length=96,
         eval_every=4, checkpoint_every=4, log_every=1, device="cpu", warmup_ratio=0.05,
     )  # fmt: skip
-    result = run_train(cfg, store=up.store, run_name="t", target=target, shards=up.shards, corpus=up.corpus)
+    # its own run name: the train stage's test trains this same config and corpus, in another worker, into
+    # the work folder of its run and key
+    result = run_train(
+        cfg, store=up.store, run_name="vllm", target=target, shards=up.shards, corpus=up.corpus
+    )
     prompts = [s.input_ids[:8].tolist() for s in held] + [s.input_ids[:12].tolist() for s in train[:2]]
     return target, Path(up.store.root) / result.prefix / "drafter", prompts
 

@@ -112,6 +112,10 @@ def test_promotion_copies_the_vllm_folder_as_a_folder(drafter, tmp_path) -> None
     for path in drafter.rglob("*"):
         if path.is_file():
             store.put_file(f"run/train/k/drafter/{path.relative_to(drafter).as_posix()}", path)
+    # The train stage's manifest, which the promoted copy's card is written from.
+    store.put_bytes(
+        "run/train/k/manifest.json", json.dumps({"stage": "train", "target": {"name": "t"}}).encode()
+    )
     train = StageResult(
         stage="train", key="k", prefix="run/train/k", manifest_uri="", manifest_sha256="0" * 64,
         cache_hit=False, seconds=0.0,

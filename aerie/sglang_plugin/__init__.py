@@ -9,5 +9,5 @@
     compat.py   the SGLang versions this was written against, and the check
 
 Only the standard library, torch and safetensors are imported here (all in the SGLang image), plus
-`aerie.errors`; the image copies just `aerie/__init__.py`, `aerie/errors.py` and this package.
+`aerie.errors`; the image copies just `aerie/__init__.py`, `aerie/errors.py`, `aerie/version.py` and this package.
 """
