@@ -306,14 +306,24 @@ def measured_steps(levels: dict[str, Any]) -> list[int]:
     return sorted({int(k) for lvl in levels.values() for k in lvl["round_ms"]})
 
 
+def _bracket(x: float, xs: list[float]) -> tuple[int, float] | None:
+    """The point right of x and x's place between it and the one before, in log x; None at or past an
+    end (or with one point), where the end value holds."""
+    if len(xs) == 1 or x <= xs[0] or x >= xs[-1]:
+        return None
+    i = bisect.bisect_right(xs, x)
+    return i, (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+
+
+def _end(x: float, xs: list[float], ys: list[float]) -> float:
+    return ys[0] if len(xs) == 1 or x <= xs[0] else ys[-1]
+
+
 def _log_interp(x: float, xs: list[float], ys: list[float]) -> float:
     """Linear in log x between the two points around x (x inside [xs[0], xs[-1]])."""
-    if len(xs) == 1 or x <= xs[0]:
-        return ys[0]
-    if x >= xs[-1]:
-        return ys[-1]
-    i = bisect.bisect_right(xs, x)
-    t = (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+    if (at := _bracket(x, xs)) is None:
+        return _end(x, xs, ys)
+    i, t = at
     return ys[i - 1] + t * (ys[i] - ys[i - 1])
 
 
@@ -330,12 +340,9 @@ def _at_level(fits: list[LevelFit], c: int, k: int) -> tuple[float, float, float
 
 def _geo(x: float, xs: list[float], ys: list[float]) -> float:
     """Piecewise linear in (log x, log y) through the points; the end values outside them."""
-    if len(xs) == 1 or x <= xs[0]:
-        return ys[0]
-    if x >= xs[-1]:
-        return ys[-1]
-    i = bisect.bisect_right(xs, x)
-    t = (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+    if (at := _bracket(x, xs)) is None:
+        return _end(x, xs, ys)
+    i, t = at
     if min(ys[i - 1], ys[i]) <= 0:  # a spread of zero (one run a cell): linear, not geometric
         return ys[i - 1] + t * (ys[i] - ys[i - 1])
     return math.exp(math.log(ys[i - 1]) + t * (math.log(ys[i]) - math.log(ys[i - 1])))
