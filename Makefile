@@ -88,7 +88,7 @@ typecheck: setup
 # one process): most tests wait on servers and subprocesses, so two cores keep three workers busy.
 PYTEST_WORKERS ?= 3
 pytest: setup images $(if $(filter 0,$(SGLANG_TESTS)),,setup-sglang) $(if $(filter 0,$(VLLM_TESTS)),,setup-vllm)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -rs --durations=20 $(PYTEST_ARGS)
 
 # The type check runs beside the suite (one core for a minute, while the suite's workers mostly wait);
 # either failing fails the command.

@@ -4,6 +4,7 @@ SmolLM2-135M on CPU) answers `/v1/chat/completions`, and the regenerated turns l
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,3 +88,84 @@ def test_the_launched_generation_server_gets_the_endpoints_launch_args(smollm2) 
         apply_overrides(
             smollm2_local(), ["generate.endpoint.base_url=http://x/v1", "generate.endpoint.launch_args=[-x]"]
         )
+
+
+def _faulty_launch(smollm2: Any, tmp_path: Path, restarts: int) -> Any:
+    """smollm2-local whose generation server fails every step after its warm-up (it reports itself
+    unhealthy after 3 and the watch ends it), in its first launch only (AERIE_REFSERVER_FAULTS_ONCE)."""
+    from aerie.config import apply_overrides
+    from aerie.engine.server.faults import FAULTS_ENV, ONCE_ENV
+    from aerie.presets import smollm2_local
+    from tests.conftest import free_port
+
+    cfg = apply_overrides(
+        smollm2_local(),
+        [
+            f"server.port={free_port()}",
+            "server.poll_interval_s=0.2",
+            "generate.endpoint.launch_args=[--unhealthy-after,3]",
+            "generate.endpoint.concurrency=2",
+            "generate.endpoint.api_key_env=AERIE_TEST_NO_KEY",
+            f"generate.max_server_restarts={restarts}",
+        ],
+    )
+    env = {FAULTS_ENV: "step=9:*", ONCE_ENV: str(tmp_path / "faulted-once")}
+    return cfg.model_copy(update={"server": cfg.server.model_copy(update={"env": env})})
+
+
+def _conversations(n: int) -> list[Conversation]:
+    return [
+        Conversation(
+            id=f"u{i}",
+            source="ref",
+            messages=(Message(role="user", content=f"Name a colour, number {i}."),),
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.slow
+def test_a_generation_server_that_turns_unhealthy_is_relaunched_and_generation_completes(
+    smollm2: Any, tmp_path: Path
+) -> None:
+    """The launched server's steps fail until it declares itself unhealthy; its watch ends it; the
+    requests failing on it wait for one relaunch on the same port and every conversation is generated,
+    none lost, none counted as a failure."""
+    from aerie.generate.stage import generation_endpoint
+
+    cfg = _faulty_launch(smollm2, tmp_path, restarts=2)
+    spec = DatasetSpec(
+        name="ref", source=SourceSpec(kind="jsonl", path="unused"), sampling=SamplingParams(max_tokens=8)
+    )
+    gen = cfg.generate.model_copy(update={"datasets": [spec]})
+    store = LocalStore(tmp_path / "store")
+    with generation_endpoint(cfg, smollm2) as url:
+        sd = StageDir(store, "r", stage_name(spec), key_of(gen, spec))
+        result = generate_dataset(_conversations(6), gen, spec, stage_dir=sd, base_url=url)
+    assert (tmp_path / "faulted-once").exists()  # the first launch did inject the faults
+    manifest = sd.manifest()
+    assert manifest is not None
+    assert manifest["endpoint"]["server_restarts"] == 1
+    assert manifest["counts"]["failed"] == 0
+    frame = read_conversations(store.local_path(f"{result.prefix}/conversations.parquet"))
+    assert sorted(frame["id"].to_list()) == [f"u{i}" for i in range(6)]
+
+
+@pytest.mark.slow
+def test_a_generation_server_that_dies_past_its_restarts_stops_the_dataset_naming_the_setting(
+    smollm2: Any, tmp_path: Path
+) -> None:
+    from aerie.errors import EndpointError
+    from aerie.generate.stage import generation_endpoint
+
+    cfg = _faulty_launch(smollm2, tmp_path, restarts=0)
+    spec = DatasetSpec(
+        name="ref", source=SourceSpec(kind="jsonl", path="unused"), sampling=SamplingParams(max_tokens=8)
+    )
+    gen = cfg.generate.model_copy(update={"datasets": [spec]})
+    store = LocalStore(tmp_path / "store")
+    with generation_endpoint(cfg, smollm2) as url:
+        sd = StageDir(store, "r", stage_name(spec), key_of(gen, spec))
+        with pytest.raises(EndpointError, match=r"max_server_restarts=0 is used up.*\n.*unhealthy"):
+            generate_dataset(_conversations(4), gen, spec, stage_dir=sd, base_url=url)
+    assert sd.manifest() is None  # not finished: a re-run resumes from the journal

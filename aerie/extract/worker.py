@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aerie.errors import ExtractionError, ServerCrashedError, ServerError
+from aerie.errors import ExtractionError
 from aerie.extract.client import ExtractionClient, ServerUnavailable, make_batches
 from aerie.extract.commit import ShardCommitter
 from aerie.extract.config import ExtractConfig
@@ -30,6 +30,7 @@ from aerie.extract.phases import PhaseTotals, RequestTiming
 from aerie.extract.resume import ClosedShard, ProgressFile
 from aerie.extract.uploads import Uploader
 from aerie.serving import ModelServer
+from aerie.serving.restarts import ServerSlot
 from aerie.shards.format import HiddenSample, ShardInfo
 from aerie.shards.writer import ShardWriter
 
@@ -123,8 +124,14 @@ class SliceWorker:
         self.stop_event = stop
         self.quantize_device = quantize_device
         self.result = SliceResult(slice=k)
-        self._server: ModelServer | None = None
-        self._attempt = 0
+        self._at = ("", 0)  # where the slice is, for the message once restarts are used up
+        self.slot = ServerSlot(
+            lambda attempt: start_server(k, attempt),
+            name=f"slice {k}",
+            max_restarts=cfg.max_restarts,
+            exhausted=self._exhausted,
+            say=lambda message: log.warning("%s, at %s row %d", message, *self._at),
+        )
 
     # -- per split --------------------------------------------------------------------------------
 
@@ -133,9 +140,7 @@ class SliceWorker:
             for split in self.cfg.splits:
                 self._run_split(split)
         finally:
-            if self._server is not None:
-                self._server.stop()
-                self._server = None
+            self.slot.stop()
         return self.result
 
     def _run_split(self, split: str) -> None:
@@ -190,13 +195,8 @@ class SliceWorker:
         while committer.next_row < hi:
             if self.stop_event.is_set():
                 raise ExtractionError(f"slice {self.k}: stopped because another slice failed")
-            try:
-                server = self._ensure_server()
-            except ServerCrashedError as exc:
-                if not exc.after_ready:
-                    raise
-                self._count_failure(str(exc), exc, split, committer.next_row)  # died during its canary
-                continue
+            self._at = (split, committer.next_row)
+            server, generation = self.slot.get()
             began = time.monotonic()
             uploads_before = self._uploads_now()
             try:
@@ -206,7 +206,10 @@ class SliceWorker:
                     self.result.pump_seconds += time.monotonic() - began
                     self._uploads_since(uploads_before)
             except ServerUnavailable as exc:
-                self._on_server_failure(server, exc, split, committer.next_row)
+                self._at = (split, committer.next_row)
+                self.slot.failed(generation, exc)
+            finally:
+                self.result.restarts, self.result.errors = self.slot.restarts, self.slot.errors
 
     def _uploads_now(self) -> tuple[dict[str, float], dict[str, int]]:
         return self.uploader.busy(), self.uploader.counts()
@@ -230,39 +233,11 @@ class SliceWorker:
 
     # -- server life --------------------------------------------------------------------------------
 
-    def _ensure_server(self) -> ModelServer:
-        if self._server is None:
-            attempt, self._attempt = self._attempt, self._attempt + 1  # a failed start used its number too
-            self._server = self.start_server(self.k, attempt)
-        return self._server
-
-    def _on_server_failure(self, server: ModelServer, exc: ServerUnavailable, split: str, row: int) -> None:
-        try:
-            server.check_alive()
-            why = f"server s{self.k} is alive but failed: {exc}"
-        except ServerError as dead:
-            why = str(dead)
-        server.stop()
-        self._server = None
-        self._count_failure(why, exc, split, row)
-
-    def _count_failure(self, why: str, exc: Exception, split: str, row: int) -> None:
-        """One more server failure of this slice: a restart if max_restarts allows, else the end."""
-        self.result.errors.append(why.splitlines()[0])
-        if self.result.restarts >= self.cfg.max_restarts:
-            raise ExtractionError(
-                f"slice {self.k} ({split} row {row}): the server failed and max_restarts="
-                f"{self.cfg.max_restarts} is used up; committed shards are kept and a re-run resumes.\n{why}"
-            ) from exc
-        self.result.restarts += 1
-        log.warning(
-            "slice %d: restarting the server (%d/%d) at %s row %d: %s",
-            self.k,
-            self.result.restarts,
-            self.cfg.max_restarts,
-            split,
-            row,
-            why.splitlines()[0],
+    def _exhausted(self, why: str) -> ExtractionError:
+        split, row = self._at
+        return ExtractionError(
+            f"slice {self.k} ({split} row {row}): the server failed and max_restarts="
+            f"{self.cfg.max_restarts} is used up; committed shards are kept and a re-run resumes.\n{why}"
         )
 
     # -- the pump -----------------------------------------------------------------------------------

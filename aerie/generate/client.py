@@ -163,6 +163,9 @@ class ChatClient:
         self._slots = asyncio.Semaphore(endpoint.concurrency)
         self._pause_until = 0.0
         self.stats = ClientStats()
+        from aerie.generate.relaunch import slot_for
+
+        self.server_slot = slot_for(base_url)
         self._http = httpx.AsyncClient(
             headers=self._headers(),
             timeout=httpx.Timeout(
@@ -231,18 +234,23 @@ class ChatClient:
         estimate = self._estimate_tokens(messages, sampling) if self._limiter.tokens else 0
         attempts_allowed = self.endpoint.max_retries + 1
         last: _Transient | None = None
-        for attempt in range(attempts_allowed):
+        attempt = 0
+        while attempt < attempts_allowed:
             await self._wait_for_pause()
             await self._limiter.acquire(estimate)
+            served_by = self.server_slot.generation if self.server_slot is not None else 0
             try:
                 async with self._slots:
                     completion = await self._attempt(payload, attempt + 1)
             except _Transient as exc:
                 last = exc
                 self._limiter.settle(estimate, 0)  # nothing was generated: give the tokens back
-                if attempt + 1 < attempts_allowed:
+                if await self._relaunched(exc, served_by):
+                    continue  # its server died and serves again: the attempt does not count
+                attempt += 1
+                if attempt < attempts_allowed:
                     self.stats.retries[exc.kind] += 1
-                    await asyncio.sleep(self._retry_delay(exc, attempt))
+                    await asyncio.sleep(self._retry_delay(exc, attempt - 1))
                 continue
             used = completion.prompt_tokens + completion.completion_tokens
             self._limiter.settle(estimate, used or None)  # no usage reported: keep the estimate
@@ -251,6 +259,14 @@ class ChatClient:
         raise RequestFailedError(
             last.kind, self._scrub(f"{last} (gave up after {attempts_allowed} attempts)"), attempts_allowed
         )
+
+    async def _relaunched(self, exc: _Transient, served_by: int) -> bool:
+        """A connection to a server generation launched failed: if that server is dead, relaunch it
+        (or wait for the relaunch another request started) and say so. Raises `EndpointError` once
+        its relaunches are used up."""
+        if self.server_slot is None or exc.kind != "connection":
+            return False
+        return await asyncio.to_thread(self.server_slot.revive, served_by, exc)
 
     @staticmethod
     def _estimate_tokens(messages: list[dict[str, str]], sampling: SamplingParams) -> int:

@@ -203,6 +203,12 @@ class GenerateConfig(StrictModel):
     endpoint: EndpointConfig = Field(default_factory=EndpointConfig)
     datasets: list[DatasetSpec] = Field(default_factory=list, description="Source datasets B1..Bn.")
     max_parallel_datasets: int = Field(2, ge=1, description="Datasets generated at the same time.")
+    max_server_restarts: int = Field(
+        2,
+        ge=0,
+        description="Relaunches of the server generation launches (no endpoint.base_url) when it dies "
+        "mid-generation (a crash, or a device that fails every step); a remote endpoint is never restarted.",
+    )
     max_failure_fraction: float = Field(
         0.01,
         ge=0.0,

@@ -92,14 +92,33 @@ def reasoning_args(cfg: PipelineConfig, target: TargetInfo) -> list[str]:
 @contextlib.contextmanager
 def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str]:
     """The endpoint generation talks to: the configured one, or the configured server serving the
-    target itself for the duration of generation (the embedded default)."""
+    target itself for the duration of generation (the embedded default), relaunched on its port when
+    it dies (`aerie.generate.relaunch`)."""
     if cfg.generate.endpoint.base_url:
         yield cfg.generate.endpoint.base_url
         return
+    from aerie.generate.relaunch import registered
     from aerie.serving import ModelServer
+    from aerie.serving.restarts import ServerSlot
 
-    with ModelServer(generation_spec(cfg, target)) as server:
-        yield f"{server.url}/v1"
+    spec = generation_spec(cfg, target)
+    limit = cfg.generate.max_server_restarts
+
+    def exhausted(why: str) -> EndpointError:
+        return EndpointError(
+            f"the generation server {spec.name} died and generate.max_server_restarts={limit} is used up; "
+            f"the conversations finished are kept and a re-run resumes.\n{why}"
+        )
+
+    slot = ServerSlot(
+        lambda attempt: ModelServer(spec).start(), name=spec.name, max_restarts=limit, exhausted=exhausted
+    )
+    try:
+        server, _ = slot.get()
+        with registered(f"{server.url}/v1", slot):
+            yield f"{server.url}/v1"
+    finally:
+        slot.stop()
 
 
 def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:

@@ -285,6 +285,8 @@ async def _generate(
             "retries_by_kind": dict(client.stats.retries),
             "models_served": dict(client.stats.models),
         }
+        if client.server_slot is not None:  # the server generation launched: its relaunches so far
+            stats["server_restarts"] = client.server_slot.restarts
     return stats
 
 
@@ -466,6 +468,8 @@ def _finish(
             "model": cfg.endpoint.model,
             "provider": cfg.endpoint.provider,
             "models_served": client_stats.get("models_served", {}),
+            # Relaunches of the server generation launched, when it died (None: a remote endpoint).
+            "server_restarts": client_stats.get("server_restarts"),
         },
         "generation": {"params": generation_params(cfg, spec), "params_hash": journal.params_hash},
         "counts": counts,

@@ -53,13 +53,14 @@ import torch
 from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
 
-from aerie.errors import ExtractionError, ServerCrashedError, ServerError, TrainingError
+from aerie.errors import ExtractionError, ServerError, TrainingError
 from aerie.extract.client import Batch as Request
 from aerie.extract.client import ExtractionClient, ServerUnavailable
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import Row, SplitFiles
 from aerie.extract.fleet import make_canary, server_spec
 from aerie.serving import ModelServer, ServerConfig
+from aerie.serving.restarts import ServerSlot
 from aerie.shards.format import HiddenSample
 from aerie.shards.writer import ShardWriter
 from aerie.targets import TargetInfo
@@ -162,19 +163,14 @@ class _Job:
 
 @dataclass
 class ServerStats:
-    """One server's life, for the manifest and the progress: starts, restarts, what it extracted.
-    `requests` and `tokens` are counted by the server's `requests_in_flight` threads at once, hence the
-    lock; starts and restarts change under the slot's own lock."""
+    """What one server extracted, for the manifest and the progress (its starts and restarts are its
+    slot's). `requests_in_flight` threads count at once, hence the lock."""
 
     index: int
     backend: str = ""
     address: str = ""  # the server's URL, known once launched
-    starts: int = 0
-    restarts: int = 0
     requests: int = 0
     tokens: int = 0
-    errors: list[str] = field(default_factory=list)
-    state: str = "not started"  # not started, starting, up, restarting, failed, stopped
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def served(self, tokens: int) -> None:
@@ -182,75 +178,16 @@ class ServerStats:
             self.requests += 1
             self.tokens += tokens
 
-    def record(self) -> dict[str, Any]:
+    def record(self, slot: ServerSlot) -> dict[str, Any]:
         with self.lock:
             return {
                 "server": f"s{self.index}",
                 "backend": self.backend,
                 "address": self.address,
-                "state": self.state,
-                "starts": self.starts,
-                "restarts": self.restarts,
+                **slot.record(),
                 "requests": self.requests,
                 "tokens": self.tokens,
-                "errors": self.errors[-3:],
             }
-
-
-class _Server:
-    """One extraction server slot: started on first use, restarted after a failure (under its lock)."""
-
-    def __init__(self, index: int, pool: ServerPool) -> None:
-        self.index, self.pool = index, pool
-        self.stats = ServerStats(index, backend=pool.spec.server.backend)
-        self.lock = threading.Lock()
-        self.server: ModelServer | None = None
-        self.generation = 0  # bumped at every start: a failure seen on an older one is already handled
-
-    def get(self) -> tuple[ModelServer, int]:
-        with self.lock:
-            if self.server is None:
-                self.stats.state = "starting"
-                self.server = self.pool.start(self.index, self.stats)
-                self.stats.state = "up"
-                self.generation += 1
-            return self.server, self.generation
-
-    def failed(self, generation: int, exc: Exception) -> None:
-        """A request on `generation` failed: stop that server (once) and count a restart, or give up."""
-        with self.lock:
-            if generation != self.generation or self.server is None:
-                return  # another thread of this server saw it first and restarted it
-            server, self.server = self.server, None
-            try:
-                server.check_alive()
-                why = f"server s{self.index} is alive but failed: {exc}"
-            except ServerError as dead:
-                why = str(dead)
-            server.stop()
-            self.count_failure(why, exc)
-
-    def count_failure(self, why: str, exc: Exception) -> None:
-        self.stats.errors.append(why.splitlines()[0])
-        limit = self.pool.cfg.max_restarts
-        if self.stats.restarts >= limit:
-            self.stats.state = "failed"
-            raise ExtractionError(
-                f"online training: server s{self.index} failed and extract.max_restarts={limit} is used up; "
-                f"checkpoints so far are in the store and a re-run resumes.\n{why}"
-            ) from exc
-        self.stats.restarts += 1
-        self.stats.state = "restarting"
-        self.pool.say(
-            f"server s{self.index}: restarting ({self.stats.restarts}/{limit}): {why.splitlines()[0]}"
-        )
-
-    def stop(self) -> None:
-        with self.lock:
-            if self.server is not None:
-                self.server.stop()
-                self.server = None
-                self.stats.state = "stopped"
 
 
 class ServerPool:
@@ -262,14 +199,13 @@ class ServerPool:
         self.spec, self.cfg, self.target = spec, spec.extract, target
         self._say = say
         self.canary = make_canary(spec.extract, target, splits)
-        self.slots = [_Server(k, self) for k in servers]
+        self.stats = {k: ServerStats(k, backend=spec.server.backend) for k in servers}
+        self.slots = [self._slot(k) for k in servers]
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.closed = threading.Event()
         self.threads = [
-            threading.Thread(
-                target=self._work, args=(slot,), name=f"aerie-online-s{slot.index}-{i}", daemon=True
-            )
-            for slot in self.slots
+            threading.Thread(target=self._work, args=(k, slot), name=f"aerie-online-s{k}-{i}", daemon=True)
+            for k, slot in zip(servers, self.slots, strict=True)
             for i in range(self.cfg.requests_in_flight)
         ]
         for t in self.threads:
@@ -278,7 +214,22 @@ class ServerPool:
     def say(self, message: str) -> None:
         self._say({"kind": "server", "message": message})
 
-    def start(self, k: int, stats: ServerStats) -> ModelServer:
+    def _slot(self, k: int) -> ServerSlot:
+        def exhausted(why: str) -> ExtractionError:
+            return ExtractionError(
+                f"online training: server s{k} failed and extract.max_restarts={self.cfg.max_restarts} is "
+                f"used up; checkpoints so far are in the store and a re-run resumes.\n{why}"
+            )
+
+        return ServerSlot(
+            lambda attempt: self.start(k, attempt),
+            name=f"server s{k}",
+            max_restarts=self.cfg.max_restarts,
+            exhausted=exhausted,
+            say=self.say,
+        )
+
+    def start(self, k: int, attempt: int) -> ModelServer:
         """Launch server `k` like the extract stage does (the same spec, readiness and canary)."""
         server = self.spec.server
         if server.device != "cpu" and "CUDA_VISIBLE_DEVICES" not in server.env:
@@ -286,7 +237,6 @@ class ServerPool:
             server = server.model_copy(update={"env": {**server.env, "CUDA_VISIBLE_DEVICES": gpus}})
         dump_dir = Path(self.spec.dump_root) / f"s{k}"
         dump_dir.mkdir(parents=True, exist_ok=True)
-        attempt = stats.starts
         spec = server_spec(
             self.cfg,
             server,
@@ -298,8 +248,7 @@ class ServerPool:
             dump_dir=dump_dir,
             log_dir=Path(self.spec.log_dir),
         )
-        stats.starts += 1
-        stats.address = spec.url
+        self.stats[k].address = spec.url
 
         def progress(fraction: float, message: str) -> None:
             self.say(f"server s{k}: {message}")
@@ -313,7 +262,7 @@ class ServerPool:
             raise TrainingError("the online feeder is closed")
         self.jobs.put(job)
 
-    def _work(self, slot: _Server) -> None:
+    def _work(self, k: int, slot: ServerSlot) -> None:
         while True:
             job = self.jobs.get()
             if job is None:
@@ -322,33 +271,27 @@ class ServerPool:
                 job.future.set_exception(TrainingError("the online feeder was closed before this request"))
                 continue
             try:
-                job.future.set_result(self._run(slot, job))
+                job.future.set_result(self._run(k, slot, job))
             except BaseException as exc:  # handed to the trainer's thread, never lost here
                 job.future.set_exception(exc)
                 self.closed.set()  # a failed feeder stops taking work; the trainer raises
 
-    def _run(self, slot: _Server, job: _Job) -> list[Features]:
+    def _run(self, k: int, slot: ServerSlot, job: _Job) -> list[Features]:
         """The job's samples, its request redone on a restarted server until it succeeds or restarts run out."""
         while True:
             if self.closed.is_set():
                 raise TrainingError("the online feeder was closed")
-            try:
-                server, generation = slot.get()
-            except ServerCrashedError as exc:
-                if not exc.after_ready:
-                    raise
-                slot.count_failure(str(exc), exc)  # died during its canary
-                continue
+            server, generation = slot.get()
             try:
                 samples = _request(server, self.cfg, job)
             except ServerUnavailable as exc:
                 slot.failed(generation, exc)
                 continue
-            slot.stats.served(job.tokens)
+            self.stats[k].served(job.tokens)
             return [encode(self.spec, self.target, s) for s in samples]
 
     def records(self) -> list[dict[str, Any]]:
-        return [slot.stats.record() for slot in self.slots]
+        return [self.stats[k].record(slot) for k, slot in zip(self.stats, self.slots, strict=True)]
 
     def close(self) -> None:
         """Idempotent. Jobs still queued are failed by the threads before they end (none left waiting)."""

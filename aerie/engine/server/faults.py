@@ -8,6 +8,9 @@ passes its first SKIP visits, then fails the next COUNT (COUNT `*`: every one af
 | `kv_alloc` | each KV cache buffer the slot decoder allocates | `torch.OutOfMemoryError`, as a full device does |
 | `step` | each generation step: a prefill of newcomers or a decoding step | `RuntimeError` (a step that keeps failing) |
 
+`AERIE_REFSERVER_FAULTS_ONCE`, a path, makes the faults one launch's: the first server that finds no
+file there creates it and injects them; servers launched after it (a relaunch) inject none.
+
 Unset (the normal case) every point is a no-op. The warm-up request (a prefill and up to 7 decoding
 steps) and the first health probe (a prefill) allocate and step too: a SKIP that lets them pass keeps
 the server starting.
@@ -21,6 +24,7 @@ import threading
 import torch
 
 FAULTS_ENV = "AERIE_REFSERVER_FAULTS"
+ONCE_ENV = "AERIE_REFSERVER_FAULTS_ONCE"
 _POINTS = ("kv_alloc", "step")
 
 
@@ -50,7 +54,21 @@ def parse(spec: str) -> dict[str, _Point]:
 
 
 _lock = threading.Lock()
-_points: dict[str, _Point] = parse(os.environ.get(FAULTS_ENV, ""))
+
+
+def _first_launch() -> bool:
+    """True unless `ONCE_ENV` names a file an earlier launch created (this launch creates it)."""
+    mark = os.environ.get(ONCE_ENV)
+    if not mark:
+        return True
+    try:
+        with open(mark, "x"):
+            return True
+    except FileExistsError:
+        return False
+
+
+_points: dict[str, _Point] = parse(os.environ.get(FAULTS_ENV, "")) if _first_launch() else {}
 
 
 def hit(name: str) -> None:
