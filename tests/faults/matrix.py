@@ -1,10 +1,10 @@
 """The fault matrix: each fault injected for real, proven to have fired, the run repeated, the outcome
 compared item by item with an unfaulted run's.
 
-    python benchmarks/faults.py [--cases CASE ...] [--skip-pipeline] [--skip-sglang] [--keep CASES.json]
-                                [--out benchmarks/results/faults.json]
+    python -m tests.faults [--cases CASE ...] [--skip-pipeline] [--skip-sglang] [--keep CASES.json]
+                           [--out benchmarks/results/faults.json]
 
-The cases (generation ones in benchmarks/faults_gen.py):
+(`make faults` runs the whole matrix.) The cases (generation ones in tests/faults/generation.py):
 
 - generation against the local fault server (tests/fault_server.py): 429 and 5xx storms, 401, 402,
   HTTP 200 carrying an error, empty answers, the child generating killed (SIGKILL, SIGTERM), the server
@@ -16,7 +16,7 @@ The cases (generation ones in benchmarks/faults_gen.py):
   keeps the port after its parent exits;
 - a real extraction server SIGKILLed mid-extraction: the reference server, and SGLang on the CPU
   (.venv-sglang) unless `--skip-sglang`;
-- the reference server told to fail (benchmarks/faults_servers.py): an out-of-memory allocation in a
+- the reference server told to fail (tests/faults/servers.py): an out-of-memory allocation in a
   step (absorbed), steps that keep failing (unhealthy, ended by the watch, the run re-run on a fresh one);
 - S3 (a moto server process): the endpoint down, the endpoint slow, the server killed during a generation
   stage's multipart upload (the stage re-run);
@@ -25,7 +25,7 @@ The cases (generation ones in benchmarks/faults_gen.py):
 - `aerie run` (the tiny smollm2-local pipeline of tests/pipeline_support.py) SIGKILLed or SIGTERMed
   during each stage (during the merge, once its spill folder exists), then run again; two `aerie run`
   at once on one run name;
-- the same through Prefect (benchmarks/faults_prefect.py; a real `prefect server start`): `aerie run`
+- the same through Prefect (tests/faults/prefect_runs.py; a real `prefect server start`): `aerie run`
   signalled during a stage (generation's datasets and extraction's slices are subflows there), the API
   server SIGKILLed and restarted mid-run, a deployment run's worker SIGKILLed, a deployment run whose
   flow process was SIGKILLed run again. Each case's `path` says which: `no-prefect` or `prefect`.
@@ -66,8 +66,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from aerie.errors import AerieError, StoreError  # noqa: E402
@@ -75,13 +73,14 @@ from aerie.generate.work import run as generate  # noqa: E402
 from aerie.serving import ModelServer  # noqa: E402
 from aerie.serving.probe import port_is_free  # noqa: E402
 from aerie.store import LocalStore, StoreConfig, open_store  # noqa: E402
-from benchmarks import faults_gen as gen  # noqa: E402
-from benchmarks import faults_prefect, faults_servers  # noqa: E402
-from benchmarks.fault_case import Case, first_line, wait_until  # noqa: E402
 from tests import pipeline_support  # noqa: E402
 from tests.fake_servers.scenarios import fake_spec, start_stale_server  # noqa: E402
 from tests.fault_check import STAGES, Snapshot, Verdict, compare, run_snapshot  # noqa: E402
 from tests.fault_server import FaultServer  # noqa: E402
+from tests.faults import generation as gen  # noqa: E402
+from tests.faults import prefect_runs as faults_prefect  # noqa: E402
+from tests.faults import servers as faults_servers  # noqa: E402
+from tests.faults.case import ROOT, Case, first_line, wait_until  # noqa: E402
 from tests.processes import free_port, stop  # noqa: E402
 from tests.s3_support import BUCKET, DUMMY_ENV, REGION, raw_client  # noqa: E402
 from tests.stage_work import dataset_dir  # noqa: E402
@@ -89,6 +88,8 @@ from tests.stage_work import dataset_dir  # noqa: E402
 API_KEY, KEY_ENV = gen.API_KEY, gen.KEY_ENV
 NO_OUTPUT = "no output to compare (a server start)"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "faults.json"
+# The code a record measures (scripts/check_figures.py marks a quote of it stale once these change).
+CODE_PATHS = ["tests/faults", "tests/fault_check.py", "tests/fault_server.py", "aerie"]
 
 
 def no_output(fired: bool, fault: str, detect: float | None, message: str, handled: bool) -> Case:
@@ -869,7 +870,7 @@ def git_commit() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--cases",
         nargs="+",
@@ -909,7 +910,7 @@ def main() -> None:
     started = time.monotonic()
     commit = git_commit()
     results: list[dict[str, Any]] = []
-    command = "python benchmarks/faults.py " + " ".join(sys.argv[1:])
+    command = "python -m tests.faults " + " ".join(sys.argv[1:])
     for name, fn in selected:
         work = scratch / name
         work.mkdir()
@@ -936,6 +937,7 @@ def main() -> None:
             "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "command": command.strip(),
             "commit": commit,
+            "code_paths": CODE_PATHS,
             "survived": f"{sum(c['survived'] for c in every)} of {len(every)}",
             "fired": f"{sum(c['fired'] for c in every)} of {len(every)}",
             "lost": sum(c["lost"] for c in every),

@@ -1,4 +1,4 @@
-"""The fault matrix's generation cases (benchmarks/faults.py): faults injected into a generation run
+"""The fault matrix's generation cases (tests/faults/matrix.py): faults injected into a generation run
 against the local fault server (tests/fault_server.py), each case proving its fault fired by the
 server's own count of faulted answers (or the injector's: a signal's exit status, a kill), then the
 run repeated without it and its output compared, conversation by conversation, with an unfaulted run's.
@@ -25,9 +25,9 @@ from aerie.generate.config import DatasetSpec, EndpointConfig, GenerateConfig, S
 from aerie.generate.work import run as generate
 from aerie.manifest import StageResult
 from aerie.store import ArtifactStore, LocalStore
-from benchmarks.fault_case import ROOT, Case, first_line, wait_until
 from tests.fault_check import Snapshot, Verdict, compare, generation_snapshot
 from tests.fault_server import IN_BAND_ERROR, OK, REASONING_ONLY, Fault, FaultServer, slow, status
+from tests.faults.case import ROOT, Case, first_line, wait_until
 from tests.stage_work import dataset_dir
 
 API_KEY = "sk-aerie-fault-matrix-secret-0123456789"

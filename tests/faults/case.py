@@ -1,19 +1,16 @@
-"""One case of the fault matrix (benchmarks/faults.py) as it is recorded, and the helpers its case
+"""One case of the fault matrix (tests/faults/matrix.py) as it is recorded, and the helpers its case
 modules share."""
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from tests.fault_check import Verdict
 
-from tests.fault_check import Verdict  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
