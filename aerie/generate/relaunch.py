@@ -19,7 +19,10 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from aerie.errors import EndpointError
+
 if TYPE_CHECKING:
+    from aerie.serving import ServerSpec
     from aerie.serving.restarts import ServerSlot
 
 _lock = threading.Lock()
@@ -28,6 +31,33 @@ _slots: dict[str, ServerSlot] = {}
 
 def _key(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
+
+
+@contextlib.contextmanager
+def launched(spec: ServerSpec, max_restarts: int) -> Iterator[str]:
+    """The server of `spec` for the block, its `/v1` address yielded, relaunched on its port (up to
+    `max_restarts` times) whenever a request finds it dead."""
+    from aerie.serving import ModelServer
+    from aerie.serving.restarts import ServerSlot
+
+    def exhausted(why: str) -> EndpointError:
+        return EndpointError(
+            f"the generation server {spec.name} died and generate.max_server_restarts={max_restarts} is "
+            f"used up; the conversations finished are kept and a re-run resumes.\n{why}"
+        )
+
+    slot = ServerSlot(
+        lambda attempt: ModelServer(spec).start(),
+        name=spec.name,
+        max_restarts=max_restarts,
+        exhausted=exhausted,
+    )
+    try:
+        server, _ = slot.get()
+        with registered(f"{server.url}/v1", slot):
+            yield f"{server.url}/v1"
+    finally:
+        slot.stop()
 
 
 @contextlib.contextmanager

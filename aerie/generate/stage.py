@@ -97,28 +97,10 @@ def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str
     if cfg.generate.endpoint.base_url:
         yield cfg.generate.endpoint.base_url
         return
-    from aerie.generate.relaunch import registered
-    from aerie.serving import ModelServer
-    from aerie.serving.restarts import ServerSlot
+    from aerie.generate.relaunch import launched
 
-    spec = generation_spec(cfg, target)
-    limit = cfg.generate.max_server_restarts
-
-    def exhausted(why: str) -> EndpointError:
-        return EndpointError(
-            f"the generation server {spec.name} died and generate.max_server_restarts={limit} is used up; "
-            f"the conversations finished are kept and a re-run resumes.\n{why}"
-        )
-
-    slot = ServerSlot(
-        lambda attempt: ModelServer(spec).start(), name=spec.name, max_restarts=limit, exhausted=exhausted
-    )
-    try:
-        server, _ = slot.get()
-        with registered(f"{server.url}/v1", slot):
-            yield f"{server.url}/v1"
-    finally:
-        slot.stop()
+    with launched(generation_spec(cfg, target), cfg.generate.max_server_restarts) as url:
+        yield url
 
 
 def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:

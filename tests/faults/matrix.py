@@ -822,6 +822,7 @@ def cases(skip_pipeline: bool, skip_sglang: bool) -> list[tuple[str, Callable[[P
         ("reference_server_killed_mid_extraction", lambda w: extraction_case(w, "reference")),
         ("reference_server_oom_in_step", faults_servers.case_oom_in_step),
         ("reference_server_unhealthy_restarted", faults_servers.case_unhealthy_restarted),
+        ("generation_server_relaunched", faults_servers.case_generation_server_relaunched),
         ("s3_down", case_s3_down),
         ("s3_slow", case_s3_slow),
         ("s3_killed_mid_multipart", case_s3_killed_mid_multipart),

@@ -141,6 +141,9 @@ def case_unhealthy_restarted(work: Path) -> Case:
             faulty.check_alive()
         except ServerCrashedError as exc:
             crash = first_line(exc)
+        deadline = time.monotonic() + 20  # the watch's kill lands a moment after its crash report
+        while faulty.launcher.exit_code() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
         ended = faulty.launcher.exit_code() is not None
     log = (work / "faulty.log").read_text(errors="replace")
     unhealthy = "The reference server is unhealthy" in log
@@ -161,4 +164,47 @@ def case_unhealthy_restarted(work: Path) -> Case:
         verdict,
         message,
         handled,
+    )
+
+
+def case_generation_server_relaunched(work: Path) -> Case:
+    """The server generation launched itself (`aerie.generate.relaunch.launched`, as the pipeline's
+    embedded endpoint) fails every step after its warm-up, in its first launch only
+    (`AERIE_REFSERVER_FAULTS_ONCE`): it turns unhealthy, its watch ends it, and the requests failing on
+    it wait for one relaunch on the same port. The run completes in one go, with nothing to re-run."""
+    from aerie.generate.relaunch import launched
+
+    os.environ[gen.KEY_ENV] = gen.API_KEY
+    port = free_port()
+    store = LocalStore(work / "store")
+    faulty = server(work, port, "faulty", "step=9:*", "--unhealthy-after", "3").spec
+    mark = work / "faulted-once"
+    faulty = faulty.with_(env={**faulty.env, "AERIE_REFSERVER_FAULTS_ONCE": str(mark)})
+    final, detect, message = None, None, ""
+    with launched(faulty, max_restarts=2) as url:
+        cfg, spec = setup(work, url)
+        began = time.monotonic()
+        try:
+            final = generate(cfg, spec, dataset_dir(store, "r", cfg, spec), base_url=url)
+        except AerieError as exc:
+            detect, message = time.monotonic() - began, first_line(exc)
+        got = gen.output_snapshot(work, store, final, url) if final is not None else None
+    log = (work / "faulty.log").read_text(errors="replace")
+    unhealthy = "The reference server is unhealthy" in log and mark.exists()
+    manifest = dataset_dir(store, "r", cfg, spec).manifest() or {}
+    restarts = (manifest.get("endpoint") or {}).get("server_restarts")
+    with server(work, port, "clean") as clean:
+        want = unfaulted_on(work, v1(clean))
+    verdict = compare(want, got) if got is not None else compare(want, type(want)())
+    message = message or (
+        f"the server turned unhealthy, was ended by its watch and relaunched {restarts} time(s); "
+        "the run finished in one go"
+    )
+    return Case.of(
+        unhealthy,
+        "every generation step of the first launch failed after its warm-up (the server turned unhealthy)",
+        detect,
+        verdict,
+        message,
+        final is not None and restarts == 1,
     )
