@@ -21,6 +21,7 @@ import errno
 import hashlib
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,6 +103,7 @@ class LocalStore:
     @contextmanager
     def _atomic(self, key: str) -> Iterator[tuple[BinaryIO, Path]]:
         dest = self._path(key)
+        began = time.time()
         try:
             self._mkdirs(dest.parent)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
@@ -117,6 +119,7 @@ class LocalStore:
             # is unverified, never one that fails verification against the previous object's digest.
             self._sidecar(dest).unlink(missing_ok=True)
             os.replace(tmp, dest)
+            sweep_parts(dest, began)
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError):
@@ -242,6 +245,7 @@ class LocalStore:
         meter = ByteProgress(progress, src.stat().st_size, f"download {key}") if progress else None
         # Copy and hash in one pass into a temp file beside `dest`; rename only once verified.
         h = hashlib.sha256()
+        began = time.time()
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
@@ -258,6 +262,7 @@ class LocalStore:
                         meter.report()
             self._check(src, want, h.hexdigest())
             os.replace(tmp, dest)
+            sweep_parts(dest, began)
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
             if isinstance(exc, OSError):
@@ -295,6 +300,17 @@ class LocalStore:
 
     def open(self, key: str) -> BinaryIO:
         return open(self._verified(key), "rb")
+
+
+def sweep_parts(dest: Path, began: float) -> None:
+    """Remove the temp files an earlier write of `dest` left when it was killed (a SIGKILL runs no
+    cleanup): those last written before this write began."""
+    for part in dest.parent.glob(f".{dest.name}.*.part"):
+        try:
+            if part.stat().st_mtime < began:
+                part.unlink()
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove: it is only litter
 
 
 def open_store(cfg: StoreConfig | str) -> ArtifactStore:

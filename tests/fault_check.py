@@ -300,11 +300,32 @@ def _u8() -> Any:
     return torch.uint8
 
 
+# The drafter's card (README.md) states measured times (training wall time, served tokens/s): they
+# differ run to run, so it is compared without them; its digest sidecar follows its bytes.
+CARD = "README.md"
+
+
+def card_without_measurements(text: str) -> str:
+    kept, served = [], False
+    for line in text.splitlines():
+        if line.startswith("## "):
+            served = line.startswith("## Served")
+        if not (served and not line.startswith("## ")) and not line.startswith("| training wall time"):
+            kept.append(line)
+    return "\n".join(kept)
+
+
 def add_drafter(snap: Snapshot, out: Path, subs: Iterable[tuple[str, str]]) -> None:
-    """The drafter's files bit for bit, and each metrics line (train and eval steps) without its times."""
+    """The drafter's files bit for bit (its card without measured times), and each metrics line (train
+    and eval steps) without its times."""
     for path in sorted((out / "drafter").rglob("*")):
-        if path.is_file():
-            snap.add("drafter files", str(path.relative_to(out)), path.read_bytes())
+        if not path.is_file() or path.name == f".{CARD}.sha256":
+            continue
+        key = str(path.relative_to(out))
+        if path.name == CARD:
+            snap.add("drafter files", key, normalize(card_without_measurements(path.read_text()), subs))
+        else:
+            snap.add("drafter files", key, path.read_bytes())
     metrics = out / "metrics.jsonl"
     if metrics.exists():
         for line in metrics.read_text().splitlines():

@@ -305,6 +305,25 @@ def test_a_corrupt_local_object_names_the_stage_folder_to_delete(tmp_path: Path)
         store.get_bytes("loose.bin")
 
 
+def test_a_killed_writes_temp_file_is_swept_by_the_next_write(tmp_path: Path) -> None:
+    """A SIGKILL mid-write leaves `.<name>.<random>.part` beside the object (no cleanup runs); the next
+    write of that object removes it, and leaves alone a temp file being written now."""
+    store = LocalStore(tmp_path / "store")
+    store.put_bytes("d/README.md", b"first")
+    folder = tmp_path / "store" / "d"
+    stale, live = folder / ".README.md.k1ll3d.part", folder / ".README.md.n0w.part"
+    stale.write_bytes(b"half")
+    os.utime(stale, (1.0, 1.0))
+    other = folder / ".weights.bin.k1ll3d.part"  # another object's: not this write's to sweep
+    other.write_bytes(b"half")
+    os.utime(other, (1.0, 1.0))
+    live.write_bytes(b"under way")
+    os.utime(live, (4e9, 4e9))  # written after this write began
+    store.put_bytes("d/README.md", b"second")
+    assert store.get_bytes("d/README.md") == b"second"
+    assert not stale.exists() and live.exists() and other.exists()
+
+
 def test_adopt_file_takes_the_file_over(store: ArtifactStore, big_file: Path, tmp_path: Path) -> None:
     src = tmp_path / "closed" / "shard-00000.safetensors"
     src.parent.mkdir()

@@ -261,10 +261,11 @@ class ChatClient:
         )
 
     async def _relaunched(self, exc: _Transient, served_by: int) -> bool:
-        """A connection to a server generation launched failed: if that server is dead, relaunch it
-        (or wait for the relaunch another request started) and say so. Raises `EndpointError` once
-        its relaunches are used up."""
-        if self.server_slot is None or exc.kind != "connection":
+        """A request to a server generation launched failed (no connection, or a 5xx: a server whose
+        steps keep failing answers 503 until its watch ends it): if that server is dead, relaunch it (or
+        wait for the relaunch another request started) and say so. Raises `EndpointError` once its
+        relaunches are used up."""
+        if self.server_slot is None or not (exc.kind == "connection" or exc.kind.startswith("http_5")):
             return False
         return await asyncio.to_thread(self.server_slot.revive, served_by, exc)
 
