@@ -172,7 +172,8 @@ def test_trainers_round_walk_equals_the_decoders_acceptance(
     save_file({k: v.contiguous() for k, v in vocab.items()}, str(tmp_path / "vocab.safetensors"))
     shards = [str(p) for p in write_shards(samples, tmp_path / "shards")]
     cfg = TrainConfig(
-        draft_vocab_size=drafter.config.draft_vocab_size, ttt_length=STEPS, device="cpu",
+        drafter={"family": "eagle3", "draft_vocab_size": drafter.config.draft_vocab_size, "ttt_length": STEPS},
+        device="cpu",
         batch_tokens=batch.tokens, max_length=batch.tokens,
     )  # fmt: skip
     spec = TrainSpec(

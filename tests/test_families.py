@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from aerie.config import PipelineConfig
+from aerie.config import PipelineConfig, apply_overrides
 from aerie.errors import ConfigError
 from aerie.families import Family, family, family_of, names, register, serving, spread_layers
 from aerie.families import unregister as unregister_family
@@ -88,9 +88,7 @@ def test_the_planner_counts_the_familys_flops(toy: Family) -> None:
     model = Model(cfg, facts, hardware("h100"))
     assert draft_flops(model, 512) == 6 * 3 * facts.geometry.hidden_size**2
     eagle = load_config("smollm2-local", [])
-    longer = eagle.model_copy(
-        update={"train": eagle.train.model_copy(update={"ttt_length": 2 * eagle.train.ttt_length})}
-    )
+    longer = apply_overrides(eagle, [f"train.drafter.ttt_length={2 * eagle.train.drafter.ttt_length}"])
     assert draft_flops(Model(longer, facts, hardware("h100")), 512) > draft_flops(
         Model(eagle, facts, hardware("h100")), 512
     )

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from aerie.draft.export import load_drafter
 from aerie.draft.vocab import build_vocab_map
 from aerie.errors import DataError
+from aerie.families import Eagle3Settings
 from aerie.store import StoreConfig, open_store
 from aerie.train import fused, objective, work
 from aerie.train.config import DraftShapeConfig, TrainConfig
@@ -60,8 +61,10 @@ def tiny(tmp_path_factory):
 
 
 def small_cfg(**over) -> TrainConfig:
+    """A small EAGLE-3 training; its own settings (`train.drafter.*`) may be given beside the shared ones."""
+    own = {k: over.pop(k) for k in list(over) if k in Eagle3Settings.model_fields}
     base = dict(
-        draft_vocab_size=256, ttt_length=3, epochs=4, lr=5e-3, batch_tokens=96, max_length=96,
+        drafter={"family": "eagle3", "draft_vocab_size": 256, "ttt_length": 3, **own}, epochs=4, lr=5e-3, batch_tokens=96, max_length=96,
         eval_every=4, checkpoint_every=4, log_every=1, device="cpu", warmup_ratio=0.05,
     )  # fmt: skip
     return TrainConfig(**{**base, **over})
@@ -382,7 +385,7 @@ def _spec(tmp_path: Path, tiny, cfg: TrainConfig, eval_split: bool = True) -> Tr
 
     target, train, held = tiny
     counts = sum(torch.bincount(s.input_ids[s.loss_mask], minlength=256) for s in train)
-    vmap = build_vocab_map(counts, cfg.draft_vocab_size)
+    vmap = build_vocab_map(counts, cfg.drafter.draft_vocab_size)
     save_file({"used": vmap.used, "d2t": vmap.d2t, "t2d": vmap.t2d}, str(tmp_path / "vocab.safetensors"))
     return TrainSpec(
         cfg=cfg,

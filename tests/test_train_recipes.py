@@ -214,7 +214,7 @@ def test_the_dflash_authors_recipe_trains_at_tiny_shapes(tmp_path) -> None:
     r = recipe("dflash_authors")
     cfg = load_config("smollm2-local", list(r.overrides)).train
     update = {"epochs": 3.0, "batch_tokens": 48, "batch_sequences": 2, "eval_every": 2, "device": "cpu"}
-    cfg = cfg.model_copy(update={**update, "draft_vocab_size": 256, "checkpoint_every": 100, "log_every": 1})
+    cfg = cfg.model_copy(update={**update, "checkpoint_every": 100, "log_every": 1})
     target, model = tiny_target(tmp_path)
     layers = cfg.capture_layers(target.num_layers)
     train = make_samples(model, target, 4, prompt=8, response=40, seed=0)

@@ -110,14 +110,11 @@ class DraftShapeSource(Protocol):
 
 
 class TrainSettings(Protocol):
-    """The shared training settings a family's parameter count reads (`aerie.train.config.TrainConfig`
-    has them)."""
+    """The shared training settings a family reads (its parameter count, its checks); a family's own are
+    its settings section (`aerie.train.config.TrainConfig` has both)."""
 
     @property
     def draft(self) -> DraftShapeSource: ...
 
     @property
-    def draft_vocab_size(self) -> int: ...
-
-    @property
-    def ttt_length(self) -> int: ...
+    def batch_tokens(self) -> int: ...

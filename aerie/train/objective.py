@@ -40,6 +40,8 @@ from torch import Tensor, nn
 from aerie.draft.export import draft_config_for
 from aerie.draft.model import Eagle3Drafter
 from aerie.draft.target_weights import load_embedding, load_final_norm, load_lm_head
+from aerie.errors import ConfigError
+from aerie.families.eagle3 import Eagle3Settings
 from aerie.targets import TargetInfo
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
@@ -317,8 +319,10 @@ class Eagle3Objective:
     the held-out answers walked in rounds by its hits."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        self.cfg = cfg
-        self.width = cfg.ttt_length  # metric columns: one per TTT step
+        if not isinstance(cfg.drafter, Eagle3Settings):
+            raise ConfigError(f"the EAGLE-3 objective trains train.drafter=eagle3, not {cfg.drafter.family}")
+        self.cfg, self.settings = cfg, cfg.drafter
+        self.width = self.settings.ttt_length  # metric columns: one per TTT step
 
     def drafter(
         self, target: TargetInfo, draft_vocab_size: int, dtype: torch.dtype = torch.float32
@@ -335,7 +339,7 @@ class Eagle3Objective:
         drafter = self.drafter(target, vocab["used"].numel(), dtype)
         drafter.set_vocab(vocab["d2t"], vocab["t2d"])
         lm_head = load_lm_head(target)
-        if self.cfg.init_head_from_target:
+        if self.settings.init_head_from_target:
             _init_head_from_target(drafter, lm_head, vocab["used"], target)
         return drafter, Teacher(lm_head, vocab["used"], vocab["t2d"])
 
@@ -358,15 +362,15 @@ class Eagle3Objective:
                 batch.input_ids,
                 batch.positions,
                 batch.doc_ids,
-                self.cfg.ttt_length,
+                self.settings.ttt_length,
                 tr.attention,
-                self.cfg.recompute,
+                self.settings.recompute,
             )
         probs, teacher_argmax = tr.teacher.distribution(batch.last_hidden, logits[0].dtype)
         in_vocab = tr.teacher.argmax_in_draft_vocab(batch.last_hidden) if exact else None
-        valid = supervised_rows(batch, self.cfg.ttt_length)
+        valid = supervised_rows(batch, self.settings.ttt_length)
         return ttt_loss(
-            logits, probs, teacher_argmax, valid, self.cfg.step_decay,
+            logits, probs, teacher_argmax, valid, self.settings.step_decay,
             in_vocab=in_vocab, reduce=reduce, world_size=tr.dist.world, hits=hits,
             documents=batch.doc_ids if self.cfg.loss_normalization == "sequence" else None,
         )  # fmt: skip
@@ -378,7 +382,7 @@ class Eagle3Objective:
         return stats, walk_answers(batch, hits)
 
     def window_loss(self, summary: dict[str, float | list[float]]) -> float:
-        return weighted_loss(summary, self.cfg.step_decay)
+        return weighted_loss(summary, self.settings.step_decay)
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[object]:
