@@ -40,7 +40,8 @@ from aerie.draft.model import DraftConfig, Eagle3Drafter
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
 from aerie.train.distributed import DistInfo
-from aerie.train.objective import Eagle3Objective, Teacher
+from aerie.train.objective import Eagle3Objective
+from aerie.train.teaching import Teacher
 
 RESULTS = Path(__file__).parent / "results"
 LENGTHS = (2048, 4096, 8192, 16384, 32768)

@@ -38,7 +38,8 @@ from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
 from aerie.train.distributed import DistInfo
 from aerie.train.fused import fused_backend
-from aerie.train.objective import Eagle3Objective, Teacher
+from aerie.train.objective import Eagle3Objective
+from aerie.train.teaching import Teacher
 
 RESULTS = Path(__file__).parent / "results"
 CONFIGS: dict[str, dict[str, int]] = {

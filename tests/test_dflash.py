@@ -27,7 +27,7 @@ from aerie.train.dflash_objective import (
     sample_anchors,
     slot_weights,
 )
-from aerie.train.objective import Teacher, summarize, walk_answers
+from aerie.train.teaching import Teacher, summarize, walk_answers
 from tests.train_support import tiny_target
 
 H, V = 32, 64

@@ -24,7 +24,7 @@ from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
 from aerie.train.distributed import DistInfo
 from aerie.train.loop import TrainSpec, build_trainer, evaluate_batches
-from aerie.train.objective import simulate_rounds
+from aerie.train.teaching import simulate_rounds
 from tests.train_support import write_shards
 
 TEXTS = ("The capital of France is", "Write a haiku about the sea.", "List three colors:")

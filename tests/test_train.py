@@ -19,20 +19,13 @@ from aerie.draft.vocab import build_vocab_map
 from aerie.errors import DataError
 from aerie.families import Eagle3Settings
 from aerie.store import StoreConfig, open_store
-from aerie.train import fused, objective, work
+from aerie.train import fused, teaching, work
 from aerie.train.config import DraftShapeConfig, TrainConfig
 from aerie.train.data import PAD_DOC, Batch, BatchReader, EpochPlans, SampleIndex, plan_epoch
 from aerie.train.distributed import DistInfo
 from aerie.train.loop import TrainSpec, _indices, run_training
-from aerie.train.objective import (
-    Teacher,
-    answer_spans,
-    soft_cross_entropy,
-    summarize,
-    supervised_rows,
-    ttt_loss,
-    walk_answers,
-)
+from aerie.train.objective import supervised_rows, ttt_loss
+from aerie.train.teaching import Teacher, answer_spans, soft_cross_entropy, summarize, walk_answers
 from tests.stage_work import staged
 from tests.train_support import make_samples, make_upstream, tiny_target, write_shards
 
@@ -211,7 +204,7 @@ def test_inductor_kernels_match_eager_through_the_objective(monkeypatch) -> None
     results = []
     for kernel in (ce_kernel, fused.FusedKernel("ce", fused.soft_ce_rows_eager, fused.soft_ce_rows_eager,
                                                  fused.soft_ce_agree, devices=())):  # fmt: skip
-        monkeypatch.setattr(objective, "SOFT_CE", kernel)
+        monkeypatch.setattr(teaching, "SOFT_CE", kernel)
         z = logits.clone().requires_grad_()
         ce, argmax = soft_cross_entropy(z, probs)
         (grad,) = torch.autograd.grad((ce[:35] * weight).sum(), z)
@@ -222,7 +215,7 @@ def test_inductor_kernels_match_eager_through_the_objective(monkeypatch) -> None
     assert torch.equal(logits.gather(-1, argmax[:, None]), logits.gather(-1, argmax_e[:, None]))
     torch.testing.assert_close(grad.float(), grad_e.float(), atol=4e-3, rtol=0)
 
-    monkeypatch.setattr(objective, "TEACHER", teacher_kernel)
+    monkeypatch.setattr(teaching, "TEACHER", teacher_kernel)
     g = torch.Generator().manual_seed(2)
     lm_head, hidden = torch.randn(64, 16, generator=g), torch.randn(35, 16, generator=g)
     used, t2d = torch.arange(50), torch.ones(64, dtype=torch.bool)

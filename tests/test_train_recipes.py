@@ -20,8 +20,9 @@ from aerie.train.data import Batch, SampleIndex
 from aerie.train.dflash_objective import block_labels, block_loss, sample_anchors, slot_weights
 from aerie.train.distributed import DistInfo
 from aerie.train.loop import TrainSpec, build_trainer, objective_for, rows_per_step, run_training
-from aerie.train.objective import Teacher, document_weights, supervised_rows, ttt_loss
+from aerie.train.objective import supervised_rows, ttt_loss
 from aerie.train.recipes import RECIPES, recipe
+from aerie.train.teaching import Teacher, document_weights
 from tests.test_dflash import CFG, V, packed_batch, random_drafter
 from tests.test_train import _spec, small_cfg
 from tests.test_train import tiny as tiny  # noqa: F401  (the module fixture, reused)

@@ -414,10 +414,9 @@ def measure_setting(
 def _diagnose(
     loaded: dict[str, Any], prompts: list[EvalPrompt], answers: dict[str, list[int]], steps: int, max_new: int
 ) -> dict[str, Any]:
-    from aerie.evaluate.diagnose import diagnose
-
+    diagnosis = loaded["family"].diagnosis
     pairs = [(p.input_ids, answers[p.id]) for p in prompts if p.id in answers]
-    found = diagnose(loaded["model"], loaded["drafter"], pairs, steps, max_new)
+    found = diagnosis.load()(loaded["model"], loaded["drafter"], pairs, steps, max_new)
     return {"num_steps": steps, **found}
 
 

@@ -105,5 +105,5 @@ EAGLE3 = Family(
     export=Part("aerie.draft.export:export_drafter"),
     loader=Part("aerie.draft.export:load_drafter"),
     proposer=Part("aerie.engine.speculative.eagle:EagleProposer"),
-    diagnosed=True,
+    diagnosis=Part("aerie.evaluate.diagnose:diagnose"),
 )

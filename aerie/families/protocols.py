@@ -105,6 +105,19 @@ class Loader(Protocol):
         ...
 
 
+class Diagnosis(Protocol):
+    def __call__(
+        self,
+        model: Any,
+        drafter: Any,
+        pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+        steps: int,
+        max_new_tokens: int,
+    ) -> dict[str, Any]:
+        """Teacher-forced figures of `drafter` over (prompt, answer) pairs the target answered greedily."""
+        ...
+
+
 class DraftShapeSource(Protocol):
     def resolve(self, geometry: TargetGeometry) -> DrafterShape: ...
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast
 
 from aerie.configbase import StrictModel
-from aerie.families.protocols import Exporter, Loader, TrainSettings
+from aerie.families.protocols import Diagnosis, Exporter, Loader, TrainSettings
 
 if TYPE_CHECKING:
     from torch import nn
@@ -69,7 +69,8 @@ class Family:
       the planner's sizes; `train_flops(settings, train, geometry, seq_len)`: forward+backward FLOPs per
       trained token of a `seq_len` row, the planner's training time (None: 6 x its parameters, a dense
       forward and backward over each token);
-    - `diagnosed`: whether the evaluator's teacher-forced diagnosis (`aerie.evaluate.diagnose`) reads it;
+    - `diagnosis`: the evaluator's teacher-forced diagnosis of its drafter (`aerie.evaluate.diagnose` for
+      EAGLE-3; None: no diagnosis), a part like the others;
     - the parts: its model class, its objective (its part of the training loop), export and loader, and
       the proposer the lossless evaluator drafts with.
     """
@@ -86,7 +87,7 @@ class Family:
     export: Part[Exporter]
     loader: Part[Loader]
     proposer: Part[Callable[[Any], FamilyProposer]]
-    diagnosed: bool = False
+    diagnosis: Part[Diagnosis] | None = None
     train_flops: Callable[[Any, TrainSettings, TargetGeometry, int], float] | None = None
 
     def flops_per_token(
@@ -96,6 +97,11 @@ class Family:
         if self.train_flops is not None:
             return self.train_flops(settings, train, geometry, seq_len)
         return 6.0 * self.draft_params(settings, train, geometry)
+
+    @property
+    def diagnosed(self) -> bool:
+        """Whether the evaluator diagnoses its drafter (keeps its greedy answers for `diagnosis`)."""
+        return self.diagnosis is not None
 
     def layers(self, settings: DrafterSettings, num_layers: int) -> list[int]:
         """The output-of-layer ids it reads of a `num_layers` target ([] when it reads none)."""

@@ -37,8 +37,8 @@ from aerie.train.checkpoint import TrainState, checkpoint_name, load_checkpoint,
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch, DataSource, EpochPlans, Prefetcher, SampleIndex, ShardSource
 from aerie.train.distributed import DistInfo
-from aerie.train.objective import Teacher, summarize
 from aerie.train.online import OnlineFeeder, OnlineSpec
+from aerie.train.teaching import Teacher, summarize
 
 Emit = Callable[[dict[str, Any]], None]
 BEST = "best"
