@@ -84,10 +84,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from aerie.evaluate.drafter_files import check_drafter_files, check_trained_for, family_of
+    from aerie.evaluate.drafter_files import check_drafter_files, check_trained_for
     from aerie.evaluate.stage import corpus_format
     from aerie.evaluate.standalone import evaluate_drafter, prompt_set_for_file, summary_lines
-    from aerie.families import DEFAULT
     from aerie.progress import terminal_progress
     from aerie.targets import resolve_target
 
@@ -100,13 +99,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     names = [s.name for s in sets]
     if len(set(names)) != len(names):
         raise ConfigError(f"two prompt files have the same name {names}: rename one")
-    # The drafter directory says which family's proposer measures it.
-    name = family_of(Path(args.drafter))
-    proposers = [name if p == DEFAULT else p for p in cfg.evaluate.proposers]
+    # The drafter directory says which family's proposer measures it (`evaluate_drafter` reads it).
     evaluate_cfg = type(cfg.evaluate).model_validate(
         {
             **cfg.evaluate.model_dump(),
-            "proposers": proposers,
             "datasets": [s.model_dump() for s in sets],
             "prompt_format": corpus_format(cfg).model_dump(),  # prompts rendered as the corpus renders
         }

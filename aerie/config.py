@@ -176,6 +176,10 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
         where = ".".join(parts[:depth]) or "the config"
         holder, key = _child(node, part, where)
         if depth == len(parts) - 1:
+            if key == "family" and isinstance(holder, dict) and holder.get(key) != value:
+                holder.clear()  # another family: its own settings start at its defaults, not the last one's
+            elif _same_family(holder, key, value, parts):
+                return  # train.drafter=eagle3 on an eagle3 section keeps the settings it has
             holder[key] = value
             return
         if isinstance(holder, dict) and holder.get(key) is None:
@@ -183,6 +187,14 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
         elif isinstance(holder, dict) and isinstance(holder[key], str) and _tagged(parts[: depth + 1]):
             holder[key] = {"family": holder[key]}  # a tagged section given by its tag: train.drafter=dflash
         node = holder[key]
+
+
+def _same_family(holder: Any, key: int | str, value: Any, path: list[str]) -> bool:
+    """Whether `value` names the family the tagged section `holder[key]` already holds."""
+    if not isinstance(holder, dict) or not isinstance(value, str):
+        return False
+    section = holder.get(key)
+    return isinstance(section, dict) and section.get("family") == value and _tagged(path)
 
 
 def _tagged(path: list[str]) -> bool:

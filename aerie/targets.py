@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from aerie.configbase import StrictModel
 from aerie.errors import TargetError
 from aerie.settings import cache_path, get_settings
+from aerie.sglang_plugin.layers import eagle3_layers
 
 if TYPE_CHECKING:
     import torch
@@ -428,15 +429,15 @@ class TargetInfo(BaseModel):
         return self.geometry.tie_word_embeddings
 
     @property
-    def aux_layers_input(self) -> list[int]:
-        """EAGLE-3 capture: the residual stream *entering* layers 2, N//2, N-3 (= HF hidden_states[i])."""
-        n = self.num_layers
-        return [2, n // 2, n - 3]
+    def aux_layers_output(self) -> list[int]:
+        """EAGLE-3's captured layers by the *output-of-layer* convention SGLang's eagle_config uses (the
+        rule's one copy is the plugin's, `aerie.sglang_plugin.layers`)."""
+        return eagle3_layers(self.num_layers)
 
     @property
-    def aux_layers_output(self) -> list[int]:
-        """The same tensors named by the *output-of-layer* convention SGLang's eagle_config uses."""
-        return [i - 1 for i in self.aux_layers_input]
+    def aux_layers_input(self) -> list[int]:
+        """The same tensors as the residual stream *entering* layers 2, N//2, N-3 (= HF hidden_states[i])."""
+        return [i + 1 for i in self.aux_layers_output]
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         try:

@@ -14,7 +14,7 @@ the target (`extract.capture_layers`); each is a cache hit when a run already ma
 `aerie run smollm2-gpu` has finished (an EAGLE-3 drafter) only adds the DFlash extraction, training and
 evaluation. Both train with the preset's `train.*` (epochs, batch tokens, lr: the same tokens), and
 both are measured by the evaluate stage with `evaluate.num_steps=[K]`: EAGLE-3 drafts chains of K
-(`train.ttt_length=K`), DFlash blocks of K+1 tokens (`train.drafter.block_size=K+1`: the anchor and K
+(`train.drafter.ttt_length=K`), DFlash blocks of K+1 tokens (`train.drafter.block_size=K+1`: the anchor and K
 drafts), so each round verifies K+1 tokens either way. `--steps` is K (7, the DSpark paper's horizon).
 
 Inputs it reads back: the stage manifests in the store (`<run>/extract/*`, `<run>/train/*/manifest.json`:
@@ -55,7 +55,7 @@ def family_overrides(name: str, steps: int) -> list[str]:
     # Both stop before the deploy stage, which serves EAGLE-3 only (the config refuses DFlash with it on).
     common = [f"train.drafter={name}", f"evaluate.num_steps=[{steps}]", "deploy.enabled=false"]
     if name == "eagle3":
-        return [*common, f"train.ttt_length={steps}"]
+        return [*common, f"train.drafter.ttt_length={steps}"]
     # A 32K-token pack (smollm2-gpu) holds ~34 conversations: 512 anchors each made one 499 GiB attention on
     # an H200; 64 (~2,200 blocks a pack) trains in 67 s over 10.8M tokens and drafts as well as 32 did.
     return [*common, f"train.drafter.block_size={steps + 1}", "train.drafter.anchors_per_sequence=64"]

@@ -10,7 +10,7 @@ vocab 2048, draft vocab 1024, TTT 2: exact attention's time is quadratic, and a 
 minutes of a small CPU) on the CPU; `kimi` (hidden 7168, 64 heads of 128 with one K/V head each,
 MLP 12288, vocab 163840, draft vocab 32000, TTT 7: the `kimi-k2.5-8gpu` drafter, unscaled RoPE, which
 costs the same) on CUDA. bf16 autocast with compiled flex attention on CUDA, fp32 with the blocked CPU
-attention on the CPU; `train.recompute` (activation checkpointing over the unroll) on unless --no-recompute.
+attention on the CPU; `train.drafter.recompute` (activation checkpointing over the unroll) on unless --no-recompute.
 
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` over the step (model, optimizer state, features
 and activations); on the CPU the process's peak resident set (`ru_maxrss`), which also holds Python and
@@ -40,7 +40,8 @@ from aerie.draft.model import DraftConfig, Eagle3Drafter
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
 from aerie.train.distributed import DistInfo
-from aerie.train.objective import Eagle3Objective, Teacher
+from aerie.train.objective import Eagle3Objective
+from aerie.train.teaching import Teacher
 
 RESULTS = Path(__file__).parent / "results"
 LENGTHS = (2048, 4096, 8192, 16384, 32768)
@@ -103,7 +104,9 @@ def one_length(args: argparse.Namespace) -> dict[str, Any]:
     del lm_head
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
     train_cfg = TrainConfig(
-        ttt_length=shape["ttt"], recompute=args.recompute, batch_tokens=args.one, max_length=args.one
+        drafter={"family": "eagle3", "ttt_length": shape["ttt"], "recompute": args.recompute},
+        batch_tokens=args.one,
+        max_length=args.one,
     )
     objective = Eagle3Objective(train_cfg)
     tr = SimpleNamespace(

@@ -31,7 +31,7 @@ DISK = ("disk_write-h200.json", "figures.methods.buffered.mean_mb_per_s")  # MB/
 # record -> (preset and overrides of the run, hardware, [(what, key of the rate, kind, key of bytes/token)])
 FIGURES: dict[str, tuple[list[str], str, list[tuple[str, str, str, str | None]]]] = {
     "h200-pipeline.json": (
-        ["smollm2-gpu", "train.draft_vocab_size=32768", "train.epochs=6"],
+        ["smollm2-gpu", "train.drafter.draft_vocab_size=32768", "train.epochs=6"],
         "h200",
         [
             (

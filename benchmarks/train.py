@@ -38,7 +38,8 @@ from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
 from aerie.train.distributed import DistInfo
 from aerie.train.fused import fused_backend
-from aerie.train.objective import Eagle3Objective, Teacher
+from aerie.train.objective import Eagle3Objective
+from aerie.train.teaching import Teacher
 
 RESULTS = Path(__file__).parent / "results"
 CONFIGS: dict[str, dict[str, int]] = {
@@ -131,7 +132,7 @@ def aerie_step(name: str, cfg: DraftConfig, tokens: int, args: argparse.Namespac
     teacher = Teacher(lm_head, used, t2d, keep_full=False).to(device, dtype)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=device == "cuda")
     attention = args.attention if args.attention != "auto" else ("flex" if device == "cuda" else "dense")
-    objective = Eagle3Objective(TrainConfig(ttt_length=args.ttt))
+    objective = Eagle3Objective(TrainConfig(drafter={"family": "eagle3", "ttt_length": args.ttt}))
     tr = SimpleNamespace(
         cfg=objective.cfg, teacher=teacher, device=torch.device(device), dtype=dtype,
         attention=attention, dist=DistInfo(),

@@ -93,7 +93,7 @@ def server_config(port: int | None = None, **kw: Any) -> ServerConfig:
 
 def train_config(tmp: Path, **kw: Any) -> TrainConfig:
     base: dict[str, Any] = {
-        "draft_vocab_size": 64, "ttt_length": 3, "epochs": 2, "lr": 1e-3, "batch_tokens": 96,
+        "drafter": {"family": "eagle3", "draft_vocab_size": 64, "ttt_length": 3}, "epochs": 2, "lr": 1e-3, "batch_tokens": 96,
         "max_length": 64, "eval_every": 3, "checkpoint_every": 3, "log_every": 1, "device": "cpu",
         "heldout_samples": 4, "cache_dir": str(tmp / "train-cache"),
     }  # fmt: skip

@@ -91,8 +91,17 @@ def test_overrides_still_reach_mappings_and_unset_sections():
     ("overrides", "names"),
     [
         (
-            ["train.batch_tokens=16", "train.ttt_length=20"],
-            ["train.batch_tokens 16 must be at least train.ttt_length + 2 = 22"],
+            ["train.batch_tokens=16", "train.drafter.ttt_length=20"],
+            ["train.batch_tokens 16 must be at least train.drafter.ttt_length + 2 = 22"],
+        ),
+        # EAGLE-3's own settings moved into its section: the old key names the new one.
+        (["train.ttt_length=3"], ["train.ttt_length -> train.drafter.ttt_length"]),
+        (
+            ["train.recompute=true", "train.draft_vocab_size=64"],
+            [
+                "train.draft_vocab_size -> train.drafter.draft_vocab_size",
+                "train.recompute -> train.drafter.recompute",
+            ],
         ),
         (["evaluate.num_steps=[]"], ["evaluate.num_steps", "at least 1 item"]),
         (["evaluate.num_steps=[3,0]"], ["evaluate.num_steps.1", "greater than or equal to 1"]),

@@ -24,7 +24,7 @@ from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
 from aerie.train.distributed import DistInfo
 from aerie.train.loop import TrainSpec, build_trainer, evaluate_batches
-from aerie.train.objective import simulate_rounds
+from aerie.train.teaching import simulate_rounds
 from tests.train_support import write_shards
 
 TEXTS = ("The capital of France is", "Write a haiku about the sea.", "List three colors:")
@@ -172,7 +172,8 @@ def test_trainers_round_walk_equals_the_decoders_acceptance(
     save_file({k: v.contiguous() for k, v in vocab.items()}, str(tmp_path / "vocab.safetensors"))
     shards = [str(p) for p in write_shards(samples, tmp_path / "shards")]
     cfg = TrainConfig(
-        draft_vocab_size=drafter.config.draft_vocab_size, ttt_length=STEPS, device="cpu",
+        drafter={"family": "eagle3", "draft_vocab_size": drafter.config.draft_vocab_size, "ttt_length": STEPS},
+        device="cpu",
         batch_tokens=batch.tokens, max_length=batch.tokens,
     )  # fmt: skip
     spec = TrainSpec(

@@ -4,6 +4,7 @@ files, cache hit, resume from finished parts, and a clear error for a train resu
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -14,12 +15,14 @@ from aerie.errors import EvaluationError
 from aerie.evaluate import work
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.prompts import spread_over_categories
+from aerie.families import family
 from aerie.manifest import StageDir, load_manifest
 from aerie.store import LocalStore
 from tests.evaluate_support import corpus_result, train_result
 from tests.stage_work import staged
 
-run = staged("evaluate", work.run)
+# The drafters measured here are EAGLE-3 ones: the run's family, as the stage passes it.
+run = partial(staged("evaluate", work.run), family=family("eagle3"))
 
 CFG = EvaluateConfig(
     num_steps=[2, 3],

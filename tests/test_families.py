@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from aerie.config import PipelineConfig
+from aerie.config import PipelineConfig, apply_overrides
 from aerie.errors import ConfigError
 from aerie.families import Family, family, family_of, names, register, serving, spread_layers
 from aerie.families import unregister as unregister_family
@@ -59,7 +59,7 @@ def test_what_a_family_cannot_do_fails_when_the_config_loads(toy: Family) -> Non
 
 def test_the_stages_reach_the_family_through_the_registry(toy: Family, smollm2) -> None:
     from aerie.evaluate.stage import evaluate_config
-    from aerie.evaluate.work import drafter_family, make_proposer
+    from aerie.evaluate.work import make_proposer
     from aerie.extract.stage import extract_config
     from aerie.plan.disk import drafter_params
     from aerie.plan.facts import target_facts
@@ -68,9 +68,9 @@ def test_the_stages_reach_the_family_through_the_registry(toy: Family, smollm2) 
     # Extraction captures what the toy reads; the evaluator measures the toy where the default is listed.
     assert extract_config(cfg, smollm2).capture_layers == spread_layers(smollm2.num_layers, 3)
     ev = evaluate_config(cfg)
-    assert ev.proposers == ["toy", "prompt_lookup"] and drafter_family(ev) == "toy"
+    assert ev.proposers == ["toy", "prompt_lookup"]
     drafter = ToyDrafter()
-    proposer, aux_layers = make_proposer("toy", ev, {"drafter": drafter})
+    proposer, aux_layers = make_proposer("toy", ev, {"drafter": drafter, "family": toy})
     assert isinstance(proposer, ToyProposer) and proposer.drafter is drafter and aux_layers is None
     facts = target_facts(cfg.target)
     assert drafter_params(cfg, facts) == 3 * facts.geometry.hidden_size**2
@@ -88,9 +88,7 @@ def test_the_planner_counts_the_familys_flops(toy: Family) -> None:
     model = Model(cfg, facts, hardware("h100"))
     assert draft_flops(model, 512) == 6 * 3 * facts.geometry.hidden_size**2
     eagle = load_config("smollm2-local", [])
-    longer = eagle.model_copy(
-        update={"train": eagle.train.model_copy(update={"ttt_length": 2 * eagle.train.ttt_length})}
-    )
+    longer = apply_overrides(eagle, [f"train.drafter.ttt_length={2 * eagle.train.drafter.ttt_length}"])
     assert draft_flops(Model(longer, facts, hardware("h100")), 512) > draft_flops(
         Model(eagle, facts, hardware("h100")), 512
     )

@@ -249,7 +249,7 @@ def test_the_kimi_preset_trains_every_token_of_a_turn_at_its_limits():
     cap = max(d.sampling.max_tokens for d in cfg.generate.datasets)
     assert cfg.corpus.max_length == cfg.train.max_length > cap > OLD_LIMIT
     # Rows no longer than the step measured to fit; a longer sample goes on over the next rows.
-    assert cfg.train.batch_tokens <= 16384 and cfg.train.split_samples and cfg.train.recompute
+    assert cfg.train.batch_tokens <= 16384 and cfg.train.split_samples and cfg.train.drafter.recompute
     assert cfg.evaluate.max_new_tokens >= 8192  # reaches the last position bucket
 
 

@@ -64,7 +64,7 @@ def test_drafter_parameters_match_a_real_checkpoint(smollm2) -> None:
         num_key_value_heads=g.attention.num_kv_heads,
         head_dim=g.attention.head_dim,
         vocab_size=g.vocab_size,
-        draft_vocab_size=cfg.train.draft_vocab_size,
+        draft_vocab_size=cfg.train.drafter.draft_vocab_size,
         rope_theta=smollm2.rope_theta,
         max_position_embeddings=smollm2.max_position_embeddings,
         aux_layer_ids=tuple(smollm2.aux_layers_output),

@@ -83,7 +83,7 @@ def vocab_map(target: TargetInfo, size: int) -> VocabMap:
 
 def exported_drafter(target: TargetInfo, out: Path) -> tuple[Path, VocabMap]:
     train = load_config("smollm2-local", []).train
-    vocab = vocab_map(target, train.draft_vocab_size)
+    vocab = vocab_map(target, train.drafter.draft_vocab_size)
     cfg = draft_config_for(target, vocab.draft_vocab_size, train.draft.resolve(target.geometry))
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, load_embedding(target)).eval()

@@ -60,7 +60,9 @@ def built(tmp_path_factory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("kimi-drafter")
     cfg = load_config(PRESET, ["server.launcher=process"])
     target = kimi_target()
-    draft = draft_config_for(target, cfg.train.draft_vocab_size, cfg.train.draft.resolve(target.geometry))
+    draft = draft_config_for(
+        target, cfg.train.drafter.draft_vocab_size, cfg.train.draft.resolve(target.geometry)
+    )
     drafter = tmp / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps(hf_config(draft, target), indent=2))

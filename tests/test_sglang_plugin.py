@@ -26,9 +26,10 @@ import torch
 
 from aerie.errors import ServerLaunchError
 from aerie.sglang_plugin import dumps
-from aerie.sglang_plugin.capture import CaptureState, default_aux_layers_output, enable_aux_capture
+from aerie.sglang_plugin.capture import CaptureState, enable_aux_capture
 from aerie.sglang_plugin.compat import ATTACH_POINTS, SUPPORTED_SGLANG, check_sglang_version
 from aerie.sglang_plugin.launch import PLUGIN_GROUP, child_env, register_plugin, rewrite_args
+from aerie.sglang_plugin.layers import eagle3_layers
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--model-path", "/m", "--port", "30000", "--weight-version", "run-abc"]
@@ -230,8 +231,8 @@ class InputConvention(LlamaLike):
 
 
 def test_aux_capture_resolves_to_inputs_of_2_n2_n3_on_both_conventions():
-    assert default_aux_layers_output(30) == [1, 14, 26]
-    assert default_aux_layers_output(61) == [1, 29, 57]  # Kimi-K2.5
+    assert eagle3_layers(30) == [1, 14, 26]
+    assert eagle3_layers(61) == [1, 29, 57]  # Kimi-K2.5
     for model in (LlamaLike(), DeepseekLike()):
         assert enable_aux_capture(model, environ={}) == [2, 15, 27]
         assert model.model.layers_to_capture == [2, 15, 27]

@@ -17,21 +17,15 @@ import torch.nn.functional as F
 from aerie.draft.export import load_drafter
 from aerie.draft.vocab import build_vocab_map
 from aerie.errors import DataError
+from aerie.families import Eagle3Settings
 from aerie.store import StoreConfig, open_store
-from aerie.train import fused, objective, work
+from aerie.train import fused, teaching, work
 from aerie.train.config import DraftShapeConfig, TrainConfig
 from aerie.train.data import PAD_DOC, Batch, BatchReader, EpochPlans, SampleIndex, plan_epoch
 from aerie.train.distributed import DistInfo
 from aerie.train.loop import TrainSpec, _indices, run_training
-from aerie.train.objective import (
-    Teacher,
-    answer_spans,
-    soft_cross_entropy,
-    summarize,
-    supervised_rows,
-    ttt_loss,
-    walk_answers,
-)
+from aerie.train.objective import supervised_rows, ttt_loss
+from aerie.train.teaching import Teacher, answer_spans, soft_cross_entropy, summarize, walk_answers
 from tests.stage_work import staged
 from tests.train_support import make_samples, make_upstream, tiny_target, write_shards
 
@@ -60,8 +54,10 @@ def tiny(tmp_path_factory):
 
 
 def small_cfg(**over) -> TrainConfig:
+    """A small EAGLE-3 training; its own settings (`train.drafter.*`) may be given beside the shared ones."""
+    own = {k: over.pop(k) for k in list(over) if k in Eagle3Settings.model_fields}
     base = dict(
-        draft_vocab_size=256, ttt_length=3, epochs=4, lr=5e-3, batch_tokens=96, max_length=96,
+        drafter={"family": "eagle3", "draft_vocab_size": 256, "ttt_length": 3, **own}, epochs=4, lr=5e-3, batch_tokens=96, max_length=96,
         eval_every=4, checkpoint_every=4, log_every=1, device="cpu", warmup_ratio=0.05,
     )  # fmt: skip
     return TrainConfig(**{**base, **over})
@@ -208,7 +204,7 @@ def test_inductor_kernels_match_eager_through_the_objective(monkeypatch) -> None
     results = []
     for kernel in (ce_kernel, fused.FusedKernel("ce", fused.soft_ce_rows_eager, fused.soft_ce_rows_eager,
                                                  fused.soft_ce_agree, devices=())):  # fmt: skip
-        monkeypatch.setattr(objective, "SOFT_CE", kernel)
+        monkeypatch.setattr(teaching, "SOFT_CE", kernel)
         z = logits.clone().requires_grad_()
         ce, argmax = soft_cross_entropy(z, probs)
         (grad,) = torch.autograd.grad((ce[:35] * weight).sum(), z)
@@ -219,7 +215,7 @@ def test_inductor_kernels_match_eager_through_the_objective(monkeypatch) -> None
     assert torch.equal(logits.gather(-1, argmax[:, None]), logits.gather(-1, argmax_e[:, None]))
     torch.testing.assert_close(grad.float(), grad_e.float(), atol=4e-3, rtol=0)
 
-    monkeypatch.setattr(objective, "TEACHER", teacher_kernel)
+    monkeypatch.setattr(teaching, "TEACHER", teacher_kernel)
     g = torch.Generator().manual_seed(2)
     lm_head, hidden = torch.randn(64, 16, generator=g), torch.randn(35, 16, generator=g)
     used, t2d = torch.arange(50), torch.ones(64, dtype=torch.bool)
@@ -382,7 +378,7 @@ def _spec(tmp_path: Path, tiny, cfg: TrainConfig, eval_split: bool = True) -> Tr
 
     target, train, held = tiny
     counts = sum(torch.bincount(s.input_ids[s.loss_mask], minlength=256) for s in train)
-    vmap = build_vocab_map(counts, cfg.draft_vocab_size)
+    vmap = build_vocab_map(counts, cfg.drafter.draft_vocab_size)
     save_file({"used": vmap.used, "d2t": vmap.d2t, "t2d": vmap.t2d}, str(tmp_path / "vocab.safetensors"))
     return TrainSpec(
         cfg=cfg,

@@ -53,7 +53,7 @@ def test_train_on_embedded_default_shards(tmp_path, smollm2):
         server=ServerConfig(backend="reference", device="cpu", port=free_port()),
     )
     cfg = TrainConfig(
-        draft_vocab_size=512, ttt_length=3, epochs=2, lr=1e-3, batch_tokens=256, max_length=256,
+        drafter={"family": "eagle3", "draft_vocab_size": 512, "ttt_length": 3}, epochs=2, lr=1e-3, batch_tokens=256, max_length=256,
         eval_every=2, checkpoint_every=2, device="cpu", cache_dir=str(tmp_path / "cache"),
     )  # fmt: skip
     result = train(cfg, store=store, run_name="e2e", target=smollm2, shards=shards, corpus=corpus)

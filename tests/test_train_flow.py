@@ -44,8 +44,7 @@ def test_flow_trains_reports_and_caches(tmp_path):
         run="flow",
         store=StoreConfig(uri=up.store.root),
         train=TrainConfig(
-            draft_vocab_size=128,
-            ttt_length=2,
+            drafter={"family": "eagle3", "draft_vocab_size": 128, "ttt_length": 2},
             epochs=4,
             batch_tokens=64,
             max_length=64,

@@ -20,8 +20,9 @@ from aerie.train.data import Batch, SampleIndex
 from aerie.train.dflash_objective import block_labels, block_loss, sample_anchors, slot_weights
 from aerie.train.distributed import DistInfo
 from aerie.train.loop import TrainSpec, build_trainer, objective_for, rows_per_step, run_training
-from aerie.train.objective import Teacher, document_weights, supervised_rows, ttt_loss
+from aerie.train.objective import supervised_rows, ttt_loss
 from aerie.train.recipes import RECIPES, recipe
+from aerie.train.teaching import Teacher, document_weights
 from tests.test_dflash import CFG, V, packed_batch, random_drafter
 from tests.test_train import _spec, small_cfg
 from tests.test_train import tiny as tiny  # noqa: F401  (the module fixture, reused)
@@ -214,7 +215,7 @@ def test_the_dflash_authors_recipe_trains_at_tiny_shapes(tmp_path) -> None:
     r = recipe("dflash_authors")
     cfg = load_config("smollm2-local", list(r.overrides)).train
     update = {"epochs": 3.0, "batch_tokens": 48, "batch_sequences": 2, "eval_every": 2, "device": "cpu"}
-    cfg = cfg.model_copy(update={**update, "draft_vocab_size": 256, "checkpoint_every": 100, "log_every": 1})
+    cfg = cfg.model_copy(update={**update, "checkpoint_every": 100, "log_every": 1})
     target, model = tiny_target(tmp_path)
     layers = cfg.capture_layers(target.num_layers)
     train = make_samples(model, target, 4, prompt=8, response=40, seed=0)

@@ -49,7 +49,10 @@ def test_the_sweep_trains_recipes_on_shared_shards_and_records_them(tmp_path: Pa
         # The kept step is the best held-out evaluation of the curve, and its figures are recorded.
         assert held["accept_length_rounds"] == max(c["accept_length_rounds"] for c in train["curve"])
         assert held["accept_length_rounds"] == train["figures"]["accept_length_rounds"] >= 1.0
-        width = 15 if name == "dflash_authors" else v[name]["settings"]["ttt_length"]
+        settings = v[name]["settings"]
+        # EAGLE-3's unroll: train.drafter.ttt_length (a record written before it moved: train.ttt_length).
+        unroll = settings["drafter"].get("ttt_length", settings.get("ttt_length"))
+        width = 15 if name == "dflash_authors" else unroll
         assert len(held["cond_acc"]) == width and train["wall_s"] > 0 and train["figures"]["train_tokens"] > 0
     assert set(record["winners"]) == {"eagle3", "dflash"}
     assert record["winners"]["dflash"]["variant"] == "dflash_authors"

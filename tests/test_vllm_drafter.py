@@ -80,7 +80,7 @@ def trained_drafter(root: Path) -> tuple[TargetInfo, Path, list[list[int]]]:
     held = make_samples(model, target, n=2, prompt=8, response=40, seed=1)
     up = make_upstream(root, target, train, held)
     cfg = TrainConfig(
-        draft_vocab_size=128, ttt_length=3, epochs=6, lr=5e-3, batch_tokens=96, max_length=96,
+        drafter={"family": "eagle3", "draft_vocab_size": 128, "ttt_length": 3}, epochs=6, lr=5e-3, batch_tokens=96, max_length=96,
         eval_every=4, checkpoint_every=4, log_every=1, device="cpu", warmup_ratio=0.05,
     )  # fmt: skip
     # its own run name: the train stage's test trains this same config and corpus, in another worker, into

@@ -44,9 +44,16 @@ def tiny_target(root: Path, seed: int = 0) -> tuple[TargetInfo, LlamaForCausalLM
 
 @torch.no_grad()
 def make_samples(
-    model: LlamaForCausalLM, target: TargetInfo, n: int, prompt: int, response: int, seed: int = 0
+    model: LlamaForCausalLM,
+    target: TargetInfo,
+    n: int,
+    prompt: int,
+    response: int,
+    seed: int = 0,
+    layers: list[int] | None = None,
 ) -> list[HiddenSample]:
-    """Random prompts + the target's greedy continuation; loss_mask marks the continuation."""
+    """Random prompts + the target's greedy continuation; loss_mask marks the continuation. The captured
+    layers are `layers` (output-of-layer ids, a family's), EAGLE-3's by default."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(n):
@@ -56,7 +63,7 @@ def make_samples(
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
         out = model(ids, output_hidden_states=True)
         hs = out.hidden_states  # hs[i] enters layer i; hs[-1] is after the final norm
-        aux = torch.cat([hs[i][0] for i in target.aux_layers_input], dim=-1)
+        aux = torch.cat([hs[i + 1][0] for i in (layers or target.aux_layers_output)], dim=-1)
         mask = torch.zeros(ids.shape[1], dtype=torch.bool)
         mask[prompt:] = True
         samples.append(HiddenSample(f"s{seed}-{i}", ids[0], mask, aux, hs[-1][0]))
@@ -66,9 +73,14 @@ def make_samples(
 def write_shards(
     samples: list[HiddenSample], out: Path, storage: str = "bf16", shard_bytes: int = 1 << 20
 ) -> list[Path]:
+    hidden = samples[0].last_hidden.shape[1]
     writer = ShardWriter(
-        out, storage=storage, shard_bytes=shard_bytes, hidden_size=samples[0].last_hidden.shape[1]
-    )  # type: ignore[arg-type]
+        out,
+        storage=storage,  # type: ignore[arg-type]
+        shard_bytes=shard_bytes,
+        hidden_size=hidden,
+        aux_layers=samples[0].aux_hidden.shape[1] // hidden,
+    )
     infos = [info for s in samples if (info := writer.add(s)) is not None]
     last = writer.close()
     if last is not None:
@@ -91,9 +103,10 @@ def make_upstream(
     held: list[HiddenSample],
     storage: str = "bf16",
     store: ArtifactStore | None = None,
+    layers: list[int] | None = None,
 ) -> Upstream:
     """Extract and corpus stage outputs in a store (default: a LocalStore under `root`), finished through
-    StageDir like real stages."""
+    StageDir like real stages; the shards hold `layers` (EAGLE-3's by default, as `make_samples`)."""
     store = store or LocalStore(root / "artifacts")
     ex = StageDir(store, "t", "extract", "k-extract")
     splits = {}
@@ -109,8 +122,8 @@ def make_upstream(
             "hidden_size": target.hidden_size,
             "storage_dtype": storage,
             "layers": {
-                "output_of_layer": target.aux_layers_output,
-                "input_of_layer": target.aux_layers_input,
+                "output_of_layer": layers or target.aux_layers_output,
+                "input_of_layer": [i + 1 for i in layers or target.aux_layers_output],
             },
         }
     )

@@ -171,7 +171,11 @@ def _recipe_section(train: dict[str, Any]) -> list[str]:
         ("trained tokens", _num(training.get("tokens"))),
         ("peak learning rate (AdamW, cosine)", _num(cfg.get("lr"))),
         ("packed tokens per step", _num(cfg.get("batch_tokens"))),
-        ("training-time-test unroll", _num(cfg.get("ttt_length"))),
+        # train.drafter.ttt_length (a manifest written before it moved there: train.ttt_length).
+        (
+            "training-time-test unroll",
+            _num((cfg.get("drafter") or {}).get("ttt_length", cfg.get("ttt_length"))),
+        ),
         ("max sample length", _num(cfg.get("max_length"))),
         ("seed", _num(cfg.get("seed"))),
         ("best step (held-out acceptance)", _num(figures.get("best_step"))),

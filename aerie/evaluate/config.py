@@ -140,6 +140,13 @@ class EvaluateConfig(StrictModel):
         "auto", description="Target and drafter dtype; auto = bfloat16 on CUDA, float32 on CPU."
     )
 
+    def measuring(self, drafter: str) -> EvaluateConfig:
+        """This config measuring a drafter of the family `drafter`: listed where the default family is
+        (a default-family drafter's config, and key, stay as they are)."""
+        if drafter == DEFAULT or DEFAULT not in self.proposers:
+            return self
+        return self.model_copy(update={"proposers": [drafter if p == DEFAULT else p for p in self.proposers]})
+
     def prompt_sets(self) -> list[PromptSet]:
         """The prompt sets measured, defaults filled in."""
         if self.datasets is not None:

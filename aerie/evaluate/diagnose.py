@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from aerie.engine.speculative.eagle import hidden_state_indices
-from aerie.train.objective import simulate_rounds
+from aerie.train.teaching import simulate_rounds
 
 if TYPE_CHECKING:
     from aerie.draft.model import Eagle3Drafter

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from aerie.errors import ConfigError
-from aerie.families import DEFAULT
+from aerie.families import family_of
 from aerie.manifest import StageResult
 from aerie.stage import Stage, StageContext, Upstream
 
@@ -20,12 +20,8 @@ def evaluate_config(cfg: PipelineConfig) -> EvaluateConfig:
     """`cfg.evaluate` measuring the drafter this run trains: its family's proposer where the default
     family is listed (a default-family run's config, and key, stay as they are), with prompts rendered
     and completions read as the corpus did (its template, template variables and reasoning parser)."""
-    ev, name = cfg.evaluate, cfg.train.drafter.family
-    ev = ev.model_copy(update={"prompt_format": corpus_format(cfg)})
-    if name == DEFAULT or DEFAULT not in ev.proposers:
-        return ev
-    proposers = [name if p == DEFAULT else p for p in ev.proposers]
-    return ev.model_copy(update={"proposers": proposers})
+    ev = cfg.evaluate.model_copy(update={"prompt_format": corpus_format(cfg)})
+    return ev.measuring(cfg.train.drafter.family)
 
 
 def corpus_format(cfg: PipelineConfig) -> PromptFormat:
@@ -74,6 +70,7 @@ class EvaluateStage(Stage):
                 work,
                 drafter=upstream.drafter,
                 corpus=upstream.corpus,
+                family=family_of(cfg.train.drafter),
                 tracking=Tracking.of(cfg),
             )
         ]

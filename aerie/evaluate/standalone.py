@@ -16,11 +16,12 @@ from typing import Any
 from aerie.datasets import SourceSpec
 from aerie.errors import DataError, SchemaError
 from aerie.evaluate.config import EvaluateConfig, PromptSet
-from aerie.evaluate.drafter_files import check_drafter_files, check_trained_for
+from aerie.evaluate.drafter_files import check_drafter_files, check_trained_for, family_of
 from aerie.evaluate.prompts import prompt_set, prompt_tokenizer
 from aerie.evaluate.reasoning_split import prompt_template
 from aerie.evaluate.report import acceptance_by_group, acceptance_table, proposer_label
-from aerie.evaluate.work import drafter_family, load_drafter_of, measure_setting
+from aerie.evaluate.work import check_proposers, load_drafter_of, measure_setting, measures_drafter
+from aerie.families import Family, family
 from aerie.progress import ProgressFn, no_progress
 from aerie.targets import TargetInfo, resolve_device, resolve_dtype
 
@@ -89,13 +90,17 @@ def evaluate_drafter(
     check_drafter_files(drafter_dir)
     if not allow_other_target:
         check_trained_for(Path(drafter_dir), target.name, target.revision)
+    # The drafter's family is its export's (aerie.json), listed where the default family is.
+    drafting = family(family_of(Path(drafter_dir)))
+    cfg = cfg.measuring(drafting.name)
+    check_proposers(cfg, drafting)
     sets = cfg.prompt_sets()
     if any(s.kind == "heldout" for s in sets):
         raise DataError("a held-out split belongs to a pipeline's corpus: name prompt files instead")
     fmt = cfg.prompt_format
     tokenizer = prompt_tokenizer(target.load_tokenizer(), prompt_template(fmt), fmt.chat_template_kwargs)
     datasets = {s.name: prompt_set(tokenizer, s, cfg.max_prompt_tokens) for s in sets}
-    loaded = _load(cfg, target, Path(drafter_dir))
+    loaded = _load(cfg, target, drafting, Path(drafter_dir))
     plan = [
         (n, t, p, k) for n in datasets for t in cfg.temperatures for p in cfg.proposers for k in cfg.num_steps
     ]
@@ -118,12 +123,12 @@ def evaluate_drafter(
     }
 
 
-def _load(cfg: EvaluateConfig, target: TargetInfo, drafter_dir: Path) -> dict[str, Any]:
+def _load(cfg: EvaluateConfig, target: TargetInfo, drafting: Family, drafter_dir: Path) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     loaded: dict[str, Any] = {"model": target.load_model(device, str(dtype).removeprefix("torch."))}
-    if drafter_family(cfg) is not None:
-        loaded.update(load_drafter_of(cfg, target, drafter_dir, device, dtype))
+    if measures_drafter(cfg):
+        loaded.update(load_drafter_of(drafting, target, drafter_dir, device, dtype))
     return loaded
 
 

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from aerie.draft.card import update_card
 from aerie.errors import EvaluationError
-from aerie.evaluate.config import EvaluateConfig
+from aerie.evaluate.config import PROMPT_LOOKUP, EvaluateConfig
 from aerie.evaluate.drafter_files import fetch_drafter
 from aerie.evaluate.positions import PositionCounts
 from aerie.evaluate.prompts import ALL_ROWS, EvalPrompt, heldout_prompts, prompt_set, prompt_tokenizer
 from aerie.evaluate.reasoning_split import KINDS, SplitCounts, format_key, prompt_template, reader_for
 from aerie.evaluate.report import ACCEPTANCE_PNG, acceptance_by_group, evaluation_markdown, plot_acceptance
-from aerie.families import family, names
+from aerie.families import DEFAULT, Family
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn
 from aerie.stage import WorkContext
@@ -57,21 +57,24 @@ def run(
     *,
     drafter: StageResult,
     corpus: StageResult,
+    family: Family,
     tracking: Tracking = NO_TRACKING,
 ) -> StageResult:
     """Measure acceptance length (and per-position acceptance) for every dataset x proposer x steps,
-    into `ctx.out` (keyed by `key_of` over these inputs)."""
+    into `ctx.out` (keyed by `key_of` over these inputs); `drafter` is a drafter of `family`, the run's."""
     sd, store, target, progress = ctx.out, ctx.store, ctx.target, ctx.progress
     if (cached := sd.cached_result()) is not None:
         return cached
     _check(cfg)
+    check_proposers(cfg, family)
     progress(0.0, "loading prompts")
     datasets, held_skipped = _datasets(cfg, store, target, corpus)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     with work_dir("aerie-eval-") as tmp:
         models = _Models(
-            lambda: _load(cfg, store, target, drafter, Path(tmp), device, dtype), f"{target.name} on {device}"
+            lambda: _load(cfg, store, target, (family, drafter), Path(tmp), (device, dtype)),
+            f"{target.name} on {device}",
         )
         measured = _measure_all(cfg, sd, models, target, datasets, progress)
         diagnosis = _diagnose_all(cfg, sd, models, target, corpus, datasets, measured.answers, progress)
@@ -268,46 +271,58 @@ def _load(
     cfg: EvaluateConfig,
     store: ArtifactStore,
     target: TargetInfo,
-    drafter: StageResult,
+    drafter: tuple[Family, StageResult],
     tmp: Path,
-    device: str,
-    dtype: Any,
+    placed: tuple[str, Any],
 ) -> dict[str, Any]:
+    device, dtype = placed
     model = target.load_model(device, str(dtype).removeprefix("torch."))
     loaded: dict[str, Any] = {"model": model}
-    if drafter_family(cfg) is not None:
-        local = fetch_drafter(store, drafter, tmp / "drafter")
-        loaded.update(load_drafter_of(cfg, target, local, device, dtype))
+    if measures_drafter(cfg):
+        drafting, result = drafter
+        local = fetch_drafter(store, result, tmp / "drafter")
+        loaded.update(load_drafter_of(drafting, target, local, device, dtype))
     return loaded
 
 
-def drafter_family(cfg: EvaluateConfig) -> str | None:
-    """The drafter family `cfg.proposers` measures (`aerie.families`), or None (prompt lookup only)."""
-    return next((p for p in cfg.proposers if p in names()), None)
+def measures_drafter(cfg: EvaluateConfig) -> bool:
+    """Whether `cfg.proposers` lists the trained drafter (anything but prompt lookup)."""
+    return any(p != PROMPT_LOOKUP for p in cfg.proposers)
+
+
+def check_proposers(cfg: EvaluateConfig, drafting: Family) -> None:
+    """The drafter `cfg.proposers` lists is a `drafting` one: the one drafter measured is the run's."""
+    other = [p for p in cfg.proposers if p not in (PROMPT_LOOKUP, drafting.name)]
+    if other:
+        raise EvaluationError(
+            f"evaluate.proposers lists {other}, but the drafter measured is a {drafting.name} one: "
+            f"list {drafting.name} (or {DEFAULT}, which stands for the run's family) and {PROMPT_LOOKUP}"
+        )
 
 
 def load_drafter_of(
-    cfg: EvaluateConfig, target: TargetInfo, path: Path, device: str, dtype: Any
+    drafting: Family, target: TargetInfo, path: Path, device: str, dtype: Any
 ) -> dict[str, Any]:
     """The drafter at `path`, read by its family's loader (`TargetError` when the directory holds
-    another family's drafter, naming it)."""
-    name = drafter_family(cfg)
-    assert name is not None
-    return {"drafter": family(name).loader.load()(path, target, device=device, dtype=dtype)}
+    another family's drafter, naming it), and the family its proposer comes from."""
+    return {"drafter": drafting.loader.load()(path, target, device=device, dtype=dtype), "family": drafting}
 
 
 def make_proposer(
     name: str, cfg: EvaluateConfig, loaded: dict[str, Any]
 ) -> tuple[Proposer, list[int] | None]:
-    """A fresh proposer and the target hidden states it reads (HF hidden_states indices)."""
-    if name in names():
-        proposer = family(name).proposer.load()(loaded["drafter"])
-        return proposer, proposer.aux_layers
-    if name == "prompt_lookup":
+    """A fresh proposer and the target hidden states it reads (HF hidden_states indices): prompt lookup,
+    or the loaded drafter's, from its family (`load_drafter_of`)."""
+    if name == PROMPT_LOOKUP:
         from aerie.engine.speculative.prompt_lookup import PromptLookupProposer
 
         return PromptLookupProposer(cfg.prompt_lookup.max_ngram, cfg.prompt_lookup.min_ngram), None
-    raise EvaluationError(f"unknown proposer {name!r} ({', '.join(names())} or prompt_lookup)")
+    drafting: Family | None = loaded.get("family")
+    if drafting is None or name != drafting.name:
+        loaded_name = drafting.name if drafting else "none"
+        raise EvaluationError(f"proposer {name!r} is not the loaded drafter's family ({loaded_name})")
+    proposer = drafting.proposer.load()(loaded["drafter"])
+    return proposer, proposer.aux_layers
 
 
 def measure_setting(
@@ -330,7 +345,7 @@ def measure_setting(
     rows: list[dict[str, Any]] = []
     answers: dict[str, list[int]] = {}
     # Where acceptance is lost: a target token outside the draft vocabulary can never be drafted.
-    drafting = family(proposer_name) if proposer_name in names() else None
+    drafting: Family | None = loaded.get("family") if proposer_name != PROMPT_LOOKUP else None
     in_vocab = loaded["drafter"].t2d.cpu() if drafting and drafting.vocabulary == "draft" else None
     covered = 0
     # A thinking target's rounds by kind (reasoning or answer): the reader is made once per loaded target.
@@ -399,10 +414,9 @@ def measure_setting(
 def _diagnose(
     loaded: dict[str, Any], prompts: list[EvalPrompt], answers: dict[str, list[int]], steps: int, max_new: int
 ) -> dict[str, Any]:
-    from aerie.evaluate.diagnose import diagnose
-
+    diagnosis = loaded["family"].diagnosis
     pairs = [(p.input_ids, answers[p.id]) for p in prompts if p.id in answers]
-    found = diagnose(loaded["model"], loaded["drafter"], pairs, steps, max_new)
+    found = diagnosis.load()(loaded["model"], loaded["drafter"], pairs, steps, max_new)
     return {"num_steps": steps, **found}
 
 

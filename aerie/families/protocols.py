@@ -105,19 +105,29 @@ class Loader(Protocol):
         ...
 
 
+class Diagnosis(Protocol):
+    def __call__(
+        self,
+        model: Any,
+        drafter: Any,
+        pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+        steps: int,
+        max_new_tokens: int,
+    ) -> dict[str, Any]:
+        """Teacher-forced figures of `drafter` over (prompt, answer) pairs the target answered greedily."""
+        ...
+
+
 class DraftShapeSource(Protocol):
     def resolve(self, geometry: TargetGeometry) -> DrafterShape: ...
 
 
 class TrainSettings(Protocol):
-    """The shared training settings a family's parameter count reads (`aerie.train.config.TrainConfig`
-    has them)."""
+    """The shared training settings a family reads (its parameter count, its checks); a family's own are
+    its settings section (`aerie.train.config.TrainConfig` has both)."""
 
     @property
     def draft(self) -> DraftShapeSource: ...
 
     @property
-    def draft_vocab_size(self) -> int: ...
-
-    @property
-    def ttt_length(self) -> int: ...
+    def batch_tokens(self) -> int: ...

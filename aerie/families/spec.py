@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast
 
 from aerie.configbase import StrictModel
-from aerie.families.protocols import Exporter, Loader
+from aerie.families.protocols import Diagnosis, Exporter, Loader, TrainSettings
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from aerie.families.protocols import FamilyProposer, Objective, TrainSettings
+    from aerie.families.protocols import FamilyProposer, Objective
     from aerie.targets import TargetGeometry
 
 
@@ -32,6 +32,14 @@ class DrafterSettings(StrictModel):
     its fields (`aerie.families.<name>`)."""
 
     family: str
+
+    def vocab_rows(self, target_vocab: int) -> int:
+        """Rows of the drafter's head for a target of `target_vocab` tokens: the target's whole
+        vocabulary unless the family drafts over a smaller one (`Family.vocabulary` "draft")."""
+        return target_vocab
+
+    def check_training(self, train: TrainSettings) -> None:
+        """Refuse (ValueError, naming the keys) shared training settings this family cannot train with."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ class Family:
     - `config`: its settings (`train.drafter`, tagged by `family`);
     - `capture_layers(settings, num_layers)`: the target layers it reads, output-of-layer ids (what
       extraction captures); None for a family that reads only the target's last hidden state;
-    - `vocabulary`: "draft", a draft vocabulary of `train.draft_vocab_size` tokens mapped to the
+    - `vocabulary`: "draft", a draft vocabulary of its settings' `vocab_rows` tokens mapped to the
       target's (d2t/t2d), or "target", the target's whole vocabulary;
     - `served_algorithm`: SGLang's `--speculative-algorithm` for its export; `deployable`: whether the
       deploy stage serves it (checked when the config loads);
@@ -61,7 +69,8 @@ class Family:
       the planner's sizes; `train_flops(settings, train, geometry, seq_len)`: forward+backward FLOPs per
       trained token of a `seq_len` row, the planner's training time (None: 6 x its parameters, a dense
       forward and backward over each token);
-    - `diagnosed`: whether the evaluator's teacher-forced diagnosis (`aerie.evaluate.diagnose`) reads it;
+    - `diagnosis`: the evaluator's teacher-forced diagnosis of its drafter (`aerie.evaluate.diagnose` for
+      EAGLE-3; None: no diagnosis), a part like the others;
     - the parts: its model class, its objective (its part of the training loop), export and loader, and
       the proposer the lossless evaluator drafts with.
     """
@@ -78,7 +87,7 @@ class Family:
     export: Part[Exporter]
     loader: Part[Loader]
     proposer: Part[Callable[[Any], FamilyProposer]]
-    diagnosed: bool = False
+    diagnosis: Part[Diagnosis] | None = None
     train_flops: Callable[[Any, TrainSettings, TargetGeometry, int], float] | None = None
 
     def flops_per_token(
@@ -88,6 +97,11 @@ class Family:
         if self.train_flops is not None:
             return self.train_flops(settings, train, geometry, seq_len)
         return 6.0 * self.draft_params(settings, train, geometry)
+
+    @property
+    def diagnosed(self) -> bool:
+        """Whether the evaluator diagnoses its drafter (keeps its greedy answers for `diagnosis`)."""
+        return self.diagnosis is not None
 
     def layers(self, settings: DrafterSettings, num_layers: int) -> list[int]:
         """The output-of-layer ids it reads of a `num_layers` target ([] when it reads none)."""

@@ -39,17 +39,13 @@ from aerie.sglang_plugin.compat import (
     installed_sglang_version,
 )
 from aerie.sglang_plugin.dumps import PLUGIN_ERROR_FILE, DumpWriter, split_packed, valid_rid
+from aerie.sglang_plugin.layers import eagle3_layers
 
 logger = logging.getLogger("aerie.sglang_plugin")
 
 DUMP_DIR_ENV = "AERIE_DUMP_DIR"
 AUX_LAYERS_ENV = "AERIE_AUX_LAYERS_OUTPUT"  # optional override, output-of-layer ids "1,14,26"
 _installed = False
-
-
-def default_aux_layers_output(num_layers: int) -> list[int]:
-    """EAGLE-3's layers in SGLang's explicit-id (output-of-layer) convention."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
 
 
 def resolve(module: str, attr_path: str) -> Any:
@@ -195,7 +191,7 @@ def enable_aux_capture(model: Any, environ: dict[str, str] | None = None) -> lis
     if env.get(AUX_LAYERS_ENV):
         output_ids = [int(x) for x in env[AUX_LAYERS_ENV].split(",")]
     else:
-        output_ids = default_aux_layers_output(n)
+        output_ids = eagle3_layers(n)
     want = [i + 1 for i in output_ids]
     if not hasattr(model, "set_eagle3_layers_to_capture"):
         raise RuntimeError(

@@ -86,6 +86,13 @@ class OnlineConfig(StrictModel):
     )
 
 
+# Keys of the shared section that became EAGLE-3's own (`train.drafter.<key>`); an old config naming
+# one is refused with the new key.
+MOVED_TO_DRAFTER = frozenset(
+    {"draft_vocab_size", "ttt_length", "step_decay", "init_head_from_target", "recompute"}
+)
+
+
 class TrainConfig(StrictModel):
     """Train a drafter (EAGLE-3, or the DFlash block drafter) on extracted hidden states."""
 
@@ -100,16 +107,14 @@ class TrainConfig(StrictModel):
     drafter: DrafterSection = Field(
         default_factory=default_settings,
         description="The drafter family and its own settings (aerie.families), tagged by `family`: eagle3 "
-        "chains, dflash blocks (block_size, num_layers, num_target_layers, ...). A family's name alone "
-        "(train.drafter=dflash) takes its defaults.",
+        "chains (draft_vocab_size, ttt_length, step_decay, init_head_from_target, recompute), dflash blocks "
+        "(block_size, num_layers, num_target_layers, ...). A family's name alone (train.drafter=dflash) "
+        "takes its defaults.",
     )
 
-    draft_vocab_size: int = Field(32000, ge=16, description="Draft vocabulary size (capped at the target's).")
     draft: DraftShapeConfig = Field(
         default_factory=DraftShapeConfig, description="The draft layer's shape (defaults: the target's)."
     )
-    ttt_length: int = Field(7, ge=1, description="Training-time-test unroll steps.")
-    step_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of step k is step_decay**k.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training samples used.")
     train_fraction: float = Field(
         1.0,
@@ -149,10 +154,6 @@ class TrainConfig(StrictModel):
         "rest starts the next row, without the context before the cut. false: it starts the next row whole "
         "(the room left is padding), so every sample up to batch_tokens trains with all of its context.",
     )
-    init_head_from_target: bool = Field(
-        True,
-        description="Start lm_head from the target's lm_head rows of the draft vocab (and norm from its final norm).",
-    )
     eval_every: int = Field(200, ge=1, description="Steps between held-out evaluations.")
     eval_max_batches: int | None = Field(
         None, ge=1, description="Cap on eval batches per evaluation; None = the whole eval split."
@@ -170,12 +171,6 @@ class TrainConfig(StrictModel):
     )
     attention: Literal["auto", "flex", "dense"] = Field(
         "auto", description="TTT attention: flex (compiled, CUDA), dense (matmul, CPU); auto picks by device."
-    )
-    recompute: bool = Field(
-        False,
-        description="Activation checkpointing over the training-time-test unroll: each step's activations are "
-        "recomputed in the backward instead of kept (about a third more compute, most of the unroll's memory "
-        "saved); for long max_length (benchmarks/long_context.py measures both).",
     )
     prefetch_batches: int = Field(4, ge=1, description="Batches the background loader keeps ready.")
     cache_dir: str | None = Field(
@@ -196,13 +191,19 @@ class TrainConfig(StrictModel):
         """The target layers this drafter family reads, output-of-layer ids (what extraction captures)."""
         return family_of(self.drafter).layers(self.drafter, num_layers)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _family_settings_moved(cls, data: Any) -> Any:
+        """EAGLE-3's own settings were shared keys once: name where each went."""
+        moved = sorted(set(data) & MOVED_TO_DRAFTER) if isinstance(data, dict) else []
+        if moved:
+            where = ", ".join(f"train.{k} -> train.drafter.{k}" for k in moved)
+            raise ValueError(f"EAGLE-3's own settings live in its section train.drafter now: {where}")
+        return data
+
     @model_validator(mode="after")
-    def _a_batch_holds_an_unroll(self) -> TrainConfig:
-        if self.batch_tokens < self.ttt_length + 2:
-            raise ValueError(
-                f"train.batch_tokens {self.batch_tokens} must be at least train.ttt_length + 2 = "
-                f"{self.ttt_length + 2}: a packed batch must hold one sample of the unroll"
-            )
+    def _a_row_holds_what_the_family_trains(self) -> TrainConfig:
+        self.drafter.check_training(self)
         if not self.split_samples and self.batch_tokens < self.max_length:
             raise ValueError(
                 f"train.split_samples=false keeps samples whole, but train.batch_tokens {self.batch_tokens} "

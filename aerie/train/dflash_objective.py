@@ -10,7 +10,7 @@ The target's distribution of x_{a+j} is its lm_head on its final hidden state of
 the target's head too), averaged per slot over its supervised blocks, slot j weighted
 exp(-(j-1)/loss_decay): the first drafted tokens decide most of the acceptance, as in DFlash.
 
-Metrics are EAGLE-3's (`aerie.train.objective.summarize`): per slot j, acc (the draft's argmax is the
+Metrics are the shared ones (`aerie.train.teaching.summarize`): per slot j, acc (the draft's argmax is the
 target's), cond_acc (the same among blocks whose slots < j were all right), and
 accept_length = 1 + sum_j prod_{i<=j} cond_acc_i, what greedy verification of the block accepts.
 """
@@ -30,7 +30,7 @@ from aerie.families import DFlashSettings
 from aerie.targets import TargetInfo
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch
-from aerie.train.objective import (
+from aerie.train.teaching import (
     STAT_ROWS,
     Reduce,
     Teacher,

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from aerie.errors import ConfigError, TrainingError
+from aerie.errors import TrainingError
 from aerie.families import family_of
 from aerie.families.protocols import Objective
 from aerie.targets import TargetInfo
@@ -37,8 +37,8 @@ from aerie.train.checkpoint import TrainState, checkpoint_name, load_checkpoint,
 from aerie.train.config import TrainConfig
 from aerie.train.data import Batch, DataSource, EpochPlans, Prefetcher, SampleIndex, ShardSource
 from aerie.train.distributed import DistInfo
-from aerie.train.objective import Teacher, summarize
 from aerie.train.online import OnlineFeeder, OnlineSpec
+from aerie.train.teaching import Teacher, summarize
 
 Emit = Callable[[dict[str, Any]], None]
 BEST = "best"
@@ -303,8 +303,6 @@ def _draft_config(drafter: nn.Module) -> dict[str, Any]:
 def build_trainer(spec: TrainSpec, dist: DistInfo, emit: Emit) -> tuple[Trainer, TrainState]:
     """Model, teacher, optimizer, schedule and data for `spec`; restored from `spec.resume_from` if set."""
     cfg = spec.cfg
-    if cfg.batch_tokens < cfg.ttt_length + 2:
-        raise ConfigError(f"train.batch_tokens {cfg.batch_tokens} must exceed ttt_length + 1")
     device = torch.device(spec.device, dist.local_rank) if spec.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if device.type == "cuda" else "dense")

@@ -54,8 +54,8 @@ RECIPES: dict[str, Recipe] = {
             (
                 "train.drafter=eagle3",
                 *CONVERGED_SCHEDULE,
-                "train.ttt_length=7",
-                "train.step_decay=0.8",
+                "train.drafter.ttt_length=7",
+                "train.drafter.step_decay=0.8",
             ),
         ),
         Recipe(

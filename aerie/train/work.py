@@ -38,7 +38,7 @@ from aerie.errors import ConfigError, DataError, ObjectNotFoundError, TrainingEr
 from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import open_split
 from aerie.extract.plan import check_server_quantization, dump_root
-from aerie.families import DEFAULT, family_of
+from aerie.families import DEFAULT, family, family_of
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn
 from aerie.serving import ServerConfig
@@ -85,7 +85,7 @@ def run(
         return cached
 
     # A family drafting over the target's whole vocabulary (DFlash: its head is the target's) maps none.
-    draft_vocab = cfg.draft_vocab_size if family_of(cfg.drafter).vocabulary == "draft" else target.vocab_size
+    draft_vocab = cfg.drafter.vocab_rows(target.vocab_size)
     vocab = build_vocab_map(load_token_counts(store, corpus, target.vocab_size), draft_vocab)
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else get_settings().cache_dir / "train"
@@ -174,13 +174,20 @@ def key_of(
     else:
         assert shards is not None
         upstream.insert(0, shards.manifest_sha256)
-    # Keyed as before families were one tagged section: the default family's runs leave it out, another
-    # family's name and its settings are two fields.
-    settings = keyed.pop("drafter")
-    name = settings.pop("family")
-    if name != DEFAULT:
-        keyed.update({"drafter": name, name: settings})
+    keyed.update(_family_keyed(keyed.pop("drafter")))
     return stage_key(STAGE, keyed, upstream)
+
+
+def _family_keyed(settings: dict[str, Any]) -> dict[str, Any]:
+    """`train.drafter` keyed as before families were one tagged section and before the default family's
+    own settings moved into it: the default family's settings are top-level keys (its keys unchanged);
+    another family's name and its settings are two fields, beside the default family's settings at
+    their defaults (the shared values such a run was keyed with)."""
+    name = settings.pop("family")
+    if name == DEFAULT:
+        return settings
+    defaults = family(DEFAULT).config.model_validate({}).model_dump(mode="json", exclude={"family"})
+    return {**defaults, "drafter": name, name: settings}
 
 
 def _online_inputs(

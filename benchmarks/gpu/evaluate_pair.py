@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from aerie.config import load_yaml
-from aerie.draft.export import load_drafter
 from aerie.errors import DataError
 from aerie.evaluate.config import EvaluateConfig
 from aerie.evaluate.prompts import ALL_ROWS, EvalPrompt, heldout_prompts, prompt_set
-from aerie.evaluate.work import measure_setting
+from aerie.evaluate.work import load_drafter_of, measure_setting
+from aerie.families import family
 from aerie.manifest import StageDir, StageResult
 from aerie.store import ArtifactStore, open_store
 from aerie.targets import TargetInfo, resolve_device, resolve_dtype, resolve_target
@@ -74,7 +74,7 @@ def evaluate(config: Path, drafters: dict[str, Path]) -> dict[str, Any]:
     out: dict[str, Any] = {"drafters": {}}
     rows: list[dict[str, Any]] = []
     for name, path in drafters.items():
-        loaded = {"model": model, "drafter": load_drafter(path, target, device=device, dtype=dtype)}
+        loaded = {"model": model, **load_drafter_of(family("eagle3"), target, path, device, dtype)}
         results = []
         for dataset, prompts in sets.items():
             for k in cfg.num_steps:

@@ -132,10 +132,9 @@ def train_drafter(target, store, corpus, shards, work: Path, out: Path, args) ->
     try:
         tcfg = TrainConfig(
             device=args.train_device,
-            draft_vocab_size=32768,
+            drafter={"family": "eagle3", "draft_vocab_size": 32768, "init_head_from_target": True},
             draft=DraftShapeConfig(intermediate_size=4608),
             lr=1e-3,
-            init_head_from_target=True,
             batch_tokens=32768,
             max_length=2048,
             eval_every=100,
