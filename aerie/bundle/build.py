@@ -39,6 +39,7 @@ class BundleRequest:
     python_version: str = ""  # the host's Python (major.minor); "": this interpreter's
     platforms: list[str] = field(default_factory=list)  # the host's platform tags; []: this machine's
     extras: list[str] = field(default_factory=list)  # aerie's extras to carry too
+    only: list[str] = field(default_factory=list)  # these distributions instead of aerie's requirements
     skip: list[str] = field(default_factory=list)  # distributions the host has (not carried)
     always: list[str] = field(default_factory=list)  # carried even when skipped
     find_links: list[str] = field(default_factory=list)
@@ -52,6 +53,7 @@ class BundleRequest:
     full_text: bool = False
     installer: bool = True
     prefix: str = "part"
+    work: Path | None = None  # downloads and exports, reused by a re-run (default OUT/.work)
 
 
 def this_python() -> str:
@@ -65,7 +67,7 @@ def _wheel_files(req: BundleRequest, work: Path) -> tuple[list[BundledFile], dic
     pins: dict[str, str] = {}
     if req.wheels:
         env = markers(req.python_version or this_python(), req.platforms[0] if req.platforms else "")
-        roots = aerie_roots(req.extras, env)
+        roots = req.only or aerie_roots(req.extras, env)
         pins = wheel_pins(roots, env, frozenset(req.skip), frozenset(req.always))
         print(
             f"wheels to carry ({len(pins)}): " + ", ".join(f"{n}=={v}" for n, v in pins.items()), flush=True
@@ -156,7 +158,7 @@ def build_bundle(req: BundleRequest) -> dict[str, Any]:
     from aerie.presets import load_config
 
     out = req.out
-    work = out / ".work"
+    work = req.work or out / ".work"
     work.mkdir(parents=True, exist_ok=True)
     cfg = load_config(req.preset, req.overrides)
     files, pins = _wheel_files(req, work)

@@ -43,6 +43,8 @@ def add_bundle_parser(sub: Any) -> None:
     p.add_argument("--platform", dest="platforms", action="append", default=[],
                    help="the host's platform tag, e.g. manylinux_2_28_x86_64 (default: this machine's)")  # fmt: skip
     p.add_argument("--extra", dest="extras", action="append", default=[], help="an aerie extra to carry too")
+    p.add_argument("--only", nargs="+", default=[],
+                   help="carry these distributions (and what they require) instead of aerie's requirements")  # fmt: skip
     p.add_argument("--skip", nargs="+", default=[], help="distributions the host already has (not carried)")
     p.add_argument("--skip-from", help="a file of distributions the host has (`pip freeze` there)")
     p.add_argument("--find-links", action="append", default=[], help="a folder of wheels pip looks in first")
