@@ -146,6 +146,9 @@ def verify_install(
     """Check the installed wheels in a child with the installed environment (requirements met, `modules`
     importable); raises on any problem, else returns the child's report."""
     cmd = [sys.executable, "-m", "aerie.bundle", "check", "--site", str(dest.site), *modules]
+    # Run in the folder itself: `-m` puts the working directory first on the path, and a checkout of
+    # aerie there would be imported instead of the installed one.
+    dest.root.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
         cmd, env=environ(dest, extra_paths=extra_paths), capture_output=True, text=True, cwd=dest.root
     )

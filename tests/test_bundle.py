@@ -1,0 +1,115 @@
+"""`aerie bundle` and its offline install, for real on this machine.
+
+A bundle of aerie (its wheel built here from this source tree) and two of its requirements with what
+they require (pydantic, PyYAML: no torch wheel needed to prove the path) is written in parts of half a
+MiB, the parts are copied to another folder as they would be carried to a host, and `install.pyz` from
+one part installs it into a fresh folder with pip --no-index. The installed aerie is then imported by
+an interpreter that sees nothing but that folder and the standard library (`python -S`). Wheels come from
+the local wheelhouse the image builds fill (`~/.cache/aerie/wheelhouse`) when it holds them, else from
+pip's index.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aerie.bundle import CONTENTS, MIB
+from aerie.bundle.build import BundleRequest, _capacity
+from aerie.bundle.cli import skip_list
+from aerie.bundle.wheels import markers, wheel_pins
+from aerie.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+PART_MB = 0.5
+ONLY = ["pydantic", "pyyaml"]
+WHEELHOUSE = Path.home() / ".cache" / "aerie" / "wheelhouse"
+
+
+def wheel_sources() -> list[str]:
+    """`--find-links WHEELHOUSE --no-index` when the wheelhouse holds this pydantic, else pip's index."""
+    if list(WHEELHOUSE.glob(f"pydantic-{md.version('pydantic')}-*.whl")):
+        return ["--find-links", str(WHEELHOUSE), "--no-index"]
+    return []
+
+
+def run(*cmd: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def without_pythonpath() -> dict[str, str]:
+    """This environment less PYTHONPATH: the host's interpreter does not see this checkout."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+@pytest.mark.integration
+def test_a_bundle_installs_offline_and_aerie_imports_from_it(tmp_path: Path) -> None:
+    out = tmp_path / "bundle"
+    printed = run(sys.executable, "-m", "aerie.cli", "bundle", "--out", str(out), "--no-target",
+                  "--only", *ONLY, "--max-part-mb", str(PART_MB), *wheel_sources())  # fmt: skip
+    parts = sorted(out.glob("part-*"))
+    assert len(parts) >= 3, printed  # pydantic-core alone is larger than a part: it is split
+    for part in parts:
+        assert (part / CONTENTS).is_file() and (part / "install.pyz").is_file()
+        assert sum(f.stat().st_size for f in part.rglob("*") if f.is_file()) <= PART_MB * MIB
+
+    # Carried to the host: the parts alone, without the work folder the download left here.
+    host = tmp_path / "host"
+    for part in parts:
+        shutil.copytree(part, host / "bundle" / part.name)
+    dest = host / "aerie"
+    installer = host / "bundle" / parts[-1].name / "install.pyz"
+    report = run(sys.executable, str(installer), "--into", str(dest), "--check", "aerie.configbase", "yaml",
+                 env=without_pythonpath(), cwd=host)  # fmt: skip
+    assert "installed and importable:" in report and "aerie 0.1.0" in report and "pydantic " in report
+    again = run(sys.executable, str(installer), "--into", str(dest), "--no-check", env=without_pythonpath())
+    assert "already installed" in again
+
+    # Nothing but the installed folder and the standard library: `-S` leaves this venv's packages out.
+    probe = "import aerie, aerie.configbase, yaml, pydantic; print(aerie.__file__, yaml.__file__, pydantic.__file__)"
+    isolated = {**without_pythonpath(), "PYTHONPATH": str(dest / "site")}
+    for module in run(sys.executable, "-S", "-c", probe, env=isolated, cwd=host).split():
+        assert Path(module).is_relative_to(dest / "site"), module
+
+    # env.sh gives a shell the same environment, with aerie's script on PATH.
+    shell = f'. "{dest}/env.sh" && command -v aerie && "{sys.executable}" -c "import aerie; print(aerie.__file__)"'
+    script, module = run("bash", "-c", shell, env=without_pythonpath(), cwd=host).split()
+    assert Path(script) == dest / "site" / "bin" / "aerie"
+    assert Path(module).is_relative_to(dest / "site")
+
+
+def test_pins_follow_requirements_less_what_the_host_has() -> None:
+    env = markers(f"{sys.version_info.major}.{sys.version_info.minor}", "manylinux_2_28_x86_64")
+    pins = wheel_pins(["pydantic"], env)
+    assert pins["pydantic"] == md.version("pydantic") and "pydantic-core" in pins
+    assert "typing-extensions" in pins
+    skipped = wheel_pins(["pydantic"], env, skip=frozenset({"typing_extensions", "pydantic-core"}))
+    assert "typing-extensions" not in skipped and "pydantic-core" not in skipped
+    kept = wheel_pins(
+        ["pydantic"], env, skip=frozenset({"typing-extensions"}), always=frozenset({"typing-extensions"})
+    )
+    assert "typing-extensions" in kept
+
+
+def test_skip_from_reads_a_pip_freeze(tmp_path: Path) -> None:
+    freeze = tmp_path / "host.txt"
+    freeze.write_text(
+        "# the host\ntorch==2.9.0+cu130\nnumpy>=2\n-e git+https://example.org/x#egg=x\nPyYAML @ file:///w\n"
+    )
+    assert skip_list(str(freeze)) == ["torch", "numpy", "PyYAML"]
+
+
+def test_a_part_too_small_for_the_installer_is_refused(tmp_path: Path) -> None:
+    installer = tmp_path / "install.pyz"
+    installer.write_bytes(b"x" * 100_000)
+    with pytest.raises(ConfigError, match="--max-part-mb 0.05"):
+        _capacity(BundleRequest(out=tmp_path, max_part_mb=0.05), [installer])
+    assert _capacity(BundleRequest(out=tmp_path, max_part_mb=1), [installer]) < MIB
