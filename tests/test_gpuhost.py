@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from aerie.datasets import SourceSpec, iter_conversations, mtbench_path
 from aerie.bundle import CONTENTS, MIB, InstallDir
 from aerie.bundle.data import ASSISTANT_PLACEHOLDER, SHAREGPT_STANDIN, placeholder_of
+from aerie.datasets import SourceSpec, iter_conversations, mtbench_path
 from aerie.errors import AerieError, BundleError, IntegrityError, SourceNotFoundError
 from tests.conftest import free_port
 from tools import gpuhost
