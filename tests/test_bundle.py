@@ -61,12 +61,18 @@ def test_a_bundle_installs_offline_and_aerie_imports_from_it(tmp_path: Path) -> 
         assert (part / CONTENTS).is_file() and (part / "install.pyz").is_file()
         assert sum(f.stat().st_size for f in part.rglob("*") if f.is_file()) <= PART_MB * MIB
 
-    # Carried to the host: the parts alone, without the work folder the download left here.
+    # Carried to the host: the parts alone, without the work folder the download left here; the first
+    # one late. Until it lands, the install names what it lacks and where that is, and installs nothing.
     host = tmp_path / "host"
-    for part in parts:
+    for part in parts[1:]:
         shutil.copytree(part, host / "bundle" / part.name)
     dest = host / "aerie"
     installer = host / "bundle" / parts[-1].name / "install.pyz"
+    early = subprocess.run([sys.executable, str(installer), "--into", str(dest)], capture_output=True,
+                           text=True, env=without_pythonpath(), cwd=host, timeout=600)  # fmt: skip
+    assert early.returncode == 1 and "not unpacked yet" in early.stderr
+    assert f"(from {parts[0].name})" in early.stderr and not (dest / "site").exists()
+    shutil.copytree(parts[0], host / "bundle" / parts[0].name)
     report = run(sys.executable, str(installer), "--into", str(dest), "--check", "aerie.configbase", "yaml",
                  env=without_pythonpath(), cwd=host)  # fmt: skip
     assert "installed and importable:" in report and "aerie 0.1.0" in report and "pydantic " in report
@@ -113,3 +119,41 @@ def test_a_part_too_small_for_the_installer_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--max-part-mb 0.05"):
         _capacity(BundleRequest(out=tmp_path, max_part_mb=0.05), [installer])
     assert _capacity(BundleRequest(out=tmp_path, max_part_mb=1), [installer]) < MIB
+
+
+@pytest.mark.integration
+def test_a_hugging_face_target_travels_as_the_cache_holds_it(tmp_path: Path) -> None:
+    """A target named by its Hugging Face id goes as the hub's cache holds it (a snapshot and its ref),
+    and on the host the same offline lookup aerie makes (`snapshot_download(local_files_only=True)`)
+    finds it in the installed folder. The cache here is made by hand: no model is downloaded."""
+    from aerie.bundle import InstallDir, environ, unpack
+    from aerie.bundle.build import BundleRequest, build_bundle
+
+    cache = tmp_path / "hf-here"
+    snapshot = cache / "models--acme--tiny" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"model_type": "llama"}')
+    (snapshot / "tokenizer.json").write_text("{}")
+    (cache / "models--acme--tiny" / "refs").mkdir()
+    (cache / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
+
+    out, dest = tmp_path / "bundle", InstallDir(tmp_path / "host")
+    here = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in here.items():
+            mp.setenv(key, value)
+        index = build_bundle(
+            BundleRequest(out=out, overrides=["target.name=acme/tiny"], wheels=False, aerie=False)
+        )
+    assert {e["path"] for e in index["files"]} == {
+        "hf/hub/models--acme--tiny/refs/main",
+        "hf/hub/models--acme--tiny/snapshots/0123abcd/config.json",
+        "hf/hub/models--acme--tiny/snapshots/0123abcd/tokenizer.json",
+    }
+    assert not unpack(out / "part-1", dest).missing
+
+    probe = "from huggingface_hub import snapshot_download as s; print(s('acme/tiny', local_files_only=True))"
+    env = environ(dest, base={k: v for k, v in os.environ.items() if not k.startswith("HF_")})
+    found = Path(run(sys.executable, "-c", probe, env=env, cwd=tmp_path).strip())
+    assert found == dest.staged / "hf" / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"
+    assert (found / "config.json").read_text() == '{"model_type": "llama"}'
