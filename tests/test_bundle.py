@@ -79,6 +79,17 @@ def test_a_bundle_installs_offline_and_aerie_imports_from_it(tmp_path: Path) -> 
     again = run(sys.executable, str(installer), "--into", str(dest), "--no-check", env=without_pythonpath())
     assert "already installed" in again
 
+    # The installed aerie holds the data its modules read at run time (the planner's tables...), not
+    # only its modules.
+    data = [
+        f.relative_to(REPO)
+        for f in (REPO / "aerie").rglob("*")
+        if f.is_file() and f.suffix not in (".py", ".pyc")
+    ]
+    assert data and all((dest / "site" / f).is_file() for f in data), [
+        f for f in data if not (dest / "site" / f).is_file()
+    ]
+
     # Nothing but the installed folder and the standard library: `-S` leaves this venv's packages out.
     probe = "import aerie, aerie.configbase, yaml, pydantic; print(aerie.__file__, yaml.__file__, pydantic.__file__)"
     isolated = {**without_pythonpath(), "PYTHONPATH": str(dest / "site")}
