@@ -4,6 +4,7 @@ and the installer `install.pyz` in every part."""
 
 from __future__ import annotations
 
+import sys
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -57,8 +58,6 @@ class BundleRequest:
 
 
 def this_python() -> str:
-    import sys
-
     return f"{sys.version_info.major}.{sys.version_info.minor}"
 
 

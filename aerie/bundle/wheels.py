@@ -63,6 +63,9 @@ def aerie_roots(extras: Iterable[str], env: dict[str, str]) -> list[str]:
     roots = []
     for line in md.requires("aerie") or []:
         req = Requirement(line)
+        # An extra that names aerie's other extras (`aerie[trackers]`) is not a wheel to download.
+        if normalize(req.name) == "aerie":
+            continue
         if req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in ["", *extras]):
             roots.append(normalize(req.name))
     return roots
