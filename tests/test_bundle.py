@@ -23,7 +23,7 @@ import pytest
 from aerie.bundle import CONTENTS, MIB
 from aerie.bundle.build import BundleRequest, _capacity
 from aerie.bundle.cli import skip_list
-from aerie.bundle.wheels import markers, wheel_pins
+from aerie.bundle.wheels import expand_platforms, markers, wheel_pins
 from aerie.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -168,3 +168,10 @@ def test_a_hugging_face_target_travels_as_the_cache_holds_it(tmp_path: Path) -> 
     found = Path(run(sys.executable, "-c", probe, env=env, cwd=tmp_path).strip())
     assert found == dest.staged / "hf" / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"
     assert (found / "config.json").read_text() == '{"model_type": "llama"}'
+
+
+def test_a_manylinux_tag_takes_the_older_glibc_tags_it_runs() -> None:
+    tags = expand_platforms(["manylinux_2_28_x86_64", "macosx_14_0_arm64"])
+    assert tags[0] == "manylinux_2_28_x86_64" and "manylinux_2_17_x86_64" in tags
+    assert {"manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"} <= set(tags)
+    assert "manylinux_2_29_x86_64" not in tags and tags[-1] == "macosx_14_0_arm64"

@@ -121,6 +121,27 @@ def _downloaded(dest: Path) -> dict[tuple[str, str], Path]:
     return {wheel_key(p.name): p for p in dest.glob("*.whl")}
 
 
+# The manylinux tags named before PEP 600, by the glibc they stand for.
+_LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+
+
+def expand_platforms(platforms: Sequence[str]) -> list[str]:
+    """Each `manylinux_2_N_ARCH` with every older glibc's tag it runs (pip matches tags exactly): a host
+    with glibc 2.N runs wheels built for 2.5 to 2.N. Other tags stay as they are."""
+    out: list[str] = []
+    for tag in platforms:
+        match = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", tag)
+        if not match:
+            out.append(tag)
+            continue
+        newest, arch = int(match[1]), match[2]
+        for minor in range(newest, 4, -1):
+            out.append(f"manylinux_2_{minor}_{arch}")
+            if minor in _LEGACY_MANYLINUX:
+                out.append(f"{_LEGACY_MANYLINUX[minor]}_{arch}")
+    return list(dict.fromkeys(out))
+
+
 def target_args(python_version: str, platforms: Sequence[str]) -> list[str]:
     """pip's options for wheels of another Python or platform ([] for this interpreter's own)."""
     args = []
@@ -129,7 +150,11 @@ def target_args(python_version: str, platforms: Sequence[str]) -> list[str]:
         args += ["--python-version", python_version, "--implementation", "cp",
                  "--abi", abi, "--abi", "abi3", "--abi", "none"]  # fmt: skip
     if platforms:
-        args += [*(arg for p in platforms for arg in ("--platform", p)), "--platform", "any"]
+        args += [
+            *(arg for p in expand_platforms(platforms) for arg in ("--platform", p)),
+            "--platform",
+            "any",
+        ]
     return args
 
 
@@ -141,8 +166,8 @@ def download_wheels(
     find_links: Sequence[str] = (),
     no_index: bool = False,
 ) -> list[Path]:
-    """One wheel per pin, for CPython `python_version` on any of `platforms` (pip also takes the older
-    manylinux tags a newer one includes; neither given: for this interpreter); `find_links` folders are
+    """One wheel per pin, for CPython `python_version` on any of `platforms` (a manylinux tag with the
+    older ones it includes; neither given: for this interpreter); `find_links` folders are
     looked in first, and alone with `no_index`. Wheels already in `dest` are reused, so a failed bundle
     re-runs quickly."""
     dest.mkdir(parents=True, exist_ok=True)
