@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from aerie.bundle.cli import add_bundle_parser
 from aerie.config import PipelineConfig, to_yaml
 from aerie.errors import AerieError, ConfigError
 from aerie.pipeline import STAGE_NAMES
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", help="also write the whole report to this file")
     evaluate.add_argument("overrides", nargs="*", help="key=value, e.g. evaluate.temperatures=[0,1]")
     evaluate.set_defaults(func=_cmd_evaluate)
+    add_bundle_parser(sub)
     return parser
 
 

@@ -36,8 +36,9 @@ there: ``aerie.diskspace.writing``)::
     │   ├── NotEnoughDiskError      a filesystem too small for what the run writes there
     │   ├── GpuMemoryError          the target (or a training step) larger than the GPUs' memory
     │   └── ContextLengthError      a sequence length beyond the target's context
-    └── HostSetupError              preparing the offline GPU host: wheel download, install, the
-                                    environment check, the host's config (`tools.gpuhost`)
+    └── BundleError                 an air-gapped bundle (`aerie bundle`): a wheel pip cannot fetch or
+                                    build, a failed offline install, an installed environment that
+                                    does not import
 
 ``Interrupted`` is a ``KeyboardInterrupt``, not an ``AerieError``: Ctrl-C stopped a stage, which kept
 what it finished; its message is one line saying what is kept and how to resume.
@@ -178,8 +179,8 @@ class ContextLengthError(PlanError):
     """A configured sequence length is beyond the target's context."""
 
 
-class HostSetupError(AerieError):
-    """Preparing the offline GPU host failed (wheels, install, environment check, host config)."""
+class BundleError(AerieError):
+    """Building or installing an air-gapped bundle failed (a wheel, the offline install, its check)."""
 
 
 class Interrupted(KeyboardInterrupt):

@@ -167,9 +167,8 @@ def rebuild_missing(
 ) -> bool:
     """Whether stage `i` makes a finished output whole again where part of it is gone (extraction's
     shards, `ExtractStage.needs`): yes when this run stops at it or the stage after it has work to do.
-    Evaluation and deployment read the drafter, never the shards, so a GPU host that got a finished
-    drafter back without its shards (they never travel, `tools.gpuhost`) evaluates and deploys it
-    straight away."""
+    Evaluation and deployment read the drafter, never the shards, so a host that got a finished
+    drafter without its shards (a store copied without them) evaluates and deploys it straight away."""
     if i + 1 == len(stages):
         return True
     finished = stages[i].cached(cfg, ctx, upstream)

@@ -1,8 +1,9 @@
-"""`python -m tools.gpuhost` on this machine, standing in for the GPU host with temporary homes.
+"""`python -m tools.gpuhost` (the project's GPU-job tool over `aerie bundle`) on this machine, standing in
+for the GPU host with temporary homes.
 
 Every step runs as the real CLI in a subprocess: `stage` (bundles split at a tiny size, no wheel
-download: one wheel built here instead, installed by real pip), `unpack` (parts checked and reassembled,
-a missing and a corrupted part reported), `install`/`env`, `run` (the real pipeline through `--until
+download: one wheel built here instead, installed by real pip), `unpack` (pieces checked and reassembled,
+a missing and a corrupted piece reported), `install`/`env`, `run` (the real pipeline through `--until
 merge`, the reference server on CPU), `pack-out` and `restore` into a fresh home whose second `run` is
 all cache hits, and a `run` stopped by its budget. What differs on the real host (no network, CUDA,
 Python 3.12 wheels) is not exercised here.
@@ -23,8 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from aerie.bundle import CONTENTS, MIB, InstallDir
+from aerie.bundle.data import ASSISTANT_PLACEHOLDER, SHAREGPT_STANDIN, placeholder_of
 from aerie.datasets import SourceSpec, iter_conversations, mtbench_path
-from aerie.errors import AerieError, HostSetupError, IntegrityError, SourceNotFoundError
+from aerie.errors import AerieError, BundleError, IntegrityError, SourceNotFoundError
 from tests.conftest import free_port
 from tools import gpuhost
 
@@ -95,13 +98,11 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.integration
 def test_stage_splits_into_bundles_that_reassemble(staged: Path, tmp_path: Path) -> None:
-    index = json.loads((staged / "bundle-1" / gpuhost.CONTENTS).read_text())
+    index = json.loads((staged / "bundle-1" / CONTENTS).read_text())
     bundles = sorted(staged.glob("bundle-*"))
     assert len(bundles) == index["bundles"] >= 3
     for bundle in bundles:
-        assert (
-            sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) <= float(BUNDLE_MB) * gpuhost.MIB
-        )
+        assert sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) <= float(BUNDLE_MB) * MIB
     questions = next(e for e in index["files"] if e["path"].endswith("question.jsonl"))
     assert len(questions["parts"]) >= 2 and questions["sha256"] == sha256(mtbench_path())
     assert index["sharegpt"]["conversations"] == 4 and index["sharegpt"]["assistant_placeholder"]
@@ -125,14 +126,14 @@ def test_stage_splits_into_bundles_that_reassemble(staged: Path, tmp_path: Path)
 
     for bundle in bundles:
         report = ok("unpack", str(bundle), "--home", str(home))
-    assert "every staged file is in place" in report
+    assert "every file of the bundle is in place" in report
     staged_home = home / "staged"
     assert sha256(staged_home / questions["path"]) == questions["sha256"]
     assert not any(p.is_file() for p in (home / ".parts").rglob("*")), "parts are deleted once reassembled"
-    assert "0 parts placed" in ok("unpack", str(bundles[0]), "--home", str(home)), "unpack is idempotent"
+    assert "0 pieces placed" in ok("unpack", str(bundles[0]), "--home", str(home)), "unpack is idempotent"
 
     # The ShareGPT stand-in holds the very conversations the preset reads here, assistant text aside.
-    expanded = json.loads((staged_home / gpuhost.SHAREGPT_STANDIN).read_text())
+    expanded = json.loads((staged_home / SHAREGPT_STANDIN).read_text())
     here = list(iter_conversations(SourceSpec(kind="sharegpt"), "sharegpt", limit=4))
     assert [r["id"] for r in expanded] == [c.id for c in here]
     for record, conversation in zip(expanded, here, strict=True):
@@ -141,11 +142,9 @@ def test_stage_splits_into_bundles_that_reassemble(staged: Path, tmp_path: Path)
         assert users == [m.content for m in conversation.messages if m.role == "user"]
         answers = [m.content for m in conversation.messages if m.role == "assistant"]
         stand_ins = [t["value"] for t in record["conversations"] if t["from"] == "assistant"]
-        assert stand_ins == [gpuhost.placeholder_of(a) for a in answers]  # the answers' lengths, kept
-        assert all(s.startswith(gpuhost.ASSISTANT_PLACEHOLDER) for s in stand_ins)
-        assert [len(s) for s in stand_ins] == [
-            max(len(a), len(gpuhost.ASSISTANT_PLACEHOLDER)) for a in answers
-        ]
+        assert stand_ins == [placeholder_of(a) for a in answers]  # the answers' lengths, kept
+        assert all(s.startswith(ASSISTANT_PLACEHOLDER) for s in stand_ins)
+        assert [len(s) for s in stand_ins] == [max(len(a), len(ASSISTANT_PLACEHOLDER)) for a in answers]
 
 
 @pytest.mark.integration
@@ -178,11 +177,11 @@ def test_install_and_env_redirect_imports(staged: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_an_unusable_host_environment_is_a_host_setup_error(tmp_path: Path) -> None:
+def test_an_unusable_host_environment_is_a_bundle_error(tmp_path: Path) -> None:
     """The import check runs in a child with the host's environment; a module it cannot import is a
-    HostSetupError (an AerieError, which the CLI prints as one line) naming the module and the home."""
-    home = gpuhost.Home(tmp_path / "home")
-    with pytest.raises(HostSetupError, match="import aerie_no_such_module") as info:
+    BundleError (an AerieError, which the CLI prints as one line) naming the module and the home."""
+    home = InstallDir(tmp_path / "home")
+    with pytest.raises(BundleError, match="import aerie_no_such_module") as info:
         gpuhost.verify_install(home, ["aerie_no_such_module"])
     assert isinstance(info.value, AerieError) and str(home.site) in str(info.value)
 
@@ -194,7 +193,7 @@ def _store_file(store: Path, key: str, data: bytes) -> None:
 
 
 def test_pack_out_takes_stages_whole_and_leaves_shards_behind(tmp_path: Path) -> None:
-    home = gpuhost.Home(tmp_path / "host")
+    home = InstallDir(tmp_path / "host")
     store = home.store
     manifest = b'{"stage": "x"}'
     # A finished generation, an unfinished one (only its journal matters), the merged corpus, and later
@@ -221,7 +220,7 @@ def test_pack_out_takes_stages_whole_and_leaves_shards_behind(tmp_path: Path) ->
     # The merged corpus does not fit after the generation and the drafter: left whole, and said so.
     assert [g["group"] for g in index["left_behind"]] == ["store/r/merge/k3"]
 
-    fresh = gpuhost.Home(tmp_path / "fresh")
+    fresh = InstallDir(tmp_path / "fresh")
     restored, kept = gpuhost.restore(fresh, [out])
     got = {p.relative_to(fresh.root).as_posix() for p in fresh.root.rglob("*") if p.is_file()}
     # Every finished stage comes back restorable, so a fresh host takes it as a cache hit: the extraction
@@ -244,14 +243,14 @@ def test_pack_out_takes_stages_whole_and_leaves_shards_behind(tmp_path: Path) ->
 
     (out / "state.tgz.001").unlink()
     with pytest.raises(SourceNotFoundError, match=r"state\.tgz\.001"):
-        gpuhost.restore(gpuhost.Home(tmp_path / "other"), [out])
+        gpuhost.restore(InstallDir(tmp_path / "other"), [out])
     gpuhost.pack_out(home, out, max_bytes=550_000, part_bytes=128 * 1024)
     last = sorted(out.glob("state.tgz.*"))[-1]
     data = bytearray(last.read_bytes())
     data[len(data) // 2] ^= 0xFF
     last.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match=last.name):
-        gpuhost.restore(gpuhost.Home(tmp_path / "other"), [out])
+        gpuhost.restore(InstallDir(tmp_path / "other"), [out])
 
 
 def _pipeline_ready() -> bool:

@@ -52,7 +52,7 @@ class ExtractStage(Stage):
 
     def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
         """No manifest yet, or (with `ctx.rebuild_missing`) a manifest whose shards are not all in the
-        store: a manifest travels without its shards (`tools.gpuhost` never moves hidden states)."""
+        store: a manifest can travel without its shards (hidden states are cheaper to re-extract than to move)."""
         from aerie.shards.keys import missing_shards
 
         cached = self.cached(cfg, ctx, upstream)

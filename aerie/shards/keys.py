@@ -30,7 +30,6 @@ def shard_keys(extract: dict[str, Any], prefix: str) -> tuple[list[str], list[st
 
 def missing_shards(store: ArtifactStore, result: StageResult) -> list[str]:
     """The shards `result`'s manifest lists that the store does not hold: a manifest that travelled
-    without its shards (`python -m tools.gpuhost` packs out manifests, never hidden states), or shards
-    deleted since."""
+    without its shards (copied to another host as a manifest alone), or shards deleted since."""
     train, held = shard_keys(load_manifest(store, result.prefix), result.prefix)
     return [key for key in (*train, *held) if not store.exists(key)]

@@ -185,7 +185,7 @@ def step_rows(
 def _stop_requests(enabled: bool) -> Iterator[list[int]]:
     """While training, SIGTERM and SIGINT only record themselves (in the yielded list) for the loop to
     stop at a step boundary, where a checkpoint is consistent; a second one gets the handler that was
-    there before (e.g. the GPU host's SystemExit), at once. Off the main thread (where Python cannot
+    there before (e.g. a supervisor's SIGTERM raising SystemExit), at once. Off the main thread (where Python cannot
     install handlers), or not `enabled` (multi-process training, whose ranks would have to agree on the
     step), nothing changes."""
     asked: list[int] = []

@@ -9,40 +9,24 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from aerie.bundle.cli import print_report
+from aerie.bundle.layout import InstallDir as Home
+from aerie.bundle.unpack import unpack
 from aerie.errors import AerieError
 from tools.gpuhost import limits
-from tools.gpuhost.home import DEFAULT_HOME, Home
 from tools.gpuhost.hostconfig import host_config
-from tools.gpuhost.hostenv import (
-    NO_BYTECODE,
-    check_environment,
-    host_environ,
-    install,
-    shipped_site,
-    verify_install,
-)
+from tools.gpuhost.hostenv import DEFAULT_HOME, REPO, export_lines, install, verify_install
 from tools.gpuhost.packout import pack_limits, pack_out
 from tools.gpuhost.restore import restore
 from tools.gpuhost.runner import pipeline, run_stages
 from tools.gpuhost.staging import stage
-from tools.gpuhost.unpack import unpack
 from tools.gpuhost.wheels import EXTRAS
 
 
 def _cmd_unpack(args: argparse.Namespace) -> int:
     home = Home(Path(args.home))
     report = unpack(Path(args.bundle), home)
-    print(
-        f"unpack {args.bundle}: {len(report.placed)} parts placed, {len(report.assembled)} files reassembled"
-    )
-    for line in report.corrupt:
-        print(f"unpack: CORRUPT {line}")
-    if report.missing:
-        print(f"unpack: still missing {len(report.missing)} part(s):")
-        for line in report.missing:
-            print(f"  {line}")
-    else:
-        print("unpack: every staged file is in place")
+    print_report(Path(args.bundle), report)
     if report.corrupt:
         return 1
     return 3 if report.missing and args.require_complete else 0
@@ -57,23 +41,9 @@ def _cmd_install(args: argparse.Namespace) -> int:
 
 def _cmd_env(args: argparse.Namespace) -> int:
     home = Home(Path(args.home))
-    env = host_environ(home, Path(args.cache_dir) if args.cache_dir else None, base={})
-    for key, value in env.items():
-        suffix = "${PYTHONPATH:+:$PYTHONPATH}" if key == "PYTHONPATH" else ""
-        print(f'export {key}="{value}{suffix}"')
-    print(f"unset {NO_BYTECODE}")
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    print("\n".join(export_lines(home, cache_dir, extra_paths=[REPO])))
     return 0
-
-
-def _cmd_check(args: argparse.Namespace) -> int:
-    import importlib.metadata as md
-
-    problems = check_environment(args.modules)
-    names = sorted(f"{d.metadata['Name']} {d.version}" for d in md.distributions(path=[shipped_site()]))
-    print(f"shipped and importable: {', '.join(names) or 'none'}")
-    for p in problems:
-        print(f"check: {p}")
-    return 1 if problems else 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -108,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tools.gpuhost", description=description)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("stage", help="here: download wheels, export prompts, pack bundles")
+    p = sub.add_parser("stage", help="here: `aerie bundle` with the GPU hosts' settings, as bundle-K folders")
     p.add_argument("--out", default=".stage", help="staging directory (git-ignored)")
     p.add_argument("--preset", default="smollm2-gpu", help="preset (or YAML) whose datasets are exported")
     p.add_argument("overrides", nargs="*", help="key=value overrides for that preset")
@@ -177,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", default=DEFAULT_HOME)
     p.set_defaults(func=_cmd_restore)
 
-    # Children of `run` and `install`, with the host environment set.
+    # Children of `run`, with the host environment set.
     p = sub.add_parser("config", help="(internal) write the host config, print its path")
     p.add_argument("preset")
     p.add_argument("overrides", nargs="*")
@@ -189,9 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until")
     p.add_argument("--prefect", action="store_true")
     p.set_defaults(func=pipeline)
-    p = sub.add_parser("check", help="(internal) check the installed wheels and imports")
-    p.add_argument("modules", nargs="*")
-    p.set_defaults(func=_cmd_check)
     return parser
 
 

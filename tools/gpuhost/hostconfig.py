@@ -7,10 +7,10 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from aerie.bundle.data import SHAREGPT_EXPORT
+from aerie.bundle.files import read_json
+from aerie.bundle.layout import InstallDir as Home
 from aerie.errors import ConfigError
-from tools.gpuhost.files import read_json
-from tools.gpuhost.home import Home
-from tools.gpuhost.standins import SHAREGPT_EXPORT
 
 
 def host_config(home: Home, preset: str, overrides: list[str], store: Path) -> Path:

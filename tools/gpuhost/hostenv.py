@@ -1,23 +1,22 @@
-"""The host's environment: the staged wheels installed into HOME/site, the environment aerie runs in
-there, and its check in a child process."""
+"""The GPU host's environment: `aerie.bundle`'s install and environment with the working tree on the path
+(every job brings the tree, so aerie is not installed there), and the import check of what was shipped."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aerie.errors import HostSetupError
-from tools.gpuhost.files import read_json, write_json
-from tools.gpuhost.home import Home
-from tools.gpuhost.unpack import require_unpacked
-from tools.gpuhost.wheels import wheel_key
+from aerie.bundle.install import NO_BYTECODE, environ, export_lines
+from aerie.bundle.install import install as install_wheels
+from aerie.bundle.install import verify_install as verify_bundle
+from aerie.bundle.layout import InstallDir as Home
+from aerie.bundle.wheels import wheel_key
 
 REPO = Path(__file__).resolve().parents[2]
+DEFAULT_HOME = "/tmp/aerie-host"  # outside the working tree, which every job gets anew
 # module -> distribution: imported by `install` when that distribution was shipped, plus aerie's own.
 IMPORT_CHECK = {
     "pydantic": "pydantic",
@@ -32,100 +31,32 @@ IMPORT_CHECK = {
 }
 AERIE_IMPORT_CHECK = ("aerie.config", "aerie.pipeline", "aerie.engine.server.app")
 
+__all__ = ["NO_BYTECODE", "export_lines"]
+
 
 def gpuhost_command(*args: str) -> list[str]:
-    """`python -m tools.gpuhost ARGS` with this interpreter: how `run` and `install` start their children."""
+    """`python -m tools.gpuhost ARGS` with this interpreter: how `run` starts its children."""
     return [sys.executable, "-m", "tools.gpuhost", *args]
-
-
-def shipped_site() -> str:
-    """HOME/site in a child of `run`/`install`: first on the PYTHONPATH that host_environ() sets."""
-    return os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
-
-
-NO_BYTECODE = "PYTHONDONTWRITEBYTECODE"  # forbids writing byte code: unset in the host environment
 
 
 def host_environ(
     home: Home, cache_dir: Path | None = None, base: dict[str, str] | None = None
 ) -> dict[str, str]:
-    """The environment aerie runs in on the host: shipped wheels first on the path, then the stand-in
-    data packages, then the repository; caches in the home; no network lookups."""
-    env = dict(os.environ if base is None else base)
-    paths = [str(home.site), str(home.staged / "pkgs"), str(REPO)]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env.update(
-        PYTHONPATH=os.pathsep.join(paths),
-        AERIE_CACHE_DIR=str(cache_dir or home.root / "cache"),
-        AERIE_GPUHOST_HOME=str(home.root),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-    )
-    # Keep the byte code Python compiles: host images that set PYTHONDONTWRITEBYTECODE and ship torch
-    # without .pyc files make every process compile torch again (16-17 s to load a tokenizer cold).
-    env.pop(NO_BYTECODE, None)
-    return env
+    """The environment aerie runs in on the host: `aerie.bundle`'s, with the working tree after the
+    shipped wheels and the stand-in data packages."""
+    return environ(home, cache_dir, base, extra_paths=[REPO])
 
 
 def install(home: Home) -> bool:
-    """`pip install --no-index --no-deps --target HOME/site` of every staged wheel, into a fresh
-    directory swapped in whole; skipped when that exact set is installed. True when it installed."""
-    require_unpacked(home, "wheels/", "install")
-    wanted = {e["path"]: e["sha256"] for e in home.index()["files"] if e["path"].startswith("wheels/")}
-    marker = home.site / ".aerie-installed.json"
-    if marker.is_file() and read_json(marker, "the install record") == wanted:
-        print(f"{len(wanted)} wheels already installed in {home.site}")
-        return False
-    wheels = [home.staged / p for p in sorted(wanted)]
-    tmp = home.root / "site.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    if wheels:
-        cmd = [
-            sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
-            "--no-cache-dir", "--disable-pip-version-check", "--target", str(tmp), *map(str, wheels),
-        ]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise HostSetupError(
-                f"pip install of the staged wheels in {home.staged / 'wheels'} failed:\n{done.stderr.strip()[-3000:]}"
-            )
-    tmp.mkdir(exist_ok=True)
-    write_json(tmp / marker.name, wanted)
-    shutil.rmtree(home.site, ignore_errors=True)
-    os.replace(tmp, home.site)
-    print(f"installed {len(wheels)} wheels into {home.site}")
-    return True
+    """The shipped wheels into HOME/site (idempotent); True when it installed."""
+    return install_wheels(home)
 
 
-def check_environment(modules: Sequence[str]) -> list[str]:
-    """Run in the host environment: every shipped distribution's requirements met (versions checked
-    with `packaging`, which the host has), every module importable. Returns the problems."""
-    import importlib
-    import importlib.metadata as md
-
-    from packaging.requirements import Requirement
-
-    problems = []
-    for dist in md.distributions(path=[shipped_site()]):
-        for line in dist.requires or []:
-            req = Requirement(line)
-            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-                continue
-            try:
-                have = md.version(req.name)
-            except md.PackageNotFoundError:
-                problems.append(f"{dist.metadata['Name']} needs {req}, which is not installed")
-                continue
-            if req.specifier and not req.specifier.contains(have, prereleases=True):
-                problems.append(f"{dist.metadata['Name']} needs {req}, the host has {req.name} {have}")
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            problems.append(f"import {module}: {exc.__class__.__name__}: {exc}")
-    return problems
+def verify_install(home: Home, extra_modules: Sequence[str] = ()) -> None:
+    """Import the shipped modules and aerie's pipeline in the host environment; raises BundleError."""
+    shipped = {wheel_key(p.name)[0] for p in (home.staged / "wheels").glob("*.whl")}
+    modules = [m for m, dist in IMPORT_CHECK.items() if dist in shipped]
+    print(verify_bundle(home, [*modules, *AERIE_IMPORT_CHECK, *extra_modules], extra_paths=[REPO]))
 
 
 def run_child(
@@ -138,16 +69,3 @@ def run_child(
         text=True,
         **kw,
     )
-
-
-def verify_install(home: Home, extra_modules: Sequence[str] = ()) -> None:
-    """Check the installed wheels in a child with the host environment (requirements met, the shipped
-    modules and aerie's pipeline importable); raises on any problem."""
-    shipped = {wheel_key(p.name)[0] for p in (home.staged / "wheels").glob("*.whl")}
-    modules = [m for m, dist in IMPORT_CHECK.items() if dist in shipped]
-    done = run_child(home, ["check", *modules, *AERIE_IMPORT_CHECK, *extra_modules], capture_output=True)
-    if done.returncode != 0:
-        raise HostSetupError(
-            f"the environment installed in {home.site} is not usable:\n{(done.stdout + done.stderr).strip()}"
-        )
-    print(done.stdout.strip())

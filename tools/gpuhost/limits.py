@@ -7,7 +7,7 @@ to what yours takes, or leave a limit off where the option allows it.
 
 from __future__ import annotations
 
-from tools.gpuhost.files import MIB
+from aerie.bundle.files import MIB
 
 # `stage --max-bundle-mb`: the size of one bundle directory (parts and contents.json).
 BUNDLE_MB = 56.0

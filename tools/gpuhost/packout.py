@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from tools.gpuhost.files import FORMAT, MIB, size_text, write_json
-from tools.gpuhost.home import Home
+from aerie.bundle.files import FORMAT, MIB, size_text, write_json
+from aerie.bundle.layout import InstallDir as Home
 from tools.gpuhost.hostenv import REPO
 from tools.gpuhost.limits import LOG_TAIL_BYTES, MAX_PARTS, OUT_MB, PART_BYTES
 

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from aerie.bundle.files import MIB, read_json, sha256_file, temp_beside
+from aerie.bundle.layout import InstallDir as Home
 from aerie.errors import IntegrityError, SourceNotFoundError
-from tools.gpuhost.files import MIB, read_json, sha256_file, temp_beside
-from tools.gpuhost.home import Home
 from tools.gpuhost.packout import STATE_INDEX
 
 

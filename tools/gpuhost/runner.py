@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from aerie.errors import HostSetupError
-from tools.gpuhost.home import Home
+from aerie.bundle.layout import InstallDir as Home
+from aerie.bundle.unpack import require_unpacked
+from aerie.errors import BundleError
 from tools.gpuhost.hostenv import REPO, gpuhost_command, host_environ, install, run_child, verify_install
 from tools.gpuhost.packout import pack_limits, pack_out
-from tools.gpuhost.unpack import require_unpacked
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: the stages were stopped at the budget; the next run resumes
 
@@ -91,9 +91,7 @@ def run_stages(args: argparse.Namespace) -> int:
         done = run_child(home, ["config", "--home", str(home.root), "--store", str(store), args.preset,
                              *args.overrides], cache_dir, capture_output=True)  # fmt: skip
         if done.returncode != 0:
-            raise HostSetupError(
-                f"the host config could not be built:\n{(done.stdout + done.stderr).strip()}"
-            )
+            raise BundleError(f"the host config could not be built:\n{(done.stdout + done.stderr).strip()}")
         config = done.stdout.strip().splitlines()[-1]
         rc = _supervise(home, config, args, cache_dir, started)
     finally:

@@ -1,5 +1,6 @@
-"""How gpuhost writes and checks its files on both sides: JSON written atomically, JSON read with errors
-that name the file, sha256 in blocks, sizes for people."""
+"""How a bundle's files are written and checked on both sides: JSON written atomically, JSON read with
+errors that name the file, sha256 in blocks, sizes for people. Standard library only: the offline side
+runs this before any wheel is installed."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from typing import Any
 
 from aerie.errors import ConfigError, SourceNotFoundError
 
-FORMAT = 1  # the layout of contents.json and state.json; unpack refuses any other
+FORMAT = 1  # the layout of contents.json; unpack refuses any other
 MIB = 1 << 20
 
 
 def temp_beside(path: Path) -> Path:
-    """Where a file is written before it is renamed to `path`: hidden, so pack-out skips one left behind."""
+    """Where a file is written before it is renamed to `path`: hidden, so nothing takes a half-written one."""
     return path.with_name(f".{path.name}.tmp")
 
 

