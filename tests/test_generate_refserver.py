@@ -66,7 +66,7 @@ def test_the_launched_generation_server_gets_the_endpoints_launch_args(smollm2) 
     from aerie.config import apply_overrides
     from aerie.errors import ConfigError
     from aerie.generate.preflight import check_endpoint
-    from aerie.generate.stage import generation_endpoint
+    from aerie.generate.server import generation_endpoint
     from aerie.presets import smollm2_local
     from tests.conftest import free_port
 

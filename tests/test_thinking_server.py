@@ -22,7 +22,8 @@ from aerie.corpus.config import CorpusConfig
 from aerie.datasets import SourceSpec
 from aerie.generate.config import DatasetSpec, EndpointConfig, SamplingParams
 from aerie.generate.output import read_conversations
-from aerie.generate.stage import generate_config, generation_endpoint, reasoning_args
+from aerie.generate.server import generation_endpoint, reasoning_args
+from aerie.generate.stage import generate_config
 from aerie.generate.work import generate_dataset, key_of, stage_name
 from aerie.manifest import StageDir, load_manifest
 from aerie.presets import smollm2_local

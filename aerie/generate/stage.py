@@ -1,7 +1,7 @@
 """The generation stage in the pipeline (`aerie.stage` contract): every dataset of `generate.datasets`,
-one result each, with the embedded endpoint (the configured server serving the target) launched only
-when some dataset still has to be generated. The work itself is `aerie.generate.work`, imported when
-it runs (httpx, Polars)."""
+one result each, with the embedded endpoint (`aerie.generate.server`: the configured server serving the
+target) launched only when some dataset still has to be generated. The work itself is
+`aerie.generate.work`, imported when it runs (httpx, Polars)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from aerie.errors import ConfigError, EndpointError, StoreError
+from aerie.generate.server import generation_endpoint
 from aerie.manifest import StageDir, StageResult, stage_key
 from aerie.stage import Part, Stage, StageContext, Upstream, run_parts
 from aerie.store import ArtifactStore
@@ -22,7 +23,6 @@ from aerie.targets import TargetInfo
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
     from aerie.generate.config import DatasetSpec, GenerateConfig
-    from aerie.serving import ServerSpec
 
 
 def generate_config(cfg: PipelineConfig) -> GenerateConfig:
@@ -45,61 +45,6 @@ def generate_config(cfg: PipelineConfig) -> GenerateConfig:
             read_template(cfg.corpus.chat_template).encode()
         ).hexdigest()
     return cfg.generate.model_copy(update=update)
-
-
-def generation_spec(cfg: PipelineConfig, target: TargetInfo) -> ServerSpec:
-    """The launch of the embedded generation server: the configured backend (the reference server or
-    SGLang, whose /v1/chat/completions both answer) serving the target, with generation's own flags."""
-    from aerie.serving import spec_for
-
-    return spec_for(
-        cfg.server,
-        model_path=target.path,
-        mode="serve",
-        name=f"{cfg.server.backend}-generate",
-        extra_args=reasoning_args(cfg, target) + list(cfg.generate.endpoint.launch_args),
-        trust_remote_code=target.trust_remote_code,
-    )
-
-
-def reasoning_args(cfg: PipelineConfig, target: TargetInfo) -> list[str]:
-    """The generation server's `--chat-template` (corpus.chat_template: generation renders prompts with
-    the template the corpus renders with) and `--reasoning-parser` for a thinking target, so answers
-    come back with their reasoning in `reasoning_content` (the corpus parses by the same name). SGLang
-    and the reference server take both flags; each is left out when the launch names it."""
-    from pathlib import Path
-
-    from aerie.reasoning import parser_for, read_template
-
-    given = {a.split("=", 1)[0] for a in cfg.generate.endpoint.launch_args + cfg.server.extra_args}
-    override = cfg.corpus.chat_template
-    out: list[str] = []
-    if override and "--chat-template" not in given:
-        if cfg.server.launcher == "docker":
-            raise ConfigError(
-                "corpus.chat_template with server.launcher=docker: the generation server in its container "
-                "cannot read the file; pass it in server.extra_args as --chat-template <path in the "
-                "container> (a mounted directory, e.g. the target's)"
-            )
-        out += ["--chat-template", str(Path(override).expanduser().resolve())]
-    if "--reasoning-parser" not in given:
-        template = read_template(override) if override else target.load_tokenizer().get_chat_template()
-        parser = parser_for(target.architecture, str(template), cfg.corpus.reasoning_parser)
-        out += ["--reasoning-parser", parser.name] if parser is not None else []
-    return out
-
-
-@contextlib.contextmanager
-def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str]:
-    """The endpoint generation talks to: the configured one, or the configured server serving the
-    target itself for the duration of generation (the embedded default)."""
-    if cfg.generate.endpoint.base_url:
-        yield cfg.generate.endpoint.base_url
-        return
-    from aerie.serving import ModelServer
-
-    with ModelServer(generation_spec(cfg, target)) as server:
-        yield f"{server.url}/v1"
 
 
 def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
