@@ -54,7 +54,7 @@ def train_result(
     the draft vocab is chosen from its token counts as training chooses it (else the first 512 ids)."""
     drafter = random_drafter(target)
     if corpus is not None:
-        counts = load_token_counts(store, corpus, target.vocab_size)
+        counts = load_token_counts(store, corpus, target.geometry.vocab_size)
         vocab = build_vocab_map(counts, drafter.d2t.numel())
         drafter.set_vocab(vocab.d2t, vocab.t2d)
     out = export_drafter(drafter, tmp / "drafter-export", target, {"note": "untrained"})

@@ -93,7 +93,9 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
         eagle = [r for r in report["results"] if (r["dataset"], r["proposer"]) == (name, "eagle3")]
         size = int(load_manifest(store, drafter.prefix)["figures"]["draft_vocab_size"])
         assert all(by_size[size] == r["draft_vocab_coverage"] for r in eagle)
-        assert list(by_size.values()) == sorted(by_size.values()) and by_size[smollm2.vocab_size] == 1.0
+        assert (
+            list(by_size.values()) == sorted(by_size.values()) and by_size[smollm2.geometry.vocab_size] == 1.0
+        )
     assert "## Where acceptance is lost" in md and "a draft vocabulary of each size" in md
     # MT-Bench prompts carry their category: two questions are the first of the first two categories,
     # and the categories' figures add up to the dataset's (verify tokens over verify forwards).

@@ -53,7 +53,7 @@ def reasoning_args(cfg: PipelineConfig, target: TargetInfo) -> list[str]:
         out += ["--chat-template", str(Path(override).expanduser().resolve())]
     if "--reasoning-parser" not in given:
         template = read_template(override) if override else target.load_tokenizer().get_chat_template()
-        parser = parser_for(target.architecture, str(template), cfg.corpus.reasoning_parser)
+        parser = parser_for(target.geometry.architecture, str(template), cfg.corpus.reasoning_parser)
         out += ["--reasoning-parser", parser.name] if parser is not None else []
     return out
 
