@@ -26,7 +26,7 @@ from tests.fault_check import Snapshot, compare
 from tests.processes import BIN, prefect_server
 
 POOL = "aerie-local"
-DEPLOYMENT = "eagle3-pipeline/local"
+DEPLOYMENT = "aerie-pipeline/local"
 
 
 class Server:

@@ -1,4 +1,4 @@
-"""`eagle3_pipeline`: the whole pipeline as one Prefect flow of stage subflows.
+"""`aerie_pipeline`: the whole pipeline as one Prefect flow of stage subflows.
 
     generate (a subflow per dataset) -> merge -> extract -> train -> evaluate -> deploy
 
@@ -59,12 +59,12 @@ def resolve_target_task(cfg: TargetConfig) -> TargetInfo:
 
 
 @flow(
-    name="eagle3-pipeline",
+    name="aerie-pipeline",
     on_failure=[notify_failure],
     on_crashed=[notify_failure],
     log_prints=True,
 )
-def eagle3_pipeline(
+def aerie_pipeline(
     preset: str | None = "smollm2-local",
     overrides: list[str] | None = None,
     config: PipelineConfig | None = None,
@@ -149,7 +149,7 @@ def _summarize(cfg: PipelineConfig, results: list[StageResult], gpu_seconds: flo
 
 def run_pipeline(cfg: PipelineConfig) -> str:
     """Run the flow locally (ephemeral Prefect API unless PREFECT_API_URL is set); return the summary."""
-    results = eagle3_pipeline(preset=cfg.preset, config=cfg)
+    results = aerie_pipeline(preset=cfg.preset, config=cfg)
     gpu_seconds = track.gpu_seconds(track.plan_for(cfg), open_store(cfg.store), results)
     report = PipelineReport(
         config=cfg, results=results, seconds=sum(r.seconds for r in results), gpu_seconds=gpu_seconds
