@@ -58,8 +58,8 @@ def train_result(
         vocab = build_vocab_map(counts, drafter.d2t.numel())
         drafter.set_vocab(vocab.d2t, vocab.t2d)
     out = export_drafter(drafter, tmp / "drafter-export", target, {"note": "untrained"})
-    sd = StageDir(store, run, "train", key)
+    stage_dir = StageDir(store, run, "train", key)
     for path in sorted(p for p in out.rglob("*") if p.is_file()):
-        store.put_file(sd.path(f"drafter/{path.relative_to(out).as_posix()}"), path)
+        store.put_file(stage_dir.path(f"drafter/{path.relative_to(out).as_posix()}"), path)
     figures = {"accept_length": 1.5, "accept_length_rounds": 1.25, "draft_vocab_size": drafter.d2t.numel()}
-    return sd.finish({"figures": figures, "files": {"drafter": ["drafter/"]}})
+    return stage_dir.finish({"figures": figures, "files": {"drafter": ["drafter/"]}})

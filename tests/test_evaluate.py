@@ -129,9 +129,9 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
     assert again.cache_hit and again.key == result.key
 
     # A crash after the measurements: the re-run rebuilds the report from the finished parts.
-    sd = StageDir(store, "r", "evaluate", result.key)
-    store.delete(sd.path("manifest.json"))
-    store.delete(sd.path("report.json"))
+    stage_dir = StageDir(store, "r", "evaluate", result.key)
+    store.delete(stage_dir.path("manifest.json"))
+    store.delete(stage_dir.path("report.json"))
     resumed = run(CFG, store=store, run_name="r", target=smollm2, drafter=drafter, corpus=corpus)
     assert not resumed.cache_hit
     assert load_manifest(store, resumed.prefix)["results"] == report["results"]
@@ -152,9 +152,9 @@ def test_sampled_acceptance_is_measured_beside_greedy_and_resumes_identically(up
     md = store.get_bytes(f"{result.prefix}/report.md").decode()
     assert "| mtbench | eagle3 T=1 |" in md and "| mtbench | eagle3 |" in md
     # A sampled part redone after a crash draws the same tokens: its seed is its own, not the run's.
-    sd = StageDir(store, "t", "evaluate", result.key)
-    store.delete(sd.path("manifest.json"))
-    store.delete(sd.path("parts/mtbench-eagle3-k3-t1.json"))
+    stage_dir = StageDir(store, "t", "evaluate", result.key)
+    store.delete(stage_dir.path("manifest.json"))
+    store.delete(stage_dir.path("parts/mtbench-eagle3-k3-t1.json"))
     resumed = run(cfg, store=store, run_name="t", target=smollm2, drafter=drafter, corpus=corpus)
     assert untimed(load_manifest(store, resumed.prefix)["results"]) == untimed(report["results"])
 

@@ -44,8 +44,8 @@ def test_regenerates_with_the_reference_server(smollm2, tmp_path: Path):
             for i in range(2)
         ]
         store = LocalStore(tmp_path / "store")
-        sd = StageDir(store, "r", stage_name(spec), key_of(cfg, spec))
-        result = generate_dataset(convs, cfg, spec, stage_dir=sd, base_url=url)
+        stage_dir = StageDir(store, "r", stage_name(spec), key_of(cfg, spec))
+        result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir, base_url=url)
     finally:
         server.stop()
     frame = read_conversations(store.local_path(f"{result.prefix}/conversations.parquet"))

@@ -1,4 +1,4 @@
-"""The generation stage for one dataset: `run(cfg, spec, out) -> StageResult`, `out` its StageDir.
+"""The generation stage for one dataset: `run(cfg, spec, stage_dir) -> StageResult`, into its StageDir.
 
 One call = one dataset = stage `generate-<name>`. Its key covers what decides the output (the dataset
 spec, its sampling and the endpoint's model) and not how it is reached (URL, key, concurrency,
