@@ -239,7 +239,7 @@ class Stage(ABC):
 
     def job(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream | None = None) -> StageJob:
         """This stage's job in a run."""
-        return StageJob(self, cfg, ctx, upstream or Upstream())
+        return StageJob(self, cfg, ctx, Upstream() if upstream is None else upstream)
 
     def cached(self, job: StageJob) -> list[StageResult] | None:
         """What an earlier run finished (its manifest), or None."""
