@@ -124,8 +124,27 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+# What `aerie --help` opens with: what aerie does for its user, then where to start.
+DESCRIPTION = """\
+Train a speculative-decoding drafter (EAGLE-3, or DFlash) for your own target model, measure how much
+faster it makes decoding, and serve it with SGLang.
+
+A run generates the target's own answers to training conversations, builds a tokenized corpus,
+extracts the target's hidden states, trains the drafter, measures its acceptance beside prompt
+lookup's, and serves it against the same server without it, promoting it if it pays. Every stage
+keeps its output in the store, so a run that stops resumes where it stopped.
+
+  aerie presets                    the runs aerie ships (targets, data, hardware)
+  aerie plan smollm2-local         what a run will cost (tokens, dollars, GPU time, disk) before it starts
+  aerie run smollm2-local          run it (through Prefect; --no-prefect runs it in this process)
+  aerie config show my-run.yaml    a run's whole config, your YAML file and key=value overrides applied
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aerie", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="aerie", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("presets", help="list the presets").set_defaults(func=_cmd_presets)
     config = sub.add_parser("config", help="inspect configs").add_subparsers(
@@ -135,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("preset", help=f"a preset ({', '.join(PRESETS)}) or a YAML file")
     show.add_argument("overrides", nargs="*", help="key=value, e.g. train.epochs=2")
     show.set_defaults(func=_cmd_config_show)
-    run = sub.add_parser("run", help="run the pipeline flow locally and print the report")
+    run = sub.add_parser("run", help="run the pipeline (every stage, each resuming) and print its report")
     run.add_argument("preset", help=f"a preset ({', '.join(PRESETS)}) or a YAML file")
     run.add_argument("overrides", nargs="*", help="key=value, e.g. train.epochs=2")
     run.add_argument(

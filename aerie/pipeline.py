@@ -27,11 +27,11 @@ from aerie.extract.stage import EXTRACT
 from aerie.generate.stage import GENERATE, generation_pending
 from aerie.manifest import StageResult
 from aerie.plan import online as online_plan
-from aerie.plan import served, track
+from aerie.plan import track
 from aerie.plan.plan import Plan
 from aerie.progress import ProgressFactory, terminal_progress
 from aerie.reasoning import reasoning_line
-from aerie.stage import Stage, StageContext, Upstream
+from aerie.stage import Stage, StageContext, StageJob, Upstream
 from aerie.store import ArtifactStore, open_store
 from aerie.targets import TargetInfo, resolve_target
 from aerie.train.stage import TRAIN
@@ -109,7 +109,7 @@ def planned(cfg: PipelineConfig, until: str | None = None) -> list[Stage]:
     return [stage for stage in wanted if stage.enabled(cfg)]
 
 
-StepFn = Callable[[Stage, StageContext, Upstream], list[StageResult]]
+StepFn = Callable[[StageJob], list[StageResult]]
 
 
 def choose_source(cfg: PipelineConfig, plan: Plan | None) -> PipelineConfig:
@@ -142,20 +142,21 @@ def compose(
     until: str | None = None,
     plan: Plan | None = None,
 ) -> list[StageResult]:
-    """Every planned stage in order, each fed the results before it. `step` runs one stage: here
-    `stage.run` itself, under Prefect a subflow (`flows.pipeline`). Its results are every run's."""
+    """Every planned stage in order, each fed the results before it through its job (`StageJob`,
+    made here once per stage). `step` runs one job: here `stage.run` itself, under Prefect a subflow
+    (`flows.pipeline`). Its results are every run's."""
     stages = planned(cfg, until)
     upstream = Upstream()
     results: list[StageResult] = []
     for i, stage in enumerate(stages):
-        stage_ctx = replace(ctx, rebuild_missing=rebuild_missing(cfg, ctx, stages, i, upstream))
+        job = stage.job(
+            cfg, replace(ctx, rebuild_missing=rebuild_missing(cfg, ctx, stages, i, upstream)), upstream
+        )
         # The one place every stage of every run passes through: its estimate before, the actual after.
         track.before(plan, stage.name)
-        # The prediction is SGLang's on a GPU: a deployment served on the CPU gets none.
-        deploying = stage.name == "deploy" and cfg.server.device != "cpu"
-        predicted = served.before_deploy(cfg.deploy, ctx.target, upstream.evaluation) if deploying else None
-        done = track.after(plan, ctx.store, stage.name, step(stage, stage_ctx, upstream))
-        done = served.after_deploy(predicted, done)
+        prediction = stage.predict(job)
+        done = track.after(plan, ctx.store, stage.name, step(job))
+        done = stage.with_prediction(prediction, done)
         plan = track.refined(plan, stage.name, done)
         results += done
         upstream = upstream.plus(stage.name, done)
@@ -171,10 +172,12 @@ def rebuild_missing(
     drafter without its shards (a store copied without them) evaluates and deploys it straight away."""
     if i + 1 == len(stages):
         return True
-    finished = stages[i].cached(cfg, ctx, upstream)
+    this = stages[i]
+    finished = this.cached(this.job(cfg, ctx, upstream))
     if finished is None:  # not done yet: it runs anyway
         return True
-    return stages[i + 1].needs(cfg, ctx, upstream.plus(stages[i].name, finished))
+    after = stages[i + 1]
+    return after.needs(after.job(cfg, ctx, upstream.plus(this.name, finished)))
 
 
 def run_pipeline(
@@ -191,9 +194,7 @@ def run_pipeline(
     check_secrets(cfg, store)
     ctx = StageContext(store=store, run=cfg.run, target=resolve_target(cfg.target), progress=progress)
     cfg = resolve(cfg, ctx.target, plan := track.plan_for(cfg))
-    results = compose(
-        cfg, ctx, lambda stage, ctx, upstream: stage.run(cfg, ctx, upstream), until=until, plan=plan
-    )
+    results = compose(cfg, ctx, lambda job: job.stage.run(job), until=until, plan=plan)
     return PipelineReport(
         config=cfg,
         results=results,

@@ -1,30 +1,34 @@
 """The typed contract every pipeline stage keeps, and the context it runs in.
 
 A stage is one object (each stage package exports one: `aerie.generate.stage.GENERATE`, ...) with a
-`name` and three methods over the whole `PipelineConfig`, a `StageContext` (where and for what it runs)
-and its `Upstream` (the results of the stages before it in this run):
+`name`. The composer makes one `StageJob` per stage of a run (`Stage.job`): the whole resolved
+`PipelineConfig` (`cfg`), a `StageContext` (`ctx`: where and for what it runs) and its `Upstream`
+(the results of the stages before it in this run). Every member of a run takes that one job:
 
-    resolve(cfg, target) -> PipelineConfig            its own section with what it derives from others
-    key(cfg, ctx, upstream) -> str                    what decides its output: `<run>/<name>/<key>/`
-    needs(cfg, ctx, upstream) -> bool                 whether it has work to do (else `run` is a cache hit)
-    run(cfg, ctx, upstream) -> list[StageResult]      do it, or return what an earlier run made
+    resolve(cfg, target) -> PipelineConfig     its own section completed from the others (before any job)
+    key(job) -> str                            what decides its output: `<run>/<name>/<key>/`
+    needs(job) -> bool                         whether it has work to do (else `run` is a cache hit)
+    run(job) -> list[StageResult]              do it, or return what an earlier run made
+    predict(job) -> Any                        what it expects, logged before it runs (deploy's speed-up)
+    with_prediction(prediction, results)       its results with that prediction beside what it measured
 
-`run` works out its `StageDir` once (`Stage.stage_dir`: the key, remembered in the `StageContext` for
-the rest of the run, so `needs`, `cached` and `run` hash it once between them) and hands the work
-function of its package (`aerie.corpus.work.run`, ...) a `WorkContext`: that StageDir (`out`, whose
-store and run it writes to), the target and the progress callback, with the inputs the work reads
-(the corpus, the server config, ...) beside it. Below a stage's `run` nothing derives a key or places
-an output: a work function writes where its `out` says.
+The job works out the stage's key once (`StageJob.key`, remembered in the `StageContext` for the rest
+of the run, so `needs`, `cached` and `run` hash it once between them) and its `StageDir`
+(`StageJob.stage_dir`); `run` hands the work function of its package (`aerie.corpus.work.run`, ...) a
+`WorkContext` (`StageJob.work`): that StageDir (`stage_dir`, whose store and run it writes to), the
+target and the progress callback, with the inputs the work reads (the corpus, the server config, ...)
+beside it. Below a stage's `run` nothing derives a key or places an output: a work function writes
+where its `stage_dir` says.
 
 A stage of parts (generation: a dataset each; extraction with `num_slices` > 1: a slice each) also
 defines how its work comes apart and together again, so one fan-out runs them all, here in threads
 (`run_parts`) or under Prefect as a subflow per part or a run of a deployment per part (`flows.stage`):
 
-    parts(cfg, ctx, upstream) -> list[Part]           every part, in order ([] for a stage of one piece)
-    around_parts(cfg, ctx, upstream, parts)           what the parts share (generation's endpoint)
-    part_done(cfg, ctx, part) -> bool                 finished by an earlier run (skipped)
-    run_part(cfg, ctx, upstream, part, shared)        one part; returns its record
-    assemble(cfg, ctx, upstream, parts, outcomes)     the stage's results, once every part is done
+    parts(job) -> list[StagePart]              every part, in order ([] for a stage of one piece)
+    around_parts(job, parts)                   what the parts share (generation's endpoint)
+    part_done(job, part) -> bool               finished by an earlier run (skipped)
+    run_part(job, part, shared)                one part; returns its record
+    assemble(job, parts, outcomes)             the stage's results, once every part is done
 
 `resolve` runs once per run, before any stage (`aerie.pipeline.resolve`): a setting one section
 derives from another (the layers extraction captures from the drafter family, the evaluation's prompt
@@ -67,17 +71,17 @@ class WorkContext:
     """What a stage's work function (`aerie.corpus.work.run`, ...) is handed: where its output goes,
     made once by its `Stage`, the target and where progress goes."""
 
-    out: StageDir
+    stage_dir: StageDir
     target: TargetInfo
     progress: ProgressFn = no_progress
 
     @property
     def store(self) -> ArtifactStore:
-        return self.out.store
+        return self.stage_dir.store
 
     @property
     def run(self) -> str:
-        return self.out.run
+        return self.stage_dir.run
 
 
 @dataclass(frozen=True)
@@ -92,14 +96,17 @@ class StageContext:
     # Make a finished output whole again where part of it is gone (extraction's shards, which never
     # travel with a run's manifests): the composer asks for it when the next stage reads that output.
     rebuild_missing: bool = False
-    # Each stage's key as worked out this run, by what decides it (`Stage.stage_dir`): shared by the
+    # Each stage's key as worked out this run, by what decides it (`StageJob.key`): shared by the
     # copies `dataclasses.replace` makes, so the composer's look-ahead (`aerie.pipeline.rebuild_missing`)
     # and the stage's own run hash it once.
     keys: dict[tuple[str, ...], str] = field(default_factory=dict, compare=False, repr=False)
 
-    def work(self, out: StageDir, name: str | None = None) -> WorkContext:
-        """What the work writing to `out` is handed, its progress reported under `name` (the stage's)."""
-        return WorkContext(out=out, target=self.target, progress=self.progress(name or out.stage))
+    def work(self, stage_dir: StageDir, name: str | None = None) -> WorkContext:
+        """What the work writing to `stage_dir` is handed, its progress reported under `name` (the
+        stage's)."""
+        return WorkContext(
+            stage_dir=stage_dir, target=self.target, progress=self.progress(name or stage_dir.stage)
+        )
 
 
 class Upstream(BaseModel):
@@ -147,7 +154,7 @@ class Upstream(BaseModel):
         return self.one("evaluate") if "evaluate" in self.results else None
 
 
-class Part(BaseModel):
+class StagePart(BaseModel):
     """One piece of a stage of parts: a dataset to generate, a slice of the corpus to extract. Its output
     (or its record) lives in the StageDir `<run>/<dir_stage>/<key>/`, worked out with the parts."""
 
@@ -159,12 +166,52 @@ class Part(BaseModel):
     dir_stage: str
     key: str
 
-    def out(self, store: ArtifactStore, run: str) -> StageDir:
+    def stage_dir(self, store: ArtifactStore, run: str) -> StageDir:
         return StageDir(store, run, self.dir_stage, self.key)
 
 
 # What runs the parts still to do: each part's record, or the exception that stopped it, in order.
-PartsRunner = Callable[[list[Part], Any], list["BaseModel | BaseException"]]
+PartsRunner = Callable[[list[StagePart], Any], list["BaseModel | BaseException"]]
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """One stage in one run, made once by the composer and handed to every member of the stage's
+    contract: the run's resolved config, where and for what it runs, and what the stages before it made.
+    The stage's key is hashed once per run and what decides it (remembered in `ctx.keys`)."""
+
+    stage: Stage
+    cfg: PipelineConfig
+    ctx: StageContext
+    upstream: Upstream = field(default_factory=Upstream)
+
+    def key(self) -> str:
+        """The stage's key (`Stage.key`), worked out once for this config and these upstream outputs."""
+        memo = self._memo()
+        if (key := self.ctx.keys.get(memo)) is None:
+            key = self.ctx.keys[memo] = self.stage.key(self)
+        return key
+
+    def remember_key(self, key: str) -> None:
+        """Take `key` as the stage's key here (worked out by a caller that passed it on: a Prefect
+        subflow to its task)."""
+        self.ctx.keys[self._memo()] = key
+
+    def _memo(self) -> tuple[str, ...]:
+        # An upstream output is named by its place and manifest digest: the same output read from the
+        # store again (the look-ahead's) and as its stage returned it (with this run's timings) agree.
+        outputs = [
+            f"{r.prefix}@{r.manifest_sha256}" for results in self.upstream.results.values() for r in results
+        ]
+        return (self.stage.name, self.cfg.model_dump_json(), *outputs)
+
+    def stage_dir(self) -> StageDir:
+        """Where the stage's output lives in the store: new each time, its clock starting now."""
+        return StageDir(self.ctx.store, self.ctx.run, self.stage.name, self.key())
+
+    def work(self) -> WorkContext:
+        """What the stage's work function is handed: a new `stage_dir`, the target, the progress."""
+        return self.ctx.work(self.stage_dir(), self.stage.name)
 
 
 class Stage(ABC):
@@ -174,11 +221,11 @@ class Stage(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+    def key(self, job: StageJob) -> str:
         """What decides the output (config, upstream manifest digests, aerie's version), hashed."""
 
     @abstractmethod
-    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+    def run(self, job: StageJob) -> list[StageResult]:
         """Do the stage's work, or return the cached result; resumes what an interrupted run left."""
 
     def enabled(self, cfg: PipelineConfig) -> bool:
@@ -190,77 +237,56 @@ class Stage(ABC):
         default."""
         return cfg
 
-    def stage_dir(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> StageDir:
-        """Where the output lives in the store. The key is hashed once per run and what decides it
-        (remembered in `ctx.keys`); the StageDir is new each time, its clock starting now."""
-        return StageDir(ctx.store, ctx.run, self.name, self.remembered_key(cfg, ctx, upstream))
+    def job(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream | None = None) -> StageJob:
+        """This stage's job in a run."""
+        return StageJob(self, cfg, ctx, Upstream() if upstream is None else upstream)
 
-    def remembered_key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
-        """`key`, worked out once for this config and these upstream outputs in this run's context."""
-        memo = self._memo(cfg, upstream)
-        if (key := ctx.keys.get(memo)) is None:
-            key = ctx.keys[memo] = self.key(cfg, ctx, upstream)
-        return key
-
-    def remember_key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, key: str) -> None:
-        """Take `key` as this stage's key here (worked out by a caller that passed it on: a Prefect
-        subflow to its task)."""
-        ctx.keys[self._memo(cfg, upstream)] = key
-
-    def _memo(self, cfg: PipelineConfig, upstream: Upstream) -> tuple[str, ...]:
-        # An upstream output is named by its place and manifest digest: the same output read from the
-        # store again (the look-ahead's) and as its stage returned it (with this run's timings) agree.
-        outputs = [
-            f"{r.prefix}@{r.manifest_sha256}" for results in upstream.results.values() for r in results
-        ]
-        return (self.name, cfg.model_dump_json(), *outputs)
-
-    def cached(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult] | None:
+    def cached(self, job: StageJob) -> list[StageResult] | None:
         """What an earlier run finished (its manifest), or None."""
-        result = self.stage_dir(cfg, ctx, upstream).cached_result()
+        result = job.stage_dir().cached_result()
         return None if result is None else [result]
 
-    def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
-        return self.cached(cfg, ctx, upstream) is None
+    def needs(self, job: StageJob) -> bool:
+        return self.cached(job) is None
+
+    def predict(self, job: StageJob) -> Any:
+        """What the composer logs before the stage runs, to set beside what it measures
+        (`with_prediction`); None by default."""
+        return None
+
+    def with_prediction(self, prediction: Any, results: list[StageResult]) -> list[StageResult]:
+        """The stage's results with `predict`'s prediction among their figures; as they are by default."""
+        return results
 
     # -- a stage of parts (see the module's docstring); a stage of one piece keeps these defaults --
 
     # What a failure of several parts, or of a part run elsewhere, is raised as.
     part_error: ClassVar[type[AerieError]] = AerieError
 
-    def parts(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[Part]:
+    def parts(self, job: StageJob) -> list[StagePart]:
         """Every part of this stage's work in order; [] for a stage of one piece (`run` does it all)."""
         return []
 
-    def around_parts(
-        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, parts: list[Part]
-    ) -> AbstractContextManager[Any]:
+    def around_parts(self, job: StageJob, parts: list[StagePart]) -> AbstractContextManager[Any]:
         """Entered around the parts still to do, in the process that runs them or starts their runs:
         what it yields is handed to every part (`run_part`'s `shared`)."""
         return contextlib.nullcontext()
 
-    def part_done(self, cfg: PipelineConfig, ctx: StageContext, part: Part) -> bool:
+    def part_done(self, job: StageJob, part: StagePart) -> bool:
         raise NotImplementedError(f"stage {self.name} has no parts")
 
-    def run_part(
-        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, part: Part, shared: Any
-    ) -> BaseModel:
+    def run_part(self, job: StageJob, part: StagePart, shared: Any) -> BaseModel:
         """Do one part, or return its record where an earlier run finished it."""
         raise NotImplementedError(f"stage {self.name} has no parts")
 
     def assemble(
-        self,
-        cfg: PipelineConfig,
-        ctx: StageContext,
-        upstream: Upstream,
-        parts: list[Part],
-        outcomes: dict[int, BaseModel],
+        self, job: StageJob, parts: list[StagePart], outcomes: dict[int, BaseModel]
     ) -> list[StageResult]:
         """The stage's results from its finished parts (`outcomes`: the records of the parts run now,
         by index, where the runner has them)."""
         raise NotImplementedError(f"stage {self.name} has no parts")
 
-    def max_parallel_parts(self, cfg: PipelineConfig) -> int:
+    def max_parallel_parts(self, job: StageJob) -> int:
         """How many parts run at once in one process."""
         return 1
 
@@ -270,23 +296,18 @@ class Stage(ABC):
 
 
 def run_parts(
-    stage: Stage,
-    cfg: PipelineConfig,
-    ctx: StageContext,
-    upstream: Upstream,
-    *,
-    parts: list[Part] | None = None,
-    runner: PartsRunner | None = None,
+    job: StageJob, *, parts: list[StagePart] | None = None, runner: PartsRunner | None = None
 ) -> list[StageResult]:
     """A stage of parts, the one fan-out: around the parts still to do (`around_parts`), run them
     (`runner`; by default `stage.run_part` in threads of this process, `in_threads`), then `assemble`. Parts
     finished by an earlier run are skipped; a failing part does not stop the others, and the first
     failure is raised once all have ended (several: the stage's `part_error` naming each), with what
     the others finished kept."""
-    parts = stage.parts(cfg, ctx, upstream) if parts is None else parts
-    with stage.around_parts(cfg, ctx, upstream, parts) as shared:
-        todo = [part for part in parts if not stage.part_done(cfg, ctx, part)]
-        run = runner or in_threads(stage, cfg, ctx, upstream)
+    stage = job.stage
+    parts = stage.parts(job) if parts is None else parts
+    with stage.around_parts(job, parts) as shared:
+        todo = [part for part in parts if not stage.part_done(job, part)]
+        run = runner or in_threads(job)
         outcomes = dict(zip((p.index for p in todo), run(todo, shared), strict=True)) if todo else {}
     failed = [(p, o) for p in todo if isinstance(o := outcomes[p.index], BaseException)]
     if len(failed) == 1:
@@ -299,25 +320,21 @@ def run_parts(
             "is kept, a re-run runs only what is left"
         ) from failed[0][1]
     done = {i: o for i, o in outcomes.items() if isinstance(o, BaseModel)}
-    return stage.assemble(cfg, ctx, upstream, parts, done)
+    return stage.assemble(job, parts, done)
 
 
-def in_threads(
-    stage: Stage,
-    cfg: PipelineConfig,
-    ctx: StageContext,
-    upstream: Upstream,
-    one: Callable[[Part, Any], BaseModel] | None = None,
-) -> PartsRunner:
+def in_threads(job: StageJob, one: Callable[[StagePart, Any], BaseModel] | None = None) -> PartsRunner:
     """Run parts in threads of this process, `stage.max_parallel_parts` at a time: each `one(part,
     shared)` (by default `stage.run_part`) in a copy of the caller's context (under Prefect: so that a
     part's subflow is linked under the stage's)."""
 
-    def here(part: Part, shared: Any) -> BaseModel:
-        return stage.run_part(cfg, ctx, upstream, part, shared)
+    stage = job.stage
 
-    def runner(todo: list[Part], shared: Any) -> list[BaseModel | BaseException]:
-        pool = ThreadPoolExecutor(max_workers=stage.max_parallel_parts(cfg), thread_name_prefix=stage.name)
+    def here(part: StagePart, shared: Any) -> BaseModel:
+        return stage.run_part(job, part, shared)
+
+    def runner(todo: list[StagePart], shared: Any) -> list[BaseModel | BaseException]:
+        pool = ThreadPoolExecutor(max_workers=stage.max_parallel_parts(job), thread_name_prefix=stage.name)
         try:
             call = one or here
             futures = [pool.submit(contextvars.copy_context().run, call, part, shared) for part in todo]

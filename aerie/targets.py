@@ -360,7 +360,7 @@ class TargetConfig(StrictModel):
 
 class TargetInfo(BaseModel):
     """Facts about a resolved target, recorded in manifests and drafter configs: where it is, its
-    tokenizer's ids, and its `TargetGeometry` (the shape facts below are read from it, never restated)."""
+    tokenizer's ids, and its `TargetGeometry` (`target.geometry`: the shape facts, never restated here)."""
 
     name: str
     path: str
@@ -376,63 +376,10 @@ class TargetInfo(BaseModel):
     )
 
     @property
-    def architecture(self) -> str:
-        return self.geometry.architecture
-
-    @property
-    def num_layers(self) -> int:
-        return self.geometry.num_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.geometry.hidden_size
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.geometry.intermediate_size
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.geometry.attention.num_heads
-
-    @property
-    def num_key_value_heads(self) -> int:
-        return self.geometry.attention.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        """The query/key width of one head (MLA: the no-RoPE and RoPE parts together)."""
-        return self.geometry.attention.head_dim
-
-    @property
-    def vocab_size(self) -> int:
-        return self.geometry.vocab_size
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.geometry.max_position_embeddings
-
-    @property
-    def rms_norm_eps(self) -> float:
-        return self.geometry.rms_norm_eps
-
-    @property
-    def rope_theta(self) -> float:
-        return self.geometry.rope.theta
-
-    @property
-    def rope_scaling(self) -> dict[str, Any] | None:
-        return self.geometry.rope.scaling
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return self.geometry.tie_word_embeddings
-
-    @property
     def aux_layers_output(self) -> list[int]:
         """EAGLE-3's captured layers by the *output-of-layer* convention SGLang's eagle_config uses (the
         rule's one copy is the plugin's, `aerie.sglang_plugin.layers`)."""
-        return eagle3_layers(self.num_layers)
+        return eagle3_layers(self.geometry.num_layers)
 
     @property
     def aux_layers_input(self) -> list[int]:

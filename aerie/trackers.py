@@ -95,17 +95,17 @@ class Trackers:
 
 
 def open_trackers(
-    report_to: Iterable[str], tracking_dir: str | None, sd: StageDir, *, first_step: int = 0
+    report_to: Iterable[str], tracking_dir: str | None, stage_dir: StageDir, *, first_step: int = 0
 ) -> Trackers:
-    """The trackers `report_to` names, each with a run for the stage `sd` (continued if one exists)."""
+    """The trackers `report_to` names, each with a run for the stage `stage_dir` (continued if one exists)."""
     names = list(dict.fromkeys(report_to))
     if not names:
         return Trackers()
     check_installed(names)
-    root = tracking_root(tracking_dir, sd)
+    root = tracking_root(tracking_dir, stage_dir)
     opened: list[Tracker] = []
     for name in names:
-        opened.append(_OPENERS[name](root, sd, first_step))
+        opened.append(_OPENERS[name](root, stage_dir, first_step))
     return Trackers(opened)
 
 
@@ -124,29 +124,29 @@ def check_installed(names: Iterable[str]) -> None:
             ) from exc
 
 
-def tracking_root(tracking_dir: str | None, sd: StageDir) -> Path:
+def tracking_root(tracking_dir: str | None, stage_dir: StageDir) -> Path:
     """`tracking_dir`, or beside the run in a local store, or under the cache for a remote store."""
     if tracking_dir:
         root = Path(tracking_dir).expanduser()
     else:
-        local = sd.store.local_path(f"{sd.run}/trackers")
-        root = local if local is not None else get_settings().cache_dir / "trackers" / sd.run
+        local = stage_dir.store.local_path(f"{stage_dir.run}/trackers")
+        root = local if local is not None else get_settings().cache_dir / "trackers" / stage_dir.run
     root.mkdir(parents=True, exist_ok=True)
     return root
 
 
-def run_name(sd: StageDir) -> str:
-    return f"{sd.stage}-{sd.key}"
+def run_name(stage_dir: StageDir) -> str:
+    return f"{stage_dir.stage}-{stage_dir.key}"
 
 
-def provenance(sd: StageDir, **more: Any) -> dict[str, Any]:
+def provenance(stage_dir: StageDir, **more: Any) -> dict[str, Any]:
     """What identifies a stage's run: aerie's version, the run, the stage, its key and output URI."""
     return {
         "aerie_version": __version__,
-        "run": sd.run,
-        "stage": sd.stage,
-        "key": sd.key,
-        "output": sd.uri(""),
+        "run": stage_dir.run,
+        "stage": stage_dir.stage,
+        "key": stage_dir.key,
+        "output": stage_dir.uri(""),
         **more,
     }
 
@@ -162,13 +162,15 @@ class Tracking:
     def of(cls, cfg: PipelineConfig) -> Tracking:
         return cls(tuple(cfg.train.report_to), cfg.train.tracking_dir)
 
-    def report(self, sd: StageDir, figures: dict[str, Any], params: dict[str, Any]) -> None:
+    def report(self, stage_dir: StageDir, figures: dict[str, Any], params: dict[str, Any]) -> None:
         """A stage's headline figures (at step 0) and its parameters, to each named tracker."""
         if not self.report_to:
             return
-        with open_trackers(self.report_to, self.tracking_dir, sd) as trackers:
-            trackers.log_params({**params, "provenance": provenance(sd, **params.get("provenance", {}))})
-            trackers.log_metrics({f"{sd.stage}/{k}": v for k, v in figures.items()}, step=0)
+        with open_trackers(self.report_to, self.tracking_dir, stage_dir) as trackers:
+            trackers.log_params(
+                {**params, "provenance": provenance(stage_dir, **params.get("provenance", {}))}
+            )
+            trackers.log_metrics({f"{stage_dir.stage}/{k}": v for k, v in figures.items()}, step=0)
 
 
 NO_TRACKING = Tracking()
@@ -203,10 +205,10 @@ def numeric(metrics: dict[str, Any]) -> dict[str, float]:
 class TensorBoardTracker:
     name = "tensorboard"
 
-    def __init__(self, root: Path, sd: StageDir, first_step: int) -> None:
+    def __init__(self, root: Path, stage_dir: StageDir, first_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.dir = root / "tensorboard" / run_name(sd)
+        self.dir = root / "tensorboard" / run_name(stage_dir)
         # purge_step: events at or past the resumed step, written before the stop, are dropped.
         self.writer = SummaryWriter(str(self.dir), purge_step=first_step or None)
 
@@ -225,22 +227,26 @@ class TensorBoardTracker:
 class MlflowTracker:
     name = "mlflow"
 
-    def __init__(self, root: Path, sd: StageDir, first_step: int) -> None:
+    def __init__(self, root: Path, stage_dir: StageDir, first_step: int) -> None:
         from mlflow.tracking import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
         self.client = MlflowClient(tracking_uri=uri)
-        experiment = self.client.get_experiment_by_name(sd.run)
+        experiment = self.client.get_experiment_by_name(stage_dir.run)
         experiment_id = (
-            experiment.experiment_id if experiment is not None else self.client.create_experiment(sd.run)
+            experiment.experiment_id
+            if experiment is not None
+            else self.client.create_experiment(stage_dir.run)
         )
-        found = self.client.search_runs([experiment_id], filter_string=f"tags.`aerie.key` = '{sd.key}'")
+        found = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`aerie.key` = '{stage_dir.key}'"
+        )
         if found:
             self.run_id = found[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            tags = {"aerie.key": sd.key, "aerie.stage": sd.stage, "aerie.run": sd.run}
-            run = self.client.create_run(experiment_id, run_name=run_name(sd), tags=tags)
+            tags = {"aerie.key": stage_dir.key, "aerie.stage": stage_dir.stage, "aerie.run": stage_dir.run}
+            run = self.client.create_run(experiment_id, run_name=run_name(stage_dir), tags=tags)
             self.run_id = run.info.run_id
 
     def log_params(self, params: dict[str, Any]) -> None:
@@ -273,19 +279,19 @@ def _mlflow_key(key: str) -> str:
 class WandbTracker:
     name = "wandb"
 
-    def __init__(self, root: Path, sd: StageDir, first_step: int) -> None:
+    def __init__(self, root: Path, stage_dir: StageDir, first_step: int) -> None:
         import wandb
 
         (root / "wandb").mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=WANDB_PROJECT,
-            group=sd.run,
-            name=run_name(sd),
-            id=f"{sd.run}-{sd.stage}-{sd.key}"[:128],
+            group=stage_dir.run,
+            name=run_name(stage_dir),
+            id=f"{stage_dir.run}-{stage_dir.stage}-{stage_dir.key}"[:128],
             resume="allow",
             dir=str(root),
             mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
-            job_type=sd.stage,
+            job_type=stage_dir.stage,
             settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True),
             reinit="create_new",
         )

@@ -233,7 +233,7 @@ def timed_build(cfg: CorpusConfig, store: LocalStore, target, inputs: list, cach
         with TreeRss() as rss:
             start = time.perf_counter()
             out = StageDir(store, run_name, "merge", key_of(cfg, target, inputs))
-            result = run(cfg, WorkContext(out=out, target=target, progress=progress), inputs=inputs)
+            result = run(cfg, WorkContext(stage_dir=out, target=target, progress=progress), inputs=inputs)
             seconds = time.perf_counter() - start
         cpu_after = psutil.cpu_times()
         load_after = os.getloadavg()

@@ -178,7 +178,7 @@ def stored_answers(
 def vocab_what_if(path: str, target: Any, drafter: Any, answers: dict[str, list[int]]) -> dict[str, float]:
     import polars as pl
 
-    counts = counts_from_frame(pl.read_parquet(path), target.vocab_size, path)
+    counts = counts_from_frame(pl.read_parquet(path), target.geometry.vocab_size, path)
     ids = torch.tensor([t for answer in answers.values() for t in answer], dtype=torch.int64)
     found = coverage_by_size(counts, ids, int(drafter.d2t.numel()), sizes=(8192, 24576, 32768))
     return {str(k): round(v, 4) for k, v in found.items()}

@@ -115,7 +115,7 @@ def run_extract(
 ) -> StageResult:
     """The extract stage's work, into the StageDir its stage makes (`extract_key` over these inputs)."""
     out = StageDir(store, run_name, "extract", extract_key(cfg, server, target, corpus))
-    return extract_work.run(cfg, WorkContext(out=out, target=target), corpus=corpus, server=server)
+    return extract_work.run(cfg, WorkContext(stage_dir=out, target=target), corpus=corpus, server=server)
 
 
 def _free_port() -> int:
@@ -328,7 +328,7 @@ def storage_write(
     best of `repeat` each (interleaved); the faster method's rate is the roofline's `write_bytes_per_s`,
     and that method writes `sustained_gib` GiB back to back. Then aerie's ShardWriter (one thread) and
     ShardCommitter (`commit_workers` encode threads) per dtype."""
-    hidden = target.hidden_size
+    hidden = target.geometry.hidden_size
     tokens = max(1, (shard_mb << 20) // (8 * hidden))
     aux = torch.randn(tokens, 3 * hidden).to(torch.bfloat16)
     last = torch.randn(tokens, hidden).to(torch.bfloat16)
@@ -372,7 +372,7 @@ def storage_write(
             shard_bytes=shard_bytes,
             hidden_size=hidden,
             direct_io=direct_io,
-            vocab_size=target.vocab_size,
+            vocab_size=target.geometry.vocab_size,
         )
 
     for storage in storages:
@@ -507,7 +507,7 @@ def pipeline(
     shutil.rmtree(Path(store.root) / f"bench-{variant}", ignore_errors=True)
     f = result.figures
     # Where the server's per-sample dumps went: on disk they double the bytes written.
-    dumps = dump_root(cfg, "bench", "key", work, target.hidden_size, target.vocab_size)
+    dumps = dump_root(cfg, "bench", "key", work, target.geometry.hidden_size, target.geometry.vocab_size)
     shm = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 0
     return {
         "dumps_on": "tmpfs" if str(dumps).startswith("/dev/shm") else "disk",
@@ -831,7 +831,7 @@ def main() -> None:
     sequences = (
         read_corpus(Path(args.corpus), args.samples)
         if args.corpus
-        else synthetic_corpus(args.samples, args.min_len, args.max_len, target.vocab_size)
+        else synthetic_corpus(args.samples, args.min_len, args.max_len, target.geometry.vocab_size)
     )
     tokens = sum(len(s) for s in sequences)
     print(f"corpus: {len(sequences)} samples, {tokens:,} tokens; work dir {work}", flush=True)
@@ -852,7 +852,7 @@ def main() -> None:
     figures["storage_write"] = storage_write(work, args.shard_mb, target, commit_workers, args.sustained_gib)
     print("storage write:", figures["storage_write"], flush=True)
     save(figures, args, complete=False)
-    figures["dump_roundtrip"] = dump_roundtrip(work, target.hidden_size)
+    figures["dump_roundtrip"] = dump_roundtrip(work, target.geometry.hidden_size)
     print("dump roundtrip:", figures["dump_roundtrip"], flush=True)
     save(figures, args, complete=False)
     figures["baseline_one_sample_one_file"] = baseline_one_by_one(

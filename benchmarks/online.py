@@ -67,7 +67,7 @@ def _prepare(work: Path, train_rows: int) -> dict[str, Any]:
     rows = corpus_rows(target.load_tokenizer(), train_rows + EVAL_ROWS, seed=7, min_words=60, max_words=200)
     store = LocalStore(work / "store")
     corpus = write_corpus(store, RUN, {"train": rows[:train_rows], "eval": rows[train_rows:]})
-    put_token_counts(store, corpus, rows[:train_rows], target.vocab_size, work)
+    put_token_counts(store, corpus, rows[:train_rows], target.geometry.vocab_size, work)
     (work / "corpus.json").write_text(corpus.model_dump_json())
     return {"rows": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows)}
 

@@ -310,7 +310,7 @@ def main() -> int:
     target = resolve_target(args.target)
     figures: dict[str, Any] = {"target": target.name, "extraction_in_process": in_process(args, target.path)}
     if not args.skip_http:
-        figures.update(over_http(args, target.path, target.vocab_size))
+        figures.update(over_http(args, target.path, target.geometry.vocab_size))
     result = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": _machine(args.device),

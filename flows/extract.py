@@ -22,7 +22,7 @@ from aerie.errors import ConfigError, PreflightError
 from aerie.extract.preflight import human_bytes
 from aerie.extract.slices import SliceRecord
 from aerie.manifest import StageResult
-from aerie.stage import Part
+from aerie.stage import StagePart
 
 from .policy import StagePolicy
 
@@ -35,7 +35,7 @@ def _summary(result: StageResult) -> str:
     )
 
 
-def _slice_row(part: Part, outcome: BaseModel | BaseException | None) -> dict[str, Any]:
+def _slice_row(part: StagePart, outcome: BaseModel | BaseException | None) -> dict[str, Any]:
     if isinstance(outcome, BaseException):
         return {"slice": part.label, "status": f"failed: {type(outcome).__name__}"}
     if not isinstance(outcome, SliceRecord):  # done before, or run on another host: its record is there

@@ -2,7 +2,7 @@
 whose worker takes it (extraction's slices through `extract.slice_deployment`, e.g. "extract-slice/slice-gpu",
 prefect.yaml), all started at once, linked as subflows of the stage's, then waited for. A part whose run
 did not complete comes back as the stage's `part_error` naming the part, its run and its final state;
-a completed one as its `Part` (its record is in the store, where the stage's `assemble` reads it)."""
+a completed one as its `StagePart` (its record is in the store, where the stage's `assemble` reads it)."""
 
 from __future__ import annotations
 
@@ -17,23 +17,26 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel
 
-from aerie.config import PipelineConfig
 from aerie.errors import ConfigError
-from aerie.stage import Part, PartsRunner, Stage, Upstream
-from aerie.targets import TargetInfo
+from aerie.stage import PartsRunner, Stage, StageJob, StagePart
 
 POLL_S = 5.0  # how often the stage's flow looks at its parts' runs
 
 
-def through_deployment(
-    deployment: str, stage: Stage, cfg: PipelineConfig, target: TargetInfo, upstream: Upstream
-) -> PartsRunner:
+def through_deployment(deployment: str, job: StageJob) -> PartsRunner:
     """A runner (`aerie.stage.run_parts`) that starts a run of `deployment` per part and waits for all."""
+    stage, cfg = job.stage, job.cfg
 
-    def runner(todo: list[Part], shared: Any) -> list[BaseModel | BaseException]:
+    def runner(todo: list[StagePart], shared: Any) -> list[BaseModel | BaseException]:
         logger = get_run_logger()
         logger.info("%s: %d parts to run through %s", stage.name, len(todo), deployment)
-        params = {"stage": stage.name, "cfg": cfg, "target": target, "upstream": upstream, "shared": shared}
+        params = {
+            "stage": stage.name,
+            "cfg": cfg,
+            "target": job.ctx.target,
+            "upstream": job.upstream,
+            "shared": shared,
+        }
         runs = {part.index: _start(deployment, params, part, f"{cfg.run}-{part.name}") for part in todo}
         done = _wait(runs)
         return [_outcome(stage, deployment, part, done[part.index]) for part in todo]
@@ -41,7 +44,7 @@ def through_deployment(
     return runner
 
 
-def _start(deployment: str, params: dict[str, Any], part: Part, run_name: str) -> FlowRun:
+def _start(deployment: str, params: dict[str, Any], part: StagePart, run_name: str) -> FlowRun:
     """Create the part's flow run (a subflow of this one) and return without waiting for it."""
     parameters = {
         name: value.model_dump(mode="json") if isinstance(value, BaseModel) else value
@@ -75,7 +78,7 @@ def _wait(runs: dict[int, FlowRun]) -> dict[int, FlowRun]:
     return done
 
 
-def _outcome(stage: Stage, deployment: str, part: Part, run: FlowRun) -> BaseModel | BaseException:
+def _outcome(stage: Stage, deployment: str, part: StagePart, run: FlowRun) -> BaseModel | BaseException:
     if run.state is not None and run.state.is_completed():
         return part
     return stage.part_error(

@@ -22,7 +22,7 @@ from aerie.errors import (
     EndpointUnreachableError,
 )
 from aerie.manifest import StageResult
-from aerie.stage import Part
+from aerie.stage import StagePart
 
 from .policy import StagePolicy
 
@@ -35,7 +35,7 @@ def _summary(result: StageResult) -> str:
     )
 
 
-def _row(part: Part, outcome: BaseModel | BaseException | None) -> dict[str, Any]:
+def _row(part: StagePart, outcome: BaseModel | BaseException | None) -> dict[str, Any]:
     dataset = part.label.removeprefix("dataset ")
     if isinstance(outcome, BaseException):
         return {"dataset": dataset, "status": f"failed: {type(outcome).__name__}"}

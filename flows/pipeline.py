@@ -1,4 +1,4 @@
-"""`eagle3_pipeline`: the whole pipeline as one Prefect flow of stage subflows.
+"""`aerie_pipeline`: the whole pipeline as one Prefect flow of stage subflows.
 
     generate (a subflow per dataset) -> merge -> extract -> train -> evaluate -> deploy
 
@@ -35,7 +35,7 @@ from aerie.pipeline import PipelineReport, check_secrets, compose, figure_text, 
 from aerie.plan import track
 from aerie.plan.render import table
 from aerie.presets import get_preset
-from aerie.stage import Stage, StageContext, Upstream
+from aerie.stage import StageContext, StageJob
 from aerie.store import open_store
 from aerie.targets import TargetConfig, TargetInfo, resolve_target
 
@@ -59,12 +59,12 @@ def resolve_target_task(cfg: TargetConfig) -> TargetInfo:
 
 
 @flow(
-    name="eagle3-pipeline",
+    name="aerie-pipeline",
     on_failure=[notify_failure],
     on_crashed=[notify_failure],
     log_prints=True,
 )
-def eagle3_pipeline(
+def aerie_pipeline(
     preset: str | None = "smollm2-local",
     overrides: list[str] | None = None,
     config: PipelineConfig | None = None,
@@ -86,18 +86,20 @@ def eagle3_pipeline(
         UUID, create_progress_artifact(0.0, key=artifact_key(cfg.run, "progress"), description="starting")
     )
 
-    def step(stage: Stage, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+    def step(job: StageJob) -> list[StageResult]:
         # Hashed at most once in this run (the composer's look-ahead, `aerie.pipeline.rebuild_missing`,
         # has mostly done it already): the subflow is handed the key and the parts rather than hashing
         # them again.
-        key = stage.remembered_key(cfg, ctx, upstream)
-        parts = stage.parts(cfg, ctx, upstream)
+        stage, key = job.stage, job.key()
+        parts = stage.parts(job)
         done = names.index(stage.name)
         update_progress_artifact(
             progress, 100.0 * done / len(names), f"{stage.name}: stage {done + 1} of {len(names)}"
         )
         with running_stage(flow_run.get_id(), stage.name):  # the failure alert names it
-            return run_stage(stage.name, cfg, ctx.target, upstream, ctx.rebuild_missing, key, parts)
+            return run_stage(
+                stage.name, cfg, job.ctx.target, job.upstream, job.ctx.rebuild_missing, key, parts
+            )
 
     results = compose(cfg, ctx, step, plan=plan)
     update_progress_artifact(progress, 100.0, f"{len(names)} of {len(names)} stages done")
@@ -147,7 +149,7 @@ def _summarize(cfg: PipelineConfig, results: list[StageResult], gpu_seconds: flo
 
 def run_pipeline(cfg: PipelineConfig) -> str:
     """Run the flow locally (ephemeral Prefect API unless PREFECT_API_URL is set); return the summary."""
-    results = eagle3_pipeline(preset=cfg.preset, config=cfg)
+    results = aerie_pipeline(preset=cfg.preset, config=cfg)
     gpu_seconds = track.gpu_seconds(track.plan_for(cfg), open_store(cfg.store), results)
     report = PipelineReport(
         config=cfg, results=results, seconds=sum(r.seconds for r in results), gpu_seconds=gpu_seconds

@@ -11,15 +11,15 @@ from pydantic import BaseModel
 
 from aerie.config import PipelineConfig
 from aerie.manifest import StageResult
-from aerie.stage import Part
+from aerie.stage import StagePart
 from aerie.store import ArtifactStore
 
 # A part's row in the stage's parts table: its record, the exception that stopped it, or None where an
 # earlier run finished it.
-PartRow = Callable[[Part, BaseModel | BaseException | None], dict[str, Any]]
+PartRow = Callable[[StagePart, BaseModel | BaseException | None], dict[str, Any]]
 
 
-def _part_row(part: Part, outcome: BaseModel | BaseException | None) -> dict[str, Any]:
+def _part_row(part: StagePart, outcome: BaseModel | BaseException | None) -> dict[str, Any]:
     if isinstance(outcome, BaseException):
         return {"part": part.label, "status": f"failed: {type(outcome).__name__}"}
     return {"part": part.label, "status": "done before" if outcome is None else "done"}
@@ -40,7 +40,7 @@ class StagePolicy:
     not_retried: tuple[type[BaseException], ...] = ()
     # Artifacts beyond the figures table (report tables, plots), from the stage's output in the store.
     report: Callable[[StageResult, ArtifactStore], None] | None = None
-    # A stage of parts (`aerie.stage.Part`): the name of each part's subflow, the deployment whose runs
+    # A stage of parts (`aerie.stage.StagePart`): the name of each part's subflow, the deployment whose runs
     # take the parts instead (each on the host its worker runs on), and the table of the parts.
     part_flow: str = "stage-part"
     part_deployment: Callable[[PipelineConfig], str | None] = _no_deployment

@@ -6,7 +6,7 @@ parts, its parts as subflows or runs of a deployment.
 
 A stage of one piece is a task cached across runs on the stage's own key plus the store and run
 (`flows.stagecache`): the subflow is handed the key (the pipeline flow's) or works it out once
-(`Stage.remembered_key`), and hands it to the task, whose cache key and run take it as it is; when the
+(`StageJob.key`), and hands it to the task, whose cache key and run take it as it is; when the
 stage has work to do (`Stage.needs`: no manifest, or extraction's shards gone while the next stage reads
 them) Prefect's cache is skipped and the library decides what is left to do.
 
@@ -34,7 +34,7 @@ from aerie.config import PipelineConfig
 from aerie.manifest import StageResult
 from aerie.pipeline import STAGES
 from aerie.progress import ProgressFn
-from aerie.stage import Part, PartsRunner, Stage, StageContext, Upstream, in_threads, run_parts
+from aerie.stage import PartsRunner, Stage, StageContext, StageJob, StagePart, Upstream, in_threads, run_parts
 from aerie.store import StoreConfig, open_store
 from aerie.targets import TargetInfo
 
@@ -62,17 +62,22 @@ def policy_of(stage: str) -> StagePolicy:
     return POLICIES.get(stage) or default_policy(stage)
 
 
-def _context(
-    stage: str, cfg: PipelineConfig, target: TargetInfo, rebuild_missing: bool = False
-) -> StageContext:
-    """The stage's context in this flow, its progress going to Prefect progress artifacts."""
+def _job(
+    stage: str,
+    cfg: PipelineConfig,
+    target: TargetInfo,
+    upstream: Upstream | None = None,
+    rebuild_missing: bool = False,
+) -> StageJob:
+    """The stage's job in this flow, its progress going to Prefect progress artifacts."""
     title = policy_of(stage).title
 
     def progress(name: str) -> ProgressFn:
         return prefect_progress(artifact_key(cfg.run, name), title if name == stage else f"{title}, {name}")
 
     store = open_store(cfg.store)
-    return StageContext(store, cfg.run, target, progress=progress, rebuild_missing=rebuild_missing)
+    ctx = StageContext(store, cfg.run, target, progress=progress, rebuild_missing=rebuild_missing)
+    return _BY_NAME[stage].job(cfg, ctx, upstream)
 
 
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
@@ -85,18 +90,19 @@ def stage_task(
     stage: str, cfg: PipelineConfig, target: TargetInfo, upstream: Upstream, rebuild_missing: bool, key: str
 ) -> StageResult:
     """Run the stage whose key (`key`, the subflow's) is known: the stage takes it as it is."""
-    ctx = _context(stage, cfg, target, rebuild_missing)
-    _BY_NAME[stage].remember_key(cfg, ctx, upstream, key)
-    (result,) = _BY_NAME[stage].run(cfg, ctx, upstream)
+    job = _job(stage, cfg, target, upstream, rebuild_missing)
+    job.remember_key(key)
+    (result,) = job.stage.run(job)
     return result
 
 
 @task
 def part_task(
-    stage: str, cfg: PipelineConfig, target: TargetInfo, upstream: Upstream, part: Part, shared: Any
+    stage: str, cfg: PipelineConfig, target: TargetInfo, upstream: Upstream, part: StagePart, shared: Any
 ) -> BaseModel:
     """One part of a stage (`Stage.run_part`): a retry resumes from what the part left in the store."""
-    return _BY_NAME[stage].run_part(cfg, _context(stage, cfg, target), upstream, part, shared)
+    job = _job(stage, cfg, target, upstream)
+    return job.stage.run_part(job, part, shared)
 
 
 @task(retries=2, retry_delay_seconds=5)
@@ -122,7 +128,7 @@ def stage_part_flow(
     cfg: PipelineConfig,
     target: TargetInfo,
     upstream: Upstream,
-    part: Part,
+    part: StagePart,
     shared: Any = None,
 ) -> BaseModel:
     """One part of a stage on this host: a subflow of the stage's, or the run of a deployment that a
@@ -143,33 +149,32 @@ def stage_flow(
     upstream: Upstream | None = None,
     rebuild_missing: bool = False,
     key: str | None = None,
-    parts: list[Part] | None = None,
+    parts: list[StagePart] | None = None,
 ) -> list[StageResult]:
     """Run one stage (or find it cached); returns its results. `key` and `parts`: the stage's key and
     parts where the caller has worked them out already (the pipeline flow's composer has), else they are
     worked out here."""
-    policy, upstream, the_stage = policy_of(stage), upstream or Upstream(), _BY_NAME[stage]
-    ctx = _context(stage, cfg, target, rebuild_missing)
-    # Hashed at most once: `needs` and `parts` below find it in `ctx`, the task and its cache key are
-    # handed it.
+    policy = policy_of(stage)
+    job = _job(stage, cfg, target, upstream, rebuild_missing)
+    # Hashed at most once: `needs` and `parts` below find it in the job's context, the task and its
+    # cache key are handed it.
     if key is None:
-        key = the_stage.remembered_key(cfg, ctx, upstream)
+        key = job.key()
     else:
-        the_stage.remember_key(cfg, ctx, upstream, key)
-    parts = the_stage.parts(cfg, ctx, upstream) if parts is None else parts
+        job.remember_key(key)
+    parts = job.stage.parts(job) if parts is None else parts
     if parts:
-        runner = _parts_runner(the_stage, policy, cfg, ctx, upstream, parts)
-        results = run_parts(the_stage, cfg, ctx, upstream, parts=parts, runner=runner)
+        results = run_parts(job, parts=parts, runner=_parts_runner(job, policy, parts))
     else:
-        runner = _retrying(stage_task, policy, refresh_cache=the_stage.needs(cfg, ctx, upstream))
+        runner = _retrying(stage_task, policy, refresh_cache=job.stage.needs(job))
         results = [
             run_cached(
                 runner,
-                ctx.store,
+                job.ctx.store,
                 stage=stage,
                 cfg=cfg,
                 target=target,
-                upstream=upstream,
+                upstream=job.upstream,
                 rebuild_missing=rebuild_missing,
                 key=key,
             )
@@ -181,29 +186,23 @@ def stage_flow(
     return results
 
 
-def _parts_runner(
-    stage: Stage,
-    policy: StagePolicy,
-    cfg: PipelineConfig,
-    ctx: StageContext,
-    upstream: Upstream,
-    parts: list[Part],
-) -> PartsRunner:
+def _parts_runner(job: StageJob, policy: StagePolicy, parts: list[StagePart]) -> PartsRunner:
     """The parts as subflows in threads of this flow, or as runs of the policy's deployment; either
     way a table of the parts once they have ended."""
+    stage, cfg = job.stage, job.cfg
     deployment = policy.part_deployment(cfg)
     if deployment:
-        run = through_deployment(deployment, stage, cfg, ctx.target, upstream)
+        run = through_deployment(deployment, job)
     else:
 
-        def one(part: Part, shared: Any) -> BaseModel:
+        def one(part: StagePart, shared: Any) -> BaseModel:
             # Named here, not by a template: a deployment's run keeps the name its starter gave it.
             subflow = stage_part_flow.with_options(name=policy.part_flow, flow_run_name=part.name)
-            return subflow(stage.name, cfg, ctx.target, upstream, part, shared)
+            return subflow(stage.name, cfg, job.ctx.target, job.upstream, part, shared)
 
-        run = in_threads(stage, cfg, ctx, upstream, one=one)
+        run = in_threads(job, one=one)
 
-    def runner(todo: list[Part], shared: Any) -> list[BaseModel | BaseException]:
+    def runner(todo: list[StagePart], shared: Any) -> list[BaseModel | BaseException]:
         outcomes = run(todo, shared)
         now = dict(zip((p.index for p in todo), outcomes, strict=True))
         rows = [policy.part_row(part, now.get(part.index)) for part in parts]
@@ -225,7 +224,7 @@ def run_stage(
     upstream: Upstream,
     rebuild_missing: bool = False,
     key: str | None = None,
-    parts: list[Part] | None = None,
+    parts: list[StagePart] | None = None,
 ) -> list[StageResult]:
     """`stage_flow` under the stage's own name in the UI (`merge`, `train`, ...)."""
     named = stage_flow.with_options(name=stage)

@@ -2,7 +2,7 @@
 
 Why a script: the screenshots go stale whenever the flows or their artifacts change, so they are
 taken from a real run rather than edited by hand. The script starts its own Prefect server (UI on),
-runs `eagle3_pipeline` on the embedded smollm2-local preset shrunk to minutes on a CPU, then points
+runs `aerie_pipeline` on the embedded smollm2-local preset shrunk to minutes on a CPU, then points
 headless Chromium at the flow-run page, the artifacts page and one artifact's page. Every process it
 starts is stopped by pid on the way out, and all state lives in a temporary directory.
 
@@ -37,8 +37,8 @@ def run_pipeline(base: str, home: Path, store: Path) -> None:
     """Run the real pipeline flow in a child process reporting to our server."""
     code = (
         "import sys\n"
-        "from flows.pipeline import eagle3_pipeline\n"
-        "eagle3_pipeline(preset='smollm2-local', overrides=sys.argv[1:])\n"
+        "from flows.pipeline import aerie_pipeline\n"
+        "aerie_pipeline(preset='smollm2-local', overrides=sys.argv[1:])\n"
     )
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"{base}/api"}
     proc = subprocess.Popen(

@@ -54,12 +54,12 @@ def train_result(
     the draft vocab is chosen from its token counts as training chooses it (else the first 512 ids)."""
     drafter = random_drafter(target)
     if corpus is not None:
-        counts = load_token_counts(store, corpus, target.vocab_size)
+        counts = load_token_counts(store, corpus, target.geometry.vocab_size)
         vocab = build_vocab_map(counts, drafter.d2t.numel())
         drafter.set_vocab(vocab.d2t, vocab.t2d)
     out = export_drafter(drafter, tmp / "drafter-export", target, {"note": "untrained"})
-    sd = StageDir(store, run, "train", key)
+    stage_dir = StageDir(store, run, "train", key)
     for path in sorted(p for p in out.rglob("*") if p.is_file()):
-        store.put_file(sd.path(f"drafter/{path.relative_to(out).as_posix()}"), path)
+        store.put_file(stage_dir.path(f"drafter/{path.relative_to(out).as_posix()}"), path)
     figures = {"accept_length": 1.5, "accept_length_rounds": 1.25, "draft_vocab_size": drafter.d2t.numel()}
-    return sd.finish({"figures": figures, "files": {"drafter": ["drafter/"]}})
+    return stage_dir.finish({"figures": figures, "files": {"drafter": ["drafter/"]}})

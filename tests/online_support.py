@@ -53,10 +53,10 @@ def random_rows(vocab: int, n: int, seed: int, lo: int = 12, hi: int = 48) -> li
 def corpus_with_counts(
     store: ArtifactStore, tmp: Path, target: TargetInfo, train: int, held: int, seed: int = 0
 ) -> StageResult:
-    rows = random_rows(target.vocab_size, train + held, seed)
+    rows = random_rows(target.geometry.vocab_size, train + held, seed)
     splits = {"train": rows[:train]} | ({"eval": rows[train:]} if held else {})
     corpus = write_corpus(store, RUN, splits)
-    put_token_counts(store, corpus, rows[:train], target.vocab_size, tmp)
+    put_token_counts(store, corpus, rows[:train], target.geometry.vocab_size, tmp)
     return corpus
 
 

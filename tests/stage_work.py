@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from aerie.generate.config import DatasetSpec, GenerateConfig
 from aerie.manifest import StageDir, StageResult
 from aerie.progress import ProgressFn, no_progress
-from aerie.stage import StageContext, Upstream, WorkContext
+from aerie.stage import StageContext, WorkContext
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
 
@@ -83,7 +83,7 @@ def staged(stage: str, work: Callable[..., R]) -> Callable[..., R]:
     ) -> R:
         keyed = {name: value for name, value in inputs.items() if name not in _NOT_KEYED}
         out = StageDir(store, run_name, stage, key_of(cfg, target, keyed))
-        return work(cfg, *args, WorkContext(out=out, target=target, progress=progress), **inputs)
+        return work(cfg, *args, WorkContext(stage_dir=out, target=target, progress=progress), **inputs)
 
     return call
 
@@ -104,4 +104,4 @@ def generate_all(cfg: GenerateConfig, store: ArtifactStore, run_name: str) -> li
 
     target = TargetInfo.model_construct(name="(none: generation against the configured endpoint)")
     ctx = StageContext(store=store, run=run_name, target=target)
-    return GENERATE.run(PipelineConfig(run=run_name, generate=cfg), ctx, Upstream())
+    return GENERATE.run(GENERATE.job(PipelineConfig(run=run_name, generate=cfg), ctx))

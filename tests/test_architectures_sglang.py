@@ -114,9 +114,15 @@ def test_sglang_loads_the_eagle3_drafter_of_every_architecture(loaded, arch: str
     # The drafter's attention is the geometry aerie chose: SGLang's fused qkv has its rows.
     shape = load_config("smollm2-local", []).train.draft.resolve(target.geometry)
     qkv = params[f"{eagle3_load.LAYER}.self_attn.qkv_proj.weight"]
-    assert qkv.shape == ((shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim, 2 * target.hidden_size)
+    assert qkv.shape == (
+        (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim,
+        2 * target.geometry.hidden_size,
+    )
     assert got["hot_token_id"] == vocab.used.tolist()
-    assert (got["hidden_size"], got["vocab_size"]) == (target.hidden_size, target.vocab_size)
+    assert (got["hidden_size"], got["vocab_size"]) == (
+        target.geometry.hidden_size,
+        target.geometry.vocab_size,
+    )
     assert got["aux_layer_ids"] == target.aux_layers_output
     # The target's own SGLang class then captures the residual stream entering these layers: what aerie
     # extracted (DeepSeek's hook shifts the ids only when the first is 1; aerie's first is).
@@ -137,5 +143,5 @@ def test_sglang_loads_the_dflash_drafter_of_every_architecture(loaded, arch: str
     assert got["num_context_features"] == len(ids)
     # The states the target's own class captures for DFlash are the ones aerie's DFlash reads.
     assert got["target_capture_layers"] == hidden_state_indices(ids)
-    assert all(0 < i <= target.num_layers for i in got["target_capture_layers"])
+    assert all(0 < i <= target.geometry.num_layers for i in got["target_capture_layers"])
     assert not torch.isnan(params["fc.weight"]).any()

@@ -153,9 +153,11 @@ def test_merge_end_to_end(tmp_path: Path, smollm2, tok):
     # Token counts = the supervised tokens of the train split, per id; the vocab table has every id.
     counts = pl.read_parquet(store.local_path(f"{result.prefix}/token_counts.parquet"))
     assert counts.schema == pl.Schema({"token_id": pl.Int32, "count": pl.Int64})
-    assert counts.height == smollm2.vocab_size
+    assert counts.height == smollm2.geometry.vocab_size
     supervised = np.concatenate([np.array(r.input_ids)[np.array(r.loss_mask) == 1] for r in train])
-    assert np.array_equal(counts["count"].to_numpy(), np.bincount(supervised, minlength=smollm2.vocab_size))
+    assert np.array_equal(
+        counts["count"].to_numpy(), np.bincount(supervised, minlength=smollm2.geometry.vocab_size)
+    )
 
     # Manifest: per-split and per-source totals agree with the shards; hashes and settings recorded.
     shards = manifest["splits"]["train"]["shards"]

@@ -214,7 +214,7 @@ def tiny(tmp_path_factory):
 def tiny_drafter(target: TargetInfo, block_size: int = 8, scale: float = 0.05) -> DFlashDrafter:
     cfg = dflash_config_for(
         target,
-        target_layer_ids=spread_layers(target.num_layers, 5),
+        target_layer_ids=spread_layers(target.geometry.num_layers, 5),
         block_size=block_size,
         num_layers=2,
         mask_token_id=None,
@@ -237,13 +237,13 @@ def test_export_writes_what_sglang_loads_and_reads_back(tiny, tmp_path) -> None:
     assert config["dflash_config"] == {
         "block_size": 8,
         "target_layer_ids": [1, 2, 3, 4, 5],
-        "mask_token_id": target.vocab_size - 1,
-        "num_target_layers": target.num_layers,
+        "mask_token_id": target.geometry.vocab_size - 1,
+        "num_target_layers": target.geometry.num_layers,
     }
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
     assert shapes == export_keys(drafter.config)
-    assert shapes["fc.weight"] == (target.hidden_size, 5 * target.hidden_size)
+    assert shapes["fc.weight"] == (target.geometry.hidden_size, 5 * target.geometry.hidden_size)
     assert not any("embed" in key or "lm_head" in key for key in shapes)
     loaded = load_dflash(out, target, dtype=torch.float32)
     state, back = drafter.state_dict(), loaded.state_dict()
@@ -258,7 +258,7 @@ def test_dflash_proposer_is_lossless_and_drafts_a_block(tiny) -> None:
     proposer = DFlashProposer(drafter)
     assert proposer.aux_layers == [2, 3, 4, 5, 6]
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, target.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    prompts = [torch.randint(0, target.geometry.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 7)]
     decoder = SpecDecoder(model, proposer, num_steps=7, eos_token_ids=[0], aux_layers=proposer.aux_layers)
     outs = decoder.generate(prompts, 20)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -272,17 +272,17 @@ def test_dflash_proposer_drafts_what_the_drafter_predicts(tiny) -> None:
     target, _ = tiny
     drafter = tiny_drafter(target, scale=0.3)
     proposer = DFlashProposer(drafter)
-    aux = torch.randn(4, 5 * target.hidden_size)
+    aux = torch.randn(4, 5 * target.geometry.hidden_size)
     proposer.add([0], [[1, 2, 3, 4, 5]], [aux])
     cache = ContextKV(drafter)
     cache.extend(aux)
     want = drafter.draft_block(5, 4, cache).argmax(-1).tolist()
     assert proposer.propose([0], 3) == [want[:3]]
     assert proposer.propose([0], 50) == [want]  # at most block_size - 1 drafts
-    proposer.advance([0], [[7, 8]], [torch.randn(2, 5 * target.hidden_size)])
+    proposer.advance([0], [[7, 8]], [torch.randn(2, 5 * target.geometry.hidden_size)])
     assert proposer.caches[0].length == 6 and proposer.last_token[0] == 8
     with pytest.raises(EvaluationError):
-        proposer.advance([0], [[9]], [torch.randn(1, 3 * target.hidden_size)])
+        proposer.advance([0], [[9]], [torch.randn(1, 3 * target.geometry.hidden_size)])
 
 
 def test_a_drafter_trained_on_an_answer_drafts_it_back(tiny) -> None:
@@ -291,7 +291,9 @@ def test_a_drafter_trained_on_an_answer_drafts_it_back(tiny) -> None:
     target, model = tiny
     torch.manual_seed(0)
     drafter = tiny_drafter(target, scale=0.02).float().train()
-    prompt = torch.randint(0, target.vocab_size, (6,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = torch.randint(
+        0, target.geometry.vocab_size, (6,), generator=torch.Generator().manual_seed(5)
+    ).tolist()
     answer = greedy_reference(model, prompt, 30, [0])
     ids = torch.tensor([prompt + answer])
     with torch.no_grad():
@@ -308,7 +310,9 @@ def test_a_drafter_trained_on_an_answer_drafts_it_back(tiny) -> None:
         tokens=t,
     )
     teacher = Teacher(
-        load_lm_head(target), torch.arange(target.vocab_size), torch.ones(target.vocab_size, dtype=torch.bool)
+        load_lm_head(target),
+        torch.arange(target.geometry.vocab_size),
+        torch.ones(target.geometry.vocab_size, dtype=torch.bool),
     )
     anchors = sample_anchors(batch, 512, drafter.config.block_size, torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)

@@ -129,7 +129,7 @@ def test_the_planner_counts_a_dflash_drafter_s_parameters(smollm2) -> None:
     from aerie.train.dflash_objective import DFlashObjective
 
     cfg = load_config("smollm2-local", [*DFLASH, "train.drafter.num_layers=2"])
-    drafter = DFlashObjective(cfg.train).drafter(smollm2, smollm2.vocab_size)
+    drafter = DFlashObjective(cfg.train).drafter(smollm2, smollm2.geometry.vocab_size)
     matrices = sum(p.numel() for p in drafter.parameters() if p.dim() == 2)
     assert drafter_params(cfg, target_facts(cfg.target)) == matrices
 

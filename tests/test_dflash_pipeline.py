@@ -49,7 +49,7 @@ def test_a_dflash_drafter_runs_extract_train_evaluate_on_the_embedded_default(tm
     assert extract["config"]["capture_layers"] == [1, 8, 14, 21, 27]
     local = store.local_path(shard_keys(extract, by_stage["extract"].prefix)[0][0])
     assert local is not None
-    assert ShardReader(local).token_slice(0, 1)["aux_hidden"].shape[1] == 5 * target.hidden_size
+    assert ShardReader(local).token_slice(0, 1)["aux_hidden"].shape[1] == 5 * target.geometry.hidden_size
     assert extract["canary"]["numeric"]["blocks"][4]["expected"] == 28  # compared with a real forward
 
     # Training ran the block objective and exported the directory SGLang's DFLASH worker loads.

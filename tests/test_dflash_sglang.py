@@ -55,7 +55,7 @@ def not_from_file(loaded: dict[str, torch.Tensor], exported: dict[str, torch.Ten
 def exported(target: TargetInfo, out: Path) -> Path:
     objective = DFlashObjective(TrainConfig(drafter={"family": "dflash", "num_layers": 2}))
     torch.manual_seed(0)
-    drafter = objective.drafter(target, target.vocab_size)
+    drafter = objective.drafter(target, target.geometry.vocab_size)
     with torch.no_grad():
         for p in drafter.parameters():
             p.normal_(0.0, 0.1)
@@ -86,7 +86,7 @@ def test_sglang_loads_every_tensor_of_the_dflash_export(smollm2, tmp_path) -> No
         "dtype": "torch.bfloat16",
         "block_size": 8,
         "target_layer_ids": [1, 8, 14, 21, 27],  # what aerie captured, in SGLang's reading of the config
-        "mask_token_id": smollm2.vocab_size - 1,
+        "mask_token_id": smollm2.geometry.vocab_size - 1,
         "num_context_features": 5,
         "num_layers": 2,
     }

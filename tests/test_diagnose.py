@@ -64,10 +64,10 @@ def drafter(smollm2, target, pairs) -> Eagle3Drafter:
     used = torch.unique(torch.tensor([t for p, a in pairs for t in p + a]))
     torch.manual_seed(0)
     drafter = Eagle3Drafter(draft_config_for(smollm2, len(used)), load_embedding(smollm2))
-    t2d = torch.zeros(smollm2.vocab_size, dtype=torch.bool)
+    t2d = torch.zeros(smollm2.geometry.vocab_size, dtype=torch.bool)
     t2d[used] = True
     drafter.set_vocab(used - torch.arange(len(used)), t2d)
-    to_draft = torch.full((smollm2.vocab_size,), -100)
+    to_draft = torch.full((smollm2.geometry.vocab_size,), -100)
     to_draft[used] = torch.arange(len(used))
     layers = hidden_state_indices(drafter.config)
     batches = []

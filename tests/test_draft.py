@@ -200,31 +200,32 @@ def test_export_matches_the_sglang_contract_and_round_trips(tmp_path) -> None:
     cfg = draft_config_for(target, draft_vocab_size=100)
     torch.manual_seed(3)
     drafter = Eagle3Drafter(cfg, load_embedding(target))
-    counts = torch.randint(0, 50, (target.vocab_size,))
+    counts = torch.randint(0, 50, (target.geometry.vocab_size,))
     vmap = build_vocab_map(counts, cfg.draft_vocab_size)
     drafter.set_vocab(vmap.d2t, vmap.t2d)
     out = export_drafter(drafter, tmp_path / "drafter", target, {"best_step": 7})
 
     config = json.loads((out / "config.json").read_text())
-    n = target.num_layers
+    n = target.geometry.num_layers
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["eagle_config"] == {
         "eagle_aux_hidden_state_layer_ids": [1, n // 2 - 1, n - 4],
         "use_aux_hidden_state": True,
     }
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
-    assert config["max_position_embeddings"] == target.max_position_embeddings == 1024
+    assert config["max_position_embeddings"] == target.geometry.max_position_embeddings == 1024
     assert config["vocab_size"] == 256 and config["draft_vocab_size"] == 100
-    assert config["rope_theta"] == target.rope_theta and config["torch_dtype"] == "bfloat16"
-    for field in (
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-    ):
-        assert config[field] == getattr(target, field)
+    assert config["rope_theta"] == target.geometry.rope.theta and config["torch_dtype"] == "bfloat16"
+    g = target.geometry
+    for field, value in {
+        "hidden_size": g.hidden_size,
+        "intermediate_size": g.intermediate_size,
+        "num_attention_heads": g.attention.num_heads,
+        "num_key_value_heads": g.attention.num_kv_heads,
+        "head_dim": g.attention.head_dim,
+        "rms_norm_eps": g.rms_norm_eps,
+    }.items():
+        assert config[field] == value, field
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())  # noqa: SIM118
@@ -261,7 +262,7 @@ def test_load_refuses_a_drafter_for_another_target(tmp_path, smollm2) -> None:
 
 def test_a_draft_shape_of_its_own_is_exported_and_loaded(tmp_path) -> None:
     target, _ = tiny_target(tmp_path)
-    wide = 3 * target.intermediate_size
+    wide = 3 * target.geometry.intermediate_size
     shape = DraftShapeConfig(num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=wide)
     drafter = Eagle3Drafter(
         draft_config_for(target, 64, shape.resolve(target.geometry)), load_embedding(target)
@@ -269,7 +270,7 @@ def test_a_draft_shape_of_its_own_is_exported_and_loaded(tmp_path) -> None:
     out = export_drafter(drafter, tmp_path / "drafter", target)
     config = json.loads((out / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 16)
-    assert config["intermediate_size"] == wide and config["hidden_size"] == target.hidden_size
+    assert config["intermediate_size"] == wide and config["hidden_size"] == target.geometry.hidden_size
     loaded = load_drafter(out, target, dtype=torch.float32)
-    assert tuple(loaded.midlayer.mlp.up_proj.weight.shape) == (wide, target.hidden_size)
-    assert tuple(loaded.midlayer.self_attn.k_proj.weight.shape) == (16, 2 * target.hidden_size)
+    assert tuple(loaded.midlayer.mlp.up_proj.weight.shape) == (wide, target.geometry.hidden_size)
+    assert tuple(loaded.midlayer.self_attn.k_proj.weight.shape) == (16, 2 * target.geometry.hidden_size)

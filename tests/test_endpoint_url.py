@@ -41,8 +41,8 @@ def run_once(tmp_path: Path, url: str, **endpoint: object) -> None:
     cfg = GenerateConfig(endpoint=EndpointConfig(base_url=url, api_key_env=KEY_ENV, **endpoint))
     spec = DatasetSpec(name="toy", source=SourceSpec(kind="jsonl", path="unused.jsonl"))
     conv = Conversation(id="c0", source="toy", messages=(Message(role="user", content="hi"),))
-    sd = StageDir(LocalStore(tmp_path / "store"), "r", stage_name(spec), key_of(cfg, spec))
-    generate_dataset([conv], cfg, spec, stage_dir=sd, base_url=url)
+    stage_dir = StageDir(LocalStore(tmp_path / "store"), "r", stage_name(spec), key_of(cfg, spec))
+    generate_dataset([conv], cfg, spec, stage_dir=stage_dir, base_url=url)
 
 
 def test_a_key_is_never_sent_over_plain_http_to_another_machine(

@@ -96,7 +96,9 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
         eagle = [r for r in report["results"] if (r["dataset"], r["proposer"]) == (name, "eagle3")]
         size = int(load_manifest(store, drafter.prefix)["figures"]["draft_vocab_size"])
         assert all(by_size[size] == r["draft_vocab_coverage"] for r in eagle)
-        assert list(by_size.values()) == sorted(by_size.values()) and by_size[smollm2.vocab_size] == 1.0
+        assert (
+            list(by_size.values()) == sorted(by_size.values()) and by_size[smollm2.geometry.vocab_size] == 1.0
+        )
     assert "## Where acceptance is lost" in md and "a draft vocabulary of each size" in md
     # MT-Bench prompts carry their category: two questions are the first of the first two categories,
     # and the categories' figures add up to the dataset's (verify tokens over verify forwards).
@@ -130,9 +132,9 @@ def test_evaluate_stage_reports_both_proposers_on_both_datasets(upstream, smollm
     assert again.cache_hit and again.key == result.key
 
     # A crash after the measurements: the re-run rebuilds the report from the finished parts.
-    sd = StageDir(store, "r", "evaluate", result.key)
-    store.delete(sd.path("manifest.json"))
-    store.delete(sd.path("report.json"))
+    stage_dir = StageDir(store, "r", "evaluate", result.key)
+    store.delete(stage_dir.path("manifest.json"))
+    store.delete(stage_dir.path("report.json"))
     resumed = run(CFG, store=store, run_name="r", target=smollm2, drafter=drafter, corpus=corpus)
     assert not resumed.cache_hit
     assert load_manifest(store, resumed.prefix)["results"] == report["results"]
@@ -153,9 +155,9 @@ def test_sampled_acceptance_is_measured_beside_greedy_and_resumes_identically(up
     md = store.get_bytes(f"{result.prefix}/report.md").decode()
     assert "| mtbench | eagle3 T=1 |" in md and "| mtbench | eagle3 |" in md
     # A sampled part redone after a crash draws the same tokens: its seed is its own, not the run's.
-    sd = StageDir(store, "t", "evaluate", result.key)
-    store.delete(sd.path("manifest.json"))
-    store.delete(sd.path("parts/mtbench-eagle3-k3-t1.json"))
+    stage_dir = StageDir(store, "t", "evaluate", result.key)
+    store.delete(stage_dir.path("manifest.json"))
+    store.delete(stage_dir.path("parts/mtbench-eagle3-k3-t1.json"))
     resumed = run(cfg, store=store, run_name="t", target=smollm2, drafter=drafter, corpus=corpus)
     assert untimed(load_manifest(store, resumed.prefix)["results"]) == untimed(report["results"])
 

@@ -191,7 +191,7 @@ def test_a_second_process_on_the_same_slice_is_refused_before_any_server_starts(
     p = staged("extract", plan.plan)(
         cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server
     )
-    held = rf"another process \(pid {os.getpid()}\) is extracting {p.stage.prefix} with servers s0-s0"
+    held = rf"another process \(pid {os.getpid()}\) is extracting {p.stage_dir.prefix} with servers s0-s0"
     with HostLock(p.work / ".lock-s0-s0"), pytest.raises(ExtractionError, match=held):
         staged("extract", work.run)(
             cfg, store=store, run_name="t", target=smollm2, corpus=corpus, server=server

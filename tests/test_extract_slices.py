@@ -50,7 +50,7 @@ def stage_run(
     """The extraction stage as the pipeline runs it: its slices as parts here, then assembled."""
     pipeline = PipelineConfig(run=run_name, extract=cfg, server=server)
     ctx = StageContext(store=store, run=run_name, target=target, rebuild_missing=rebuild_missing)
-    (result,) = EXTRACT.run(pipeline, ctx, Upstream().plus("merge", [corpus]))
+    (result,) = EXTRACT.run(EXTRACT.job(pipeline, ctx, Upstream().plus("merge", [corpus])))
     return result
 
 

@@ -66,7 +66,7 @@ def test_the_stages_reach_the_family_through_the_registry(toy: Family, smollm2) 
 
     cfg = load_config("smollm2-local", TOY_RUN)
     # Extraction captures what the toy reads; the evaluator measures the toy where the default is listed.
-    assert extract_config(cfg, smollm2).capture_layers == spread_layers(smollm2.num_layers, 3)
+    assert extract_config(cfg, smollm2).capture_layers == spread_layers(smollm2.geometry.num_layers, 3)
     ev = evaluate_config(cfg)
     assert ev.proposers == ["toy", "prompt_lookup"]
     drafter = ToyDrafter()

@@ -89,7 +89,7 @@ def spec_for(name: str = "toy", **kw: Any) -> DatasetSpec:
     return DatasetSpec(name=name, source=SourceSpec(kind="jsonl", path="unused.jsonl"), **kw)
 
 
-def stage_dir(store: LocalStore, cfg: GenerateConfig, spec: DatasetSpec) -> StageDir:
+def stage_dir_of(store: LocalStore, cfg: GenerateConfig, spec: DatasetSpec) -> StageDir:
     return StageDir(store, "r", stage_name(spec), key_of(cfg, spec))
 
 
@@ -136,7 +136,7 @@ def test_transient_faults_are_retried_and_every_record_arrives_once(
     # is counted (a drop on a reused keep-alive connection is retried as a stale one, silently).
     cfg, spec = config(server.url, http_transport=transport, concurrency=12), spec_for()
     store = LocalStore(tmp_path / "store")
-    result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url)
+    result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url)
 
     frame = read_output(store, result.prefix)
     assert frame.schema == SCHEMA
@@ -179,7 +179,7 @@ def test_rejected_key_stops_at_once_and_is_never_written(
     store = LocalStore(tmp_path / "store")
     with pytest.raises(EndpointAuthError) as info:
         generate_dataset(
-            conversations(20), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+            conversations(20), cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url
         )
     message = str(info.value)
     assert f"rejected the API key in ${KEY_ENV} (HTTP 401): check the key" in message
@@ -198,7 +198,7 @@ def test_no_key_means_no_authorization_header(server: FaultServer, tmp_path: Pat
     cfg, spec = config(server.url), spec_for()
     store = LocalStore(tmp_path / "store")
     generate_dataset(
-        conversations(2, turns=1), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+        conversations(2, turns=1), cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url
     )
     assert [s.authorization for s in server.seen] == [None, None]
 
@@ -228,7 +228,7 @@ def test_openrouter_fields_reasoning_cost_and_truncation(
         *conversations(1, turns=3),
     ]
     store = LocalStore(tmp_path / "store")
-    result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url)
+    result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url)
     body = server.seen[0].body
     assert body["model"] == "moonshotai/kimi-k2.5" and body["provider"] == {
         "order": ["groq"],
@@ -255,7 +255,7 @@ def test_request_errors_that_retrying_cannot_fix(server: FaultServer, tmp_path: 
     server.default = status(404)
     with pytest.raises(EndpointRequestError, match="not found: check endpoint.base_url"):
         generate_dataset(
-            conversations(3), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+            conversations(3), cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url
         )
     assert len(server.seen) == 1
 
@@ -263,7 +263,7 @@ def test_request_errors_that_retrying_cannot_fix(server: FaultServer, tmp_path: 
     server.default = status(400, body='{"error": "temperature must be <= 1"}')
     with pytest.raises(EndpointRequestError, match="the request itself is wrong"):
         generate_dataset(
-            conversations(3), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+            conversations(3), cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url
         )
 
     # After successes, a 400 is that one prompt's fault: it fails alone and is not retried.
@@ -273,7 +273,7 @@ def test_request_errors_that_retrying_cannot_fix(server: FaultServer, tmp_path: 
     server.plan = {"question 2.0": [status(400, body="prompt is too long")]}
     cfg.max_failure_fraction = 0.5
     result = generate_dataset(
-        conversations(3), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+        conversations(3), cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url
     )
     errors = [json.loads(line) for line in store.get_bytes(f"{result.prefix}/errors.jsonl").splitlines()]
     assert errors == [{"id": "c002", "kind": "rejected", "message": errors[0]["message"], "attempts": 1}]
@@ -288,15 +288,15 @@ def test_failures_over_the_budget_fail_the_dataset_and_the_rerun_retries_only_th
     server.plan = {"question 3.0": [status(503)] * 5}  # more than max_retries=4 allows
     cfg, spec = config(server.url), spec_for(max_turns=1)
     store = LocalStore(tmp_path / "store")
-    sd = stage_dir(store, cfg, spec)
+    stage_dir = stage_dir_of(store, cfg, spec)
     with pytest.raises(EndpointError, match=r"1 of 6 conversations failed .*'http_503': 1"):
-        generate_dataset(conversations(6), cfg, spec, stage_dir=sd, base_url=server.url)
-    assert sd.manifest() is None  # not complete
-    errors = store.get_bytes(sd.path("errors.jsonl")).decode()
+        generate_dataset(conversations(6), cfg, spec, stage_dir=stage_dir, base_url=server.url)
+    assert stage_dir.manifest() is None  # not complete
+    errors = store.get_bytes(stage_dir.path("errors.jsonl")).decode()
     assert json.loads(errors)["id"] == "c003" and json.loads(errors)["attempts"] == 5
 
     before = len(server.seen)
-    result = generate_dataset(conversations(6), cfg, spec, stage_dir=sd, base_url=server.url)
+    result = generate_dataset(conversations(6), cfg, spec, stage_dir=stage_dir, base_url=server.url)
     assert [s.prompt for s in server.seen[before:]] == ["question 3.0"]  # only the failure again
     frame = read_output(store, result.prefix)
     assert sorted(frame["id"].to_list()) == [f"c{i:03d}" for i in range(6)]
@@ -311,7 +311,7 @@ def test_an_empty_final_answer_is_an_error_record_never_a_good_sample(server: Fa
     cfg = cfg.model_copy(update={"max_failure_fraction": 0.5})
     store = LocalStore(tmp_path / "store")
     result = generate_dataset(
-        conversations(4), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+        conversations(4), cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url
     )
     frame = read_output(store, result.prefix)
     assert sorted(frame["id"].to_list()) == ["c000", "c003"]
@@ -334,7 +334,7 @@ def test_an_empty_final_answer_is_an_error_record_never_a_good_sample(server: Fa
     # The next run retries exactly those two, which now answer, and completes the dataset.
     before = len(server.seen)
     again = generate_dataset(
-        conversations(4), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+        conversations(4), cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url
     )
     assert sorted(s.prompt for s in server.seen[before:]) == [
         "question 1.0",
@@ -359,7 +359,7 @@ def test_reasoning_left_inline_is_split_off_and_a_reasoning_only_answer_is_refus
     cfg = cfg.model_copy(update={"max_failure_fraction": 1.0})
     store = LocalStore(tmp_path / "store")
     result = generate_dataset(
-        conversations(4), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+        conversations(4), cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url
     )
     (row,) = read_output(store, result.prefix).to_dicts()
     assert row["id"] == "c000"
@@ -479,7 +479,7 @@ def test_a_kept_dataset_writes_the_same_schema_without_an_endpoint(tmp_path: Pat
     cfg = GenerateConfig()  # no base_url at all: nothing is asked
     spec = spec_for(regenerate=False, max_turns=1, system_prompt="sys")
     store = LocalStore(tmp_path / "store")
-    result = generate_dataset(conversations(3), cfg, spec, stage_dir=stage_dir(store, cfg, spec))
+    result = generate_dataset(conversations(3), cfg, spec, stage_dir=stage_dir_of(store, cfg, spec))
     frame = read_output(store, result.prefix)
     assert frame.schema == SCHEMA and frame.height == 3
     row = frame.row(0, named=True)
@@ -492,7 +492,9 @@ def test_a_kept_dataset_writes_the_same_schema_without_an_endpoint(tmp_path: Pat
 def test_rate_limit_paces_requests(server: FaultServer, tmp_path: Path):
     cfg, spec = config(server.url, requests_per_minute=600.0), spec_for(max_turns=1)
     store = LocalStore(tmp_path / "store")
-    generate_dataset(conversations(16), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url)
+    generate_dataset(
+        conversations(16), cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url
+    )
     times = sorted(s.at for s in server.seen)
     # 10 requests/s with a burst of one second's worth (10): the other six need at least 0.6 s.
     assert len(times) == 16 and times[-1] - times[0] >= 0.55
@@ -504,7 +506,7 @@ def test_turns_past_max_context_tokens_are_not_asked(server: FaultServer, tmp_pa
     convs = conversations(3, turns=3)
     cfg, spec = config(server.url), spec_for(max_context_tokens=4)
     store = LocalStore(tmp_path / "store")
-    result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url)
+    result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir_of(store, cfg, spec), base_url=server.url)
 
     frame = read_output(store, result.prefix)
     for conv, row in zip(convs, frame.iter_rows(named=True), strict=True):
@@ -516,7 +518,7 @@ def test_turns_past_max_context_tokens_are_not_asked(server: FaultServer, tmp_pa
     unlimited = spec_for(max_context_tokens=0)  # 0: every turn, and a dataset of its own
     assert key_of(cfg, unlimited) != key_of(cfg, spec)
     result = generate_dataset(
-        convs, cfg, unlimited, stage_dir=stage_dir(store, cfg, unlimited), base_url=server.url
+        convs, cfg, unlimited, stage_dir=stage_dir_of(store, cfg, unlimited), base_url=server.url
     )
     rows = read_output(store, result.prefix).iter_rows(named=True)
     assert [row["messages"] for row in rows] == [expected_messages(c) for c in convs]
@@ -589,7 +591,11 @@ def test_a_cost_summed_over_some_priced_answers_says_it_is_partial(server: Fault
     def figures(name: str) -> dict[str, Any]:
         cfg, spec = config(server.url), spec_for(name)
         result = generate_dataset(
-            conversations(3, turns=1), cfg, spec, stage_dir=stage_dir(store, cfg, spec), base_url=server.url
+            conversations(3, turns=1),
+            cfg,
+            spec,
+            stage_dir=stage_dir_of(store, cfg, spec),
+            base_url=server.url,
         )
         return load_manifest(store, result.prefix)["figures"]
 

@@ -45,8 +45,8 @@ def test_regenerates_with_the_reference_server(smollm2, tmp_path: Path):
             for i in range(2)
         ]
         store = LocalStore(tmp_path / "store")
-        sd = StageDir(store, "r", stage_name(spec), key_of(cfg, spec))
-        result = generate_dataset(convs, cfg, spec, stage_dir=sd, base_url=url)
+        stage_dir = StageDir(store, "r", stage_name(spec), key_of(cfg, spec))
+        result = generate_dataset(convs, cfg, spec, stage_dir=stage_dir, base_url=url)
     finally:
         server.stop()
     frame = read_conversations(store.local_path(f"{result.prefix}/conversations.parquet"))
@@ -67,7 +67,7 @@ def test_the_launched_generation_server_gets_the_endpoints_launch_args(smollm2) 
     from aerie.config import apply_overrides
     from aerie.errors import ConfigError
     from aerie.generate.preflight import check_endpoint
-    from aerie.generate.stage import generation_endpoint
+    from aerie.generate.server import generation_endpoint
     from aerie.presets import smollm2_local
     from tests.conftest import free_port
 

@@ -43,7 +43,7 @@ def test_rows_are_specforge_layout(tiny):
         assert row["input_ids"].shape == (1, n) and row["hidden_states"].shape == (
             1,
             n,
-            3 * target.hidden_size,
+            3 * target.geometry.hidden_size,
         )
         assert torch.equal(row["input_ids"][0, :-1], s.input_ids[1:n].long())
         assert row["input_ids"][0, -1] == 0
@@ -59,11 +59,13 @@ def test_export_round_trips_through_aerie_loader(tiny, tmp_path):
     torch.manual_seed(1)
     drafter = Eagle3Drafter(cfg, load_embedding(target, torch.float32))
     used = torch.arange(0, 128, 2)
-    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d = torch.zeros(target.geometry.vocab_size, dtype=torch.bool)
     t2d[used] = True
     drafter.set_vocab(used - torch.arange(64), t2d)
     state = dict(drafter.state_dict())
-    state["embed_tokens.weight"] = torch.zeros(target.vocab_size, target.hidden_size)  # SpecForge keeps it
+    state["embed_tokens.weight"] = torch.zeros(
+        target.geometry.vocab_size, target.geometry.hidden_size
+    )  # SpecForge keeps it
     out = peer_drafter.export_specforge(state, cfg, target, tmp_path / "sf", {"note": "test"})
     loaded = load_drafter(out, target, dtype=torch.float32)
     for key, value in loaded.state_dict().items():

@@ -72,10 +72,10 @@ def _by_stage(results) -> dict:
 # Four whole pipeline runs (two through Prefect): past the default 600 s when the machine is shared.
 @pytest.mark.timeout(1500)
 def test_pipeline_runs_every_stage_caches_and_reruns_only_what_changed(prefect_api, pipeline_store):
-    from flows.pipeline import eagle3_pipeline
+    from flows.pipeline import aerie_pipeline
 
     cfg = tiny_config(pipeline_store)
-    first = _by_stage(eagle3_pipeline(config=cfg))
+    first = _by_stage(aerie_pipeline(config=cfg))
     assert list(first) == STAGES
     assert not any(r.cache_hit for r in first.values())
     assert first["extract"].figures["tokens"] == first["merge"].figures["tokens"]
@@ -83,7 +83,7 @@ def test_pipeline_runs_every_stage_caches_and_reruns_only_what_changed(prefect_a
     # The served speed-up is predicted from SGLang's GPU times: a deployment on the CPU is given none.
     assert not any(k.startswith("predicted_speedup") for k in first["deploy"].figures)
 
-    second = _by_stage(eagle3_pipeline(config=cfg))
+    second = _by_stage(aerie_pipeline(config=cfg))
     assert [s for s, r in second.items() if not r.cache_hit] == []
     # A hit reports this run's seconds, with the seconds the stage took when it ran beside them.
     assert {s: r.original_seconds for s, r in second.items()} == {s: r.seconds for s, r in first.items()}
@@ -91,7 +91,7 @@ def test_pipeline_runs_every_stage_caches_and_reruns_only_what_changed(prefect_a
         s: r.manifest_sha256 for s, r in first.items()
     }
 
-    changed = _by_stage(eagle3_pipeline(config=apply_overrides(cfg, ["train.lr=0.001"])))
+    changed = _by_stage(aerie_pipeline(config=apply_overrides(cfg, ["train.lr=0.001"])))
     assert [s for s, r in changed.items() if r.cache_hit] == ["generate-sharegpt", "merge", "extract"]
     assert changed["train"].key != first["train"].key
 
@@ -103,7 +103,7 @@ def _shards_lost_then_rebuilt(store: Path, cfg: PipelineConfig, extract: StageRe
     `tools.gpuhost` never moves hidden states): a run whose training is done is all cache hits and
     extracts nothing; one whose training must run extracts the same shards again first. The store is
     put back as it was after, for the worker's test."""
-    from flows.pipeline import eagle3_pipeline
+    from flows.pipeline import aerie_pipeline
 
     stage = Path(store) / extract.prefix
     kept = {p: p.read_bytes() for p in stage.rglob("*") if p.is_file()}
@@ -121,7 +121,7 @@ def _shards_lost_then_rebuilt(store: Path, cfg: PipelineConfig, extract: StageRe
         # A new training (the Prefect flow): the extraction is made again, byte for byte, then trained on
         # (and evaluated; the deployment benchmark, two more server starts, is left out: not about shards).
         retrain = apply_overrides(cfg, ["train.lr=0.0005", "deploy.enabled=false"])
-        rebuilt = _by_stage(eagle3_pipeline(config=retrain))
+        rebuilt = _by_stage(aerie_pipeline(config=retrain))
         assert list(rebuilt) == STAGES[:-1]
         assert [s for s, r in rebuilt.items() if r.cache_hit] == ["generate-sharegpt", "merge"]
         assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in shards} == shards
@@ -135,7 +135,7 @@ def test_failure_posts_to_the_webhook(prefect_api, tmp_path, webhook, monkeypatc
     from dataclasses import replace
 
     import flows.stage
-    from flows.pipeline import eagle3_pipeline
+    from flows.pipeline import aerie_pipeline
 
     url, received = webhook
     monkeypatch.setenv("AERIE_WEBHOOK_URL", url)
@@ -151,13 +151,13 @@ def test_failure_posts_to_the_webhook(prefect_api, tmp_path, webhook, monkeypatc
     )
     started = datetime.now(timezone.utc)
     try:
-        state = eagle3_pipeline(config=cfg, return_state=True)
+        state = aerie_pipeline(config=cfg, return_state=True)
     finally:
         get_settings.cache_clear()
     assert state.is_failed()
     # One failure, one alert: the run, the stage, the error's first line (no traceback, no secret).
     (text,) = [body["text"] for body in received]
-    assert "eagle3-pipeline" in text and "in stage `generate`" in text and str(missing) in text, text
+    assert "aerie-pipeline" in text and "in stage `generate`" in text and str(missing) in text, text
     assert "Traceback" not in text and url not in text
     assert text.count("\n") == 2, text  # the headline, the error's first line, the link
     # The traceback once in the run's logs, however many levels (task, subflows, flow) it passed.
@@ -184,17 +184,17 @@ def test_prefect_deploy_and_a_worker_runs_the_deployment(prefect_api, pipeline_s
         assert out.returncode == 0, f"prefect {' '.join(args)}:\n{out.stdout}\n{out.stderr}"
         return out.stdout
 
-    # The README's own lines: the pool, then the deployment, which registers eagle3-pipeline/local alone.
+    # The README's own lines: the pool, then the deployment, which registers aerie-pipeline/local alone.
     cli(*_readme_command("prefect work-pool create"))
     cli(*_readme_command("prefect --no-prompt deploy"))
-    assert asyncio.run(_deployment_exists("eagle3-pipeline/local"))
+    assert asyncio.run(_deployment_exists("aerie-pipeline/local"))
     assert not asyncio.run(_deployment_exists("extract-slice/local"))
     # Another evaluation than the in-process run's: the worker's flow run does real work (the deployment
     # benchmark, two server starts, is left out: the evaluation is the cheaper stage to change).
     overrides = [*tiny_overrides(pipeline_store), "evaluate.mtbench_questions=1", "deploy.enabled=false"]
     evaluations = set(pipeline_store.glob("tiny/evaluate/*/manifest.json"))
     params = {"preset": "smollm2-local", "overrides": overrides}
-    out = cli("deployment", "run", "eagle3-pipeline/local", "--params", json.dumps(params))
+    out = cli("deployment", "run", "aerie-pipeline/local", "--params", json.dumps(params))
     flow_run_id = next(w for line in out.splitlines() if "UUID" in line for w in line.split() if len(w) == 36)
     worker = subprocess.run(
         [prefect, "worker", "start", "--pool", "aerie-local", "--run-once"],

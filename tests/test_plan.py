@@ -65,8 +65,8 @@ def test_drafter_parameters_match_a_real_checkpoint(smollm2) -> None:
         head_dim=g.attention.head_dim,
         vocab_size=g.vocab_size,
         draft_vocab_size=cfg.train.drafter.draft_vocab_size,
-        rope_theta=smollm2.rope_theta,
-        max_position_embeddings=smollm2.max_position_embeddings,
+        rope_theta=smollm2.geometry.rope.theta,
+        max_position_embeddings=smollm2.geometry.max_position_embeddings,
         aux_layer_ids=tuple(smollm2.aux_layers_output),
     )
     model = Eagle3Drafter(draft, torch.zeros(g.vocab_size, g.hidden_size))

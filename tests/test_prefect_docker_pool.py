@@ -1,6 +1,6 @@
 """Prefect's docker work pool for real: a `prefect server start` process, the `aerie-docker` pool of
 prefect.yaml (aerie/worker-cpu, built locally and never pulled), `prefect deploy`, `prefect deployment run`
-of `eagle3-pipeline/docker` with the tiny overrides, and `prefect worker start --type docker`, which runs
+of `aerie-pipeline/docker` with the tiny overrides, and `prefect worker start --type docker`, which runs
 the flow in a container. The whole pipeline runs inside it (its servers as processes of that container)
 and writes its stages into a store bind-mounted at the same path."""
 
@@ -85,7 +85,7 @@ def test_the_docker_pool_runs_the_pipeline_in_the_worker_image(
     out = cli(
         "deployment",
         "run",
-        "eagle3-pipeline/docker",
+        "aerie-pipeline/docker",
         "--params",
         json.dumps(params),
         "-jv",

@@ -68,7 +68,7 @@ def reference(smollm2):
 
 def _token_ids(smollm2, n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, smollm2.vocab_size, (n,), generator=g).tolist()
+    return torch.randint(3, smollm2.geometry.vocab_size, (n,), generator=g).tolist()
 
 
 def _generate(server: RefServer, body: dict) -> httpx.Response:
@@ -98,7 +98,7 @@ def test_prefill_dump_matches_a_transformers_forward(server: RefServer, referenc
     )
     assert reply.status_code == 200, reply.text
     meta = reply.json()["meta_info"]
-    h = smollm2.hidden_size
+    h = smollm2.geometry.hidden_size
     assert meta["dump"] == {
         "key": "sample-one.safetensors",
         "shapes": {"input_ids": [37], "aux_hidden": [37, 3 * h], "last_hidden": [37, h]},
@@ -234,7 +234,7 @@ def test_fp8_dumps_are_the_model_dtype_dumps_quantized(
     }
     model_reply, fp8_reply = _generate(server, body), _generate(fp8, body)
     assert model_reply.status_code == fp8_reply.status_code == 200, fp8_reply.text
-    h = smollm2.hidden_size
+    h = smollm2.geometry.hidden_size
     for n, item in zip(lengths, fp8_reply.json(), strict=True):
         assert item["meta_info"]["dump"] == {
             "key": f"q-{n}.safetensors",

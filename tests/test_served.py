@@ -232,6 +232,41 @@ def test_deploy_prediction_uses_the_evaluated_accept_length_and_lands_in_the_fig
     assert bare is not None and bare.predictions[0].speedup is None
 
 
+def test_the_deploy_stage_predicts_through_the_stage_contract_and_not_on_a_cpu(monkeypatch, tmp_path):
+    """The composer asks every stage for a prediction (`Stage.predict`) and hands it back with the
+    results (`Stage.with_prediction`): deploy's is the served speed-up, none for a CPU deployment."""
+    from aerie.config import PipelineConfig
+    from aerie.deploy.stage import DEPLOY
+    from aerie.manifest import StageResult
+    from aerie.stage import StageContext
+    from aerie.store import LocalStore
+
+    monkeypatch.setattr(served, "_table", lambda: TABLE)
+    target = SimpleNamespace(name="t", architecture="LlamaForCausalLM", size_bytes=2e8)
+    ctx = StageContext(store=LocalStore(tmp_path), run="r", target=target)  # type: ignore[arg-type]
+    cfg = PipelineConfig(run="r")
+    on = {
+        device: cfg.model_copy(update={"server": cfg.server.model_copy(update={"device": device})})
+        for device in ("cpu", "cuda")
+    }
+    assert DEPLOY.predict(DEPLOY.job(on["cpu"], ctx)) is None
+    predicted = DEPLOY.predict(DEPLOY.job(on["cuda"], ctx))
+    assert predicted == served.before_deploy(cfg.deploy, target, None) and predicted is not None
+    result = StageResult(
+        stage="deploy",
+        key="k",
+        prefix="r/deploy/k",
+        manifest_uri="m",
+        manifest_sha256="s",
+        cache_hit=False,
+        seconds=1.0,
+        figures={"speedup": 0.9},
+    )
+    (with_it,) = DEPLOY.with_prediction(predicted, [result])
+    assert set(with_it.figures) == {"speedup"} | {f"predicted_speedup_c{c}" for c in cfg.deploy.concurrency}
+    assert DEPLOY.with_prediction(None, [result]) == [result]
+
+
 def test_no_measurements_leave_the_plan_a_line_and_the_deploy_stage_no_prediction(monkeypatch):
     monkeypatch.setattr(served, "_table", lambda: {"cards": {}})
     facts = SimpleNamespace(name="t", active_params=1e8, weight_bytes=2e8)

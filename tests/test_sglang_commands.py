@@ -18,7 +18,7 @@ from aerie.config import PipelineConfig
 from aerie.deploy.work import server_specs
 from aerie.draft.export import export_drafter
 from aerie.extract.fleet import server_spec
-from aerie.generate.stage import generation_spec
+from aerie.generate.server import generation_spec
 from aerie.presets import load_config
 from aerie.serving import ServerSpec
 from aerie.targets import TargetInfo

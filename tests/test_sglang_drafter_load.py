@@ -75,8 +75,8 @@ def not_from_file(loaded: dict[str, torch.Tensor], exported: dict[str, torch.Ten
 def vocab_map(target: TargetInfo, size: int) -> VocabMap:
     """A draft vocab chosen from skewed counts, so d2t is far from the identity."""
     g = torch.Generator().manual_seed(0)
-    counts = torch.randint(0, 1000, (target.vocab_size,), generator=g) * (
-        torch.rand(target.vocab_size, generator=g) < 0.2
+    counts = torch.randint(0, 1000, (target.geometry.vocab_size,), generator=g) * (
+        torch.rand(target.geometry.vocab_size, generator=g) < 0.2
     )
     return build_vocab_map(counts, size)
 
@@ -159,7 +159,10 @@ def test_sglang_reads_the_vocab_map_geometry_and_capture_layers(loaded, smollm2)
     # hot_token_id = d2t + arange: the target id of each draft id, the draft vocab aerie chose.
     assert good["hot_token_id"] == vocab.used.tolist()
     assert good["hot_token_id"] != list(range(vocab.draft_vocab_size))
-    assert (good["hidden_size"], good["vocab_size"]) == (smollm2.hidden_size, smollm2.vocab_size)
+    assert (good["hidden_size"], good["vocab_size"]) == (
+        smollm2.geometry.hidden_size,
+        smollm2.geometry.vocab_size,
+    )
     assert good["draft_vocab_size"] == good["lm_head_rows"] == vocab.draft_vocab_size
     assert good["aux_layer_ids"] == smollm2.aux_layers_output
     # The target then captures the residual stream entering these layers: what aerie extracted.

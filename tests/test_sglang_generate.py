@@ -15,7 +15,7 @@ from aerie.datasets import SourceSpec, iter_conversations
 from aerie.generate.config import DatasetSpec, GenerateConfig, SamplingParams
 from aerie.generate.output import read_conversations
 from aerie.generate.preflight import check_endpoint
-from aerie.generate.stage import generation_endpoint
+from aerie.generate.server import generation_endpoint
 from aerie.generate.work import run
 from aerie.presets import load_config
 from aerie.store import LocalStore

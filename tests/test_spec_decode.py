@@ -241,7 +241,7 @@ def test_compaction_index_keeps_each_rows_live_slots_in_order():
 
 def test_batched_drafter_matches_its_single_sequence_step(random_drafter, smollm2):
     """Ragged rows in one forward give the logits `Eagle3Drafter.step` gives each sequence alone."""
-    d, h = random_drafter, smollm2.hidden_size
+    d, h = random_drafter, smollm2.geometry.hidden_size
     torch.manual_seed(1)
     contexts = [torch.randint(0, 49152, (n,)).tolist() for n in (9, 4)]
     aux0 = [torch.randn(len(c) - 1, 3 * h) for c in contexts]

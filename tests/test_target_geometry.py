@@ -46,7 +46,11 @@ def test_qwen3_head_dim_is_not_hidden_over_heads(tmp_path) -> None:
     cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                       intermediate_size=96, **SMALL)  # fmt: skip
     target = resolve_target(TargetConfig(name=str(saved(tmp_path, cfg))))
-    assert target.head_dim == 32 != target.hidden_size // target.num_attention_heads
+    assert (
+        target.geometry.attention.head_dim
+        == 32
+        != target.geometry.hidden_size // target.geometry.attention.num_heads
+    )
     draft = draft_config_for(target, 100)
     assert (draft.num_attention_heads, draft.num_key_value_heads, draft.head_dim) == (4, 2, 32)
     exported = hf_config(draft, target)

@@ -14,7 +14,11 @@ from aerie.targets import TargetConfig, resolve_target
 
 
 def test_embedded_target_facts(smollm2):
-    assert (smollm2.num_layers, smollm2.hidden_size, smollm2.vocab_size) == (30, 576, 49152)
+    assert (smollm2.geometry.num_layers, smollm2.geometry.hidden_size, smollm2.geometry.vocab_size) == (
+        30,
+        576,
+        49152,
+    )
     assert smollm2.aux_layers_input == [2, 15, 27]
     assert smollm2.aux_layers_output == [1, 14, 26]
     assert smollm2.eos_token_ids == [2]

@@ -364,7 +364,7 @@ def test_every_reasoning_shape_an_endpoint_returns_is_read():
 
 
 def test_generation_is_launched_with_the_targets_reasoning_parser(tmp_path, smollm2):
-    from aerie.generate.stage import reasoning_args
+    from aerie.generate.server import reasoning_args
 
     thinking = target_with_template(smollm2, QWEN3, THINK_TAGS, tmp_path / "qwen3-like")
     sglang = PipelineConfig().model_copy(
@@ -384,7 +384,7 @@ def test_generation_is_launched_with_the_targets_reasoning_parser(tmp_path, smol
 
 def test_a_chat_template_override_reaches_the_generation_server(tmp_path, smollm2):
     from aerie.errors import ConfigError
-    from aerie.generate.stage import reasoning_args
+    from aerie.generate.server import reasoning_args
 
     template = tmp_path / "qwen3.jinja"
     template.write_text(QWEN3)

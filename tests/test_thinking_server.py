@@ -22,7 +22,8 @@ from aerie.corpus.config import CorpusConfig
 from aerie.datasets import SourceSpec
 from aerie.generate.config import DatasetSpec, EndpointConfig, SamplingParams
 from aerie.generate.output import read_conversations
-from aerie.generate.stage import generate_config, generation_endpoint, reasoning_args
+from aerie.generate.server import generation_endpoint, reasoning_args
+from aerie.generate.stage import generate_config
 from aerie.generate.work import generate_dataset, key_of, stage_name
 from aerie.manifest import StageDir, load_manifest
 from aerie.presets import smollm2_local
@@ -97,8 +98,8 @@ def test_generation_stores_the_think_block_as_reasoning_and_merge_supervises_it(
         assert inline["content"] == f"<think>{REASONING}</think>{ANSWER}"
         assert _streamed(url) == (REASONING, ANSWER)
         assert _streamed(url, chat_template_kwargs={"enable_thinking": False}) == ("", ANSWER)
-        sd = StageDir(store, "r", stage_name(spec), key_of(gen, spec))
-        generated = generate_dataset(convs, gen, spec, stage_dir=sd, base_url=url)
+        stage_dir = StageDir(store, "r", stage_name(spec), key_of(gen, spec))
+        generated = generate_dataset(convs, gen, spec, stage_dir=stage_dir, base_url=url)
 
     frame = read_conversations(store.local_path(f"{generated.prefix}/conversations.parquet"))
     answers = [row["messages"][1] for row in frame.iter_rows(named=True)]

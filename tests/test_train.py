@@ -454,7 +454,9 @@ def test_stage_trains_exports_and_caches(tiny, tmp_path) -> None:
     assert steps == ["step-00000008", "step-00000012"]  # keep_checkpoints=2 pruned step 4
     drafter = load_drafter(Path(up.store.root) / result.prefix / "drafter", target, dtype=torch.float32)
     assert drafter.lm_head.weight.shape == (128, 64)
-    assert drafter.config.intermediate_size == target.intermediate_size  # by default, the target's width
+    assert (
+        drafter.config.intermediate_size == target.geometry.intermediate_size
+    )  # by default, the target's width
     lines = [
         json.loads(x) for x in up.store.get_bytes(f"{result.prefix}/metrics.jsonl").decode().splitlines()
     ]

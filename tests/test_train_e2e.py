@@ -36,12 +36,14 @@ def test_train_on_embedded_default_shards(tmp_path, smollm2):
     store = LocalStore(tmp_path / "store")
     rows = corpus_rows(smollm2.load_tokenizer(), 7, seed=5, min_words=20, max_words=40)
     corpus = write_corpus(store, "e2e", {"train": rows[:6], "eval": rows[6:]})
-    counts = torch.zeros(smollm2.vocab_size, dtype=torch.int64)
+    counts = torch.zeros(smollm2.geometry.vocab_size, dtype=torch.int64)
     for r in rows[:6]:
         ids, mask = torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool)
-        counts += torch.bincount(ids[mask], minlength=smollm2.vocab_size)
+        counts += torch.bincount(ids[mask], minlength=smollm2.geometry.vocab_size)
     table = tmp_path / "token_counts.parquet"
-    pl.DataFrame({"token_id": list(range(smollm2.vocab_size)), "count": counts.tolist()}).write_parquet(table)
+    pl.DataFrame(
+        {"token_id": list(range(smollm2.geometry.vocab_size)), "count": counts.tolist()}
+    ).write_parquet(table)
     store.put_file(f"{corpus.prefix}/token_counts.parquet", table)
 
     shards = extract(
@@ -78,5 +80,5 @@ def test_train_on_embedded_default_shards(tmp_path, smollm2):
         token = drafter.to_target_ids(logits[-1:].argmax(-1))
         drafted.append(int(token))
         logits, hidden = drafter.step(token, hidden[-1:], torch.tensor([n + k]), cache)
-    assert cache.length == n + 3 and all(0 <= t < smollm2.vocab_size for t in drafted)
+    assert cache.length == n + 3 and all(0 <= t < smollm2.geometry.vocab_size for t in drafted)
     assert all(bool(drafter.t2d[t]) for t in drafted)  # drafts come from the draft vocab

@@ -187,7 +187,7 @@ def _dflash_spec(
     tmp_path: Path, target, train: list[HiddenSample], held: list[HiddenSample], cfg: TrainConfig
 ) -> TrainSpec:
     """`tests.test_train._spec` for shards of DFlash's captured layers (the vocabulary map is unused)."""
-    v = target.vocab_size
+    v = target.geometry.vocab_size
     vocab = tmp_path / "vocab.safetensors"
     save_file(
         {
@@ -197,7 +197,7 @@ def _dflash_spec(
         },
         str(vocab),
     )
-    layers = train[0].aux_hidden.shape[1] // target.hidden_size
+    layers = train[0].aux_hidden.shape[1] // target.geometry.hidden_size
     return TrainSpec(
         cfg=cfg,
         target=target,
@@ -217,7 +217,7 @@ def test_the_dflash_authors_recipe_trains_at_tiny_shapes(tmp_path) -> None:
     update = {"epochs": 3.0, "batch_tokens": 48, "batch_sequences": 2, "eval_every": 2, "device": "cpu"}
     cfg = cfg.model_copy(update={**update, "checkpoint_every": 100, "log_every": 1})
     target, model = tiny_target(tmp_path)
-    layers = cfg.capture_layers(target.num_layers)
+    layers = cfg.capture_layers(target.geometry.num_layers)
     train = make_samples(model, target, 4, prompt=8, response=40, seed=0)
     held = make_samples(model, target, 2, prompt=8, response=40, seed=1)
     spec = _dflash_spec(

@@ -138,10 +138,13 @@ def test_vllm_builds_its_eagle3_llama_with_the_drafters_shapes(served) -> None:
     facts, target = loaded(served), served["target"]
     assert facts["class"] == "Eagle3LlamaForCausalLM"
     assert facts["method"] == "eagle3" and facts["num_speculative_tokens"] == NUM_SPECULATIVE_TOKENS
-    assert (facts["hidden_size"], facts["vocab_size"]) == (target.hidden_size, target.vocab_size)
+    assert (facts["hidden_size"], facts["vocab_size"]) == (
+        target.geometry.hidden_size,
+        target.geometry.vocab_size,
+    )
     assert facts["draft_vocab_size"] == served["exported"]["lm_head.weight"].shape[0] == 128
     assert facts["norm_before_residual"] is False
-    assert facts["num_aux_hidden_states"] == 3 and facts["fc_input_size"] == 3 * target.hidden_size
+    assert facts["num_aux_hidden_states"] == 3 and facts["fc_input_size"] == 3 * target.geometry.hidden_size
     # vLLM's target captures the residual stream entering these layers: what aerie trained on.
     assert facts["target_capture_layers"] == target.aux_layers_input
 

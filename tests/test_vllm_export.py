@@ -56,7 +56,7 @@ def test_the_speculators_config_says_what_vllm_reads(drafter, smollm2) -> None:
     # vLLM's reader takes a missing norm_before_residual as true; aerie's layer is the other kind.
     assert cfg["norm_before_residual"] is False
     assert cfg["draft_vocab_size"] == sglang["draft_vocab_size"]
-    assert cfg["target_hidden_size"] == smollm2.hidden_size
+    assert cfg["target_hidden_size"] == smollm2.geometry.hidden_size
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "llama"  # vLLM maps llama to its Eagle3LlamaForCausalLM
     for field in (
@@ -67,12 +67,15 @@ def test_the_speculators_config_says_what_vllm_reads(drafter, smollm2) -> None:
         "head_dim",
     ):
         assert layer[field] == sglang[field], field
-    assert layer["vocab_size"] == smollm2.vocab_size
+    assert layer["vocab_size"] == smollm2.geometry.vocab_size
     assert layer["tie_word_embeddings"] is False
     spec = cfg["speculators_config"]
     assert spec["algorithm"] == "eagle3"
     assert spec["default_proposal_method"] in [m["proposal_type"] for m in spec["proposal_methods"]]
-    assert spec["verifier"] == {"name_or_path": smollm2.path, "architectures": [smollm2.architecture]}
+    assert spec["verifier"] == {
+        "name_or_path": smollm2.path,
+        "architectures": [smollm2.geometry.architecture],
+    }
 
 
 def test_the_launch_line_names_the_vllm_folder() -> None:

@@ -57,7 +57,7 @@ def make_samples(
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(n):
-        ids = torch.randint(0, target.vocab_size, (1, prompt), generator=g)
+        ids = torch.randint(0, target.geometry.vocab_size, (1, prompt), generator=g)
         for _ in range(response):
             nxt = model(ids).logits[0, -1].argmax()
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
@@ -119,7 +119,7 @@ def make_upstream(
     shards = ex.finish(
         {
             "splits": splits,
-            "hidden_size": target.hidden_size,
+            "hidden_size": target.geometry.hidden_size,
             "storage_dtype": storage,
             "layers": {
                 "output_of_layer": layers or target.aux_layers_output,
@@ -128,11 +128,14 @@ def make_upstream(
         }
     )
     corpus_dir = StageDir(store, "t", "corpus", "k-corpus")
-    counts = torch.zeros(target.vocab_size, dtype=torch.int64)
+    counts = torch.zeros(target.geometry.vocab_size, dtype=torch.int64)
     for s in train:
-        counts += torch.bincount(s.input_ids[s.loss_mask], minlength=target.vocab_size)
+        counts += torch.bincount(s.input_ids[s.loss_mask], minlength=target.geometry.vocab_size)
     frame = pl.DataFrame(
-        {"token_id": torch.arange(target.vocab_size).numpy().astype("int32"), "count": counts.numpy()}
+        {
+            "token_id": torch.arange(target.geometry.vocab_size).numpy().astype("int32"),
+            "count": counts.numpy(),
+        }
     )
     path = root / "token_counts.parquet"
     frame.write_parquet(path)

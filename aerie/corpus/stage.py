@@ -6,25 +6,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from aerie.manifest import StageResult
-from aerie.stage import Stage, StageContext, Upstream
+from aerie.stage import Stage, StageJob
 
 if TYPE_CHECKING:
-    from aerie.config import PipelineConfig
+    pass
 
 
 class MergeStage(Stage):
     name = "merge"
 
-    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+    def key(self, job: StageJob) -> str:
         from aerie.corpus.work import key_of
 
-        return key_of(cfg.corpus, ctx.target, upstream.generated)
+        return key_of(job.cfg.corpus, job.ctx.target, job.upstream.generated)
 
-    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+    def run(self, job: StageJob) -> list[StageResult]:
         from aerie.corpus.work import run
 
-        out = self.stage_dir(cfg, ctx, upstream)
-        return [run(cfg.corpus, ctx.work(out), inputs=upstream.generated)]
+        return [run(job.cfg.corpus, job.work(), inputs=job.upstream.generated)]
 
 
 MERGE = MergeStage()

@@ -103,7 +103,7 @@ def template_sha256(cfg: CorpusConfig, target: TargetInfo) -> str:
 
 
 def reasoning_parser(cfg: CorpusConfig, target: TargetInfo, template: str) -> ReasoningParser | None:
-    return parser_for(target.architecture, template, cfg.reasoning_parser)
+    return parser_for(target.geometry.architecture, template, cfg.reasoning_parser)
 
 
 def key_of(cfg: CorpusConfig, target: TargetInfo, inputs: list[StageResult]) -> str:
@@ -134,16 +134,16 @@ def input_files(store: ArtifactStore, inputs: list[StageResult]) -> list[InputFi
 
 
 def run(cfg: CorpusConfig, ctx: WorkContext, *, inputs: list[StageResult]) -> StageResult:
-    """Build the corpus into `ctx.out` (keyed by `key_of` over these inputs), or return the cached
+    """Build the corpus into `ctx.stage_dir` (keyed by `key_of` over these inputs), or return the cached
     result when the same inputs were merged the same way."""
-    stage, progress = ctx.out, ctx.progress
-    files = input_files(stage.store, inputs)
-    if (cached := stage.cached_result()) is not None:
+    stage_dir, progress = ctx.stage_dir, ctx.progress
+    files = input_files(stage_dir.store, inputs)
+    if (cached := stage_dir.cached_result()) is not None:
         progress(1.0, "cached")
         return cached
     with work_dir("aerie-merge-") as tmp:
-        manifest = _build(cfg, stage.store, stage, ctx.target, files, Path(tmp), progress)
-    result = stage.finish(manifest)
+        manifest = _build(cfg, stage_dir.store, stage_dir, ctx.target, files, Path(tmp), progress)
+    result = stage_dir.finish(manifest)
     progress(1.0, manifest["figures"]["text"])
     return result
 
@@ -158,7 +158,7 @@ def _local(store: ArtifactStore, key: str, work: Path) -> Path:
 def _build(
     cfg: CorpusConfig,
     store: ArtifactStore,
-    stage: StageDir,
+    stage_dir: StageDir,
     target: TargetInfo,
     files: list[InputFile],
     work: Path,
@@ -177,7 +177,7 @@ def _build(
         tokenizer, extra_kwargs=cfg.chat_template_kwargs, target=target, template=override
     )
     spec.parser = reasoning_parser(cfg, target, spec.chat_template)
-    build = _Build(cfg, store, stage, work, progress, TokenCounter(target.vocab_size))
+    build = _Build(cfg, store, stage_dir, work, progress, TokenCounter(target.geometry.vocab_size))
     with open(work / QUARANTINE, "w") as build.quarantine:
         spill = build.tokenize(pl.concat(frames, how="vertical"), spec, layout, sum(rows_per_input))
         build.write_shards(spill, layout)
@@ -194,12 +194,12 @@ class _Build:
         self,
         cfg: CorpusConfig,
         store: ArtifactStore,
-        stage: StageDir,
+        stage_dir: StageDir,
         work: Path,
         progress: ProgressFn,
         token_counts: TokenCounter,
     ) -> None:
-        self.cfg, self.store, self.stage, self.work, self.progress = cfg, store, stage, work, progress
+        self.cfg, self.store, self.stage_dir, self.work, self.progress = cfg, store, stage_dir, work, progress
         self.token_counts = token_counts
         self.counts: Counter[str] = Counter()
         self.stats = {name: SplitStats() for name in SPLITS}
@@ -263,14 +263,14 @@ class _Build:
         local = self.work / file
         with writing(local, DataError):
             out.write_parquet(local, compression="zstd", row_group_size=ROW_GROUP)
-        self.store.put_file(self.stage.path(file), local)
+        self.store.put_file(self.stage_dir.path(file), local)
         local.unlink()
         self.stats[split].add(out)
         if split == "train":
             self.token_counts.add(out)
         self.shards[split].append(
             {
-                "key": self.stage.path(file),
+                "key": self.stage_dir.path(file),
                 "file": file,
                 "rows": out.height,
                 "tokens": int(out["n_tokens"].sum()),
@@ -287,19 +287,19 @@ class _Build:
     def upload_reports(self, total_rows: int) -> None:
         """quarantine.jsonl always (it says why rows were dropped, even when nothing is left), then the
         token counts and the length histogram."""
-        self.store.put_file(self.stage.path(QUARANTINE), self.work / QUARANTINE)
+        self.store.put_file(self.stage_dir.path(QUARANTINE), self.work / QUARANTINE)
         if not any(s.total("records") for s in self.stats.values()):
             raise DataError(
                 f"no usable conversation in {total_rows:,} input rows (dropped: {self.dropped()}); the reason "
-                f"for each is in {self.stage.uri(QUARANTINE)}"
+                f"for each is in {self.stage_dir.uri(QUARANTINE)}"
             )
         counts_path = self.work / TOKEN_COUNTS
         with writing(counts_path, DataError):
             self.token_counts.frame().write_parquet(counts_path, compression="zstd")
-        self.store.put_file(self.stage.path(TOKEN_COUNTS), counts_path)
+        self.store.put_file(self.stage_dir.path(TOKEN_COUNTS), counts_path)
         lengths = {name: s.all_lengths() for name, s in self.stats.items()}
         plot = length_histogram(lengths, self.cfg.max_length, self.work / LENGTH_HIST)
-        self.store.put_file(self.stage.path(LENGTH_HIST), plot)
+        self.store.put_file(self.stage_dir.path(LENGTH_HIST), plot)
 
 
 def _manifest(
@@ -329,7 +329,11 @@ def _manifest(
     lengths = build.lengths.summary(cfg.max_length)
     log.info("merge: %s", describe_lengths(lengths))
     return {
-        "target": {"name": target.name, "revision": target.revision, "vocab_size": target.vocab_size},
+        "target": {
+            "name": target.name,
+            "revision": target.revision,
+            "vocab_size": target.geometry.vocab_size,
+        },
         "tokenizer_sha256": tokenizer_sha256(target),
         "chat_template_sha256": hashlib.sha256(spec.chat_template.encode()).hexdigest(),
         "chat_template_override": cfg.chat_template,

@@ -4,13 +4,14 @@ when it runs."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aerie.manifest import StageResult
-from aerie.stage import Stage, StageContext, Upstream
+from aerie.stage import Stage, StageJob
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
+    from aerie.plan.served import ServedEstimate
 
 
 class DeployStage(Stage):
@@ -19,27 +20,43 @@ class DeployStage(Stage):
     def enabled(self, cfg: PipelineConfig) -> bool:
         return cfg.deploy.enabled
 
-    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+    def key(self, job: StageJob) -> str:
         from aerie.deploy.work import key_of
 
-        return key_of(cfg.deploy, cfg.server, ctx.target, upstream.drafter, upstream.evaluation)
+        cfg, upstream = job.cfg, job.upstream
+        return key_of(cfg.deploy, cfg.server, job.ctx.target, upstream.drafter, upstream.evaluation)
 
-    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+    def run(self, job: StageJob) -> list[StageResult]:
         from aerie.deploy.work import deploy
         from aerie.trackers import Tracking
 
-        out = self.stage_dir(cfg, ctx, upstream)
-        work = ctx.work(out)
+        cfg = job.cfg
         return [
             deploy(
                 cfg.deploy,
-                work,
-                drafter=upstream.drafter,
-                evaluation=upstream.evaluation,
+                job.work(),
+                drafter=job.upstream.drafter,
+                evaluation=job.upstream.evaluation,
                 server=cfg.server,
                 tracking=Tracking.of(cfg),
             )
         ]
+
+    def predict(self, job: StageJob) -> ServedEstimate | None:
+        """The speed-up the measured step and round times predict at the evaluated acceptance length,
+        logged before serving (`aerie.plan.served`). The prediction is SGLang's on a GPU: a deployment
+        served on the CPU gets none."""
+        from aerie.plan import served
+
+        if job.cfg.server.device == "cpu":
+            return None
+        return served.before_deploy(job.cfg.deploy, job.ctx.target, job.upstream.evaluation)
+
+    def with_prediction(self, prediction: Any, results: list[StageResult]) -> list[StageResult]:
+        """The prediction beside the measured speed-up (`predicted_speedup_c<level>`)."""
+        from aerie.plan import served
+
+        return served.after_deploy(prediction, results)
 
 
 DEPLOY = DeployStage()

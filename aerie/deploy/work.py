@@ -245,13 +245,13 @@ def deploy(
     tracking: Tracking = NO_TRACKING,
 ) -> StageResult:
     """Benchmark the speculative server against the baseline; promote the drafter if it pays. Writes to
-    `ctx.out` (keyed by `key_of` over these inputs)."""
-    sd, target, progress = ctx.out, ctx.target, ctx.progress
-    store, run_name = sd.store, sd.run
-    if (cached := sd.cached_result()) is not None:
+    `ctx.stage_dir` (keyed by `key_of` over these inputs)."""
+    stage_dir, target, progress = ctx.stage_dir, ctx.target, ctx.progress
+    store, run_name = stage_dir.store, stage_dir.run
+    if (cached := stage_dir.cached_result()) is not None:
         return cached
     if not cfg.enabled:
-        return sd.finish({"enabled": False, "figures": {"deployed": False}})
+        return stage_dir.finish({"enabled": False, "figures": {"deployed": False}})
     drafter_keys(store, drafter)  # a missing drafter fails here, before any server starts
 
     prompts = [p.input_ids for p in mtbench_prompts(target.load_tokenizer(), None, 4096)]
@@ -260,7 +260,7 @@ def deploy(
     # The prediction first, before any server starts: what the cost model expects is on record whatever
     # the serve then measures.
     predicted = serving_plan(cfg, server, target, figures_in)
-    store.put_bytes(sd.path("prediction.json"), json.dumps(predicted, indent=2).encode())
+    store.put_bytes(stage_dir.path("prediction.json"), json.dumps(predicted, indent=2).encode())
     with work_dir("aerie-deploy-") as tmp:
         drafter_dir = fetch_drafter(store, drafter, Path(tmp) / "drafter")
         specs = server_specs(cfg, server, target, str(drafter_dir))
@@ -309,15 +309,17 @@ def deploy(
     if decision.promoted:
         body["promotion"]["promoted_prefix"] = store.uri(f"{run_name}/{PROMOTED}")
     markdown = deployment_markdown(body)
-    store.put_bytes(sd.path("report.json"), json.dumps(body, indent=2).encode())
-    store.put_bytes(sd.path("report.md"), markdown.encode())
+    store.put_bytes(stage_dir.path("report.json"), json.dumps(body, indent=2).encode())
+    store.put_bytes(stage_dir.path("report.md"), markdown.encode())
     if decision.promoted:
         progress(0.99, "promoting the drafter")
         promote(store, run_name, drafter, evaluation, body, markdown)
     progress(1.0, decision.reason)
-    result = sd.finish({**body, "figures": _figures(rows, decision, same)})
+    result = stage_dir.finish({**body, "figures": _figures(rows, decision, same)})
     tracking.report(
-        sd, result.figures, {"deploy": cfg.model_dump(mode="json"), "provenance": {"drafter": drafter.prefix}}
+        stage_dir,
+        result.figures,
+        {"deploy": cfg.model_dump(mode="json"), "provenance": {"drafter": drafter.prefix}},
     )
     return result
 

@@ -82,9 +82,9 @@ def dflash_config_for(
     """The drafter geometry for a target: the draft layers' `shape` (None = the target's default), its
     vocabulary and hidden size (as EAGLE-3's `draft_config_for` derives them), and the block."""
     return DFlashConfig.of(
-        draft_config_for(target, target.vocab_size, shape),
-        mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
-        num_target_layers=target.num_layers,
+        draft_config_for(target, target.geometry.vocab_size, shape),
+        mask_token_id=target.geometry.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        num_target_layers=target.geometry.num_layers,
         target_layer_ids=tuple(target_layer_ids),
         block_size=block_size,
         num_layers=num_layers,

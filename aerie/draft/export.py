@@ -66,17 +66,17 @@ def draft_config_for(
     SGLang reads every field of the shape from the drafter's own config.json."""
     shape = shape or target.geometry.default_drafter()
     return DraftConfig(
-        hidden_size=target.hidden_size,
+        hidden_size=target.geometry.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        vocab_size=target.vocab_size,
-        draft_vocab_size=min(draft_vocab_size, target.vocab_size),
-        rms_norm_eps=target.rms_norm_eps,
+        vocab_size=target.geometry.vocab_size,
+        draft_vocab_size=min(draft_vocab_size, target.geometry.vocab_size),
+        rms_norm_eps=target.geometry.rms_norm_eps,
         rope_theta=shape.rope.theta,
         rope_scaling=shape.rope.scaling,
-        max_position_embeddings=target.max_position_embeddings,
+        max_position_embeddings=target.geometry.max_position_embeddings,
         aux_layer_ids=tuple(target.aux_layers_output),
     )
 
@@ -235,10 +235,10 @@ def load_exported(
     except (OSError, ValueError, KeyError) as exc:
         raise TargetError(f"{root / CONFIG} is not {kind} drafter config: {exc!r}") from exc
     hidden, vocab = getattr(cfg, "hidden_size"), getattr(cfg, "vocab_size")  # noqa: B009 - any family's config
-    if (hidden, vocab) != (target.hidden_size, target.vocab_size):
+    if (hidden, vocab) != (target.geometry.hidden_size, target.geometry.vocab_size):
         raise TargetError(
             f"drafter at {root} is for hidden {hidden} / vocab {vocab}, "
-            f"target {target.name} has {target.hidden_size} / {target.vocab_size}"
+            f"target {target.name} has {target.geometry.hidden_size} / {target.geometry.vocab_size}"
         )
     drafter = build(cfg)
     with safe_open(str(root / WEIGHTS), "pt") as f:

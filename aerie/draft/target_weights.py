@@ -45,7 +45,10 @@ def _find(target: TargetInfo, suffix: str) -> Tensor | None:
         if not name.endswith(suffix):
             continue
         with safe_open(str(file), "pt") as f:
-            if tuple(f.get_slice(name).get_shape()) != (target.vocab_size, target.hidden_size):
+            if tuple(f.get_slice(name).get_shape()) != (
+                target.geometry.vocab_size,
+                target.geometry.hidden_size,
+            ):
                 continue  # e.g. a vision tower's embedding in a multimodal wrapper
             return f.get_tensor(name)
     return None
@@ -56,7 +59,7 @@ def load_embedding(target: TargetInfo, dtype: torch.dtype = torch.float32) -> Te
     weight = _find(target, EMBED_SUFFIX)
     if weight is None:
         raise TargetError(
-            f"no [{target.vocab_size}, {target.hidden_size}] tensor named *{EMBED_SUFFIX} in {target.path}"
+            f"no [{target.geometry.vocab_size}, {target.geometry.hidden_size}] tensor named *{EMBED_SUFFIX} in {target.path}"
         )
     return weight.to(dtype)
 
@@ -65,7 +68,7 @@ def load_lm_head(target: TargetInfo, dtype: torch.dtype = torch.float32) -> Tens
     """The target's lm_head [V, H] (its embedding when the embeddings are tied)."""
     weight = _find(target, HEAD_SUFFIX)
     if weight is None:
-        if not target.tie_word_embeddings:
+        if not target.geometry.tie_word_embeddings:
             raise TargetError(f"{target.path} has no *{HEAD_SUFFIX} and does not tie its embeddings")
         return load_embedding(target, dtype)
     return weight.to(dtype)
@@ -77,6 +80,6 @@ def load_final_norm(target: TargetInfo) -> Tensor | None:
     for name, file in sorted(_tensor_files(root).items()):
         if name.endswith("model.norm.weight"):
             with safe_open(str(file), "pt") as f:
-                if tuple(f.get_slice(name).get_shape()) == (target.hidden_size,):
+                if tuple(f.get_slice(name).get_shape()) == (target.geometry.hidden_size,):
                     return f.get_tensor(name).float()
     return None

@@ -64,7 +64,7 @@ def speculators_config(
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer,
         "draft_vocab_size": sglang_config["draft_vocab_size"],
-        "target_hidden_size": target.hidden_size,
+        "target_hidden_size": target.geometry.hidden_size,
         # aerie's layer keeps the un-normed hidden state as the residual; vLLM's default is the opposite.
         "norm_before_residual": False,
         "norm_before_fc": False,
@@ -77,7 +77,7 @@ def speculators_config(
             "algorithm": METHOD,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target.path, "architectures": [target.architecture]},
+            "verifier": {"name_or_path": target.path, "architectures": [target.geometry.architecture]},
         },
     }
 

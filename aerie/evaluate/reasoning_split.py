@@ -67,7 +67,7 @@ def reader_for(fmt: PromptFormat, target: TargetInfo) -> ReasoningReader | None:
             template = str(tokenizer.get_chat_template())
         except ValueError:  # no template at all: not a thinking model's
             template = ""
-    parser = parser_for(target.architecture, template, fmt.reasoning_parser)
+    parser = parser_for(target.geometry.architecture, template, fmt.reasoning_parser)
     return None if parser is None else ReasoningReader(parser, TagKeepingDecoder(tokenizer, parser))
 
 

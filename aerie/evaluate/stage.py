@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from aerie.errors import ConfigError
 from aerie.families import family_of
 from aerie.manifest import StageResult
-from aerie.stage import Stage, StageContext, Upstream
+from aerie.stage import Stage, StageJob
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
@@ -52,26 +52,23 @@ class EvaluateStage(Stage):
     def resolve(self, cfg: PipelineConfig, target: TargetInfo) -> PipelineConfig:
         return cfg.model_copy(update={"evaluate": evaluate_config(cfg)})
 
-    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+    def key(self, job: StageJob) -> str:
         from aerie.evaluate.work import key_of
 
-        return key_of(cfg.evaluate, ctx.target, upstream.drafter, upstream.corpus)
+        return key_of(job.cfg.evaluate, job.ctx.target, job.upstream.drafter, job.upstream.corpus)
 
-    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+    def run(self, job: StageJob) -> list[StageResult]:
         from aerie.evaluate.work import run
-
-        out = self.stage_dir(cfg, ctx, upstream)
         from aerie.trackers import Tracking
 
-        work = ctx.work(out)
         return [
             run(
-                cfg.evaluate,
-                work,
-                drafter=upstream.drafter,
-                corpus=upstream.corpus,
-                family=family_of(cfg.train.drafter),
-                tracking=Tracking.of(cfg),
+                job.cfg.evaluate,
+                job.work(),
+                drafter=job.upstream.drafter,
+                corpus=job.upstream.corpus,
+                family=family_of(job.cfg.train.drafter),
+                tracking=Tracking.of(job.cfg),
             )
         ]
 

@@ -61,9 +61,9 @@ def run(
     tracking: Tracking = NO_TRACKING,
 ) -> StageResult:
     """Measure acceptance length (and per-position acceptance) for every dataset x proposer x steps,
-    into `ctx.out` (keyed by `key_of` over these inputs); `drafter` is a drafter of `family`, the run's."""
-    sd, store, target, progress = ctx.out, ctx.store, ctx.target, ctx.progress
-    if (cached := sd.cached_result()) is not None:
+    into `ctx.stage_dir` (keyed by `key_of` over these inputs); `drafter` is a drafter of `family`, the run's."""
+    stage_dir, store, target, progress = ctx.stage_dir, ctx.store, ctx.target, ctx.progress
+    if (cached := stage_dir.cached_result()) is not None:
         return cached
     _check(cfg)
     check_proposers(cfg, family)
@@ -76,8 +76,10 @@ def run(
             lambda: _load(cfg, store, target, (family, drafter), Path(tmp), (device, dtype)),
             f"{target.name} on {device}",
         )
-        measured = _measure_all(cfg, sd, models, target, datasets, progress)
-        diagnosis = _diagnose_all(cfg, sd, models, target, corpus, datasets, measured.answers, progress)
+        measured = _measure_all(cfg, stage_dir, models, target, datasets, progress)
+        diagnosis = _diagnose_all(
+            cfg, stage_dir, models, target, corpus, datasets, measured.answers, progress
+        )
         agreement = _agreement(measured.per_prompt)
         body = {
             "target": {"name": target.name, "revision": target.revision},
@@ -98,13 +100,15 @@ def run(
             "agreement": agreement,
             "diagnosis": diagnosis,
         }
-        store.put_file(sd.path(ACCEPTANCE_PNG), plot_acceptance(measured.results, Path(tmp) / ACCEPTANCE_PNG))
+        store.put_file(
+            stage_dir.path(ACCEPTANCE_PNG), plot_acceptance(measured.results, Path(tmp) / ACCEPTANCE_PNG)
+        )
     per_prompt = "".join(json.dumps(r) + "\n" for r in measured.per_prompt)
-    store.put_bytes(sd.path("per_prompt.jsonl"), per_prompt.encode())
-    store.put_bytes(sd.path("report.json"), json.dumps(body, indent=2).encode())
-    store.put_bytes(sd.path("report.md"), evaluation_markdown(body).encode())
+    store.put_bytes(stage_dir.path("per_prompt.jsonl"), per_prompt.encode())
+    store.put_bytes(stage_dir.path("report.json"), json.dumps(body, indent=2).encode())
+    store.put_bytes(stage_dir.path("report.md"), evaluation_markdown(body).encode())
     progress(1.0, "report written")
-    result = sd.finish(
+    result = stage_dir.finish(
         {
             "target": {"name": target.name, "revision": target.revision},
             "drafter": drafter.prefix,
@@ -122,9 +126,9 @@ def run(
         }
     )
     # The drafter's card gains the acceptance per prompt set; the trackers get the headline figures.
-    update_card(store, drafter.prefix, evaluation_prefix=sd.prefix)
+    update_card(store, drafter.prefix, evaluation_prefix=stage_dir.prefix)
     params = {"evaluate": cfg.model_dump(mode="json"), "provenance": {"drafter": drafter.prefix}}
-    tracking.report(sd, result.figures, params)
+    tracking.report(stage_dir, result.figures, params)
     return result
 
 
@@ -185,14 +189,14 @@ class _Measured:
 
 def _measure_all(
     cfg: EvaluateConfig,
-    sd: StageDir,
+    stage_dir: StageDir,
     models: _Models,
     target: TargetInfo,
     datasets: dict[str, list[EvalPrompt]],
     progress: ProgressFn,
 ) -> _Measured:
     """Every (dataset, proposer, steps) measurement: read from its stored part, or measured and stored."""
-    store = sd.store
+    store = stage_dir.store
     plan = [
         (name, proposer, k, t)
         for name in datasets
@@ -205,7 +209,7 @@ def _measure_all(
     out = _Measured()
     for name, proposer_name, k, temperature in plan:
         setting = f"{name}-{proposer_name}-k{k}" + (f"-t{temperature:g}" if temperature else "")
-        part_key = sd.path(f"parts/{setting}.json")
+        part_key = stage_dir.path(f"parts/{setting}.json")
         if store.exists(part_key):
             part = json.loads(store.get_bytes(part_key))
         else:
@@ -230,7 +234,7 @@ def _measure_all(
 
 def _diagnose_all(
     cfg: EvaluateConfig,
-    sd: StageDir,
+    stage_dir: StageDir,
     models: _Models,
     target: TargetInfo,
     corpus: StageResult,
@@ -240,11 +244,11 @@ def _diagnose_all(
 ) -> dict[str, dict[str, Any]]:
     """The teacher-forced diagnosis of each dataset the drafter answered (parts written before answers
     were kept have none: no diagnosis then), read from its stored part or made and stored."""
-    store = sd.store
+    store = stage_dir.store
     diagnosis: dict[str, dict[str, Any]] = {}
     counts = None  # the corpus's token counts: read once, and only if a diagnosis has to run
     for name in answers:
-        part_key = sd.path(f"parts/{name}-diagnosis.json")
+        part_key = stage_dir.path(f"parts/{name}-diagnosis.json")
         if not store.exists(part_key):
             progress(1.0, f"{name}: teacher-forced diagnosis")
             loaded = models.get()
@@ -423,7 +427,7 @@ def _diagnose(
 def _token_counts(store: ArtifactStore, corpus: StageResult, target: TargetInfo) -> Any:
     from aerie.draft.vocab import load_token_counts
 
-    return load_token_counts(store, corpus, target.vocab_size)
+    return load_token_counts(store, corpus, target.geometry.vocab_size)
 
 
 def _vocab_what_if(counts: Any, loaded: dict[str, Any], answers: dict[str, list[int]]) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Hidden-state extraction: the corpus through the target's server into compact, resumable shards.
 
 stage.py           EXTRACT: the stage in the pipeline
-work.py            `run(cfg, ctx, corpus=, server=) -> StageResult` (ctx.out: its StageDir), top to bottom
+work.py            `run(cfg, ctx, corpus=, server=) -> StageResult` (ctx.stage_dir: its StageDir), top to bottom
 plan.py            what is decided before a server starts: the key, dirs, row ranges, disk preflight
 fleet.py           one host's servers in threads, uploads behind them, teardown always
 stage_manifest.py  the manifest, checked against the corpus, and the run's figures

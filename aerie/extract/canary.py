@@ -77,7 +77,9 @@ def pick_sample(rows: list[Row]) -> Row:
 def load_lm_head(target: TargetInfo) -> torch.Tensor:
     """The target's lm_head weight [V, H], read alone from its safetensors (tied: the embedding)."""
     root = Path(target.path)
-    names = ["lm_head.weight"] + (["model.embed_tokens.weight"] if target.tie_word_embeddings else [])
+    names = ["lm_head.weight"] + (
+        ["model.embed_tokens.weight"] if target.geometry.tie_word_embeddings else []
+    )
     index = root / "model.safetensors.index.json"
     files: dict[str, str] = {}
     if index.is_file():
@@ -248,7 +250,7 @@ class ExtractionCanary:
     ) -> CanaryResult:
         """Every check on one extracted sample (the ids were already checked against the corpus).
         `fp8`: the states are an fp8 dump's, dequantized (the tolerances allow fp8's rounding)."""
-        t, h, k = len(self.sample.input_ids), self.target.hidden_size, len(self.layers)
+        t, h, k = len(self.sample.input_ids), self.target.geometry.hidden_size, len(self.layers)
         checks = []
         if tuple(aux.shape) != (t, k * h) or tuple(last.shape) != (t, h):
             raise CanaryError(

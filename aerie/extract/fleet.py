@@ -59,7 +59,7 @@ def _slice_lock(p: Plan) -> Iterator[None]:
         lock.acquire()
     except HeldElsewhere as exc:
         raise ExtractionError(
-            f"another process (pid {exc.holder}) is extracting {p.stage.prefix} with servers {servers} on "
+            f"another process (pid {exc.holder}) is extracting {p.stage_dir.prefix} with servers {servers} on "
             f"this host (lock {exc.path}); wait for it or stop it"
         ) from exc
     except OSError as exc:
@@ -79,11 +79,11 @@ def _extract(
     server: ServerConfig,
     progress: ProgressFn,
 ) -> tuple[list[SliceResult], ExtractionCanary]:
-    stage, work, splits, progress_file = p.stage, p.work, p.splits, p.progress_file
+    stage_dir, work, splits, progress_file = p.stage_dir, p.work, p.splits, p.progress_file
     canary = make_canary(cfg, target, splits)
     uploader = Uploader(
         store,
-        stage.prefix,
+        stage_dir.prefix,
         progress_file,
         delete_local=cfg.delete_local_after_upload,
         max_pending=2 * len(p.servers),
@@ -121,10 +121,10 @@ def _extract(
             cfg=cfg,
             splits=splits,
             bounds={s: b[i] for s, b in p.bounds.items()},
-            prefix=stage.prefix,
+            prefix=stage_dir.prefix,
             local_dir=work / "shards",
-            hidden_size=target.hidden_size,
-            vocab_size=target.vocab_size,
+            hidden_size=target.geometry.hidden_size,
+            vocab_size=target.geometry.vocab_size,
             progress_file=progress_file,
             uploader=uploader,
             start_server=start_server,

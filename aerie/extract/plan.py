@@ -95,7 +95,7 @@ def check_server_quantization(cfg: ExtractConfig, server: ServerConfig) -> None:
 class Plan:
     """Everything decided before a server is launched."""
 
-    stage: StageDir
+    stage_dir: StageDir
     work: Path
     dumps: Path
     splits: dict[str, SplitFiles]
@@ -115,12 +115,12 @@ def plan(
     slice_index: int | None = None,
 ) -> Plan:
     """Read the corpus counts and the resume state, and run the disk preflight (`PreflightError`), for
-    the extraction writing to `ctx.out` (its StageDir, keyed by `extract_key`). `slice_index` plans one
+    the extraction writing to `ctx.stage_dir` (its StageDir, keyed by `extract_key`). `slice_index` plans one
     slice of a multi-host run (its own progress object and dump root)."""
     check_server_quantization(cfg, server)
-    stage, target = ctx.out, ctx.target
-    store, run_name = stage.store, stage.run
-    work = work_dir(cfg, run_name, stage.key)
+    stage_dir, target = ctx.stage_dir, ctx.target
+    store, run_name = stage_dir.store, stage_dir.run
+    work = work_dir(cfg, run_name, stage_dir.key)
     work.mkdir(parents=True, exist_ok=True)
     splits: dict[str, SplitFiles] = {
         s: open_split(store, corpus.prefix, s, work / "corpus") for s in cfg.splits
@@ -133,23 +133,23 @@ def plan(
         for s, sf in splits.items()
     }
     tokens = _tokens_estimate(splits, bounds)
-    progress_file = ProgressFile(store, stage.path(progress_key(slice_index, cfg.num_slices)))
+    progress_file = ProgressFile(store, stage_dir.path(progress_key(slice_index, cfg.num_slices)))
     # Slices sharing a host (and its tmpfs) must not remove each other's dumps when they finish.
-    dump_key = stage.key if slice_index is None else f"{stage.key}-slice{slice_index}"
-    dumps = dump_root(cfg, run_name, dump_key, work, target.hidden_size, target.vocab_size)
+    dump_key = stage_dir.key if slice_index is None else f"{stage_dir.key}-slice{slice_index}"
+    dumps = dump_root(cfg, run_name, dump_key, work, target.geometry.hidden_size, target.geometry.vocab_size)
     # What is already uploaded (resume) does not need disk again.
     report = disk.estimate(
         cfg,
         tokens=tokens,
-        hidden_size=target.hidden_size,
-        vocab_size=target.vocab_size,
+        hidden_size=target.geometry.hidden_size,
+        vocab_size=target.geometry.vocab_size,
         work_dir=work,
-        store_dir=store.local_path(stage.prefix),
+        store_dir=store.local_path(stage_dir.prefix),
         already_uploaded_bytes=sum(s.bytes for s in progress_file.shards),
         dump_dir=dumps,
     )
     disk.check(report, cfg)
-    return Plan(stage, work, dumps, splits, tokens, progress_file, report, servers, bounds)
+    return Plan(stage_dir, work, dumps, splits, tokens, progress_file, report, servers, bounds)
 
 
 def _tokens_estimate(splits: dict[str, SplitFiles], bounds: dict[str, list[tuple[int, int]]]) -> int:

@@ -3,7 +3,7 @@
     run_slice(cfg, k, ctx, corpus=, server=) -> SliceRecord
     assemble(cfg, ctx, corpus=, server=) -> StageResult
 
-`ctx` is the stage's `WorkContext`: its `out`, the extraction's StageDir (made by whoever runs the
+`ctx` is the stage's `WorkContext`: its `stage_dir`, the extraction's StageDir (made by whoever runs the
 slice from `extract_key`: the stage, or the flow of one slice), the target and the progress callback.
 
 With `num_slices` = n, every split is cut into n x num_servers contiguous row ranges and slice k is one
@@ -82,34 +82,34 @@ def record_name(slice_index: int, num_slices: int) -> str:
     return f"slices/slice-{slice_index}-of-{num_slices}.json"
 
 
-def read_record(stage: StageDir, slice_index: int, num_slices: int) -> SliceRecord | None:
+def read_record(stage_dir: StageDir, slice_index: int, num_slices: int) -> SliceRecord | None:
     """The slice's record, or None when it has not finished (a corrupt record counts as unfinished:
     re-running the slice resumes from its progress object and rewrites it)."""
     try:
         return SliceRecord.model_validate_json(
-            stage.store.get_bytes(stage.path(record_name(slice_index, num_slices)))
+            stage_dir.store.get_bytes(stage_dir.path(record_name(slice_index, num_slices)))
         )
     except (StoreError, ValidationError, ValueError):  # ObjectNotFoundError is a StoreError
         return None
 
 
-def forget_missing(stage: StageDir, num_slices: int) -> list[str]:
+def forget_missing(stage_dir: StageDir, num_slices: int) -> list[str]:
     """Make a finished extraction whose shards are not all in the store unfinished again, so that a
     re-run extracts what is missing and only that: its manifest goes, and with slices the records of
     the slices that lost shards (a slice with a record is never run again; its progress object
     resumes it after the shards still there). Returns the missing shard keys; none: nothing done."""
-    cached = stage.cached_result()
+    cached = stage_dir.cached_result()
     if cached is None:
         return []
-    missing = missing_shards(stage.store, cached)
+    missing = missing_shards(stage_dir.store, cached)
     if not missing:
         return []
     lost = set(missing)
     for k in range(num_slices if num_slices > 1 else 0):
-        record = read_record(stage, k, num_slices)
-        if record is not None and any(f"{stage.prefix}/{r['path']}" in lost for r in record.shards):
-            stage.store.delete(stage.path(record_name(k, num_slices)))
-    stage.store.delete(stage.path(MANIFEST))
+        record = read_record(stage_dir, k, num_slices)
+        if record is not None and any(f"{stage_dir.prefix}/{r['path']}" in lost for r in record.shards):
+            stage_dir.store.delete(stage_dir.path(record_name(k, num_slices)))
+    stage_dir.store.delete(stage_dir.path(MANIFEST))
     return missing
 
 
@@ -126,8 +126,8 @@ def run_slice(
     n = cfg.num_slices
     if not 0 <= slice_index < n:
         raise ConfigError(f"extract slice index {slice_index} is outside 0..{n - 1} (extract.num_slices={n})")
-    stage, store, target, progress = ctx.out, ctx.store, ctx.target, ctx.progress
-    done = read_record(stage, slice_index, n)
+    stage_dir, store, target, progress = ctx.stage_dir, ctx.store, ctx.target, ctx.progress
+    done = read_record(stage_dir, slice_index, n)
     if done is not None:
         progress(1.0, f"slice {slice_index} of {n}: already done")
         return done
@@ -153,7 +153,7 @@ def run_slice(
         preflight=p.preflight.record(),
     )
     # Written last: the record is what says "this slice is done".
-    store.put_bytes(stage.path(record_name(slice_index, n)), record.model_dump_json(indent=1).encode())
+    store.put_bytes(stage_dir.path(record_name(slice_index, n)), record.model_dump_json(indent=1).encode())
     progress(1.0, f"slice {slice_index} of {n}: {sum(s['tokens'] for s in record.shards):,} tokens")
     return record
 
@@ -181,22 +181,22 @@ def assemble(
 ) -> StageResult:
     """Write the stage manifest from the slice records (`SliceMissingError` naming the unfinished
     slices; `ExtractionError` unless the shards hold exactly the corpus). A cache hit once written."""
-    stage, store, progress = ctx.out, ctx.store, ctx.progress
-    cached = stage.cached_result()
+    stage_dir, store, progress = ctx.stage_dir, ctx.store, ctx.progress
+    cached = stage_dir.cached_result()
     if cached is not None:
         progress(1.0, "cached")
         return cached
     n = cfg.num_slices
-    records = [read_record(stage, k, n) for k in range(n)]
+    records = [read_record(stage_dir, k, n) for k in range(n)]
     missing = [k for k, r in enumerate(records) if r is None]
     if missing:
-        names = ", ".join(f"slice {k} of {n} ({stage.path(record_name(k, n))})" for k in missing)
+        names = ", ".join(f"slice {k} of {n} ({stage_dir.path(record_name(k, n))})" for k in missing)
         raise SliceMissingError(
-            f"cannot assemble the extraction at {stage.prefix}: not finished: {names}; run the missing "
+            f"cannot assemble the extraction at {stage_dir.prefix}: not finished: {names}; run the missing "
             "slices (extract_slice_flow, or aerie.extract.slices.run_slice) first"
         )
     done = [r for r in records if r is not None]
-    work = work_dir(cfg, stage.run, stage.key)
+    work = work_dir(cfg, stage_dir.run, stage_dir.key)
     splits: dict[str, SplitFiles] = {
         s: open_split(store, corpus.prefix, s, work / "corpus") for s in cfg.splits
     }
@@ -217,7 +217,7 @@ def assemble(
         {"slice": r.slice, "host": r.host, "servers": r.servers, "seconds": r.seconds, "tokens": r.tokens}
         for r in done
     ]
-    result = stage.finish(manifest)
+    result = stage_dir.finish(manifest)
     progress(
         1.0, f"assembled {n} slices: {result.figures['tokens']:,} tokens in {result.figures['shards']} shards"
     )

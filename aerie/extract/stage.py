@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from aerie.errors import ExtractionError
 from aerie.manifest import StageResult
-from aerie.stage import Part, Stage, StageContext, Upstream, WorkContext, run_parts
+from aerie.stage import Stage, StageJob, StagePart, WorkContext, run_parts
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
@@ -27,7 +27,7 @@ def extract_config(cfg: PipelineConfig, target: TargetInfo) -> ExtractConfig:
     ex = cfg.extract
     if ex.capture_layers is not None:
         return ex
-    return ex.model_copy(update={"capture_layers": cfg.train.capture_layers(target.num_layers)})
+    return ex.model_copy(update={"capture_layers": cfg.train.capture_layers(target.geometry.num_layers)})
 
 
 class ExtractStage(Stage):
@@ -45,90 +45,84 @@ class ExtractStage(Stage):
         """An online training (`train.source: online`) runs its own servers: no shards to make."""
         return cfg.train.source != "online"
 
-    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+    def key(self, job: StageJob) -> str:
         from aerie.extract.plan import extract_key
 
-        return extract_key(cfg.extract, cfg.server, ctx.target, upstream.corpus)
+        return extract_key(job.cfg.extract, job.cfg.server, job.ctx.target, job.upstream.corpus)
 
-    def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
+    def needs(self, job: StageJob) -> bool:
         """No manifest yet, or (with `ctx.rebuild_missing`) a manifest whose shards are not all in the
         store: a manifest can travel without its shards (hidden states are cheaper to re-extract than to move)."""
         from aerie.shards.keys import missing_shards
 
-        cached = self.cached(cfg, ctx, upstream)
+        cached = self.cached(job)
         if cached is None:
             return True
-        return ctx.rebuild_missing and bool(missing_shards(ctx.store, cached[0]))
+        return job.ctx.rebuild_missing and bool(missing_shards(job.ctx.store, cached[0]))
 
-    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+    def run(self, job: StageJob) -> list[StageResult]:
         from aerie.extract.work import run
 
+        cfg = job.cfg
         if cfg.extract.num_slices > 1:
-            return run_parts(self, cfg, ctx, upstream)
-        out = self.stage_dir(cfg, ctx, upstream)
-        work = ctx.work(out)
+            return run_parts(job)
         return [
             run(
                 cfg.extract,
-                work,
-                corpus=upstream.corpus,
+                job.work(),
+                corpus=job.upstream.corpus,
                 server=cfg.server,
-                rebuild_missing=ctx.rebuild_missing,
+                rebuild_missing=job.ctx.rebuild_missing,
             )
         ]
 
-    def parts(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[Part]:
-        n, key = cfg.extract.num_slices, self.remembered_key(cfg, ctx, upstream)
+    def parts(self, job: StageJob) -> list[StagePart]:
+        n, key = job.cfg.extract.num_slices, job.key()
         if n == 1:
             return []
         return [
-            Part(index=k, name=f"slice-{k}-of-{n}", label=f"slice {k} of {n}", dir_stage=self.name, key=key)
+            StagePart(
+                index=k, name=f"slice-{k}-of-{n}", label=f"slice {k} of {n}", dir_stage=self.name, key=key
+            )
             for k in range(n)
         ]
 
     @contextlib.contextmanager
-    def around_parts(
-        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, parts: list[Part]
-    ) -> Iterator[None]:
+    def around_parts(self, job: StageJob, parts: list[StagePart]) -> Iterator[None]:
         """The checks before any slice (`aerie.extract.work.prepare`); each slice host runs its own disk
         preflight, the parent none."""
         from aerie.extract.work import prepare
 
-        out = self.stage_dir(cfg, ctx, upstream)
-        prepare(cfg.extract, out, server=cfg.server, rebuild_missing=ctx.rebuild_missing)
+        cfg = job.cfg
+        prepare(cfg.extract, job.stage_dir(), server=cfg.server, rebuild_missing=job.ctx.rebuild_missing)
         yield None
 
-    def part_done(self, cfg: PipelineConfig, ctx: StageContext, part: Part) -> bool:
+    def part_done(self, job: StageJob, part: StagePart) -> bool:
         from aerie.extract.slices import read_record
 
-        return read_record(part.out(ctx.store, ctx.run), part.index, cfg.extract.num_slices) is not None
+        stage_dir = part.stage_dir(job.ctx.store, job.ctx.run)
+        return read_record(stage_dir, part.index, job.cfg.extract.num_slices) is not None
 
-    def run_part(
-        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, part: Part, shared: object
-    ) -> BaseModel:
+    def run_part(self, job: StageJob, part: StagePart, shared: object) -> BaseModel:
         """One slice on this host, with the target as this host has it."""
         from aerie.extract.slices import local_target, run_slice
 
+        ctx, cfg = job.ctx, job.cfg
         work = WorkContext(
-            out=part.out(ctx.store, ctx.run),
+            stage_dir=part.stage_dir(ctx.store, ctx.run),
             target=local_target(ctx.target),
             progress=ctx.progress(part.name),
         )
-        return run_slice(cfg.extract, part.index, work, corpus=upstream.corpus, server=cfg.server)
+        return run_slice(cfg.extract, part.index, work, corpus=job.upstream.corpus, server=cfg.server)
 
     def assemble(
-        self,
-        cfg: PipelineConfig,
-        ctx: StageContext,
-        upstream: Upstream,
-        parts: list[Part],
-        outcomes: dict[int, BaseModel],
+        self, job: StageJob, parts: list[StagePart], outcomes: dict[int, BaseModel]
     ) -> list[StageResult]:
         """The stage manifest from the slices' records (a cache hit once written)."""
         from aerie.extract.slices import assemble
 
-        work = ctx.work(self.stage_dir(cfg, ctx, upstream))
-        return [assemble(cfg.extract, work, corpus=upstream.corpus, server=cfg.server)]
+        cfg = job.cfg
+        return [assemble(cfg.extract, job.work(), corpus=job.upstream.corpus, server=cfg.server)]
 
 
 EXTRACT = ExtractStage()

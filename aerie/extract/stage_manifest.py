@@ -56,14 +56,14 @@ def manifest_body(
         "target": {
             "name": target.name,
             "revision": target.revision,
-            "architecture": target.architecture,
-            "num_layers": target.num_layers,
-            "hidden_size": target.hidden_size,
-            "vocab_size": target.vocab_size,
+            "architecture": target.geometry.architecture,
+            "num_layers": target.geometry.num_layers,
+            "hidden_size": target.geometry.hidden_size,
+            "vocab_size": target.geometry.vocab_size,
         },
         "layers": {"input_of_layer": cfg.layers_input(target), "output_of_layer": cfg.layers_output(target)},
         "storage_dtype": cfg.storage_dtype,
-        "hidden_size": target.hidden_size,
+        "hidden_size": target.geometry.hidden_size,
         "shard_schema_version": SHARD_SCHEMA_VERSION,
         "corpus": {"prefix": corpus.prefix, "manifest_sha256": corpus.manifest_sha256},
         "server": {"backend": server.backend, "launcher": server.launcher, "num_servers": cfg.num_servers},
@@ -77,7 +77,7 @@ def manifest_body(
             "shards": len(shards),
             "bytes": nbytes,
             "bytes_per_token": bytes_per_token(
-                cfg.storage_dtype, target.hidden_size, target.vocab_size, cfg.aux_layers
+                cfg.storage_dtype, target.geometry.hidden_size, target.geometry.vocab_size, cfg.aux_layers
             ),
             "storage_dtype": cfg.storage_dtype,
             **{f"{split}_tokens": v["tokens"] for split, v in per_split.items()},

@@ -2,10 +2,10 @@
 
     run(cfg, ctx, corpus=..., server=...) -> StageResult
 
-`ctx` is the `WorkContext` the stage (`aerie.extract.stage.EXTRACT`) hands over: `ctx.out`, the
+`ctx` is the `WorkContext` the stage (`aerie.extract.stage.EXTRACT`) hands over: `ctx.stage_dir`, the
 extraction's StageDir (keyed by `aerie.extract.plan.extract_key`, worked out once by the stage), the
 target and the progress callback. Nothing below derives the key again: the plan, the slices and the
-fleet all write where `ctx.out` says.
+fleet all write where `ctx.stage_dir` says.
 
 plan (`aerie.extract.plan`: dirs, row ranges, the disk preflight before anything is launched) ->
 run the servers (`aerie.extract.fleet`: per server, in threads, launch + readiness + canary, stream
@@ -53,38 +53,38 @@ def run(
             f"extract.num_slices={cfg.num_slices}: slices run as the extraction stage's parts "
             "(aerie.extract.stage.EXTRACT, or aerie.extract.slices.run_slice each), not as one host's work"
         )
-    prepare(cfg, ctx.out, server=server, rebuild_missing=rebuild_missing)
-    stage, target, progress = ctx.out, ctx.target, ctx.progress
-    cached = stage.cached_result()
+    prepare(cfg, ctx.stage_dir, server=server, rebuild_missing=rebuild_missing)
+    stage_dir, target, progress = ctx.stage_dir, ctx.target, ctx.progress
+    cached = stage_dir.cached_result()
     if cached is not None:
         progress(1.0, "cached")
         return cached
     began = time.monotonic()
     progress(0.0, "reading the corpus, disk preflight")
     p = plan(cfg, ctx, corpus=corpus, server=server)
-    results, canary = extract(cfg, p, store=stage.store, target=target, server=server, progress=progress)
+    results, canary = extract(cfg, p, store=stage_dir.store, target=target, server=server, progress=progress)
     canary_record = canary.result.record() if canary.result is not None else None
     seconds = time.monotonic() - began
     manifest = manifest_body(
         cfg, target, corpus, server, p.splits, results, p.preflight.record(), canary_record, seconds
     )
-    result = stage.finish(manifest)
+    result = stage_dir.finish(manifest)
     progress(1.0, f"{manifest['figures']['tokens']:,} tokens in {manifest['figures']['shards']} shards")
     return result
 
 
-def prepare(cfg: ExtractConfig, stage: StageDir, *, server: ServerConfig, rebuild_missing: bool) -> None:
+def prepare(cfg: ExtractConfig, stage_dir: StageDir, *, server: ServerConfig, rebuild_missing: bool) -> None:
     """Before any slice or server: the server's quantization checked against the config, and (with
     `rebuild_missing`) a finished extraction whose shards are not all in the store made unfinished
     again (its manifest and the records of the slices that lost shards deleted)."""
     check_server_quantization(cfg, server)
     if not rebuild_missing:
         return
-    missing = slices.forget_missing(stage, cfg.num_slices)
+    missing = slices.forget_missing(stage_dir, cfg.num_slices)
     if missing:
         log.warning(
             "extract %s: %d of its shards are not in the store (e.g. %s); extracting them again",
-            stage.prefix,
+            stage_dir.prefix,
             len(missing),
             missing[0],
         )

@@ -1,6 +1,6 @@
 """Regenerate training conversations with the target through an OpenAI-compatible endpoint.
 
-    run(cfg, spec, out, base_url=)     one dataset into its StageDir `out` (<run>/generate-<name>/<key>/)
+    run(cfg, spec, stage_dir, base_url=)   one dataset into its StageDir (<run>/generate-<name>/<key>/)
 
 Each dataset writes `conversations.parquet` (schema `aerie.generate.output.SCHEMA`), `errors.jsonl`
 and its manifest.
@@ -16,6 +16,8 @@ and its manifest.
     work.py       run(): keys (`key_of`), cache, journal location, Parquet, errors, manifest
     stage.py      GENERATE: the stage in the pipeline, a part per dataset in parallel up to a limit,
                   around one endpoint
+    server.py     the embedded endpoint: the configured server launched to serve the target for
+                  generation, with its chat template and reasoning parser
 """
 
 from __future__ import annotations

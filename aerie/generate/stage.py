@@ -1,7 +1,7 @@
 """The generation stage in the pipeline (`aerie.stage` contract): every dataset of `generate.datasets`,
-one result each, with the embedded endpoint (the configured server serving the target) launched only
-when some dataset still has to be generated. The work itself is `aerie.generate.work`, imported when
-it runs (httpx, Polars)."""
+one result each, with the embedded endpoint (`aerie.generate.server`: the configured server serving the
+target) launched only when some dataset still has to be generated. The work itself is
+`aerie.generate.work`, imported when it runs (httpx, Polars)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from aerie.errors import ConfigError, EndpointError, StoreError
+from aerie.generate.server import generation_endpoint
 from aerie.manifest import StageDir, StageResult, stage_key
-from aerie.stage import Part, Stage, StageContext, Upstream, run_parts
+from aerie.stage import Stage, StageJob, StagePart, run_parts
 from aerie.store import ArtifactStore
 from aerie.targets import TargetInfo
 
 if TYPE_CHECKING:
     from aerie.config import PipelineConfig
     from aerie.generate.config import DatasetSpec, GenerateConfig
-    from aerie.serving import ServerSpec
 
 
 def generate_config(cfg: PipelineConfig) -> GenerateConfig:
@@ -45,62 +45,6 @@ def generate_config(cfg: PipelineConfig) -> GenerateConfig:
             read_template(cfg.corpus.chat_template).encode()
         ).hexdigest()
     return cfg.generate.model_copy(update=update)
-
-
-def generation_spec(cfg: PipelineConfig, target: TargetInfo) -> ServerSpec:
-    """The launch of the embedded generation server: the configured backend (the reference server or
-    SGLang, whose /v1/chat/completions both answer) serving the target, with generation's own flags."""
-    from aerie.serving import spec_for
-
-    return spec_for(
-        cfg.server,
-        model_path=target.path,
-        mode="serve",
-        name=f"{cfg.server.backend}-generate",
-        extra_args=reasoning_args(cfg, target) + list(cfg.generate.endpoint.launch_args),
-        trust_remote_code=target.trust_remote_code,
-    )
-
-
-def reasoning_args(cfg: PipelineConfig, target: TargetInfo) -> list[str]:
-    """The generation server's `--chat-template` (corpus.chat_template: generation renders prompts with
-    the template the corpus renders with) and `--reasoning-parser` for a thinking target, so answers
-    come back with their reasoning in `reasoning_content` (the corpus parses by the same name). SGLang
-    and the reference server take both flags; each is left out when the launch names it."""
-    from pathlib import Path
-
-    from aerie.reasoning import parser_for, read_template
-
-    given = {a.split("=", 1)[0] for a in cfg.generate.endpoint.launch_args + cfg.server.extra_args}
-    override = cfg.corpus.chat_template
-    out: list[str] = []
-    if override and "--chat-template" not in given:
-        if cfg.server.launcher == "docker":
-            raise ConfigError(
-                "corpus.chat_template with server.launcher=docker: the generation server in its container "
-                "cannot read the file; pass it in server.extra_args as --chat-template <path in the "
-                "container> (a mounted directory, e.g. the target's)"
-            )
-        out += ["--chat-template", str(Path(override).expanduser().resolve())]
-    if "--reasoning-parser" not in given:
-        template = read_template(override) if override else target.load_tokenizer().get_chat_template()
-        parser = parser_for(target.architecture, str(template), cfg.corpus.reasoning_parser)
-        out += ["--reasoning-parser", parser.name] if parser is not None else []
-    return out
-
-
-@contextlib.contextmanager
-def generation_endpoint(cfg: PipelineConfig, target: TargetInfo) -> Iterator[str]:
-    """The endpoint generation talks to: the configured one, or the configured server serving the
-    target itself for the duration of generation (the embedded default), relaunched on its port when
-    it dies (`aerie.generate.relaunch`)."""
-    if cfg.generate.endpoint.base_url:
-        yield cfg.generate.endpoint.base_url
-        return
-    from aerie.generate.relaunch import launched
-
-    with launched(generation_spec(cfg, target), cfg.generate.max_server_restarts) as url:
-        yield url
 
 
 def generation_pending(cfg: PipelineConfig, store: ArtifactStore) -> bool:
@@ -136,58 +80,58 @@ class GenerateStage(Stage):
     def resolve(self, cfg: PipelineConfig, target: TargetInfo) -> PipelineConfig:
         return cfg.model_copy(update={"generate": generate_config(cfg)})
 
-    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+    def key(self, job: StageJob) -> str:
         """The datasets' own keys together (each dataset's result lives under its own key)."""
-        return stage_key(self.name, [part.key for part in self.parts(cfg, ctx, upstream)])
+        return stage_key(self.name, [part.key for part in self.parts(job)])
 
-    def parts(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[Part]:
+    def parts(self, job: StageJob) -> list[StagePart]:
         """One part per dataset, in config order. A key hashes the dataset's source file: each is
         worked out once per run (`ctx.keys`)."""
         from aerie.generate.work import key_of, stage_name
 
-        gen = cfg.generate
+        gen, keys = job.cfg.generate, job.ctx.keys
         names = [spec.name for spec in gen.datasets]
         if len(set(names)) != len(names):
             raise ConfigError(f"generate.datasets: dataset names must be unique, got {names}")
         parts = []
         for i, spec in enumerate(gen.datasets):
             memo = (stage_name(spec), gen.model_dump_json(), spec.model_dump_json())
-            if (key := ctx.keys.get(memo)) is None:
-                key = ctx.keys[memo] = key_of(gen, spec)
+            if (key := keys.get(memo)) is None:
+                key = keys[memo] = key_of(gen, spec)
             name = stage_name(spec)
-            parts.append(Part(index=i, name=name, label=f"dataset {spec.name}", dir_stage=name, key=key))
+            parts.append(StagePart(index=i, name=name, label=f"dataset {spec.name}", dir_stage=name, key=key))
         return parts
 
-    def cached(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult] | None:
-        found = [part.out(ctx.store, ctx.run).cached_result() for part in self.parts(cfg, ctx, upstream)]
+    def cached(self, job: StageJob) -> list[StageResult] | None:
+        ctx = job.ctx
+        found = [part.stage_dir(ctx.store, ctx.run).cached_result() for part in self.parts(job)]
         return None if any(r is None for r in found) else [r for r in found if r is not None]
 
-    def needs(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> bool:
+    def needs(self, job: StageJob) -> bool:
         """Work for the target: a dataset taken as it is (`regenerate: false`) costs no endpoint."""
-        return bool(self._to_ask(cfg, ctx, self.parts(cfg, ctx, upstream)))
+        return bool(self._to_ask(job, self.parts(job)))
 
-    def _to_ask(self, cfg: PipelineConfig, ctx: StageContext, parts: list[Part]) -> list[DatasetSpec]:
+    def _to_ask(self, job: StageJob, parts: list[StagePart]) -> list[DatasetSpec]:
         """The datasets not generated yet that ask the target."""
         return [
             spec
-            for spec, part in zip(cfg.generate.datasets, parts, strict=True)
-            if spec.regenerate and not self.part_done(cfg, ctx, part)
+            for spec, part in zip(job.cfg.generate.datasets, parts, strict=True)
+            if spec.regenerate and not self.part_done(job, part)
         ]
 
     @contextlib.contextmanager
-    def around_parts(
-        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, parts: list[Part]
-    ) -> Iterator[Endpoint]:
+    def around_parts(self, job: StageJob, parts: list[StagePart]) -> Iterator[Endpoint]:
         """The endpoint, launched (the embedded default) only when some dataset still asks the target,
         and checked once for every dataset, in seconds: a dead endpoint or a rejected key stops here."""
         from aerie.generate.work import check_endpoint_for
 
-        asking = self._to_ask(cfg, ctx, parts)
+        cfg = job.cfg
+        asking = self._to_ask(job, parts)
         if not asking:
             yield Endpoint()
             return
         began = time.monotonic()
-        with generation_endpoint(cfg, ctx.target) as url:
+        with generation_endpoint(cfg, job.ctx.target) as url:
             launched = cfg.generate.endpoint.base_url is None
             shared = Endpoint(url=url, start_s=time.monotonic() - began if launched else 0.0)
             check_endpoint_for(cfg.generate, asking[0], url)
@@ -199,19 +143,18 @@ class GenerateStage(Stage):
                 cancel_running()
                 raise
 
-    def part_done(self, cfg: PipelineConfig, ctx: StageContext, part: Part) -> bool:
-        return part.out(ctx.store, ctx.run).manifest() is not None
+    def part_done(self, job: StageJob, part: StagePart) -> bool:
+        return part.stage_dir(job.ctx.store, job.ctx.run).manifest() is not None
 
-    def run_part(
-        self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream, part: Part, shared: Any
-    ) -> StageResult:
+    def run_part(self, job: StageJob, part: StagePart, shared: Any) -> StageResult:
         from aerie.generate.work import run
 
+        cfg, ctx = job.cfg, job.ctx
         endpoint = shared if isinstance(shared, Endpoint) else Endpoint()
         return run(
             cfg.generate,
             cfg.generate.datasets[part.index],
-            part.out(ctx.store, ctx.run),
+            part.stage_dir(ctx.store, ctx.run),
             base_url=endpoint.url,
             progress=ctx.progress(part.name),
             server_start_s=endpoint.start_s,
@@ -219,27 +162,23 @@ class GenerateStage(Stage):
         )
 
     def assemble(
-        self,
-        cfg: PipelineConfig,
-        ctx: StageContext,
-        upstream: Upstream,
-        parts: list[Part],
-        outcomes: dict[int, BaseModel],
+        self, job: StageJob, parts: list[StagePart], outcomes: dict[int, BaseModel]
     ) -> list[StageResult]:
         """Each dataset's result: as its part returned it this run, else the one an earlier run made."""
+        ctx = job.ctx
         results = []
         for part in parts:
             result = outcomes.get(part.index)
             if not isinstance(result, StageResult):
-                result = part.out(ctx.store, ctx.run).cached_result()
+                result = part.stage_dir(ctx.store, ctx.run).cached_result()
                 if result is None:  # done when the parts started, gone since
                     raise StoreError(f"generation: {part.label} has no manifest any more; run it again")
                 ctx.progress(part.name)(1.0, "cached")
             results.append(result)
         return results
 
-    def max_parallel_parts(self, cfg: PipelineConfig) -> int:
-        return cfg.generate.max_parallel_datasets
+    def max_parallel_parts(self, job: StageJob) -> int:
+        return job.cfg.generate.max_parallel_datasets
 
     def wait_parts(self, futures: Iterable[Future[Any]]) -> None:
         """Ctrl-C: the datasets' requests are cancelled and one line says what each kept."""
@@ -248,8 +187,8 @@ class GenerateStage(Stage):
 
         wait_or_interrupt(futures, cancel_running)
 
-    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
-        return run_parts(self, cfg, ctx, upstream)
+    def run(self, job: StageJob) -> list[StageResult]:
+        return run_parts(job)
 
 
 GENERATE = GenerateStage()

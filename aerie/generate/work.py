@@ -1,4 +1,4 @@
-"""The generation stage for one dataset: `run(cfg, spec, out) -> StageResult`, `out` its StageDir.
+"""The generation stage for one dataset: `run(cfg, spec, stage_dir) -> StageResult`, into its StageDir.
 
 One call = one dataset = stage `generate-<name>`. Its key covers what decides the output (the dataset
 spec, its sampling and the endpoint's model) and not how it is reached (URL, key, concurrency,
@@ -96,19 +96,19 @@ def read_api_key(env_name: str) -> str | None:
 def run(
     cfg: GenerateConfig,
     spec: DatasetSpec,
-    out: StageDir,
+    stage_dir: StageDir,
     *,
     base_url: str | None = None,
     progress: ProgressFn = no_progress,
     server_start_s: float = 0.0,
     preflight: bool = True,
 ) -> StageResult:
-    """Generate one dataset into `out` (its `generate-<dataset>` StageDir, made by the stage from
+    """Generate one dataset into `stage_dir` (its `generate-<dataset>` StageDir, made by the stage from
     `key_of`), or return its cached result. `base_url` overrides `cfg.endpoint.base_url`:
     the pipeline passes the URL of the reference server it launched, and `server_start_s` the seconds
     that server took to start (counted in the dataset's time). `preflight`: check the endpoint first
     (`aerie.generate.preflight`; off when the caller has checked it already)."""
-    cached = out.cached_result()
+    cached = stage_dir.cached_result()
     if cached is not None:
         progress(1.0, "cached")
         return cached
@@ -122,7 +122,7 @@ def run(
         conversations,
         cfg,
         spec,
-        stage_dir=out,
+        stage_dir=stage_dir,
         base_url=base_url,
         report=report,
         progress=progress,

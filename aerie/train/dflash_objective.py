@@ -181,7 +181,7 @@ class DFlashObjective:
         """A fresh drafter for `target`; its vocabulary is the target's whatever `draft_vocab_size` says."""
         config = dflash_config_for(
             target,
-            target_layer_ids=self.cfg.capture_layers(target.num_layers),
+            target_layer_ids=self.cfg.capture_layers(target.geometry.num_layers),
             block_size=self.block.block_size,
             num_layers=self.block.num_layers,
             mask_token_id=self.block.mask_token_id,
@@ -192,8 +192,8 @@ class DFlashObjective:
     def build(
         self, target: TargetInfo, vocab: dict[str, Tensor], dtype: torch.dtype
     ) -> tuple[DFlashDrafter, Teacher]:
-        drafter = self.drafter(target, target.vocab_size, dtype)
-        v = target.vocab_size
+        drafter = self.drafter(target, target.geometry.vocab_size, dtype)
+        v = target.geometry.vocab_size
         return drafter, Teacher(load_lm_head(target), torch.arange(v), torch.ones(v, dtype=torch.bool))
 
     def loss(

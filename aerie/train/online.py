@@ -350,15 +350,15 @@ _WRITERS_LOCK = threading.Lock()
 def _writer(spec: OnlineSpec, target: TargetInfo) -> ShardWriter:
     """A shard writer used only for `check` and `encode` (thread-safe, no writer state): one per format."""
     ex = spec.extract
-    key = (ex.storage_dtype, target.hidden_size, target.vocab_size, ex.aux_layers)
+    key = (ex.storage_dtype, target.geometry.hidden_size, target.geometry.vocab_size, ex.aux_layers)
     with _WRITERS_LOCK:
         if key not in _WRITERS:
             _WRITERS[key] = ShardWriter(
                 Path(spec.cache_dir),
                 storage=ex.storage_dtype,
                 shard_bytes=ex.shard_bytes,
-                hidden_size=target.hidden_size,
-                vocab_size=target.vocab_size,
+                hidden_size=target.geometry.hidden_size,
+                vocab_size=target.geometry.vocab_size,
                 aux_layers=ex.aux_layers,
             )
         return _WRITERS[key]
@@ -444,7 +444,7 @@ class OnlineFeeder:
             shard=np.full(n, self.split_names.index(split), dtype=np.int32),
             begin=np.arange(n, dtype=np.int64),
             length=table.lengths,
-            hidden_size=self.target.hidden_size,
+            hidden_size=self.target.geometry.hidden_size,
             storage=self.spec.extract.storage_dtype,
         )
 

@@ -3,35 +3,32 @@ in, the drafter out. The work itself is `aerie.train.work`, imported when it run
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aerie.manifest import StageResult
-from aerie.stage import Stage, StageContext, Upstream
-
-if TYPE_CHECKING:
-    from aerie.config import PipelineConfig
+from aerie.stage import Stage, StageJob
 
 
 class TrainStage(Stage):
     name = "train"
 
-    def key(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> str:
+    def key(self, job: StageJob) -> str:
         from aerie.train.work import key_of
 
-        return key_of(cfg.train, ctx.target, corpus=upstream.corpus, **_inputs(cfg, ctx, upstream))
+        return key_of(job.cfg.train, job.ctx.target, corpus=job.upstream.corpus, **_inputs(job))
 
-    def run(self, cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+    def run(self, job: StageJob) -> list[StageResult]:
         from aerie.train.work import run
 
-        out = self.stage_dir(cfg, ctx, upstream)
-        return [run(cfg.train, ctx.work(out), corpus=upstream.corpus, **_inputs(cfg, ctx, upstream))]
+        return [run(job.cfg.train, job.work(), corpus=job.upstream.corpus, **_inputs(job))]
 
 
-def _inputs(cfg: PipelineConfig, ctx: StageContext, upstream: Upstream) -> dict[str, Any]:
+def _inputs(job: StageJob) -> dict[str, Any]:
     """The extract stage's shards, or (train.source online) what the train stage's own servers need."""
+    cfg = job.cfg
     if cfg.train.source == "online":
         return {"shards": None, "extract": cfg.extract, "server": cfg.server}
-    return {"shards": upstream.shards}
+    return {"shards": job.upstream.shards}
 
 
 TRAIN = TrainStage()

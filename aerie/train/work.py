@@ -75,21 +75,21 @@ def run(
     extract: ExtractConfig | None = None,
     server: ServerConfig | None = None,
 ) -> StageResult:
-    """Train (or resume, or return the cached result of) the drafter for `ctx.target` into `ctx.out`
+    """Train (or resume, or return the cached result of) the drafter for `ctx.target` into `ctx.stage_dir`
     (keyed by `key_of` over these inputs) on `shards`, or, with `cfg.source` online, on what
     extraction servers (`extract`, `server`) dump for the corpus."""
     online = _online_inputs(cfg, shards, extract, server)
-    sd, target, progress = ctx.out, ctx.target, ctx.progress
-    store, run_name = sd.store, sd.run
-    if (cached := sd.cached_result()) is not None:
+    stage_dir, target, progress = ctx.stage_dir, ctx.target, ctx.progress
+    store, run_name = stage_dir.store, stage_dir.run
+    if (cached := stage_dir.cached_result()) is not None:
         return cached
 
     # A family drafting over the target's whole vocabulary (DFlash: its head is the target's) maps none.
-    draft_vocab = cfg.drafter.vocab_rows(target.vocab_size)
-    vocab = build_vocab_map(load_token_counts(store, corpus, target.vocab_size), draft_vocab)
+    draft_vocab = cfg.drafter.vocab_rows(target.geometry.vocab_size)
+    vocab = build_vocab_map(load_token_counts(store, corpus, target.geometry.vocab_size), draft_vocab)
 
     cache = Path(cfg.cache_dir) if cfg.cache_dir else get_settings().cache_dir / "train"
-    work = cache / "work" / run_name / sd.key
+    work = cache / "work" / run_name / stage_dir.key
     work.mkdir(parents=True, exist_ok=True)
     train_paths: list[Path] = []
     eval_paths: list[Path] = []
@@ -97,7 +97,7 @@ def run(
     if online is not None:
         ex, srv = online
         progress(0.0, f"online: corpus splits {', '.join(ex.splits)} through {ex.num_servers} server(s)")
-        online_spec = online_spec_for(cfg, ex, srv, store, run_name, sd.key, target, corpus, work)
+        online_spec = online_spec_for(cfg, ex, srv, store, run_name, stage_dir.key, target, corpus, work)
     else:
         assert shards is not None
         manifest = load_manifest(store, shards.prefix)
@@ -110,7 +110,7 @@ def run(
     with writing(vocab_path, TrainingError):
         save_file({"used": vocab.used, "d2t": vocab.d2t, "t2d": vocab.t2d}, str(vocab_path))
 
-    resume = _restore(store, sd, work)
+    resume = _restore(store, stage_dir, work)
     device = resolve_device(cfg.device)
     spec = TrainSpec(
         cfg=cfg,
@@ -123,17 +123,17 @@ def run(
         resume_from=str(work / "checkpoints" / resume) if resume else None,
         online=online_spec,
     )
-    events = RecordHandler(store, sd, work, cfg, _scaled(progress, 0.05, 0.95))
+    events = RecordHandler(store, stage_dir, work, cfg, _scaled(progress, 0.05, 0.95))
     first_step = int(resume.rsplit("-", 1)[-1]) if resume else 0
-    with open_trackers(cfg.report_to, cfg.tracking_dir, sd, first_step=first_step) as events.trackers:
-        events.trackers.log_params(_tracked_params(cfg, sd, target, shards, corpus))
+    with open_trackers(cfg.report_to, cfg.tracking_dir, stage_dir, first_step=first_step) as events.trackers:
+        events.trackers.log_params(_tracked_params(cfg, stage_dir, target, shards, corpus))
         if cfg.num_gpus > 1:
             _run_torchrun(spec, cfg.num_gpus, events)
         else:
             run_training(spec, DistInfo(), events)
 
         progress(0.95, "exporting the best drafter")
-        result = _finish(sd, store, cfg, target, vocab, work, events, progress, corpus)
+        result = _finish(stage_dir, store, cfg, target, vocab, work, events, progress, corpus)
         events.trackers.log_metrics({f"train/{k}": v for k, v in result.figures.items()}, events.step)
     # All a later run can need is in the store now (drafter, metrics, checkpoints); the local copy, with
     # the optimizer states, would otherwise stay behind for every training ever run on this machine.
@@ -225,7 +225,9 @@ def online_spec_for(
     splits = {s: open_split(store, corpus.prefix, s, work / "corpus") for s in extract.splits}
     if not any(sf.total_rows for sf in splits.values()):
         raise DataError(f"the corpus at {corpus.prefix} has no rows in splits {extract.splits}")
-    dumps = dump_root(extract, run_name, f"{key}-online", work, target.hidden_size, target.vocab_size)
+    dumps = dump_root(
+        extract, run_name, f"{key}-online", work, target.geometry.hidden_size, target.geometry.vocab_size
+    )
     return OnlineSpec(
         extract=extract,
         server=server,
@@ -244,14 +246,14 @@ def _check_extract(extract: dict[str, Any], target: TargetInfo, cfg: TrainConfig
     """Shards made for another target (or another layer convention, or another family's layers) would
     train a useless drafter."""
     hidden = extract.get("hidden_size")
-    if hidden is not None and int(hidden) != target.hidden_size:
+    if hidden is not None and int(hidden) != target.geometry.hidden_size:
         raise DataError(
-            f"extract shards have hidden size {hidden}, target {target.name} has {target.hidden_size}"
+            f"extract shards have hidden size {hidden}, target {target.name} has {target.geometry.hidden_size}"
         )
     layers = extract.get("layers")
     if isinstance(layers, dict):
         out = layers.get("output_of_layer")
-        want = cfg.capture_layers(target.num_layers)
+        want = cfg.capture_layers(target.geometry.num_layers)
         if out is not None and list(out) != want:
             raise DataError(
                 f"extract captured output-of-layer ids {out}, a train.drafter={cfg.drafter.family} drafter reads "
@@ -263,9 +265,9 @@ class RecordHandler:
     """Consumes the trainer's records: metrics.jsonl, progress, checkpoint and best uploads."""
 
     def __init__(
-        self, store: ArtifactStore, sd: StageDir, work: Path, cfg: TrainConfig, progress: ProgressFn
+        self, store: ArtifactStore, stage_dir: StageDir, work: Path, cfg: TrainConfig, progress: ProgressFn
     ):
-        self.store, self.sd, self.work, self.cfg, self.progress = store, sd, work, cfg, progress
+        self.store, self.stage_dir, self.work, self.cfg, self.progress = store, stage_dir, work, cfg, progress
         self.metrics = work / METRICS
         self.total_steps = 1
         self.last_eval: dict[str, Any] | None = None
@@ -304,9 +306,9 @@ class RecordHandler:
         elif kind == "best":
             self.best = record
             self.store.put_file(
-                self.sd.path(f"{BEST_KEY}/model.safetensors"), self.work / BEST / "model.safetensors"
+                self.stage_dir.path(f"{BEST_KEY}/model.safetensors"), self.work / BEST / "model.safetensors"
             )
-            self.store.put_bytes(self.sd.path(f"{BEST_KEY}/best.json"), json.dumps(record).encode())
+            self.store.put_bytes(self.stage_dir.path(f"{BEST_KEY}/best.json"), json.dumps(record).encode())
         elif kind == "checkpoint":
             self._upload_checkpoint(record["name"], record["step"])
         elif kind == "stopped":
@@ -318,22 +320,22 @@ class RecordHandler:
     def _upload_checkpoint(self, name: str, step: int) -> None:
         local = self.work / "checkpoints" / name
         for file in FILES:
-            self.store.put_file(self.sd.path(f"checkpoints/{name}/{file}"), local / file)
+            self.store.put_file(self.stage_dir.path(f"checkpoints/{name}/{file}"), local / file)
         if self.metrics.is_file():
-            self.store.put_file(self.sd.path(METRICS), self.metrics)
-        self.store.put_bytes(self.sd.path(LATEST), json.dumps({"step": step, "name": name}).encode())
+            self.store.put_file(self.stage_dir.path(METRICS), self.metrics)
+        self.store.put_bytes(self.stage_dir.path(LATEST), json.dumps({"step": step, "name": name}).encode())
         self._prune(name)
 
     def _prune(self, newest: str) -> None:
         """Keep the newest `keep_checkpoints` step directories, in the store and on local disk."""
         names = sorted(
-            {k.split("/")[-2] for k in self.store.list(self.sd.path("checkpoints")) if "/step-" in k}
+            {k.split("/")[-2] for k in self.store.list(self.stage_dir.path("checkpoints")) if "/step-" in k}
         )
         for old in names[: -self.cfg.keep_checkpoints]:
             if old == newest:
                 continue
             for file in FILES:
-                self.store.delete(self.sd.path(f"checkpoints/{old}/{file}"))
+                self.store.delete(self.stage_dir.path(f"checkpoints/{old}/{file}"))
             local = self.work / "checkpoints" / old
             for file in FILES:
                 (local / file).unlink(missing_ok=True)
@@ -356,37 +358,37 @@ def tracked_metrics(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tracked_params(
-    cfg: TrainConfig, sd: StageDir, target: TargetInfo, shards: StageResult | None, corpus: StageResult
+    cfg: TrainConfig, stage_dir: StageDir, target: TargetInfo, shards: StageResult | None, corpus: StageResult
 ) -> dict[str, Any]:
     """The run's config and provenance, as tracker parameters."""
     source = {"corpus": corpus.prefix, "shards": shards.prefix if shards else None}
     upstream = {"target": target.name, "target_revision": target.revision, **source}
-    return {"train": cfg.model_dump(mode="json"), "provenance": provenance(sd, **upstream)}
+    return {"train": cfg.model_dump(mode="json"), "provenance": provenance(stage_dir, **upstream)}
 
 
-def _restore(store: ArtifactStore, sd: StageDir, work: Path) -> str | None:
+def _restore(store: ArtifactStore, stage_dir: StageDir, work: Path) -> str | None:
     """Bring the latest checkpoint (and metrics/best up to it) from the store into `work`; its name or None."""
     try:
-        latest = json.loads(store.get_bytes(sd.path(LATEST)))
+        latest = json.loads(store.get_bytes(stage_dir.path(LATEST)))
     except ObjectNotFoundError:
         (work / METRICS).unlink(missing_ok=True)
         return None
     name, step = latest["name"], int(latest["step"])
     for file in FILES:
-        store.get_file(sd.path(f"checkpoints/{name}/{file}"), work / "checkpoints" / name / file)
+        store.get_file(stage_dir.path(f"checkpoints/{name}/{file}"), work / "checkpoints" / name / file)
     # Records past the checkpoint will be produced again by the resumed run.
     kept: list[str] = []
-    if store.exists(sd.path(METRICS)):
-        lines = store.get_bytes(sd.path(METRICS)).decode().splitlines()
+    if store.exists(stage_dir.path(METRICS)):
+        lines = store.get_bytes(stage_dir.path(METRICS)).decode().splitlines()
         kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
     (work / METRICS).write_text("".join(line + "\n" for line in kept))
     # A best saved after the checkpoint belongs to the lost future; the resumed run re-finds it.
     best_local = work / BEST / "model.safetensors"
     best_local.unlink(missing_ok=True)
-    if store.exists(sd.path(f"{BEST_KEY}/best.json")):
-        best = json.loads(store.get_bytes(sd.path(f"{BEST_KEY}/best.json")))
+    if store.exists(stage_dir.path(f"{BEST_KEY}/best.json")):
+        best = json.loads(store.get_bytes(stage_dir.path(f"{BEST_KEY}/best.json")))
         if int(best["step"]) <= step:
-            store.get_file(sd.path(f"{BEST_KEY}/model.safetensors"), best_local)
+            store.get_file(stage_dir.path(f"{BEST_KEY}/model.safetensors"), best_local)
     return str(name)
 
 
@@ -430,7 +432,7 @@ def _run_torchrun(spec: TrainSpec, nproc: int, handler: RecordHandler) -> None:
 
 
 def _finish(
-    sd: StageDir,
+    stage_dir: StageDir,
     store: ArtifactStore,
     cfg: TrainConfig,
     target: TargetInfo,
@@ -443,7 +445,7 @@ def _finish(
     best_file = work / BEST / "model.safetensors"
     if not best_file.is_file():
         raise TrainingError(f"training ended without a best checkpoint at {best_file}")
-    best = json.loads(store.get_bytes(sd.path(f"{BEST_KEY}/best.json")))
+    best = json.loads(store.get_bytes(stage_dir.path(f"{BEST_KEY}/best.json")))
     drafter = objective_for(cfg).drafter(target, vocab.draft_vocab_size)
     drafter.load_state_dict(load_file(str(best_file)))
     best_figures = {name: best[name] for name in ("accept_length_rounds", "accept_length")}
@@ -451,19 +453,19 @@ def _finish(
     out = family_of(cfg.drafter).export.load()(drafter, work / "drafter", target, provenance)
     drafter_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     for name in drafter_files:
-        store.put_file(sd.path(f"drafter/{name}"), out / name)
+        store.put_file(stage_dir.path(f"drafter/{name}"), out / name)
     records = events.records()
-    store.put_file(sd.path(METRICS), events.metrics)
+    store.put_file(stage_dir.path(METRICS), events.metrics)
     plots = plot_metrics(records, work / "plots")
     for png in plots:
-        store.put_file(sd.path(png.name), png)
+        store.put_file(stage_dir.path(png.name), png)
     progress(1.0, f"best step {best['step']}: accept length {best['accept_length_rounds']:.3f} in rounds")
 
-    layers = cfg.capture_layers(target.num_layers)
+    layers = cfg.capture_layers(target.geometry.num_layers)
     last_train = events.last_train or next((r for r in reversed(records) if r["kind"] == "train"), {})
     last_eval = events.last_eval or next((r for r in reversed(records) if r["kind"] == "eval"), {})
     manifest = _with_card(
-        sd,
+        stage_dir,
         corpus,
         out,
         {
@@ -513,24 +515,26 @@ def _finish(
             },
         },
     )
-    return sd.finish(manifest)
+    return stage_dir.finish(manifest)
 
 
-def _with_card(sd: StageDir, corpus: StageResult, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def _with_card(
+    stage_dir: StageDir, corpus: StageResult, out: Path, manifest: dict[str, Any]
+) -> dict[str, Any]:
     """The drafter's card (aerie.draft.card) from what training knows, into the drafter directory;
     the manifest with it among the drafter's files."""
-    store = sd.store
+    store = stage_dir.store
     facts = CardFacts(
-        train={**manifest, "run": sd.run, "key": sd.key, "aerie_version": __version__},
-        drafter_dir=drafter_location(store, sd.path("drafter")),
+        train={**manifest, "run": stage_dir.run, "key": stage_dir.key, "aerie_version": __version__},
+        drafter_dir=drafter_location(store, stage_dir.path("drafter")),
         corpus=load_manifest(store, corpus.prefix),
         vllm=(out / VLLM_CONFIG).is_file(),
     )
-    key = write_card(store, sd.path("drafter"), facts)
+    key = write_card(store, stage_dir.path("drafter"), facts)
     files = manifest["files"]["drafter"]
     return {
         **manifest,
-        "files": {**manifest["files"], "drafter": sorted({*files, key.removeprefix(sd.prefix + "/")})},
+        "files": {**manifest["files"], "drafter": sorted({*files, key.removeprefix(stage_dir.prefix + "/")})},
     }
 
 

@@ -18,7 +18,7 @@ from aerie.manifest import StageResult
 from aerie.pipeline import compose, planned, resolve
 from aerie.plan import track
 from aerie.presets import load_config
-from aerie.stage import Stage, StageContext, Upstream
+from aerie.stage import StageContext, StageJob
 from aerie.store import open_store
 from aerie.targets import resolve_target
 
@@ -42,11 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     ctx = StageContext(store=open_store(cfg.store), run=cfg.run, target=resolve_target(cfg.target))
     cfg = resolve(cfg, ctx.target, track.plan_for(cfg))  # as the run itself does
 
-    def finished(stage: Stage, stage_ctx: StageContext, upstream: Upstream) -> list[StageResult]:
+    def finished(job: StageJob) -> list[StageResult]:
         """The composer's step, dry: a stage's finished result, or stop at the first it would run."""
-        result = stage.cached(cfg, stage_ctx, upstream)
+        stage = job.stage
+        result = stage.cached(job)
         state = "finished" if result else "to run"
-        print(f"cached: {stage.name:<9} {stage.key(cfg, stage_ctx, upstream)}  {state}", flush=True)
+        print(f"cached: {stage.name:<9} {job.key()}  {state}", flush=True)
         if result is None:
             raise _ToRun(stage.name)
         return result

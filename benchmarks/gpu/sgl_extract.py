@@ -143,7 +143,7 @@ def train_drafter(target, store, corpus, shards, work: Path, out: Path, args) ->
             cache_dir=str(work / "traincache"),
         )
         into = StageDir(store, "bench-sglang", "train", key_of(tcfg, target, shards, corpus))
-        res = run(tcfg, WorkContext(out=into, target=target), shards=shards, corpus=corpus)
+        res = run(tcfg, WorkContext(stage_dir=into, target=target), shards=shards, corpus=corpus)
         found = sorted(Path(store.root).rglob("train/*/drafter/config.json"))
         drafter = found[-1].parent if found else None
         if drafter is not None:

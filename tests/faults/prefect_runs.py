@@ -26,7 +26,7 @@ from tests.faults.case import ROOT, Case, wait_until
 from tests.processes import BIN, prefect_server
 
 POOL = "aerie-local"
-DEPLOYMENT = "eagle3-pipeline/local"
+DEPLOYMENT = "aerie-pipeline/local"
 
 
 class Server:
