@@ -44,7 +44,7 @@ def ttt_flops_per_token(
     seq_len: int,
     ttt: int,
 ) -> float:
-    """Forward+backward FLOPs per trained token (the formula benchmarks/train.py reports MFU with):
+    """Forward+backward FLOPs per trained token (the formula benchmarks/stages/train.py reports MFU with):
     6 x matmul parameters per TTT step (fc once), plus attention over ~seq/2 causal keys."""
     layer = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
     layer += 3 * hidden * intermediate + hidden * draft_vocab

@@ -175,7 +175,7 @@ class TrainConfig(StrictModel):
         False,
         description="Activation checkpointing over the training-time-test unroll: each step's activations are "
         "recomputed in the backward instead of kept (about a third more compute, most of the unroll's memory "
-        "saved); for long max_length (benchmarks/long_context.py measures both).",
+        "saved); for long max_length (benchmarks/stages/long_context.py measures both).",
     )
     prefetch_batches: int = Field(4, ge=1, description="Batches the background loader keeps ready.")
     cache_dir: str | None = Field(

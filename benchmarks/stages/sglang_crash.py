@@ -1,7 +1,7 @@
 """A kill -9 of SGLang's scheduler child, on this CPU: how long until aerie reports it, and how long SGLang
 alone takes to end itself.
 
-    python benchmarks/sglang_crash.py [--runs 1] [--out benchmarks/results/sglang_crash-cpu.json]
+    python benchmarks/stages/sglang_crash.py [--runs 1] [--out benchmarks/results/sglang_crash-cpu.json]
 
 Real SGLang (SGLang's own environment, `make setup-sglang`; the CPU shims on its PYTHONPATH) serves the
 embedded target on the CPU engine. Each run starts it twice:
@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.serving import ModelServer, ProcessLauncher, ServerConfig, spec_for  # noqa: E402
@@ -151,7 +151,7 @@ def main() -> None:
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}, device cpu",
-        "command": " ".join(["python benchmarks/sglang_crash.py", *sys.argv[1:]]),
+        "command": " ".join(["python benchmarks/stages/sglang_crash.py", *sys.argv[1:]]),
         "figures": {
             "target": target.name,
             "sglang": (ROOT / "envs" / "sglang" / "VERSION").read_text().strip(),

@@ -8,9 +8,9 @@ The reference server on this CPU by default; `--backend sglang --device cuda` se
 
 Writes benchmarks/results/deploy-<hardware>.json ({date, machine, command, figures}).
 
-    .venv/bin/python benchmarks/deploy.py --drafter DIR              # a drafter directory from `make run`
-    .venv/bin/python benchmarks/deploy.py                            # an untrained drafter (accepts ~nothing)
-    .venv/bin/python benchmarks/deploy.py --backend sglang --device cuda --concurrency 1 8 32 \\
+    .venv/bin/python benchmarks/stages/deploy.py --drafter DIR              # a drafter directory from `make run`
+    .venv/bin/python benchmarks/stages/deploy.py                            # an untrained drafter (accepts ~nothing)
+    .venv/bin/python benchmarks/stages/deploy.py --backend sglang --device cuda --concurrency 1 8 32 \\
         --prompts 64 --max-new-tokens 256 --drafter DIR
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.deploy.bench import TTFT_METHOD, benchmark  # noqa: E402
@@ -36,7 +36,7 @@ from aerie.deploy.work import server_specs  # noqa: E402
 from aerie.evaluate.prompts import mtbench_prompts  # noqa: E402
 from aerie.serving import ModelServer, ServerConfig  # noqa: E402
 from aerie.targets import TargetInfo, resolve_target  # noqa: E402
-from benchmarks.hardware import hardware_name  # noqa: E402
+from benchmarks.records import hardware_name  # noqa: E402
 
 
 def untrained_drafter(target: TargetInfo, out: Path) -> Path:

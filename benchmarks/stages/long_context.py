@@ -2,8 +2,8 @@
 clip) whose packed row is one document of 2K, 4K, 8K, 16K and 32K tokens (10% prompt, unsupervised), on
 dummy features. Each length runs in its own process, so its peak is its own.
 
-    .venv/bin/python benchmarks/long_context.py                 # CPU, a tiny drafter shape (minutes)
-    python benchmarks/long_context.py --device cuda             # GPU, the Kimi-K2.5 drafter shape
+    .venv/bin/python benchmarks/stages/long_context.py                 # CPU, a tiny drafter shape (minutes)
+    python benchmarks/stages/long_context.py --device cuda             # GPU, the Kimi-K2.5 drafter shape
 
 Needs torch and aerie only. The shapes: `tiny` (hidden 128, 2 heads of 32 sharing one K/V head, MLP 384,
 vocab 2048, draft vocab 1024, TTT 2: exact attention's time is quadratic, and a 32K step must fit a few
@@ -34,7 +34,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from hardware import hardware_name
 
 from aerie.draft.model import DraftConfig, Eagle3Drafter
 from aerie.train.config import TrainConfig
@@ -42,7 +41,10 @@ from aerie.train.data import Batch
 from aerie.train.distributed import DistInfo
 from aerie.train.objective import Eagle3Objective, Teacher
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks.records import hardware_name  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 LENGTHS = (2048, 4096, 8192, 16384, 32768)
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 128, "heads": 2, "kv_heads": 1, "head_dim": 32, "intermediate": 384, "vocab": 2048, "draft_vocab": 1024, "ttt": 2},

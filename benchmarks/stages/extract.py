@@ -1,6 +1,6 @@
 """Extraction efficiency: what the pipeline sustains against what this machine could do at best.
 
-    .venv/bin/python benchmarks/extract.py [--device cpu|cuda] [--samples N] [--max-len L] ...
+    .venv/bin/python benchmarks/stages/extract.py [--device cpu|cuda] [--samples N] [--max-len L] ...
 
 Measured in one run, with the same model (SmolLM2-135M, the embedded target) on the same machine:
 
@@ -78,7 +78,6 @@ from typing import Any, NamedTuple
 
 import polars as pl
 import torch
-from hardware import hardware_name
 from safetensors.torch import save_file
 
 from aerie.corpus.work import ROW_GROUP
@@ -98,8 +97,11 @@ from aerie.store import ArtifactStore, LocalStore
 from aerie.targets import TargetInfo, resolve_target
 from aerie.tensorfile import layout, open_direct, whole, write_all, write_direct
 
-RESULTS = Path(__file__).parent / "results"
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks.records import hardware_name  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+REPO = Path(__file__).resolve().parents[2]
 CPU_SHIMS = REPO / "tests" / "sglang_cpu_shims"
 BACKENDS = ("refserver", "sglang")
 
@@ -723,7 +725,7 @@ def provenance(args: argparse.Namespace) -> dict[str, str]:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node() and 'vm'} {platform.machine()} {os.cpu_count()} CPUs{gpu_name}, "
         f"Python {platform.python_version()}, torch {torch.__version__}, load avg {os.getloadavg()[0]:.1f}",
-        "command": "python benchmarks/extract.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/stages/extract.py " + " ".join(sys.argv[1:]),
     }
 
 

@@ -10,8 +10,8 @@ Over HTTP against a real `python -m aerie.engine` process:
 
 Writes benchmarks/results/refserver-cpu.json ({date, machine, command, figures}).
 
-    .venv/bin/python benchmarks/refserver.py                 # CPU, small sizes
-    .venv/bin/python benchmarks/refserver.py --device cuda --samples 2048 --max-len 2048 --batch-tokens 65536
+    .venv/bin/python benchmarks/stages/refserver.py                 # CPU, small sizes
+    .venv/bin/python benchmarks/stages/refserver.py --device cuda --samples 2048 --max-len 2048 --batch-tokens 65536
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.engine.server import packed  # noqa: E402

@@ -1,6 +1,6 @@
 """Readiness, side by side: a bash wait loop vs aerie's `ModelServer`, on the same scenarios.
 
-    python benchmarks/readiness.py [--loop-cap-s 25] [--out benchmarks/results/readiness-cpu.json]
+    python benchmarks/stages/readiness.py [--loop-cap-s 25] [--out benchmarks/results/readiness-cpu.json]
 
 Both face the same SGLang-like server (`tests/fake_servers/sglang_like.py`: SGLang's log lines, port
 bound only after loading, /health 503 until warm) in four scenarios:
@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.errors import (  # noqa: E402
@@ -369,7 +369,7 @@ def main() -> None:
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {psutil.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "python benchmarks/readiness.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/stages/readiness.py " + " ".join(sys.argv[1:]),
         "figures": figures,
         "table_markdown": table,
     }
