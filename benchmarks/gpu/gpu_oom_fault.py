@@ -27,7 +27,6 @@ import math
 import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.serving import ModelServer, ServerConfig, spec_for  # noqa: E402
+from benchmarks import records  # noqa: E402
 from benchmarks.records import hardware_name  # noqa: E402
 from tests.processes import free_port  # noqa: E402
 
@@ -132,9 +132,9 @@ def main() -> None:
     import torch
 
     record = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": f"{torch.cuda.get_device_name(0)}, {platform.node()}",
-        "command": " ".join(["python", *sys.argv]),
+        "command": records.command(),
         **result,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

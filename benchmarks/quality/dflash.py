@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shlex
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +43,7 @@ from aerie.store import ArtifactStore, open_store
 from aerie.targets import resolve_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks import records  # noqa: E402
 from benchmarks.records import hardware_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -144,9 +143,9 @@ def record(
     }
     return {
         "benchmark": "dflash",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": {"host": platform.node(), "python": platform.python_version(), "device": args.device},
-        "command": "python benchmarks/quality/dflash.py " + shlex.join(sys.argv[1:]),
+        "command": records.command(),
         "preset": args.preset,
         "run": cfg.run,
         "store": cfg.store.uri,

@@ -29,7 +29,6 @@ import platform
 import random
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,7 @@ from aerie.engine.server.loader import (  # noqa: E402
 )
 from aerie.engine.server.slots import SlotDecoder  # noqa: E402
 from aerie.targets import avoid_cudnn_attention, resolve_target  # noqa: E402
+from benchmarks import records  # noqa: E402
 from benchmarks.records import hardware_name  # noqa: E402
 
 BACKENDS: dict[str, tuple[type[BatchedDecoder], dict[str, Any]]] = {
@@ -226,9 +226,9 @@ def main() -> None:
         machine += f", {torch.cuda.get_device_name()}"
     runs: list[dict[str, Any]] = []
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": machine,
-        "command": " ".join(["python", *sys.argv]),
+        "command": records.command(),
         "complete": False,  # rewritten after every run: a run cut short by a timeout keeps what it measured
         "figures": {
             "model": "SmolLM2-135M-Instruct",

@@ -17,7 +17,6 @@ Writes benchmarks/results/deploy-<hardware>.json ({date, machine, command, figur
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import platform
 import sys
@@ -36,6 +35,7 @@ from aerie.deploy.work import server_specs  # noqa: E402
 from aerie.evaluate.prompts import mtbench_prompts  # noqa: E402
 from aerie.serving import ModelServer, ServerConfig  # noqa: E402
 from aerie.targets import TargetInfo, resolve_target  # noqa: E402
+from benchmarks import records  # noqa: E402
 from benchmarks.records import hardware_name  # noqa: E402
 
 
@@ -123,9 +123,9 @@ def main() -> int:
         figures = measure(args, target, drafter_dir)
     cpus = psutil.cpu_count()
     result = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": f"{platform.machine()} {cpus} CPUs, Python {platform.python_version()}, device {args.device}",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": records.command(),
         "figures": figures,
     }
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"deploy-{hardware_name(args.device)}.json")

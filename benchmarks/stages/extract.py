@@ -72,7 +72,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -98,6 +97,7 @@ from aerie.targets import TargetInfo, resolve_target
 from aerie.tensorfile import layout, open_direct, whole, write_all, write_direct
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks import records  # noqa: E402
 from benchmarks.records import hardware_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -722,10 +722,10 @@ def provenance(args: argparse.Namespace) -> dict[str, str]:
     """When, where and how a figure was measured."""
     gpu_name = f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": f"{platform.node() and 'vm'} {platform.machine()} {os.cpu_count()} CPUs{gpu_name}, "
         f"Python {platform.python_version()}, torch {torch.__version__}, load avg {os.getloadavg()[0]:.1f}",
-        "command": "python benchmarks/stages/extract.py " + " ".join(sys.argv[1:]),
+        "command": records.command(),
     }
 
 

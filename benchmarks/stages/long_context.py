@@ -28,7 +28,6 @@ import resource
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -42,6 +41,7 @@ from aerie.train.distributed import DistInfo
 from aerie.train.objective import Eagle3Objective, Teacher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks import records  # noqa: E402
 from benchmarks.records import hardware_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -193,9 +193,9 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     result: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": machine,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": records.command(),
         "complete": False,  # rewritten after every length: a cut-short run keeps its figures
         "shape": {**SHAPES[args.shape], "name": args.shape},
         "precision": "bf16 autocast" if cuda else "fp32",

@@ -35,7 +35,6 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from aerie.errors import (  # noqa: E402
     ServerTimeoutError,
 )
 from aerie.serving import ModelServer, ProcessLauncher  # noqa: E402
+from benchmarks import records  # noqa: E402
 from tests.fake_servers.scenarios import (  # noqa: E402
     TESTS_DIR,
     fake_command,
@@ -367,9 +367,9 @@ def main() -> None:
         "scenarios": [asdict(o) for o in outcomes],
     }
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": f"{platform.node()} {platform.machine()} {psutil.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "python benchmarks/stages/readiness.py " + " ".join(sys.argv[1:]),
+        "command": records.command(),
         "figures": figures,
         "table_markdown": table,
     }

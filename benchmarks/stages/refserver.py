@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime as dt
 import json
 import os
 import platform
@@ -41,6 +40,7 @@ from aerie.engine.server import packed  # noqa: E402
 from aerie.engine.server.extraction import HiddenStateCapture  # noqa: E402
 from aerie.engine.server.loader import load_model  # noqa: E402
 from aerie.targets import resolve_target  # noqa: E402
+from benchmarks import records  # noqa: E402
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -312,9 +312,9 @@ def main() -> int:
     if not args.skip_http:
         figures.update(over_http(args, target.path, target.vocab_size))
     result = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": _machine(args.device),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": records.command(),
         "figures": figures,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
