@@ -185,7 +185,7 @@ def kimi_k25_8gpu() -> PipelineConfig:
     # 32,768: the 4,096 left cover the prompt of 99% of ShareGPT's turns (p99 2,418 tokens), so the plan
     # keeps 99.99% of the reasoning of a turn that uses its whole budget, where 4,096 and 4,096 kept 81%
     # and cut every longer trace to its start. Training at 32K: train.recompute and the rows below,
-    # whose memory benchmarks/long_context.py measures.
+    # whose memory benchmarks/stages/long_context.py measures.
     cfg.generate.datasets = _sharegpt(SamplingParams(temperature=0.6, max_tokens=28672))
     cfg.generate.max_parallel_datasets = 4
     cfg.corpus.max_length = 32768
@@ -208,7 +208,7 @@ def kimi_k25_8gpu() -> PipelineConfig:
     # benchmarks/results/train-h200.json), which `aerie plan` scales to refuse a larger one. A longer sample
     # goes on over the next rows (train.split_samples), so every supervised token of a 32K turn is still
     # trained, its draft attention seeing the row it is in. Whole 32K rows (split_samples false) wait for
-    # benchmarks/long_context.py to measure the recomputed step at that length on the card.
+    # benchmarks/stages/long_context.py to measure the recomputed step at that length on the card.
     cfg.train.batch_tokens = 16384
     cfg.train.max_length = 32768
     _drafter(cfg, recompute=True)

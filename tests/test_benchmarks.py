@@ -1,4 +1,4 @@
-"""benchmarks/extract.py end to end, tiny (a smoke run, not a measurement): every part runs and the
+"""benchmarks/stages/extract.py end to end, tiny (a smoke run, not a measurement): every part runs and the
 record holds the figures the README quotes. A refactor of the script once broke every untraced
 pipeline variant unnoticed until a GPU run; this catches that here. Its record goes to tmp_path."""
 
@@ -26,7 +26,7 @@ def test_the_extraction_benchmark_runs_every_part_and_records_its_figures(tmp_pa
         "--pipelines", "fp8+server,bf16", "--work-dir", str(tmp_path / "work"), "--results", str(out),
     ]  # fmt: skip
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "extract.py"), *args],
+        [sys.executable, str(REPO / "benchmarks" / "stages" / "extract.py"), *args],
         cwd=REPO,
         capture_output=True,
         text=True,

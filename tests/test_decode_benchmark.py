@@ -1,4 +1,4 @@
-"""benchmarks/decode.py, tiny and on the CPU (a smoke run, not a measurement): several shapes in one run,
+"""benchmarks/stages/decode.py, tiny and on the CPU (a smoke run, not a measurement): several shapes in one run,
 each run's length figures, the random-weights mode a host without the checkpoint measures with, and the
 refusal of a malformed shape. Its record goes to tmp_path."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "stages"))
 
 import decode  # noqa: E402
 
@@ -54,7 +54,7 @@ def test_several_shapes_with_random_weights_from_a_config_run_backend_by_backend
         "--requests-per-slot", "1", "--shapes", "8,16:2,4", "32,48:3,5", "--out", str(out),
     ]  # fmt: skip
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "decode.py"), *args],
+        [sys.executable, str(REPO / "benchmarks" / "stages" / "decode.py"), *args],
         cwd=REPO,
         capture_output=True,
         text=True,

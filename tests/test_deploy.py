@@ -210,7 +210,7 @@ def test_deploy_benchmarks_two_real_reference_servers_and_promotes(tmp_path, smo
     # The served record is written from the deploy stage's report: one entry per level.
     out = tmp_path / "served-cpu.json"
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "served.py"), "record", "--report",
+        [sys.executable, str(REPO / "benchmarks" / "planner" / "served.py"), "record", "--report",
          str(Path(store.root) / result.prefix / "report.json"), "--card", "cpu", "--machine", "this CPU",
          "--command", "test_deploy", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -1,4 +1,4 @@
-"""benchmarks/peer_drafter.py on the CPU: a run's train split and settings found in its store, aerie's
+"""benchmarks/quality/peer_drafter.py on the CPU: a run's train split and settings found in its store, aerie's
 shards in SpecForge's layout (ids and teacher states shifted left by one, fp8 dequantized as the reader
 does), SpecForge's epoch shuffle, and a drafter state with SpecForge's key names exported into the
 directory aerie's evaluator loads. The state comes from aerie's own drafter (same key names as SpecForge's
@@ -21,7 +21,7 @@ from aerie.shards.reader import ShardReader
 from aerie.store import LocalStore
 from tests.train_support import make_samples, make_upstream, tiny_target, write_shards
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "quality"))
 import peer_drafter  # noqa: E402
 
 

@@ -7,7 +7,7 @@ KV cache allocation raise `torch.OutOfMemoryError` exactly as a full device does
 steps raise. The CUDA graph path runs here with a stand-in runner (a CUDA graph needs a GPU): its
 "graphs" remember the addresses of the KV buffers they were captured on and refuse to replay once any
 of them is gone, which is what turned into "an illegal memory access" on an H100.
-`benchmarks/gpu_oom_fault.py` forces the same failure with real CUDA graphs on a GPU.
+`benchmarks/gpu/gpu_oom_fault.py` forces the same failure with real CUDA graphs on a GPU.
 """
 
 from __future__ import annotations

@@ -271,7 +271,7 @@ def test_no_measurements_leave_the_plan_a_line_and_the_deploy_stage_no_predictio
     monkeypatch.setattr(served, "_table", lambda: {"cards": {}})
     facts = SimpleNamespace(name="t", active_params=1e8, weight_bytes=2e8)
     (line,) = served.for_plan(facts, "h200", True, 3, [1])
-    assert "not predicted" in line and "benchmarks/spec_cost.py" in line
+    assert "not predicted" in line and "benchmarks/planner/spec_cost.py" in line
     target = SimpleNamespace(name="t", architecture="LlamaForCausalLM", size_bytes=2e8)
     assert served.before_deploy(SimpleNamespace(num_steps=3, concurrency=[1]), target, None) is None
 
@@ -299,7 +299,9 @@ def test_an_moe_target_without_a_measured_moe_says_it_takes_dense_times_and_the_
 def _served_script():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("served_benchmark", REPO / "benchmarks" / "served.py")
+    spec = importlib.util.spec_from_file_location(
+        "served_benchmark", REPO / "benchmarks" / "planner" / "served.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

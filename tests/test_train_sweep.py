@@ -1,4 +1,4 @@
-"""benchmarks/train_sweep.py end to end on the CPU: the embedded default's tiny run, extracted once per
+"""benchmarks/quality/train_sweep.py end to end on the CPU: the embedded default's tiny run, extracted once per
 drafter family, three recipes trained on the same shards, each kept by held-out acceptance, one record."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_the_sweep_trains_recipes_on_shared_shards_and_records_them(tmp_path: Pa
     out = tmp_path / "sweep.json"
     tiny = ["train.batch_sequences=2", "train.batch_tokens=96"]
     command = [
-        sys.executable, str(ROOT / "benchmarks/train_sweep.py"), "smollm2-local", "--until", "train",
+        sys.executable, str(ROOT / "benchmarks/quality/train_sweep.py"), "smollm2-local", "--until", "train",
         "--out", str(out), "--common", *overrides, "deploy.enabled=false", "--final", "train.epochs=2",
         "--variant", "eagle3_current",
         "--variant", "eagle3_converged", "recipe=eagle3_converged", *tiny,

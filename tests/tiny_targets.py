@@ -50,7 +50,7 @@ _MLA: dict[str, Any] = {
     "norm_topk_prob": True,
 }
 # DeepSeek-V3's own MLA head widths (latent 512, rope key 64, nope and value 128) on the same toy model:
-# SGLang's GPU MLA kernels take these and refuse the toy widths above (benchmarks/targets_gpu.py).
+# SGLang's GPU MLA kernels take these and refuse the toy widths above (benchmarks/gpu/targets_gpu.py).
 DEEPSEEK_MLA_WIDTHS: dict[str, int] = {
     "kv_lora_rank": 512,
     "qk_rope_head_dim": 64,

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from aerie.serving.config import ServerConfig
 
 # The longest chain the deploy stage serves: SGLang's own adaptive tiers stop at 7 steps, the cost model is
-# measured up to 7 (benchmarks/spec_cost.py), and past 8 drafts a chain's later positions accept almost
+# measured up to 7 (benchmarks/planner/spec_cost.py), and past 8 drafts a chain's later positions accept almost
 # nothing while each draft step still costs a forward.
 MAX_NUM_STEPS = 8
 

@@ -36,7 +36,7 @@ class Eagle3Settings(DrafterSettings):
         False,
         description="Activation checkpointing over the training-time-test unroll: each step's activations are "
         "recomputed in the backward instead of kept (about a third more compute, most of the unroll's memory "
-        "saved); for long max_length (benchmarks/long_context.py measures both).",
+        "saved); for long max_length (benchmarks/stages/long_context.py measures both).",
     )
 
     def vocab_rows(self, target_vocab: int) -> int:
@@ -68,7 +68,7 @@ def ttt_flops_per_token(
     seq_len: int,
     ttt: int,
 ) -> float:
-    """Forward+backward FLOPs per trained token (the formula benchmarks/train.py reports MFU with):
+    """Forward+backward FLOPs per trained token (the formula benchmarks/stages/train.py reports MFU with):
     6 x matmul parameters per TTT step (fc once), plus attention over ~seq/2 causal keys."""
     layer = 2 * hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
     layer += 3 * hidden * intermediate + hidden * draft_vocab

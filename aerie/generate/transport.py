@@ -2,7 +2,7 @@
 
 Why not httpcore's pool: it rescans every connection for every queued request (O(connections x
 requests) per request), which at concurrency 256 costs ~4 ms of CPU per request — the client, not the
-endpoint, becomes the limit (benchmarks/generate_client.py). This transport keeps idle connections
+endpoint, becomes the limit (benchmarks/stages/generate_client.py). This transport keeps idle connections
 on a stack per origin (O(1) to take or return), writes each request in one write and parses the
 response in place: Content-Length, chunked and read-until-close bodies, keep-alive, TLS. It plugs in
 under the same `httpx.AsyncClient`, so requests, responses, content decoding (gzip) and the error

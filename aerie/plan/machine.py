@@ -1,6 +1,6 @@
 """This machine's speed now, beside that of the machine the CPU rates were tied to.
 
-The CPU stages' rates are calibrated on one machine (`benchmarks/plan_accuracy.py --calibrate`, two short
+The CPU stages' rates are calibrated on one machine (`benchmarks/planner/plan_accuracy.py --calibrate`, two short
 runs), which records its fp32 matrix-multiply rate. A plan for the CPU measures the same rate here, in
 half a second, and says how far apart the two are. It does not rescale the estimates by it: the
 stages that decode a token at a time follow memory latency more than the multiply rate, so the figure is
@@ -97,7 +97,7 @@ class MachineSpeed:
         elif self.far:
             said += (
                 f"; more than {FAR - 1:.0%} apart, so the CPU estimates below may be off by as much: "
-                "recalibrate on this machine (benchmarks/plan_accuracy.py --calibrate, two short runs)"
+                "recalibrate on this machine (benchmarks/planner/plan_accuracy.py --calibrate, two short runs)"
             )
         return said
 

@@ -6,7 +6,7 @@ request in `round_ms`; plain decoding yields one in `step_ms`. So
     speed-up = accept_length x step_ms / round_ms,      break-even accept_length = round_ms / step_ms.
 
 Both times are measured in SGLang with random weights per target shape, card and concurrency at several
-step counts k, each repeated (`benchmarks/spec_cost.py`, folded into `data/spec_cost.json`). The times
+step counts k, each repeated (`benchmarks/planner/spec_cost.py`, folded into `data/spec_cost.json`). The times
 are fitted, not read off one cell, with a form that cannot contradict itself:
 
     round_ms(k, c) = a(c) + b(c) k,   a, b >= 0 (least squares over every repetition at every k),
@@ -389,7 +389,9 @@ def estimate(
             )
     cards = (table or _table())["cards"]
     if not cards:
-        raise ConfigError(f"no speculative serving measurements in {DATA}: run benchmarks/spec_cost.py")
+        raise ConfigError(
+            f"no speculative serving measurements in {DATA}: run benchmarks/planner/spec_cost.py"
+        )
     measured = card if card in cards else next(iter(cards))
     entry = cards[measured]
     shapes = entry["shapes"]
@@ -569,7 +571,7 @@ def _acceptance_map() -> dict[str, Any] | None:
 def served_accept_length(offline: float) -> tuple[float, str]:
     """The accept length a drafter is expected to reach served, from the offline one (fp32, longer
     answers, teacher-forced prompts): served - 1 = slope x (offline - 1), the slope fitted to the pairs
-    on record (`benchmarks/served.py acceptance-map`), and how good that map is. Without a map: the
+    on record (`benchmarks/planner/served.py acceptance-map`), and how good that map is. Without a map: the
     offline one, said so."""
     found = _acceptance_map()
     if not found:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from aerie.config import PipelineConfig
 from aerie.families import family_of
 
-# The calibration drafter benchmarks/train.py measured is an EAGLE-3 one: its FLOPs are that family's count.
+# The calibration drafter benchmarks/stages/train.py measured is an EAGLE-3 one: its FLOPs are that family's count.
 from aerie.families.eagle3 import ttt_flops_per_token
 from aerie.plan.facts import Hardware, Rate, TargetFacts, hardware, rates
 from aerie.plan.sizes import Sizes
@@ -245,7 +245,7 @@ def decode_rate_at(points: list[tuple[float, float]], context: float) -> float:
 
 
 def mean_decode_context(sizes: Sizes) -> float:
-    """The mean context a generated token is decoded against, as benchmarks/decode.py defines it (the
+    """The mean context a generated token is decoded against, as benchmarks/stages/decode.py defines it (the
     i-th of n new tokens sees prompt + i positions), from the per-request means: prompt + completion / 2."""
     requests = max(1, sizes.turns)
     return (sizes.prompt_tokens + sizes.completion_tokens / 2) / requests
@@ -441,7 +441,7 @@ def _train(m: Model, sizes: Sizes) -> StageEstimate:
 
 
 def _kimi_bench_flops(seq_len: int) -> float:
-    """FLOPs per token of the Kimi-sized drafter benchmarks/train.py measured (its CONFIGS['kimi-k2.5'])."""
+    """FLOPs per token of the Kimi-sized drafter benchmarks/stages/train.py measured (its CONFIGS['kimi-k2.5'])."""
     return ttt_flops_per_token(7168, 56, 8, 128, 18432, 32000, seq_len, 7)
 
 

@@ -1,5 +1,5 @@
 """Named training recipes: a published way to train a drafter, written as the `key=value` settings aerie
-takes (a recipe's `overrides` given to `aerie run PRESET ...` train it; `benchmarks/train_sweep.py
+takes (a recipe's `overrides` given to `aerie run PRESET ...` train it; `benchmarks/quality/train_sweep.py
 --recipe NAME` trains several on one extraction).
 
 A recipe changes only how the drafter trains (family, learning rate and schedule, batch, epochs, loss),

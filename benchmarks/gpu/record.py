@@ -7,7 +7,7 @@
     python benchmarks/gpu/record.py sglang --extract DIR --serve DIR [--serve-short DIR] [--offline FILE] --date D
 
 HOME is the pipeline's home on the GPU host (or one restored from its pack-out). `peer`: aerie's drafter
-beside SpecForge's, from the stage manifests, benchmarks/peer_drafter.py's specforge-train.json and
+beside SpecForge's, from the stage manifests, benchmarks/quality/peer_drafter.py's specforge-train.json and
 evaluate_pair.py's pair.json. `pipeline`: each stage's GPU seconds over every call that worked on it
 (`aerie.plan.track.manifest_seconds`) and the drafter's acceptance; JOB_DIR's `seconds.pipeline-*` give each
 `gpuhost run` command's wall seconds whole (interpreter start, cache checks, pack-outs included). `sglang`:

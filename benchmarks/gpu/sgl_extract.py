@@ -1,4 +1,4 @@
-"""SGLang extraction through aerie's dump plugin, beside the roofline of benchmarks/extract.py.
+"""SGLang extraction through aerie's dump plugin, beside the roofline of benchmarks/stages/extract.py.
 
 Runs the real extract stage (aerie.extract.work.run) with server.backend=sglang over a ShareGPT corpus
 (token ids in corpus.npz), and optionally the reference server over the same corpus; then, optionally,
@@ -17,10 +17,10 @@ import traceback
 from pathlib import Path
 
 SRC = Path(os.environ.get("AERIE_SRC", "/tmp/small/aerie-src"))
-sys.path.insert(0, str(SRC / "benchmarks"))
+sys.path.insert(0, str(SRC / "benchmarks" / "stages"))
 sys.path.insert(0, str(SRC))
 
-import extract as bx  # noqa: E402  (benchmarks/extract.py)
+import extract as bx  # noqa: E402  (benchmarks/stages/extract.py)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 

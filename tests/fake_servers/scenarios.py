@@ -1,4 +1,4 @@
-"""Specs that launch `sglang_like.py` for a scenario; shared by the tests and benchmarks/readiness.py."""
+"""Specs that launch `sglang_like.py` for a scenario; shared by the tests and benchmarks/stages/readiness.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-# decode DECODE_ARGS: the reference server's decoder at chosen batch sizes and shapes (benchmarks/decode.py) -> decode.py's --record / --out
+# decode DECODE_ARGS: the reference server's decoder at chosen batch sizes and shapes (benchmarks/stages/decode.py) -> decode.py's --record / --out
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 NEEDS=""
 run() {
@@ -10,5 +10,5 @@ run() {
     touch "$H/site/.decode-installed"
   fi
   needs_home
-  $PY "$ROOT/benchmarks/decode.py" "$@"
+  $PY "$ROOT/benchmarks/stages/decode.py" "$@"
 }

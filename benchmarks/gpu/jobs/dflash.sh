@@ -1,4 +1,4 @@
-# dflash (go): DFlash against EAGLE-3 over one corpus, the same training tokens and evaluator (benchmarks/dflash.py) -> dflash.json (results/dflash-h200.json)
+# dflash (go): DFlash against EAGLE-3 over one corpus, the same training tokens and evaluator (benchmarks/quality/dflash.py) -> dflash.json (results/dflash-h200.json)
 # The corpus is the peer job's: its bundles, and its pack-out to restore the generation (`go dflash 540 STATE_DIR`).
 # shellcheck shell=bash disable=SC2034  # NEEDS, BACK_FILES: read by job.sh, which sources this file
 BACK_FILES="dflash.json"
@@ -16,6 +16,6 @@ plan_h200() {
 steps() {
   step install $PY -m tools.gpuhost install --home "$H"
   # shellcheck disable=SC2086  # OVERRIDES is a list of key=value words
-  step dflash $PY benchmarks/dflash.py --preset "$PRESET" --steps "$STEPS" --out "$W/dflash.json" \
+  step dflash $PY benchmarks/quality/dflash.py --preset "$PRESET" --steps "$STEPS" --out "$W/dflash.json" \
     --note "$NOTE" store.uri="$H/store" run="$RUN" $OVERRIDES
 }

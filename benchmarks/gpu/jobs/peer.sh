@@ -29,14 +29,14 @@ steps() {
   step install $PY -m tools.gpuhost install --home "$H"
   step sf-wheel $PY -m zipfile -e "$SF_WHEEL" "$W/sf"
   step pipeline peer_pipeline
-  step specforge $PY benchmarks/peer_drafter.py --store "$H/store" --run "$RUN" --specforge-path "$W/sf" \
+  step specforge $PY benchmarks/quality/peer_drafter.py --store "$H/store" --run "$RUN" --specforge-path "$W/sf" \
     --out "$W/sf-out" --device "$DEVICE" --deadline-s "$SF_DEADLINE_S"
   step evaluate $PY benchmarks/gpu/evaluate_pair.py --config "$(ls -t "$H"/configs/"$PRESET"-*.yaml | head -1)" \
     --drafter "aerie=$(ls -d "$H/store/$RUN"/train/*/drafter | head -1)" \
     --drafter "specforge=$W/sf-out/specforge-drafter" --out "$W/pair.json"
   step record $PY benchmarks/gpu/record.py peer --home "$H" --run "$RUN" \
     --specforge "$W/sf-out/specforge-train.json" --pair "$W/pair.json" --machine "$MACHINE" \
-    --command "bash benchmarks/gpu/job.sh go peer (plan $PLAN: $PRESET $OVERRIDES; gpuhost run --until train, benchmarks/peer_drafter.py, benchmarks/gpu/evaluate_pair.py)" \
+    --command "bash benchmarks/gpu/job.sh go peer (plan $PLAN: $PRESET $OVERRIDES; gpuhost run --until train, benchmarks/quality/peer_drafter.py, benchmarks/gpu/evaluate_pair.py)" \
     --note "steps' wall seconds on the host: $(seconds_note)" \
     --out "$W/peer-drafter.json"
 }

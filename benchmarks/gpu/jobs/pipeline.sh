@@ -45,7 +45,7 @@ steps() {
   step install $PY -m tools.gpuhost install --home "$H"
   if [ -n "$DECODE_RUNNING" ]; then
     # shellcheck disable=SC2086  # DECODE_SHAPES is a list of shapes
-    step decode $PY benchmarks/decode.py --device cuda --backends slots-graphs --concurrency "$DECODE_RUNNING" \
+    step decode $PY benchmarks/stages/decode.py --device cuda --backends slots-graphs --concurrency "$DECODE_RUNNING" \
       --requests-per-slot 2 --shapes $DECODE_SHAPES --budget-s 15 --record decode_running \
       --out "$W/decode_running-h200.json"
   fi

@@ -73,7 +73,7 @@ run() {
       exit "$rc"
   fi
   tail -15 "$DIR/run.log"
-  "$PY" benchmarks/plan_accuracy.py --validate "$DIR/artifacts" --plan "$DIR/plan-before.json" \
+  "$PY" benchmarks/planner/plan_accuracy.py --validate "$DIR/artifacts" --plan "$DIR/plan-before.json" \
       --load "$DIR/load.txt" --preset "$PRESET" --overrides "${OVERRIDES[*]}" --out "$RECORD" --docs "$DOCS"
   echo "rows appended to $RECORD; the run's files: $DIR"
 }

@@ -1,5 +1,5 @@
-# served OUT STEP [ARGS]: the served check (benchmarks/served.py): STEP predict (first), then baseline, speculative, ngram (one a call) -> OUT/<step>.json
-# Here: `python benchmarks/served.py record --parts OUT --card <card> ...` -> results/served-<card>.json
+# served OUT STEP [ARGS]: the served check (benchmarks/planner/served.py): STEP predict (first), then baseline, speculative, ngram (one a call) -> OUT/<step>.json
+# Here: `python benchmarks/planner/served.py record --parts OUT --card <card> ...` -> results/served-<card>.json
 # Needs SGLang's set and a drafter: DRAFTER (a promoted drafter directory, default /tmp/drafter-trained) and
 # FIGURES (the evaluate stage's figures as JSON, default /tmp/drafter-figures.json) for the prediction.
 # Each server runs c1, c8, c32, c64 at steady state (20 s windows, 8 requests per slot, 3 repetitions):
@@ -15,12 +15,12 @@ run() {
   mkdir -p "$out"
   case $step in
     predict)
-      logged "$out" predict "$PY" "$ROOT/benchmarks/served.py" predict --out "$out" --figures "$figures" \
+      logged "$out" predict "$PY" "$ROOT/benchmarks/planner/served.py" predict --out "$out" --figures "$figures" \
         --sglang-args "$sgl" "$@" ;;
     baseline|speculative|ngram)
       [ -f "$out/prediction.json" ] || { echo "served: no $out/prediction.json: run STEP predict first"; return 3; }
       [ -f "$drafter/config.json" ] || { echo "served: no drafter at $drafter (set DRAFTER)"; return 3; }
-      logged "$out" "$step" "$PY" "$ROOT/benchmarks/served.py" serve --server "$step" --drafter "$drafter" \
+      logged "$out" "$step" "$PY" "$ROOT/benchmarks/planner/served.py" serve --server "$step" --drafter "$drafter" \
         --out "$out" --sglang-args "$sgl" "$@" ;;
     *) echo "served: STEP is predict, baseline, speculative or ngram, not $step"; return 64 ;;
   esac

@@ -1,4 +1,4 @@
-# sweep OUT [--variant NAME k=v ...]: training recipes on the home's smollm2-gpu corpus, one extraction per drafter family, each kept by held-out acceptance (benchmarks/train_sweep.py --until train) -> OUT/train_sweep-<card>.json (results/train_sweep-<card>.json)
+# sweep OUT [--variant NAME k=v ...]: training recipes on the home's smollm2-gpu corpus, one extraction per drafter family, each kept by held-out acceptance (benchmarks/quality/train_sweep.py --until train) -> OUT/train_sweep-<card>.json (results/train_sweep-<card>.json)
 # Needs a home holding the generation and corpus of the same overrides (GEN_OVERRIDES; the pipeline job
 # with UNTIL=merge and OVERRIDES="$GEN_OVERRIDES" makes them). Extracts (reference server, fp8) EAGLE-3's
 # layers and DFlash's, then trains the variants in order on the same shards, each on the same half of the
@@ -14,7 +14,7 @@ SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-545}
 SWEEP_RESERVE_S=${SWEEP_RESERVE_S:-75}
 
 # In the order they matter (a budget cut leaves the last ones out). Current = the preset's EAGLE-3 and the
-# DFlash comparison's settings (benchmarks/dflash.py); converged = recipe=eagle3_converged; authors =
+# DFlash comparison's settings (benchmarks/quality/dflash.py); converged = recipe=eagle3_converged; authors =
 # recipe=dflash_authors. `_b64`: 64 samples a step instead of 512 (half the train split is ~2,850 samples:
 # 512 a step leaves ~5 optimizer steps); a row of 2048 tokens for DFlash's 512 anchors a sample.
 SWEEP_VARIANTS=(
@@ -34,11 +34,11 @@ run() {
   began=$(date +%s)
   mkdir -p "$out"
   $PY -m tools.gpuhost install --home "$H" || return
-  card=$($PY -c 'import sys; sys.path.insert(0, "benchmarks"); from hardware import hardware_name; print(hardware_name("cuda"))')
+  card=$($PY -c 'import sys; sys.path.insert(0, "benchmarks"); from records import hardware_name; print(hardware_name("cuda"))')
   local variants=("${SWEEP_VARIANTS[@]}")
   [ $# -gt 0 ] && variants=("$@")
   # shellcheck disable=SC2086  # GEN_OVERRIDES is a list of key=value words
-  logged "$out" sweep "$PY" "$ROOT/benchmarks/train_sweep.py" smollm2-gpu --store "$H/store" --until train \
+  logged "$out" sweep "$PY" "$ROOT/benchmarks/quality/train_sweep.py" smollm2-gpu --store "$H/store" --until train \
     --budget-s $((SWEEP_BUDGET_S - $(date +%s) + began)) --reserve-s "$SWEEP_RESERVE_S" \
     --out "$out/train_sweep-$card.json" \
     --common $GEN_OVERRIDES deploy.enabled=false \

@@ -24,10 +24,10 @@ What calibrates what:
   carries the figures). Evaluation and deployment do the same work in both runs, so their factor
   carries their fixed part too.
 
-    python benchmarks/plan_accuracy.py --calibrate /tmp/recal/q/artifacts /tmp/recal/h/artifacts
-    python benchmarks/plan_accuracy.py --validate STORE --plan PLAN.json --load LOAD.txt --overrides "k=v ..."
-    python benchmarks/plan_accuracy.py   # recompute the smollm2-gpu calibration rows; the rest is kept
-    python benchmarks/plan_accuracy.py --quote   # rewrite the READMEs' and docs/plan.md's rows from it
+    python benchmarks/planner/plan_accuracy.py --calibrate /tmp/recal/q/artifacts /tmp/recal/h/artifacts
+    python benchmarks/planner/plan_accuracy.py --validate STORE --plan PLAN.json --load LOAD.txt --overrides "k=v ..."
+    python benchmarks/planner/plan_accuracy.py   # recompute the smollm2-gpu calibration rows; the rest is kept
+    python benchmarks/planner/plan_accuracy.py --quote   # rewrite the READMEs' and docs/plan.md's rows from it
     bash benchmarks/gpu/job.sh plan-validate [PRESET k=v ...]   # a validation run: its plan, the run, its rows
 """
 
@@ -50,8 +50,8 @@ from aerie.plan.machine import gemm_gflops
 from aerie.plan.plan import Plan, with_corpus
 from aerie.presets import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 CALIBRATION = ROOT / "aerie" / "plan" / "data" / "calibration.json"
 MACHINE = f"{platform.machine()} VM, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 STAGES = ("generate", "merge", "extract", "train", "evaluate", "deploy")
@@ -262,7 +262,7 @@ def calibrate(stores: list[Path], out: Path) -> None:
         "machine": MACHINE,
         # The probe a CPU plan repeats to say how far its machine is from this one (aerie.plan.machine).
         "machine_gemm_gflops": round(gemm_gflops(), 1),
-        "command": "python benchmarks/plan_accuracy.py --calibrate " + " ".join(map(str, stores)),
+        "command": "python benchmarks/planner/plan_accuracy.py --calibrate " + " ".join(map(str, stores)),
         "runs": [f"aerie run smollm2-local --no-prefect {' '.join(o)}" for o in CALIBRATION_RUNS],
         "stages": stages,
     }

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-BEGIN = "<!-- plan-accuracy: written by benchmarks/plan_accuracy.py from {name} -->"
+BEGIN = "<!-- plan-accuracy: written by benchmarks/planner/plan_accuracy.py from {name} -->"
 END = "<!-- end of plan-accuracy -->"
 README_ROW = "| `aerie plan`'s stage estimates, on runs it was never fitted to |"
 WITHIN = 0.25  # the summary's `within_25_percent`

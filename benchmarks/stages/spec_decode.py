@@ -1,8 +1,8 @@
 """Speculative decoding speed on MT-Bench first turns: the target's greedy decoding against the same
 decoder with prompt lookup and (given `--drafter DIR`) an EAGLE-3 drafter, at each `--steps`.
 
-    .venv/bin/python benchmarks/spec_decode.py --device cpu --prompts 8 --max-new-tokens 64
-    python benchmarks/spec_decode.py --device cuda --prompts 80 --max-new-tokens 256 \\
+    .venv/bin/python benchmarks/stages/spec_decode.py --device cpu --prompts 8 --max-new-tokens 64
+    python benchmarks/stages/spec_decode.py --device cuda --prompts 80 --max-new-tokens 256 \\
         --drafter artifacts/smollm2-gpu/train/<key>/drafter
 
 Every configuration decodes the same prompts with `aerie.engine.speculative.decoder.SpecDecoder` (batch
@@ -26,14 +26,16 @@ from typing import Any
 
 import psutil
 import torch
-from hardware import hardware_name
 
 from aerie.engine.speculative.decoder import NoProposer, Proposer, SpecDecoder, SpecStats, greedy_reference
 from aerie.engine.speculative.prompt_lookup import PromptLookupProposer
 from aerie.evaluate.prompts import mtbench_prompts
 from aerie.targets import resolve_dtype, resolve_target
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks.records import hardware_name  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def _sync(device: str) -> None:
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
-        "command": "python benchmarks/spec_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/stages/spec_decode.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "figures": {
             "target": target.name,
             "dtype": str(dtype).removeprefix("torch."),

@@ -1,6 +1,6 @@
 """Extraction efficiency: what the pipeline sustains against what this machine could do at best.
 
-    .venv/bin/python benchmarks/extract.py [--device cpu|cuda] [--samples N] [--max-len L] ...
+    .venv/bin/python benchmarks/stages/extract.py [--device cpu|cuda] [--samples N] [--max-len L] ...
 
 Measured in one run, with the same model (SmolLM2-135M, the embedded target) on the same machine:
 
@@ -72,13 +72,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import polars as pl
 import torch
-from hardware import hardware_name
 from safetensors.torch import save_file
 
 from aerie.corpus.work import ROW_GROUP
@@ -98,8 +96,12 @@ from aerie.store import ArtifactStore, LocalStore
 from aerie.targets import TargetInfo, resolve_target
 from aerie.tensorfile import layout, open_direct, whole, write_all, write_direct
 
-RESULTS = Path(__file__).parent / "results"
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks import records  # noqa: E402
+from benchmarks.records import hardware_name  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+REPO = Path(__file__).resolve().parents[2]
 CPU_SHIMS = REPO / "tests" / "sglang_cpu_shims"
 BACKENDS = ("refserver", "sglang")
 
@@ -720,10 +722,10 @@ def provenance(args: argparse.Namespace) -> dict[str, str]:
     """When, where and how a figure was measured."""
     gpu_name = f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": f"{platform.node() and 'vm'} {platform.machine()} {os.cpu_count()} CPUs{gpu_name}, "
         f"Python {platform.python_version()}, torch {torch.__version__}, load avg {os.getloadavg()[0]:.1f}",
-        "command": "python benchmarks/extract.py " + " ".join(sys.argv[1:]),
+        "command": records.command(),
     }
 
 

@@ -7,7 +7,7 @@ work of a token (a prefill or decode token: 2 x the target's active parameters p
 the share of the GPU's datasheet peak FLOP/s that rate uses, and for extraction the share of the host
 disk's measured write rate its shards take, into a record of its own beside the records it reads.
 
-    python benchmarks/rooflines.py          # writes benchmarks/results/rooflines-h200.json
+    python benchmarks/planner/rooflines.py          # writes benchmarks/results/rooflines-h200.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.plan.facts import hardware, target_facts  # noqa: E402
@@ -129,13 +129,13 @@ def main() -> None:
     ).stdout.strip()
     out: dict[str, Any] = {
         "code_paths": [
-            "benchmarks/rooflines.py",
+            "benchmarks/planner/rooflines.py",
             "aerie/plan/throughput.py",
             "aerie/plan/data/hardware.json",
         ],
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": "none: worked out from the records it names",
-        "command": "python benchmarks/rooflines.py",
+        "command": "python benchmarks/planner/rooflines.py",
         "computed_at_commit": head,
         "records": {},
     }

@@ -1,7 +1,7 @@
 """Artifact store throughput: put_file / get_file / get_bytes of one large file, for LocalStore (a temp
 dir) and S3Store against a local moto server process. Writes benchmarks/results/store-cpu.json.
 
-    .venv/bin/python benchmarks/store.py [--size-mb 256] [--repeat 2] [--chunk-mb 64] [--concurrency 8]
+    .venv/bin/python benchmarks/stages/store.py [--size-mb 256] [--repeat 2] [--chunk-mb 64] [--concurrency 8]
 
 moto is a single Python process that keeps objects in memory, so the S3 figures measure aerie's client
 path (hash, multipart, verify) against a slow server, not what AWS or MinIO would sustain. The sha256
@@ -13,9 +13,7 @@ filesystem is a hash-and-fsync pass plus a rename: no second write.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -25,15 +23,17 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 import boto3
-import psutil
 
 from aerie.store import ArtifactStore, StoreConfig, open_store, sha256_file
 
-RESULTS = Path(__file__).parent / "results" / "store-cpu.json"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks import records  # noqa: E402
+
+OUT = records.RESULTS / "store-cpu.json"
+CODE_PATHS = ["benchmarks/stages/store.py", "aerie/store.py", "aerie/s3store.py"]
 BUCKET = "aerie-bench"
 
 
@@ -139,16 +139,8 @@ def main() -> None:
             )
             figures["s3_moto"] = measure(open_store(cfg), src, work, args.repeat)
 
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} {psutil.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}, load avg {os.getloadavg()[0]:.1f}",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "figures": figures,
-    }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    machine = records.machine(f"load avg {os.getloadavg()[0]:.1f}")
+    records.write(OUT, {**records.header(CODE_PATHS, machine), "figures": figures})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ Peak RSS is sampled every 0.1 s over the whole process tree (parent + workers, s
 shared: the load average before and after is recorded, and 1-minute load above the core count means
 the figures understate what an idle machine does.
 
-    .venv/bin/python benchmarks/corpus.py [--tokens 100e6] [--workers 2] [--max-length 4096] [--hardware cpu]
+    .venv/bin/python benchmarks/stages/corpus.py [--tokens 100e6] [--workers 2] [--max-length 4096] [--hardware cpu]
 
 `--conversations FILE` times the merge on a real generation instead (a `conversations.parquet` as the
 generation stage wrote it, taken as it is): at each `--fractions` share of its conversations (a seeded
@@ -22,7 +22,7 @@ sample), `--repeat` times each, in one warm process. The record keeps every run 
 the runs of the smaller shares (fixed seconds + seconds per million tokens at `--workers`), and checks
 that line against the whole generation's runs, which it did not see.
 
-    python benchmarks/corpus.py --conversations .../conversations.parquet --workers 8 --max-length 2048 \
+    python benchmarks/stages/corpus.py --conversations .../conversations.parquet --workers 8 --max-length 2048 \
         --hardware h200 --fractions 0.25 0.5 1 --repeat 2
 """
 
@@ -56,7 +56,7 @@ from aerie.stage import WorkContext
 from aerie.store import LocalStore
 from aerie.targets import resolve_target
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 CHARS_PER_TOKEN = 4.2  # ShareGPT text with SmolLM2's tokenizer, measured; only sizes the synthetic corpus
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",

@@ -2,8 +2,8 @@
 clip) whose packed row is one document of 2K, 4K, 8K, 16K and 32K tokens (10% prompt, unsupervised), on
 dummy features. Each length runs in its own process, so its peak is its own.
 
-    .venv/bin/python benchmarks/long_context.py                 # CPU, a tiny drafter shape (minutes)
-    python benchmarks/long_context.py --device cuda             # GPU, the Kimi-K2.5 drafter shape
+    .venv/bin/python benchmarks/stages/long_context.py                 # CPU, a tiny drafter shape (minutes)
+    python benchmarks/stages/long_context.py --device cuda             # GPU, the Kimi-K2.5 drafter shape
 
 Needs torch and aerie only. The shapes: `tiny` (hidden 128, 2 heads of 32 sharing one K/V head, MLP 384,
 vocab 2048, draft vocab 1024, TTT 2: exact attention's time is quadratic, and a 32K step must fit a few
@@ -28,13 +28,11 @@ import resource
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from hardware import hardware_name
 
 from aerie.draft.model import DraftConfig, Eagle3Drafter
 from aerie.train.config import TrainConfig
@@ -43,7 +41,11 @@ from aerie.train.distributed import DistInfo
 from aerie.train.objective import Eagle3Objective
 from aerie.train.teaching import Teacher
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks import records  # noqa: E402
+from benchmarks.records import hardware_name  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 LENGTHS = (2048, 4096, 8192, 16384, 32768)
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 128, "heads": 2, "kv_heads": 1, "head_dim": 32, "intermediate": 384, "vocab": 2048, "draft_vocab": 1024, "ttt": 2},
@@ -194,9 +196,9 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     result: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": machine,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": records.command(),
         "complete": False,  # rewritten after every length: a cut-short run keeps its figures
         "shape": {**SHAPES[args.shape], "name": args.shape},
         "precision": "bf16 autocast" if cuda else "fp32",

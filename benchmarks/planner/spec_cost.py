@@ -1,7 +1,7 @@
 """What one EAGLE-3 round costs against one plain decode step, per target shape and concurrency, in SGLang.
 
-    python3 benchmarks/spec_cost.py run --out DIR [--shapes ...] [--concurrency 1,8,32] [--steps 3,7]
-    python3 benchmarks/spec_cost.py record --raw DIR/raw.json [--raw ...] [--date D]
+    python3 benchmarks/planner/spec_cost.py run --out DIR [--shapes ...] [--concurrency 1,8,32] [--steps 3,7]
+    python3 benchmarks/planner/spec_cost.py record --raw DIR/raw.json [--raw ...] [--date D]
                                        # -> results/spec_cost-<card>.json and aerie/plan/data/spec_cost.json
 
 `run` needs a CUDA GPU and SGLang importable (e.g. the spec-cost job of benchmarks/gpu/job.sh, SGLang's set first on PYTHONPATH). For
@@ -43,8 +43,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
-PLANNER = Path(__file__).resolve().parent.parent / "aerie" / "plan" / "data" / "spec_cost.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+PLANNER = Path(__file__).resolve().parents[2] / "aerie" / "plan" / "data" / "spec_cost.json"
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -630,7 +630,7 @@ def record(a: argparse.Namespace) -> int:
 PLANNER_ABOUT = (
     "Step and round times of SGLang serving per target shape, card and concurrency (ms), the measurements "
     "aerie/plan/served.py predicts the served speed-up from: each card's entry is the 'planner' section of "
-    "benchmarks/results/<source>, written by benchmarks/spec_cost.py record (tests/test_served.py checks "
+    "benchmarks/results/<source>, written by benchmarks/planner/spec_cost.py record (tests/test_served.py checks "
     "that they agree)."
 )
 

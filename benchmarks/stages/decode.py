@@ -1,8 +1,8 @@
 """Generation throughput of the reference server's decode backends, in process (no HTTP).
 
-    .venv/bin/python benchmarks/decode.py                                  # CPU, small sizes
-    python benchmarks/decode.py --device cuda --concurrency 64,256 --requests-per-slot 3
-    python benchmarks/decode.py --device cuda --backends slots-graphs --concurrency 256 \
+    .venv/bin/python benchmarks/stages/decode.py                                  # CPU, small sizes
+    python benchmarks/stages/decode.py --device cuda --concurrency 64,256 --requests-per-slot 3
+    python benchmarks/stages/decode.py --device cuda --backends slots-graphs --concurrency 256 \
         --shapes 16,256:64,384 256,2048:200,384 --record decode_context     # rate against context length
 
 Continuous batching as the server's scheduler does it: requests wait in a queue, join the running
@@ -29,16 +29,13 @@ import platform
 import random
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-
-from hardware import hardware_name  # noqa: E402
 
 from aerie.engine.generation import BatchedDecoder, GenRequest, SamplingParams  # noqa: E402
 from aerie.engine.server import packed  # noqa: E402
@@ -51,6 +48,8 @@ from aerie.engine.server.loader import (  # noqa: E402
 )
 from aerie.engine.server.slots import SlotDecoder  # noqa: E402
 from aerie.targets import avoid_cudnn_attention, resolve_target  # noqa: E402
+from benchmarks import records  # noqa: E402
+from benchmarks.records import hardware_name  # noqa: E402
 
 BACKENDS: dict[str, tuple[type[BatchedDecoder], dict[str, Any]]] = {
     "batched": (BatchedDecoder, {}),
@@ -227,9 +226,9 @@ def main() -> None:
         machine += f", {torch.cuda.get_device_name()}"
     runs: list[dict[str, Any]] = []
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": machine,
-        "command": " ".join(["python", *sys.argv]),
+        "command": records.command(),
         "complete": False,  # rewritten after every run: a run cut short by a timeout keeps what it measured
         "figures": {
             "model": "SmolLM2-135M-Instruct",

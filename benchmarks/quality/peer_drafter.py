@@ -4,7 +4,7 @@ feeds aerie's hidden-state shards to SpecForge's training step (`OnlineEagle3Mod
 recommended learning rate 1e-4 with cosine decay after 1.5% warm-up, clip 0.5), and the export of
 SpecForge's drafter into the directory aerie's evaluator and SGLang read (`aerie.draft.export`).
 
-    python benchmarks/peer_drafter.py --store HOME/store --run smollm2-gpu --specforge-path /tmp/sf --out DIR
+    python benchmarks/quality/peer_drafter.py --store HOME/store --run smollm2-gpu --specforge-path /tmp/sf --out DIR
 
 Everything is read from a pipeline's store after its train stage: the train split's shards (the ones
 aerie's trainer read), the epochs and length cut of aerie's run, and the draft vocabulary (d2t / t2d) and

@@ -2,11 +2,11 @@
 
     # on the GPU host, with a finished run restored into the home (docs/gpu-host.md):
     eval "$(python3 -m tools.gpuhost env)"
-    python3 benchmarks/train_sweep.py smollm2-gpu --store "$HOME_DIR/store" \
+    python3 benchmarks/quality/train_sweep.py smollm2-gpu --store "$HOME_DIR/store" \
         --variant base --variant data50 train.train_fraction=0.5 --variant epochs6 train.epochs=6 \
         --common 'evaluate.proposers=[eagle3]' 'evaluate.num_steps=[7]' evaluate.heldout_samples=0
     # here, a smoke run on the embedded default (CPU):
-    .venv/bin/python benchmarks/train_sweep.py smollm2-local --variant base \
+    .venv/bin/python benchmarks/quality/train_sweep.py smollm2-local --variant base \
         --variant data50 train.train_fraction=0.5
 
 A variant is a name and its overrides; each runs as the preset with `--common` and then its own
@@ -44,8 +44,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from hardware import hardware_name
-
 from aerie.manifest import StageResult, load_manifest
 from aerie.pipeline import run_pipeline
 from aerie.presets import load_config
@@ -53,7 +51,10 @@ from aerie.store import ArtifactStore, open_store
 from aerie.train.recipes import recipe
 from aerie.train.work import METRICS
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks.records import hardware_name  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -241,7 +242,9 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(),
         "card": hardware_name(device),
         "until": args.until,
-        "command": " ".join(["python", "benchmarks/train_sweep.py", *sys.argv[1:]] if argv is None else argv),
+        "command": " ".join(
+            ["python", "benchmarks/quality/train_sweep.py", *sys.argv[1:]] if argv is None else argv
+        ),
         "complete": False,
         "preset": args.preset,
         "common": args.common,

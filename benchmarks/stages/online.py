@@ -7,8 +7,8 @@ counted. Figures: wall time of each stage call, tokens trained per second, onlin
 the training alone and against extract + train), the trainer's peak RSS, bytes each phase added to the
 store, and the final loss (the same in both: the same values in the same order).
 
-    .venv/bin/python benchmarks/online.py        # writes benchmarks/results/online-cpu.json
-    .venv/bin/python benchmarks/online.py --train-rows 48 --buffer-tokens 2048
+    .venv/bin/python benchmarks/stages/online.py        # writes benchmarks/results/online-cpu.json
+    .venv/bin/python benchmarks/stages/online.py --train-rows 48 --buffer-tokens 2048
                                                   # a corpus several times the buffer: online extracts
                                                   # again every epoch, as a large corpus does
 
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 RESULT = ROOT / "benchmarks" / "results" / "online-cpu.json"
@@ -172,7 +172,7 @@ def main(train_rows: int, buffer_tokens: int) -> None:
         "same_final_loss": online["figures"]["final_loss"] == offline["figures"]["final_loss"],
     }
     record: dict[str, Any] = {
-        "code_paths": ["benchmarks/online.py", "aerie/train", "aerie/extract", "aerie/engine/server"],
+        "code_paths": ["benchmarks/stages/online.py", "aerie/train", "aerie/extract", "aerie/engine/server"],
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
@@ -181,7 +181,7 @@ def main(train_rows: int, buffer_tokens: int) -> None:
             "device": "cpu",
             "load_average_1m": round(os.getloadavg()[0], 2),
         },
-        "command": f"python benchmarks/online.py --train-rows {train_rows} --buffer-tokens {buffer_tokens}",
+        "command": f"python benchmarks/stages/online.py --train-rows {train_rows} --buffer-tokens {buffer_tokens}",
         "figures": figures,
     }
     earlier = _other_regime(figures)

@@ -1,10 +1,10 @@
 """The served check: the prediction written first, then the drafter, SGLang's n-gram speculation and the
 plain target served at steady state; the record `results/served-<card>.json`.
 
-    python benchmarks/served.py predict --target NAME --figures FIGURES.json --out DIR [--concurrency 1,8,32,64]
-    python benchmarks/served.py serve --server baseline|speculative|ngram --target NAME --drafter DIR --out DIR
-    python benchmarks/served.py record --parts DIR [--report deploy/report.json] --drafter-figures FIGURES.json
-    python benchmarks/served.py acceptance-map     # -> aerie/plan/data/served_acceptance.json
+    python benchmarks/planner/served.py predict --target NAME --figures FIGURES.json --out DIR [--concurrency 1,8,32,64]
+    python benchmarks/planner/served.py serve --server baseline|speculative|ngram --target NAME --drafter DIR --out DIR
+    python benchmarks/planner/served.py record --parts DIR [--report deploy/report.json] --drafter-figures FIGURES.json
+    python benchmarks/planner/served.py acceptance-map     # -> aerie/plan/data/served_acceptance.json
 
 `predict` writes DIR/prediction.json (aerie.deploy.serving_plan: the cost model at the served accept
 length expected from the offline evaluation) before any server starts. `serve` runs one server through
@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 ACCEPTANCE_MAP = ROOT / "aerie" / "plan" / "data" / "served_acceptance.json"
@@ -255,7 +255,7 @@ def acceptance_map(a: argparse.Namespace) -> int:
     sd = math.sqrt(sum(r * r for r in residuals) / (len(pairs) - 1)) if len(pairs) > 1 else 0.0
     found = {
         "about": "served accept length - 1 = slope x (offline accept length - 1), k=3, fitted through the "
-        "origin to the pairs on record by benchmarks/served.py acceptance-map; residual_sd: the spread "
+        "origin to the pairs on record by benchmarks/planner/served.py acceptance-map; residual_sd: the spread "
         "of the served accept length around the map, in tokens per round",
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "slope": round(slope, 4),

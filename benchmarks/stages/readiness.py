@@ -1,6 +1,6 @@
 """Readiness, side by side: a bash wait loop vs aerie's `ModelServer`, on the same scenarios.
 
-    python benchmarks/readiness.py [--loop-cap-s 25] [--out benchmarks/results/readiness-cpu.json]
+    python benchmarks/stages/readiness.py [--loop-cap-s 25] [--out benchmarks/results/readiness-cpu.json]
 
 Both face the same SGLang-like server (`tests/fake_servers/sglang_like.py`: SGLang's log lines, port
 bound only after loading, /health 503 until warm) in four scenarios:
@@ -35,14 +35,13 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.errors import (  # noqa: E402
@@ -53,6 +52,7 @@ from aerie.errors import (  # noqa: E402
     ServerTimeoutError,
 )
 from aerie.serving import ModelServer, ProcessLauncher  # noqa: E402
+from benchmarks import records  # noqa: E402
 from tests.fake_servers.scenarios import (  # noqa: E402
     TESTS_DIR,
     fake_command,
@@ -367,9 +367,9 @@ def main() -> None:
         "scenarios": [asdict(o) for o in outcomes],
     }
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": f"{platform.node()} {platform.machine()} {psutil.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "python benchmarks/readiness.py " + " ".join(sys.argv[1:]),
+        "command": records.command(),
         "figures": figures,
         "table_markdown": table,
     }

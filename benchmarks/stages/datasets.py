@@ -1,27 +1,27 @@
 """How fast the dataset loaders read: the full ShareGPT file (stream parse + normalization) and a
 synthetic Parquet file, on one core. Writes benchmarks/results/datasets-cpu.json.
 
-    .venv/bin/python benchmarks/datasets.py [--repeat 3] [--parquet-rows 50000]
+    .venv/bin/python benchmarks/stages/datasets.py [--repeat 3] [--parquet-rows 50000]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import resource
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import polars as pl
-import psutil
 
 from aerie.datasets import LoadReport, SourceSpec, iter_conversations, sharegpt_path
 
-RESULTS = Path(__file__).parent / "results" / "datasets-cpu.json"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks import records  # noqa: E402
+
+OUT = records.RESULTS / "datasets-cpu.json"
+CODE_PATHS = ["benchmarks/stages/datasets.py", "aerie/datasets.py"]
 
 
 def _timed(spec: SourceSpec, repeat: int) -> tuple[float, LoadReport]:
@@ -88,15 +88,7 @@ def main() -> None:
     # Peak resident memory of the whole script (kB on Linux): the stream parse holds ~1 MiB of text.
     figures["peak_rss_mib_whole_script"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} {psutil.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "figures": figures,
-    }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    records.write(OUT, {**records.header(CODE_PATHS), "figures": figures})
 
 
 if __name__ == "__main__":

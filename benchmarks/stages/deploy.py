@@ -8,16 +8,15 @@ The reference server on this CPU by default; `--backend sglang --device cuda` se
 
 Writes benchmarks/results/deploy-<hardware>.json ({date, machine, command, figures}).
 
-    .venv/bin/python benchmarks/deploy.py --drafter DIR              # a drafter directory from `make run`
-    .venv/bin/python benchmarks/deploy.py                            # an untrained drafter (accepts ~nothing)
-    .venv/bin/python benchmarks/deploy.py --backend sglang --device cuda --concurrency 1 8 32 \\
+    .venv/bin/python benchmarks/stages/deploy.py --drafter DIR              # a drafter directory from `make run`
+    .venv/bin/python benchmarks/stages/deploy.py                            # an untrained drafter (accepts ~nothing)
+    .venv/bin/python benchmarks/stages/deploy.py --backend sglang --device cuda --concurrency 1 8 32 \\
         --prompts 64 --max-new-tokens 256 --drafter DIR
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import platform
 import sys
@@ -27,7 +26,7 @@ from typing import Any
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.deploy.bench import TTFT_METHOD, benchmark  # noqa: E402
@@ -36,7 +35,8 @@ from aerie.deploy.work import server_specs  # noqa: E402
 from aerie.evaluate.prompts import mtbench_prompts  # noqa: E402
 from aerie.serving import ModelServer, ServerConfig  # noqa: E402
 from aerie.targets import TargetInfo, resolve_target  # noqa: E402
-from benchmarks.hardware import hardware_name  # noqa: E402
+from benchmarks import records  # noqa: E402
+from benchmarks.records import hardware_name  # noqa: E402
 
 
 def untrained_drafter(target: TargetInfo, out: Path) -> Path:
@@ -123,9 +123,9 @@ def main() -> int:
         figures = measure(args, target, drafter_dir)
     cpus = psutil.cpu_count()
     result = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": f"{platform.machine()} {cpus} CPUs, Python {platform.python_version()}, device {args.device}",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": records.command(),
         "figures": figures,
     }
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"deploy-{hardware_name(args.device)}.json")

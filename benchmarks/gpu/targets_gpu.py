@@ -6,7 +6,7 @@ speculative decoding. SGLang's CPU path cannot run MLA, so this is the
 only place those launches are exercised. What it shows is that every stage runs and what each measured;
 the acceptance of a drafter trained for seconds on a random-weight target says nothing about quality.
 
-    python benchmarks/targets_gpu.py --out DIR [--smollm2 DIR_WITH_TOKENIZER] [--arch deepseek_v3 kimi]
+    python benchmarks/gpu/targets_gpu.py --out DIR [--smollm2 DIR_WITH_TOKENIZER] [--arch deepseek_v3 kimi]
 
 writes DIR/targets_gpu-<card>.json (date, machine, command, per target: each stage's status, seconds, figures,
 or the error that stopped it)."""
@@ -21,14 +21,14 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from aerie.config import apply_overrides  # noqa: E402
 from aerie.evaluate.config import PromptSet  # noqa: E402
 from aerie.pipeline import run_pipeline  # noqa: E402
 from aerie.presets import get_preset  # noqa: E402
 from aerie.progress import no_progress  # noqa: E402
-from benchmarks.hardware import hardware_name  # noqa: E402
+from benchmarks.records import hardware_name  # noqa: E402
 from tests.tiny_targets import DEEPSEEK_MLA_WIDTHS, build_target  # noqa: E402
 
 STAGES = ["generate", "merge", "extract", "train", "evaluate", "deploy"]
@@ -153,7 +153,7 @@ def main() -> None:
         "benchmark": "targets_gpu",
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"gpu": torch.cuda.get_device_name(0), "host": platform.node()},
-        "command": "python benchmarks/targets_gpu.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/gpu/targets_gpu.py " + " ".join(sys.argv[1:]),
         "versions": {"sglang": sglang.__version__, "torch": torch.__version__},
         "sglang_args": SGLANG_ARGS,
         "generate_backend": args.generate_backend,

@@ -1,6 +1,6 @@
 """Build times of aerie's images: cold, warm (unchanged) and after a code change.
 
-    python benchmarks/images.py [--images base worker-cpu sglang-cpu] [--out benchmarks/results/images-cpu.json]
+    python benchmarks/stages/images.py [--images base worker-cpu sglang-cpu] [--out benchmarks/results/images-cpu.json]
 
 Cold: no root filesystem, no wheelhouse, no pip cache and no image of the build: `docker/build-images.sh`
 runs from a fresh clone of HEAD with its own cache dir (AERIE_CACHE), its own image namespace
@@ -26,7 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NS = "aerie-bench"
 
 
@@ -118,7 +118,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"docker {subprocess.run(['docker', 'version', '--format', '{{.Server.Version}}'], capture_output=True, text=True).stdout.strip()}",
-        "command": "python benchmarks/images.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/stages/images.py " + " ".join(sys.argv[1:]),
         "figures": figures,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,15 +10,14 @@ Over HTTP against a real `python -m aerie.engine` process:
 
 Writes benchmarks/results/refserver-cpu.json ({date, machine, command, figures}).
 
-    .venv/bin/python benchmarks/refserver.py                 # CPU, small sizes
-    .venv/bin/python benchmarks/refserver.py --device cuda --samples 2048 --max-len 2048 --batch-tokens 65536
+    .venv/bin/python benchmarks/stages/refserver.py                 # CPU, small sizes
+    .venv/bin/python benchmarks/stages/refserver.py --device cuda --samples 2048 --max-len 2048 --batch-tokens 65536
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime as dt
 import json
 import os
 import platform
@@ -34,13 +33,14 @@ from typing import Any
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.engine.server import packed  # noqa: E402
 from aerie.engine.server.extraction import HiddenStateCapture  # noqa: E402
 from aerie.engine.server.loader import load_model  # noqa: E402
 from aerie.targets import resolve_target  # noqa: E402
+from benchmarks import records  # noqa: E402
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -312,9 +312,9 @@ def main() -> int:
     if not args.skip_http:
         figures.update(over_http(args, target.path, target.geometry.vocab_size))
     result = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": _machine(args.device),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": records.command(),
         "figures": figures,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Where a trained drafter's acceptance is lost, on this machine (CPU is enough for SmolLM2).
 
-    .venv/bin/python benchmarks/diagnose.py --drafter DIR [--mtbench 8] [--max-new-tokens 128]
+    .venv/bin/python benchmarks/quality/diagnose.py --drafter DIR [--mtbench 8] [--max-new-tokens 128]
         [--corpus-eval EVAL.parquet --corpus-rows 80]
 
 - MT-Bench: the target decodes each question with the drafter (lossless speculative decoding, as the
@@ -46,7 +46,7 @@ from aerie.evaluate.report import acceptance_by_group
 from aerie.fp8 import dequantize_fp8, quantize_fp8
 from aerie.targets import resolve_target
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 class Fp8Features(torch.nn.Module):

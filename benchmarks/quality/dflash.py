@@ -2,8 +2,8 @@
 the same verification width; MT-Bench and held-out acceptance length (tau, bonus token included), the
 acceptance per draft position, the block size and steps, and each drafter's training seconds.
 
-    python benchmarks/dflash.py --preset smollm2-gpu                       # one H200: dflash-h200.json
-    python benchmarks/dflash.py --preset smollm2-local --steps 3 OVERRIDES  # the CPU smoke run
+    python benchmarks/quality/dflash.py --preset smollm2-gpu                       # one H200: dflash-h200.json
+    python benchmarks/quality/dflash.py --preset smollm2-local --steps 3 OVERRIDES  # the CPU smoke run
 
 What it runs: `aerie.pipeline.run_pipeline` twice up to the evaluate stage, on the preset with the
 overrides, under one run name in one store (`run=` and `store.uri=` among the overrides, else the
@@ -30,14 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shlex
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-
-from hardware import hardware_name  # the script's own folder is on sys.path
 
 from aerie.config import PipelineConfig, apply_overrides
 from aerie.manifest import StageResult, load_manifest
@@ -46,7 +42,11 @@ from aerie.presets import get_preset
 from aerie.store import ArtifactStore, open_store
 from aerie.targets import resolve_device
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks import records  # noqa: E402
+from benchmarks.records import hardware_name  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 FAMILIES = ("eagle3", "dflash")
 
 
@@ -143,9 +143,9 @@ def record(
     }
     return {
         "benchmark": "dflash",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": {"host": platform.node(), "python": platform.python_version(), "device": args.device},
-        "command": "python benchmarks/dflash.py " + shlex.join(sys.argv[1:]),
+        "command": records.command(),
         "preset": args.preset,
         "run": cfg.run,
         "store": cfg.store.uri,

@@ -1,6 +1,6 @@
 """How fast this machine's disk takes shard-sized writes, by write method, over a long run.
 
-    python benchmarks/disk_write.py [--dir D] [--file-mib 1024] [--rounds 4] [--methods ...] [--tag T]
+    python benchmarks/stages/disk_write.py [--dir D] [--file-mib 1024] [--rounds 4] [--methods ...] [--tag T]
 
 An extraction writes tens of GB of ~1 GiB shards, and on the H200 hosts that is its bound: buffered
 writes + fsync (what `save_file` and aerie's shard writer do) ran at 1.3-1.5 GB/s for the first GiB
@@ -158,12 +158,12 @@ def main() -> None:
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "python benchmarks/disk_write.py "
+        "command": "python benchmarks/stages/disk_write.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, "")),
         "figures": figures,
     }
     name = f"disk_write-{args.tag}.json" if args.tag else "disk_write.json"
-    out = Path(__file__).resolve().parent / "results" / name
+    out = Path(__file__).resolve().parents[1] / "results" / name
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(figures["methods"], indent=1))
     print(f"wrote {out}")

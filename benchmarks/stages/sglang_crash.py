@@ -1,7 +1,7 @@
 """A kill -9 of SGLang's scheduler child, on this CPU: how long until aerie reports it, and how long SGLang
 alone takes to end itself.
 
-    python benchmarks/sglang_crash.py [--runs 1] [--out benchmarks/results/sglang_crash-cpu.json]
+    python benchmarks/stages/sglang_crash.py [--runs 1] [--out benchmarks/results/sglang_crash-cpu.json]
 
 Real SGLang (SGLang's own environment, `make setup-sglang`; the CPU shims on its PYTHONPATH) serves the
 embedded target on the CPU engine. Each run starts it twice:
@@ -25,14 +25,13 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.serving import ModelServer, ProcessLauncher, ServerConfig, spec_for  # noqa: E402
@@ -40,6 +39,7 @@ from aerie.serving.probe import Prober  # noqa: E402
 from aerie.serving.spec import ServerSpec  # noqa: E402
 from aerie.serving.startup_log import SUBPROCESS_CRASHED  # noqa: E402
 from aerie.targets import resolve_target  # noqa: E402
+from benchmarks import records  # noqa: E402
 from tests.processes import free_port  # noqa: E402
 from tests.sglang_support import cpu_config  # noqa: E402
 
@@ -149,9 +149,9 @@ def main() -> None:
             print(kind, run, figures, flush=True)
             results.append(figures)
     record = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, Python {platform.python_version()}, device cpu",
-        "command": " ".join(["python benchmarks/sglang_crash.py", *sys.argv[1:]]),
+        "command": records.command(),
         "figures": {
             "target": target.name,
             "sglang": (ROOT / "envs" / "sglang" / "VERSION").read_text().strip(),

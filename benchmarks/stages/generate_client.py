@@ -5,7 +5,7 @@ The endpoint is a raw asyncio HTTP/1.1 server in a separate process that returns
 (no framework, no JSON parsing), so the figures measure the client. The server's own CPU time is
 recorded too: if it nears the wall time, the server was the bottleneck, not the client.
 
-    .venv/bin/python benchmarks/generate_client.py [--requests 20000] [--concurrency 64 256]
+    .venv/bin/python benchmarks/stages/generate_client.py [--requests 20000] [--concurrency 64 256]
 
 Figures per concurrency: `client` = `ChatClient.complete` alone (what talks to a remote API);
 `stage` = the whole dataset path (turn bookkeeping, the fsync'd journal, the Parquet and manifest);
@@ -25,13 +25,16 @@ import platform
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-RESULTS = Path(__file__).parent / "results" / "generate_client-cpu.json"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks import records  # noqa: E402
+
+OUT = records.RESULTS / "generate_client-cpu.json"
+CODE_PATHS = ["benchmarks/stages/generate_client.py", "aerie/generate"]
 
 _BODY = json.dumps(
     {
@@ -246,21 +249,14 @@ def main() -> None:
         proc.terminate()
         proc.join(5)
 
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "python": sys.version.split()[0],
-            "cpus": os.cpu_count(),
-            "load_avg_at_start": load_at_start,
-            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
-        },
-        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "figures": figures,
+    machine = {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "load_avg_at_start": load_at_start,
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    records.write(OUT, {**records.header(CODE_PATHS, machine), "figures": figures})
 
 
 if __name__ == "__main__":

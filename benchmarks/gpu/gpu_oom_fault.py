@@ -1,7 +1,7 @@
 """A real CUDA out-of-memory in the reference server's decoding step, with CUDA graphs on: the server must
 recover (no graph left on freed memory, no "illegal memory access"), stay healthy and answer correctly.
 
-    python benchmarks/gpu_oom_fault.py [--model PATH] [--out benchmarks/results/gpu_oom_fault-<card>.json]
+    python benchmarks/gpu/gpu_oom_fault.py [--model PATH] [--out benchmarks/results/gpu_oom_fault-<card>.json]
 
 What it does, on one GPU:
 
@@ -27,17 +27,17 @@ import math
 import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from aerie.serving import ModelServer, ServerConfig, spec_for  # noqa: E402
-from benchmarks.hardware import hardware_name  # noqa: E402
+from benchmarks import records  # noqa: E402
+from benchmarks.records import hardware_name  # noqa: E402
 from tests.processes import free_port  # noqa: E402
 
 LONG_PROMPT = 7000  # tokens: its row grows to 7,168 positions
@@ -132,9 +132,9 @@ def main() -> None:
     import torch
 
     record = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": records.now(),
         "machine": f"{torch.cuda.get_device_name(0)}, {platform.node()}",
-        "command": " ".join(["python", *sys.argv]),
+        "command": records.command(),
         **result,
     }
     out.parent.mkdir(parents=True, exist_ok=True)

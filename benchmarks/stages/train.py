@@ -3,8 +3,8 @@ AdamW, clip) on synthetic data, for a SmolLM2-sized and a Kimi-K2.5-sized EAGLE-
 side with SpecForge's own step (its `OnlineEagle3Model` + `LlamaForCausalLMEagle3`, compact teacher)
 when `--specforge-path` points at an unpacked `specforge==0.2.0` wheel (it needs triton + CUDA).
 
-    .venv/bin/python benchmarks/train.py --device cpu
-    python benchmarks/train.py --device cuda --specforge-path /tmp/specforge-dl/sf \\
+    .venv/bin/python benchmarks/stages/train.py --device cpu
+    python benchmarks/stages/train.py --device cuda --specforge-path /tmp/specforge-dl/sf \\
         --batch-tokens 2048,16384,65536
 
 Documents are `--seq-len` tokens (10% prompt, unsupervised), packed `batch_tokens / seq-len` to a row:
@@ -31,7 +31,6 @@ from typing import Any
 
 import psutil
 import torch
-from hardware import hardware_name
 
 from aerie.draft.model import DraftConfig, Eagle3Drafter
 from aerie.train.config import TrainConfig
@@ -41,7 +40,10 @@ from aerie.train.fused import fused_backend
 from aerie.train.objective import Eagle3Objective
 from aerie.train.teaching import Teacher
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repository importable
+from benchmarks.records import hardware_name  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 CONFIGS: dict[str, dict[str, int]] = {
     "smollm2": {"hidden": 576, "heads": 9, "kv_heads": 3, "head_dim": 64, "intermediate": 1536, "vocab": 49152, "draft_vocab": 32000},
     "kimi-k2.5": {"hidden": 7168, "heads": 56, "kv_heads": 8, "head_dim": 128, "intermediate": 18432, "vocab": 163840, "draft_vocab": 32000},
