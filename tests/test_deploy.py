@@ -370,7 +370,7 @@ def test_serving_plan_recommends_per_tier_the_k_the_fit_favours_and_refuses_unme
     target = SimpleNamespace(name="t", architecture="LlamaForCausalLM", size_bytes=2e8)
     figures = {f"accept_mtbench_eagle3_k{k}": 1.0 + 0.5 * k for k in (1, 3, 5, 7)}
     cfg = DeployConfig(concurrency=[1, 8, 64], num_steps=3)
-    plan = serving_plan(cfg, ServerConfig(backend="sglang"), target, figures)
+    plan = serving_plan(cfg, ServerConfig(backend="sglang"), target, figures, "EAGLE3")
     tiers = {t["concurrency"]: t for t in plan["tiers"]}
     for c in (1, 8):
         best = max(
@@ -398,6 +398,10 @@ def test_serving_plan_recommends_per_tier_the_k_the_fit_favours_and_refuses_unme
     measured = {t["concurrency"]: t for t in with_measured(plan, report)["tiers"]}
     assert measured[64]["num_steps"] == 3 and measured[64]["measured_speedup"] == 1.3
     assert "measured at k=3" in measured[64]["why"]
+    # Another family's drafter is launched under its own algorithm, without EAGLE-3's chain flags.
+    dflash = serving_plan(cfg, ServerConfig(backend="sglang"), target, figures, "DFLASH")
+    args = next(t["launch_args"] for t in dflash["tiers"] if t["launch_args"])
+    assert args[:2] == ["--speculative-algorithm", "DFLASH"] and "--speculative-eagle-topk" not in args
 
 
 def test_benchmark_summary_figures():

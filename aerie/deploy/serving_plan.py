@@ -21,23 +21,16 @@ FORMAT = 1
 DRAFTER_DIR = "<promoted>/drafter"
 
 
-def launch_args(num_steps: int | None) -> list[str]:
-    """SGLang's launch arguments for an EAGLE-3 chain of `num_steps` drafts (none: serve without
-    speculation)."""
+def launch_args(algorithm: str, num_steps: int | None) -> list[str]:
+    """SGLang's launch arguments for the drafter under its family's algorithm (`Family.served_algorithm`);
+    an EAGLE-3 drafter as a chain of `num_steps` drafts. None: serve without speculation."""
     if num_steps is None:
         return []
-    return [
-        "--speculative-algorithm",
-        "EAGLE3",
-        "--speculative-draft-model-path",
-        DRAFTER_DIR,
-        "--speculative-num-steps",
-        str(num_steps),
-        "--speculative-eagle-topk",
-        "1",
-        "--speculative-num-draft-tokens",
-        str(num_steps + 1),
-    ]
+    args = ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", DRAFTER_DIR]
+    if algorithm == "EAGLE3":
+        chain = ["--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", "1"]
+        args += [*chain, "--speculative-num-draft-tokens", str(num_steps + 1)]
+    return args
 
 
 def _expected_accept(figures: dict[str, Any], k: int) -> dict[str, Any] | None:
@@ -48,7 +41,7 @@ def _expected_accept(figures: dict[str, Any], k: int) -> dict[str, Any] | None:
     return {"offline": found[0], "offline_key": found[1], "served": round(min(value, k + 1.0), 4), "map": how}
 
 
-def _tier(c: int, ests: dict[int, served.ServedEstimate], deployed: int) -> dict[str, Any]:
+def _tier(c: int, ests: dict[int, served.ServedEstimate], deployed: int, algorithm: str) -> dict[str, Any]:
     """One tier: the k with the highest predicted speed-up there (only among predicted ones)."""
     preds = {k: next(p for p in e.predictions if p.concurrency == c) for k, e in ests.items()}
     usable = {k: p for k, p in preds.items() if p.speedup is not None}
@@ -63,7 +56,7 @@ def _tier(c: int, ests: dict[int, served.ServedEstimate], deployed: int) -> dict
             "predicted_speedup_range": None if rng is None else [round(rng[0], 3), round(rng[1], 3)],
             "break_even_accept_length": round(best.break_even, 3),
             "num_steps": k if pays else None,
-            "launch_args": launch_args(k if pays else None),
+            "launch_args": launch_args(algorithm, k if pays else None),
             "flags": [*ests[k].flags, *best.flags],
             "why": f"k={k} predicts the most"
             if pays
@@ -84,13 +77,15 @@ def _tier(c: int, ests: dict[int, served.ServedEstimate], deployed: int) -> dict
 
 
 def serving_plan(
-    cfg: DeployConfig, server: ServerConfig, target: Any, figures: dict[str, Any]
+    cfg: DeployConfig, server: ServerConfig, target: Any, figures: dict[str, Any], algorithm: str
 ) -> dict[str, Any]:
-    """The prediction, per tier (each benchmarked concurrency), before the serve."""
+    """The prediction, per tier (each benchmarked concurrency), before the serve; `algorithm` is the
+    drafter family's SGLang algorithm."""
     head: dict[str, Any] = {
         "format": FORMAT,
         "target": getattr(target, "name", None),
         "engine": f"SGLang {'/'.join(SUPPORTED_SGLANG)}",
+        "algorithm": algorithm,
         "deployed_num_steps": cfg.num_steps,
         "expected_concurrency": cfg.deciding_concurrency,
     }
@@ -131,12 +126,12 @@ def serving_plan(
             str(k): {str(p.concurrency): round(p.break_even, 3) for p in e.predictions if not p.refused}
             for k, e in ests.items()
         },
-        "tiers": [_tier(c, ests, cfg.num_steps) for c in cfg.concurrency],
+        "tiers": [_tier(c, ests, cfg.num_steps, algorithm) for c in cfg.concurrency],
     }
 
 
 def _measured_choice(
-    tier: dict[str, Any], spec: dict[str, Any] | None, deployed: int | None
+    tier: dict[str, Any], spec: dict[str, Any] | None, deployed: int | None, algorithm: str
 ) -> dict[str, Any]:
     """Where no prediction recommended a chain, the measured serve does: the deployed k where it paid
     at this tier, no speculation where it did not."""
@@ -145,7 +140,7 @@ def _measured_choice(
     pays = spec["speedup"] > 1.0
     return {
         "num_steps": deployed if pays else None,
-        "launch_args": launch_args(deployed if pays else None),
+        "launch_args": launch_args(algorithm, deployed if pays else None),
         "why": f"measured at k={deployed}: {spec['speedup']:.3f}x"
         + ("" if pays else ", slower than no speculation"),
     }
@@ -163,7 +158,7 @@ def with_measured(plan: dict[str, Any], report: dict[str, Any]) -> dict[str, Any
         tiers.append(
             {
                 **tier,
-                **_measured_choice(tier, spec, report.get("num_steps")),
+                **_measured_choice(tier, spec, report.get("num_steps"), plan.get("algorithm", "EAGLE3")),
                 "measured_num_steps": report.get("num_steps"),
                 "measured_speedup": None if spec is None else spec.get("speedup"),
                 "measured_accept_length": None if spec is None else spec.get("accept_length"),

@@ -257,12 +257,13 @@ def deploy(
     prompts = [p.input_ids for p in mtbench_prompts(target.load_tokenizer(), None, 4096)]
     prompts = [prompts[i % len(prompts)] for i in range(cfg.num_prompts)]
     figures_in = evaluation.figures if evaluation else {}
-    # The prediction first, before any server starts: what the cost model expects is on record whatever
-    # the serve then measures.
-    predicted = serving_plan(cfg, server, target, figures_in)
-    store.put_bytes(stage_dir.path("prediction.json"), json.dumps(predicted, indent=2).encode())
     with work_dir("aerie-deploy-") as tmp:
         drafter_dir = fetch_drafter(store, drafter, Path(tmp) / "drafter")
+        # The prediction first, before any server starts: what the cost model expects is on record
+        # whatever the serve then measures.
+        algorithm = family(family_at(drafter_dir)).served_algorithm
+        predicted = serving_plan(cfg, server, target, figures_in, algorithm)
+        store.put_bytes(stage_dir.path("prediction.json"), json.dumps(predicted, indent=2).encode())
         specs = server_specs(cfg, server, target, str(drafter_dir))
         rows: list[dict[str, Any]] = []
         engine: dict[str, float | None] = {}

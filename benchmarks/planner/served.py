@@ -68,7 +68,7 @@ def predict(a: argparse.Namespace) -> int:
 
     figures = json.loads(Path(a.figures).read_text()) if a.figures else {}
     target = resolve_target(a.target)
-    plan = serving_plan(_deploy_config(a), _server(a), target, figures)
+    plan = serving_plan(_deploy_config(a), _server(a), target, figures, "EAGLE3")  # the EAGLE-3 drafter
     plan["written"] = datetime.now(UTC).isoformat(timespec="seconds")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

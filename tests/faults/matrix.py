@@ -698,9 +698,11 @@ def pipeline_case(work: Path, stage: str, sig: signal.Signals, prefect: bool = F
     error = next((x for x in err.splitlines() if x.startswith("aerie: ")), "")
     held = wait_port_free(pipe.port, 20)
     code2, _, err2 = pipe.finish()
-    rerun_error = next(
-        (x for x in err2.replace("\r", "\n").splitlines() if x.startswith("aerie: error:")), ""
-    )
+    rerun_lines = [x for x in err2.replace("\r", "\n").splitlines() if x.strip()]
+    # A failed re-run names its error: aerie's own line, or (under Prefect, which logs a traceback) its end.
+    rerun_error = next((x for x in rerun_lines if x.startswith("aerie: error:")), "")
+    if code2 != 0 and not rerun_error:
+        rerun_error = " | ".join(rerun_lines[-3:])
     left = pipe.left_in_tmp()
     verdict = compare(baseline(pipe.path), pipe.snapshot())
     fired = not finished_before and code != 0
