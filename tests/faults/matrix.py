@@ -627,7 +627,7 @@ BAR = {s: f"{s}:" for s in STAGES}
 # Seconds after a stage's first progress line before the signal: inside the stage, before its end, for
 # the stages that last long enough for a fixed wait. The short ones are signalled on a sign of their own
 # work instead (`TRIGGER`): a fixed wait outlasted the tiny generation and training once.
-KILL_AFTER_S = {"extract": 8.0, "evaluate": 1.0, "deploy": 9.0}
+KILL_AFTER_S = {"evaluate": 1.0, "deploy": 9.0}
 # The first training step the stage reports (its progress line "step 1/6 loss ...", under Prefect logged
 # with the stage's title).
 TRAIN_STEP = re.compile(r"(train:|drafter training)[^\n]*step \d+/\d+ loss")
@@ -648,11 +648,19 @@ def journaled(pipe: Pipeline) -> bool:
     return any(part.stat().st_size > 0 for part in parts)
 
 
+def extracting(pipe: Pipeline) -> bool:
+    """The extraction recorded its first closed shard (its progress file): samples are on their way,
+    the rest still to come. A fixed wait after its title came too late under Prefect, whose logged
+    title can trail the work."""
+    return any((pipe.work / "store" / pipe.run / "extract").rglob("*progress.json"))
+
+
 def stage_at_work(pipe: Pipeline, stage: str, stderr: Callable[[], str]) -> Callable[[], bool]:
     """When the stage has visibly begun its work (or finished: the case then says it fired too late)."""
     sign = {
         "generate-sharegpt": lambda: journaled(pipe),
         "merge": lambda: any(pipe.tmp.glob("aerie-merge-*/spill")),
+        "extract": lambda: extracting(pipe),
         "train": lambda: TRAIN_STEP.search(stderr().replace("\r", "\n")) is not None,
     }[stage]
     return lambda: sign() or pipe.completed(stage)
@@ -680,14 +688,17 @@ def pipeline_case(work: Path, stage: str, sig: signal.Signals, prefect: bool = F
 
     for stream in (proc.stderr, proc.stdout):
         threading.Thread(target=watch, args=(stream,), daemon=True).start()
-    if not seen.wait(600):
+    at_work = stage_at_work(pipe, stage, lambda: "".join(lines)) if stage not in KILL_AFTER_S else None
+    with contextlib.suppress(RuntimeError):  # the title, or the stage's work seen before its title
+        wait_until(lambda: seen.is_set() or (at_work is not None and at_work()), 600)
+    if not (seen.is_set() or (at_work is not None and at_work())):
         proc.kill()
         return no_output(False, f"{sig.name} during {stage}", None, f"the stage {stage} never started", False)
     if stage in KILL_AFTER_S:
         time.sleep(KILL_AFTER_S[stage])
-    else:
+    elif at_work is not None:
         with contextlib.suppress(RuntimeError):
-            wait_until(stage_at_work(pipe, stage, lambda: "".join(lines)), 120)
+            wait_until(at_work, 120)
     spill_at_kill = [p.name for p in pipe.tmp.glob("aerie-merge-*")]
     finished_before = pipe.completed(stage)
     os.kill(proc.pid, sig)
