@@ -32,10 +32,12 @@ from typing import Any
 STAGES = ["generate-sharegpt", "merge", "extract", "train", "evaluate", "deploy"]
 
 # Manifest and record fields that vary between two unfaulted runs of the same inputs, by name:
-# clock times and durations, speeds and what is decided from a speed (deploy's promotion), estimates.
+# clock times and durations, speeds and what is decided from a speed (deploy's promotion and the server
+# it recommends), estimates.
 VOLATILE = re.compile(
     r"(_s|_ms|_unix|seconds|per_s|per_second|_share|share|tok_s(_c\d+)?)$"
     r"|^(created_unix|plan|phases|throughput|commit_path|speedup|promoted|promotion|reason|elapsed_s)$"
+    r"|^recommendation$"
     r"|latency|ttft|itl_|estimate"
     # A served speed's repetitions and their spread (the deployment benchmark's steady-state levels).
     r"|per_s_runs$|^spread$"
