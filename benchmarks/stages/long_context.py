@@ -46,6 +46,13 @@ from benchmarks import records  # noqa: E402
 from benchmarks.records import hardware_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+# What the figures measure: a record is stale once git shows a later commit to these.
+CODE_PATHS = [
+    "aerie/draft/attention.py",
+    "aerie/draft/model.py",
+    "aerie/train/objective.py",
+    "benchmarks/stages/long_context.py",
+]
 LENGTHS = (2048, 4096, 8192, 16384, 32768)
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 128, "heads": 2, "kv_heads": 1, "head_dim": 32, "intermediate": 384, "vocab": 2048, "draft_vocab": 1024, "ttt": 2},
@@ -196,9 +203,7 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     result: dict[str, Any] = {
-        "date": records.now(),
-        "machine": machine,
-        "command": records.command(),
+        **records.header(CODE_PATHS, machine),
         "complete": False,  # rewritten after every length: a cut-short run keeps its figures
         "shape": {**SHAPES[args.shape], "name": args.shape},
         "precision": "bf16 autocast" if cuda else "fp32",
