@@ -153,6 +153,9 @@ def test_a_hugging_face_target_travels_as_the_cache_holds_it(tmp_path: Path) -> 
     with pytest.MonkeyPatch.context() as mp:
         for key, value in here.items():
             mp.setenv(key, value)
+        # huggingface_hub reads both at its import, which another test in this process may have made.
+        mp.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+        mp.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
         index = build_bundle(
             BundleRequest(out=out, overrides=["target.name=acme/tiny"], wheels=False, aerie=False)
         )

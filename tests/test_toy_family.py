@@ -57,7 +57,7 @@ def test_a_toy_family_is_trained_evaluated_planned_and_served(toy: Family, smoll
         epochs=3, lr=0.5, warmup_ratio=0.0, batch_tokens=64, max_length=64, eval_every=2,
         checkpoint_every=4, log_every=1, device="cpu", cache_dir=str(tmp_path / "train-cache"),
     )  # fmt: skip
-    layers = cfg.capture_layers(smollm2.num_layers)
+    layers = cfg.capture_layers(smollm2.geometry.num_layers)
     model = smollm2.load_model("cpu", "float32")
     train = make_samples(model, smollm2, n=4, prompt=6, response=24, seed=0, layers=layers)
     held = make_samples(model, smollm2, n=2, prompt=6, response=24, seed=1, layers=layers)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, SerializeAsAny, ValidationError
+from pydantic import BeforeValidator, SerializeAsAny, ValidationError, WithJsonSchema
 
 from aerie.errors import ConfigError
 from aerie.families.dflash import DFLASH, DFlashSettings, spread_layers
@@ -138,5 +138,22 @@ def _settings(value: Any) -> Any:
         raise ValueError(f"{name}: " + "; ".join(problems)) from None
 
 
+# Its JSON schema (what Prefect checks a deployment's parameters against): a mapping under a family's
+# name, whose other keys the family checks, or the name alone; the base settings' schema would refuse every family's own.
+_SECTION_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {
+                "family": {"type": "string", "description": "the drafter family (aerie.families)"}
+            },
+            "additionalProperties": True,
+        },
+        {"type": "string", "description": "a family's name alone: its defaults"},
+    ]
+}
+
 # The type of `train.drafter`: validated by the family it names, serialized with all its fields.
-DrafterSection = Annotated[SerializeAsAny[DrafterSettings], BeforeValidator(_settings)]
+DrafterSection = Annotated[
+    SerializeAsAny[DrafterSettings], BeforeValidator(_settings), WithJsonSchema(_SECTION_SCHEMA)
+]
