@@ -1,7 +1,7 @@
 """Drafter families are plug-ins: a toy family (tests/toy_family.py) registered the way
 `docs/extending.md` says reaches the config, extraction, the planner, the evaluator, the deploy check
-and the reference server through the registry alone, and nothing outside `aerie/families/` branches on
-a family's name."""
+through the registry alone (the reference server serving it as a plug-in: tests/test_toy_family.py), and
+nothing outside `aerie/families/` branches on a family's name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from aerie.config import PipelineConfig, apply_overrides
@@ -18,7 +17,7 @@ from aerie.families import Family, family, family_of, names, register, serving, 
 from aerie.families import unregister as unregister_family
 from aerie.presets import load_config
 from aerie.serving import SpeculativeArgs
-from tests.toy_family import TOY, TOY_ENTRY_POINT, ToyDrafter, ToyProposer, ToySettings, export_toy
+from tests.toy_family import TOY, ToyDrafter, ToyProposer, ToySettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,50 +100,6 @@ def test_serving_takes_the_familys_algorithm(toy: Family) -> None:
     ]
     with pytest.raises(ConfigError, match="no drafter family is served as 'MEDUSA'"):
         SpeculativeArgs("/d", algorithm="MEDUSA")
-
-
-@pytest.mark.integration  # a reference server process
-def test_the_reference_server_serves_a_plugin_family(toy: Family, tmp_path, monkeypatch, smollm2) -> None:
-    """The toy arrives in the server's process as a plug-in (an `aerie.families` entry point) and its
-    drafts are verified losslessly: the reply is the target's greedy text."""
-    import torch
-
-    from aerie.engine.speculative.decoder import greedy_reference
-    from tests.refserver_support import launch, wait_ready
-
-    site = tmp_path / "site"
-    info = site / "aerie_toy_family-0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: aerie-toy-family\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(f"[aerie.families]\n{TOY_ENTRY_POINT}\n")
-    monkeypatch.setenv("PYTHONPATH", f"{site}:{ROOT}")
-    drafter_dir = export_toy(ToyDrafter(), tmp_path / "drafter", smollm2)
-    server = launch(
-        smollm2.path,
-        tmp_path,
-        "--device",
-        "cpu",
-        *SpeculativeArgs(str(drafter_dir), num_steps=3, algorithm="TOY").to_args(),
-    )
-    try:
-        wait_ready(server, timeout=300)
-        text, new = "Count: 1, 1, 1, 1, 1,", 8
-        reply = httpx.post(
-            server.url + "/generate",
-            json={"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": new}},
-            timeout=300,
-        )
-    finally:
-        server.stop()
-    assert reply.status_code == 200, reply.text
-    item = reply.json()
-    torch.set_num_threads(1)
-    ids = list(smollm2.load_tokenizer()(text).input_ids)
-    assert item["output_ids"] == greedy_reference(
-        smollm2.load_model("cpu", "float32"), ids, new, smollm2.eos_token_ids
-    )
-    meta = item["meta_info"]
-    assert 0 < meta["spec_draft_token_num"] <= 3 * meta["spec_verify_ct"]  # the toy drafted, chains of 3
 
 
 # -- no branches on family names outside the registry -------------------------------------------------
