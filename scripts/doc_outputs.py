@@ -12,7 +12,8 @@ is that command's output today.
     python scripts/doc_outputs.py --write    # rewrite the blocks from the commands
 
 `aerie` runs as this interpreter's `python -m aerie.cli`. What depends on the machine rather than the code
-(the free space of a local filesystem, the home directory) is compared as a placeholder, so the check holds on any machine.
+(the free space of a local filesystem, what the plan concludes from it, the home directory) is compared
+as a placeholder or left out, so the check holds on any machine.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ BLOCK = re.compile(r"(<!-- output: (?P<cmd>.+?) -->\n```[^\n]*\n)(?P<body>.*?)(`
 MACHINE = [
     (re.compile(r"[\d.,]+ [KMGT]?B free"), "<free> free"),
     (re.compile(r"(/root|/home/[^/\s]+|/Users/[^/\s]+)(?=/)"), "~"),  # the home directory
+    # What is concluded from that free space: a disk marked SHORT, and the refusal (and error line) it brings.
+    (re.compile(r"  SHORT$", re.M), ""),
+    (re.compile(r"^  - NotEnoughDiskError: .*\n", re.M), ""),
+    (re.compile(r"^aerie: error: not enough disk for this run.*\n?", re.M), ""),
+    (re.compile(r"\n\ncannot fit\n(?!  - )"), "\n"),  # the heading, once no refusal is left under it
 ]
 
 

@@ -188,3 +188,21 @@ def test_a_record_naming_no_commit_is_dated_by_the_commit_that_wrote_it(tmp_path
 def test_names_with_digits_and_list_markers_are_not_figures() -> None:
     shown = [s.text for s in checker().numbers("1. SmolLM2-135M on an H200, fp8, k7, Qwen3-8B: 3.15")]
     assert shown == ["3.15"]
+
+
+def test_a_printed_plan_compares_without_what_the_machines_free_disk_decides() -> None:
+    """scripts/doc_outputs.py: the same plan printed where the disk has room and where it has not compares
+    equal (the free space and the refusal it brings are the machine's); a refusal of another kind does not."""
+    spec = importlib.util.spec_from_file_location("doc_outputs", ROOT / "scripts" / "doc_outputs.py")
+    assert spec and spec.loader
+    doc_outputs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(doc_outputs)
+    roomy = "disk (at its fullest)\n  /root/.cache/x: 50.5 GB, 62.1 GB free\n  s3://bucket: 1 GB\n"
+    short = (
+        "disk (at its fullest)\n  /root/.cache/x: 50.5 GB, 47.2 GB free  SHORT\n  s3://bucket: 1 GB\n"
+        "\ncannot fit\n  - NotEnoughDiskError: not enough disk for this run: x\n"
+        "aerie: error: not enough disk for this run: x\n"
+    )
+    assert doc_outputs.machine_free(roomy) == doc_outputs.machine_free(short)
+    other = short.replace("aerie: error", "  - MemoryError: too big\naerie: error")
+    assert doc_outputs.machine_free(roomy) != doc_outputs.machine_free(other)
