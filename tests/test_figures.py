@@ -72,6 +72,7 @@ def planted(tmp_path: Path, table: str, record: dict | None = None) -> list[tupl
 HEAD = "| what | figure | record |\n|---|---|---|\n"
 
 
+@pytest.mark.integration  # git log, for the commit a record names
 def test_figures_that_round_to_their_keys_pass(tmp_path: Path) -> None:
     table = HEAD + (
         "| served at `c1`, `c8` | 1.48x<!--#serve.speedup.c1--> / 1.29×<!--#serve.speedup.c8--> "
@@ -83,6 +84,7 @@ def test_figures_that_round_to_their_keys_pass(tmp_path: Path) -> None:
     assert planted(tmp_path, table + prose) == []
 
 
+@pytest.mark.integration  # git log, for the commit a record names
 def test_a_swapped_figure_fails(tmp_path: Path) -> None:
     """c1's figure quoted as c8's and c8's as c1's: each is a value of the record, and neither passes."""
     row = "| served | 1.29x<!--#serve.speedup.c1--> / 1.48x<!--#serve.speedup.c8--> | `bench-cpu.json` |\n"
@@ -92,6 +94,7 @@ def test_a_swapped_figure_fails(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.integration  # git log, for the commit a record names
 def test_a_key_naming_a_subtree_fails(tmp_path: Path) -> None:
     row = "| served | 1.48x<!--#serve.speedup--> | `bench-cpu.json` |\n"
     assert [p for _, p in planted(tmp_path, HEAD + row)] == [
@@ -106,6 +109,7 @@ def test_a_number_without_a_record_fails_in_a_table_and_in_prose(tmp_path: Path)
     assert all("a number with no record" in p for p in problems)
 
 
+@pytest.mark.integration  # git log, for the commit a record names
 def test_a_missing_key_a_wrong_date_and_a_missing_record_fail(tmp_path: Path) -> None:
     table = HEAD + (
         "| a | 1.48x<!--#serve.speedup.c4--> | `bench-cpu.json` 2026-01-03 |\n"
@@ -162,6 +166,7 @@ def test_a_record_whose_code_changed_since_is_stale_and_an_unmarked_quote_fails(
     assert planted(tmp_path, text.replace("Served", "Served (stale)"), record) == []
 
 
+@pytest.mark.integration  # git log, for the commit a record names
 def test_a_quoted_record_must_name_the_code_it_measures(tmp_path: Path) -> None:
     record = {k: v for k, v in RECORD.items() if k not in ("code_paths", "commit")}
     problems = [p for _, p in planted(tmp_path, "At 1.48x<!--bench-cpu.json#serve.speedup.c1-->.\n", record)]

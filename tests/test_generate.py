@@ -345,6 +345,7 @@ def test_an_empty_final_answer_is_an_error_record_never_a_good_sample(server: Fa
     assert sorted(read_output(store, again.prefix)["id"].to_list()) == ["c000", "c001", "c002", "c003"]
 
 
+@pytest.mark.integration  # a local fault server
 def test_reasoning_left_inline_is_split_off_and_a_reasoning_only_answer_is_refused(
     server: FaultServer, tmp_path: Path
 ):
