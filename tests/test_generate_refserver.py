@@ -124,6 +124,14 @@ def _conversations(n: int) -> list[Conversation]:
     ]
 
 
+def _one_dataset(cfg: Any) -> tuple[Any, DatasetSpec]:
+    """Generation's settings with one dataset of short answers, and that dataset."""
+    spec = DatasetSpec(
+        name="ref", source=SourceSpec(kind="jsonl", path="unused"), sampling=SamplingParams(max_tokens=8)
+    )
+    return cfg.generate.model_copy(update={"datasets": [spec]}), spec
+
+
 @pytest.mark.slow
 def test_a_generation_server_that_turns_unhealthy_is_relaunched_and_generation_completes(
     smollm2: Any, tmp_path: Path
@@ -131,13 +139,10 @@ def test_a_generation_server_that_turns_unhealthy_is_relaunched_and_generation_c
     """The launched server's steps fail until it declares itself unhealthy; its watch ends it; the
     requests failing on it wait for one relaunch on the same port and every conversation is generated,
     none lost, none counted as a failure."""
-    from aerie.generate.stage import generation_endpoint
+    from aerie.generate.server import generation_endpoint
 
     cfg = _faulty_launch(smollm2, tmp_path, restarts=2)
-    spec = DatasetSpec(
-        name="ref", source=SourceSpec(kind="jsonl", path="unused"), sampling=SamplingParams(max_tokens=8)
-    )
-    gen = cfg.generate.model_copy(update={"datasets": [spec]})
+    gen, spec = _one_dataset(cfg)
     store = LocalStore(tmp_path / "store")
     with generation_endpoint(cfg, smollm2) as url:
         sd = StageDir(store, "r", stage_name(spec), key_of(gen, spec))
@@ -156,13 +161,10 @@ def test_a_generation_server_that_dies_past_its_restarts_stops_the_dataset_namin
     smollm2: Any, tmp_path: Path
 ) -> None:
     from aerie.errors import EndpointError
-    from aerie.generate.stage import generation_endpoint
+    from aerie.generate.server import generation_endpoint
 
     cfg = _faulty_launch(smollm2, tmp_path, restarts=0)
-    spec = DatasetSpec(
-        name="ref", source=SourceSpec(kind="jsonl", path="unused"), sampling=SamplingParams(max_tokens=8)
-    )
-    gen = cfg.generate.model_copy(update={"datasets": [spec]})
+    gen, spec = _one_dataset(cfg)
     store = LocalStore(tmp_path / "store")
     with generation_endpoint(cfg, smollm2) as url:
         sd = StageDir(store, "r", stage_name(spec), key_of(gen, spec))

@@ -13,7 +13,7 @@ from typing import Any
 from aerie.deploy.config import DeployConfig
 from aerie.errors import ConfigError
 from aerie.plan import served
-from aerie.serving import ServerConfig
+from aerie.serving import ServerConfig, SpeculativeArgs
 from aerie.sglang_plugin.compat import SUPPORTED_SGLANG
 
 FORMAT = 1
@@ -26,11 +26,14 @@ def launch_args(algorithm: str, num_steps: int | None) -> list[str]:
     an EAGLE-3 drafter as a chain of `num_steps` drafts. None: serve without speculation."""
     if num_steps is None:
         return []
-    args = ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", DRAFTER_DIR]
-    if algorithm == "EAGLE3":
-        chain = ["--speculative-num-steps", str(num_steps), "--speculative-eagle-topk", "1"]
-        args += [*chain, "--speculative-num-draft-tokens", str(num_steps + 1)]
-    return args
+    chain = algorithm == "EAGLE3"
+    return SpeculativeArgs(
+        draft_model_path=DRAFTER_DIR,
+        algorithm=algorithm,
+        num_steps=num_steps if chain else None,
+        eagle_topk=1 if chain else None,
+        num_draft_tokens=num_steps + 1 if chain else None,
+    ).to_args()
 
 
 def _expected_accept(figures: dict[str, Any], k: int) -> dict[str, Any] | None:
