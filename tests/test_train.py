@@ -7,6 +7,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 from aerie.draft.export import load_drafter
 from aerie.draft.vocab import build_vocab_map
-from aerie.errors import DataError
+from aerie.errors import DataError, TrainingError
 from aerie.families import Eagle3Settings
 from aerie.store import StoreConfig, open_store
 from aerie.train import fused, teaching, work
@@ -545,6 +547,31 @@ def test_resume_continues_exactly(tiny, tmp_path) -> None:
     assert training(straight, done)["runs"] == 1 and training(interrupted, resumed)["runs"] == 2
     assert training(interrupted, resumed)["wall_s"] > checkpoint["state"]["elapsed_s"]
     assert resumed.figures["train_wall_s"] == training(interrupted, resumed)["wall_s"]
+
+
+def test_a_second_training_of_one_key_is_refused_and_a_killed_holder_blocks_nothing(tiny, tmp_path) -> None:
+    """Another process (here a real one) holding this key's training lock: the training fails at once
+    naming it and trains nothing; once that process is SIGKILLed, the re-run trains."""
+    target, train, held = tiny
+    up = make_upstream(tmp_path, target, train, held)
+    cfg = small_cfg(epochs=1, cache_dir=str(tmp_path / "cache"))
+    key = work.key_of(cfg, target, up.shards, up.corpus)
+    lock = tmp_path / "cache" / "work" / "t" / f".lock-{key}"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom aerie.hostlock import HostLock\n"
+         "lock = HostLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(600)", str(lock)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(TrainingError, match=f"another process \\(pid {holder.pid}\\) is training into"):
+            _run(up, cfg, target)
+        assert not up.store.list(f"t/train/{key}")  # nothing written for the refused one
+    finally:
+        holder.kill()
+        holder.wait()
+    result = _run(up, cfg, target)
+    assert result.key == key and not result.cache_hit and up.store.exists(f"{result.prefix}/manifest.json")
 
 
 def test_a_sigterm_stops_at_the_step_boundary_with_a_checkpoint_and_the_rerun_continues_exactly(

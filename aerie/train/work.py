@@ -18,6 +18,7 @@ best drafter is chosen by it), and `accept_length`, the per-position estimate fr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import open_split
 from aerie.extract.plan import check_server_quantization, dump_root
 from aerie.families import DEFAULT, family, family_of
+from aerie.hostlock import HeldElsewhere, HostLock
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn
 from aerie.serving import ServerConfig
@@ -79,17 +82,52 @@ def run(
     (keyed by `key_of` over these inputs) on `shards`, or, with `cfg.source` online, on what
     extraction servers (`extract`, `server`) dump for the corpus."""
     online = _online_inputs(cfg, shards, extract, server)
+    if (cached := ctx.stage_dir.cached_result()) is not None:
+        return cached
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else get_settings().cache_dir / "train"
+    work = cache / "work" / ctx.stage_dir.run / ctx.stage_dir.key
+    with _work_lock(work):
+        # Another training of this key may have finished between the look above and the lock.
+        if (cached := ctx.stage_dir.cached_result()) is not None:
+            return cached
+        return _train(cfg, ctx, shards, corpus, online, cache, work)
+
+
+@contextlib.contextmanager
+def _work_lock(work: Path) -> Iterator[None]:
+    """Two trainings of one key on this host would write one work folder's checkpoints and metrics and
+    upload each other's steps: refuse the second. The lock sits beside the folder, which is removed
+    when the training ends."""
+    lock = HostLock(work.parent / f".lock-{work.name}")
+    try:
+        lock.acquire()
+    except HeldElsewhere as exc:
+        raise TrainingError(
+            f"another process (pid {exc.holder}) is training into {work} (lock {exc.path}); wait for it or stop it"
+        ) from exc
+    except OSError as exc:
+        raise TrainingError(f"cannot create the training lock beside {work}: {exc}") from exc
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _train(
+    cfg: TrainConfig,
+    ctx: WorkContext,
+    shards: StageResult | None,
+    corpus: StageResult,
+    online: tuple[ExtractConfig, ServerConfig] | None,
+    cache: Path,
+    work: Path,
+) -> StageResult:
     stage_dir, target, progress = ctx.stage_dir, ctx.target, ctx.progress
     store, run_name = stage_dir.store, stage_dir.run
-    if (cached := stage_dir.cached_result()) is not None:
-        return cached
-
     # A family drafting over the target's whole vocabulary (DFlash: its head is the target's) maps none.
     draft_vocab = cfg.drafter.vocab_rows(target.geometry.vocab_size)
     vocab = build_vocab_map(load_token_counts(store, corpus, target.geometry.vocab_size), draft_vocab)
 
-    cache = Path(cfg.cache_dir) if cfg.cache_dir else get_settings().cache_dir / "train"
-    work = cache / "work" / run_name / stage_dir.key
     work.mkdir(parents=True, exist_ok=True)
     train_paths: list[Path] = []
     eval_paths: list[Path] = []
