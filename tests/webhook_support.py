@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -25,6 +26,13 @@ class _Receiver(BaseHTTPRequestHandler):
 @pytest.fixture
 def webhook() -> Iterator[tuple[str, list[dict]]]:
     """Yields (url, received bodies)."""
+    with receiver() as hook:
+        yield hook
+
+
+@contextlib.contextmanager
+def receiver() -> Iterator[tuple[str, list[dict]]]:
+    """The receiver, for code that is not a test (the fault matrix): (url, received bodies)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     server.received = []  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, daemon=True)

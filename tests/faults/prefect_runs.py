@@ -24,8 +24,11 @@ import httpx
 from tests.fault_check import Snapshot, compare
 from tests.faults.case import ROOT, Case, wait_until
 from tests.processes import BIN, prefect_server
+from tests.webhook_support import receiver
 
 POOL = "aerie-local"
+# prefect.yaml's pools send a heartbeat every 60 s: two and a half of them.
+UNRESPONSIVE_S = 150
 DEPLOYMENT = "aerie-pipeline/local"
 
 
@@ -39,6 +42,7 @@ class Server:
         self.base = ""
         self.port = 0
         self.deployed = False
+        self.alerts: list[dict] = []  # what the failure automation posted to the matrix's webhook
 
     def start(self, home: Path) -> None:
         if self.base:
@@ -116,10 +120,36 @@ def prefect_cli(pipe: PipelineLike, *args: str, timeout: float = 300) -> str:
 
 
 def deploy(pipe: PipelineLike) -> None:
+    """The pipeline's deployment, and the README's automations posting to a webhook of the matrix."""
     if not SERVER.deployed:
         prefect_cli(pipe, "work-pool", "create", POOL, "--type", "process", "--overwrite")
         prefect_cli(pipe, "--no-prompt", "deploy", "--name", "local")
+        url, SERVER.alerts = SERVER.stack.enter_context(receiver())
+        argv = [
+            "-m",
+            "deployments.notifications",
+            "--webhook-url",
+            url,
+            "--unresponsive-after",
+            str(UNRESPONSIVE_S),
+        ]
+        done = subprocess.run(
+            [str(BIN / "python"), *argv],
+            cwd=ROOT,
+            env={**os.environ, **pipe.env()},
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"deployments.notifications: {done.stderr[-1500:]}")
         SERVER.deployed = True
+
+
+def alerts_of(pipe: PipelineLike, flow_run_id: str) -> list[str]:
+    """The alerts posted about one flow run (by its name)."""
+    url = pipe.env()["PREFECT_API_URL"]
+    name = httpx.get(f"{url}/flow_runs/{flow_run_id}", timeout=10).json()["name"]
+    return [a["text"] for a in SERVER.alerts if f" {name} is " in a.get("text", "")]
 
 
 def deployment_run(pipe: PipelineLike) -> str:
@@ -220,7 +250,8 @@ def case_api_restarted(pipe: PipelineLike, baseline: Snapshot) -> Case:
 def case_worker_killed(pipe: PipelineLike, baseline: Snapshot) -> Case:
     """A deployment run executed by a process worker; once extraction is writing, the worker's process
     group (the worker and the flow run it started) is SIGKILLed. The deployment is run again with a new
-    worker: it must complete, its state equal to an unfaulted run's."""
+    worker: it must complete, its state equal to an unfaulted run's; the dead run, silent, must be
+    marked Crashed by the unresponsive-run automation, which posts one alert about it."""
     deploy(pipe)
     first = deployment_run(pipe)
     fired, message = False, ""
@@ -250,16 +281,30 @@ def case_worker_killed(pipe: PipelineLike, baseline: Snapshot) -> Case:
         w.wait(1800)
     state2 = flow_state(pipe, second)
     message += f"; the deployment run again: {state2} in {time.monotonic() - began:.0f} s"
+    if fired:  # the automation's window counts from the dead run's last heartbeat
+        with contextlib.suppress(RuntimeError):
+            wait_until(
+                lambda: flow_state(pipe, first) != "RUNNING" and bool(alerts_of(pipe, first)),
+                UNRESPONSIVE_S + 120,
+            )
+        alerts = alerts_of(pipe, first)
+        message += f"; the dead run then {flow_state(pipe, first)}, {len(alerts)} alert(s) about it"
     verdict = compare(baseline, pipe.snapshot())
+    crashed = flow_state(pipe, first) == "CRASHED" and len(alerts_of(pipe, first)) == 1
     return Case.of(
-        fired, "the Prefect worker SIGKILLed mid-run", None, verdict, message, state2 == "COMPLETED"
+        fired,
+        "the Prefect worker SIGKILLed mid-run",
+        None,
+        verdict,
+        message,
+        state2 == "COMPLETED" and crashed,
     )
 
 
 def case_deployment_retried(pipe: PipelineLike, baseline: Snapshot) -> Case:
     """A deployment run whose flow process is SIGKILLed while it extracts (the worker lives on): the
-    flow run crashes; the deployment, run again on the same worker, must complete, its state equal to
-    an unfaulted run's."""
+    worker reports the flow run Crashed, which posts one alert; the deployment, run again on the same
+    worker, must complete, its state equal to an unfaulted run's."""
     deploy(pipe)
     first = deployment_run(pipe)
     killed: list[int] = []
@@ -279,12 +324,14 @@ def case_deployment_retried(pipe: PipelineLike, baseline: Snapshot) -> Case:
         wait_until(lambda: flow_state(pipe, second) in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"), 1800)
         state2 = flow_state(pipe, second)
         alive = w.poll() is None
+    alerts = alerts_of(pipe, first)
     message = (
-        f"{len(killed)} flow process(es) SIGKILLed while extracting: the run left {state1}; run again on the "
-        f"same worker (alive: {alive}): {state2} in {time.monotonic() - began:.0f} s"
+        f"{len(killed)} flow process(es) SIGKILLed while extracting: the run left {state1} ({len(alerts)} "
+        f"alert(s) about it); run again on the same worker (alive: {alive}): {state2} in "
+        f"{time.monotonic() - began:.0f} s"
     )
     verdict = compare(baseline, pipe.snapshot())
-    handled = state1 in ("CRASHED", "FAILED") and state2 == "COMPLETED" and alive
+    handled = state1 == "CRASHED" and len(alerts) == 1 and state2 == "COMPLETED" and alive
     return Case.of(
         bool(killed),
         "a deployment run's flow process SIGKILLed, the run retried",
