@@ -23,6 +23,11 @@ LOCK=envs/sglang/requirements.lock
 # Bump when the install steps below change: environments built the old way are then rebuilt.
 RECIPE=1
 
+# A pin to a file on the machine that froze the lock ("name @ file:///...") works there and nowhere else.
+if grep -n "@ file:" "$LOCK" >&2; then
+  echo "setup-sglang: $LOCK pins a local file (above): pin the release (name==version) or drop the line" >&2
+  exit 1
+fi
 if ! command -v "$SGLANG_PYTHON" >/dev/null 2>&1; then
   echo "setup-sglang: $SGLANG_PYTHON not found: SGLang's environment needs Python 3.11 (set SGLANG_PYTHON)" >&2
   exit 1

@@ -24,6 +24,11 @@ LOCK=envs/vllm/requirements.lock
 # Bump when the install steps below change: environments built the old way are then rebuilt.
 RECIPE=1
 
+# A pin to a file on the machine that froze the lock ("name @ file:///...") works there and nowhere else.
+if grep -n "@ file:" "$LOCK" >&2; then
+  echo "setup-vllm: $LOCK pins a local file (above): pin the release (name==version) or drop the line" >&2
+  exit 1
+fi
 if ! command -v "$VLLM_PYTHON" >/dev/null 2>&1; then
   echo "setup-vllm: $VLLM_PYTHON not found: vLLM's environment needs Python 3.11 (set VLLM_PYTHON)" >&2
   exit 1
