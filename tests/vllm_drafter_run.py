@@ -8,7 +8,8 @@ REQUEST.json: {"target": the target's directory, "drafter": the drafter's vllm/ 
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the drafter vLLM loaded is
 read straight from its model runner: OUT_DIR/drafter.safetensors holds every parameter of vLLM's drafter
-module as loaded, and OUT_DIR/result.json its class, config fields, the target layers vLLM captures, and
+module as loaded (a linear layer's weight as it was before vLLM's CPU kernels packed it: on a CPU with
+AVX-512 BF16 or oneDNN they replace it with an empty tensor), and OUT_DIR/result.json its class, config fields, the target layers vLLM captures, and
 the greedy token ids of both runs with the speculative run's acceptance counters. A stage that fails
 writes its error to result.json (`error`, `stage`) and exits 0, so the test reports vLLM's own words.
 """
@@ -26,6 +27,25 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+LOADED = "_loaded_weight"
+
+
+def keep_loaded_weights() -> None:
+    """Before vLLM's CPU GEMM dispatch packs a linear layer's weight (and may drop it), keep a copy of the
+    weight as loaded on the layer. Its callers import it at each call, so replacing the module's
+    function reaches them."""
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+
+    def keeping(layer: Any, remove_weight: bool) -> None:
+        if not layer.weight.is_meta:
+            setattr(layer, LOADED, layer.weight.detach().clone())
+        dispatch(layer, remove_weight)
+
+    utils.dispatch_cpu_unquantized_gemm = keeping
 
 
 def engine(target: str, speculative: dict[str, Any] | None) -> Any:
@@ -66,6 +86,9 @@ def drafter_facts(runner: Any, out: Path) -> dict[str, Any]:
     model = runner.drafter.model
     cfg = model.config
     params = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
+    for prefix, module in model.named_modules():
+        if hasattr(module, LOADED):
+            params[f"{prefix}.weight"] = getattr(module, LOADED).to("cpu").contiguous()
     save_file(params, str(out / "drafter.safetensors"))
     target_model = runner.model
     holder = getattr(target_model, "model", target_model)
@@ -97,6 +120,7 @@ def main(request_file: str, out_dir: str) -> None:
     out = Path(out_dir)
     result: dict[str, Any] = {}
     stage = "baseline"
+    keep_loaded_weights()
     try:
         llm = engine(req["target"], None)
         result["baseline"] = generate(llm, req["prompts"], req["max_tokens"])
