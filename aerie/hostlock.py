@@ -9,8 +9,10 @@ exits, even by SIGKILL, so a stale lock file never blocks a re-run.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -57,3 +59,22 @@ class HostLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def held(path: Path, error: Callable[[str], Exception], doing: str, lock_name: str) -> Iterator[None]:
+    """`HostLock(path)` held for the block, its failures raised as `error`: "another process (pid N) is
+    `doing` (lock ...); wait for it or stop it", or "cannot create `lock_name`: <OSError>"."""
+    lock = HostLock(path)
+    try:
+        lock.acquire()
+    except HeldElsewhere as exc:
+        raise error(
+            f"another process (pid {exc.holder}) is {doing} (lock {exc.path}); wait for it or stop it"
+        ) from exc
+    except OSError as exc:
+        raise error(f"cannot create {lock_name}: {exc}") from exc
+    try:
+        yield
+    finally:
+        lock.release()

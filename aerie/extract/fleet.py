@@ -8,7 +8,6 @@ import contextlib
 import logging
 import shutil
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +20,7 @@ from aerie.extract.plan import SHM_DUMPS, Plan
 from aerie.extract.resume import ProgressFile
 from aerie.extract.uploads import Uploader
 from aerie.extract.worker import SliceResult, SliceWorker, TokenMeter
-from aerie.hostlock import HeldElsewhere, HostLock
+from aerie.hostlock import held
 from aerie.progress import ProgressFn, no_progress
 from aerie.serving import ModelServer, ServerConfig, ServerSpec, spec_for
 from aerie.sglang_plugin.capture import AUX_LAYERS_ENV
@@ -49,25 +48,16 @@ def extract(
         return _extract(cfg, p, store=store, target=target, server=server, progress=progress)
 
 
-@contextlib.contextmanager
-def _slice_lock(p: Plan) -> Iterator[None]:
+def _slice_lock(p: Plan) -> contextlib.AbstractContextManager[None]:
     """A second process extracting these servers' rows would wipe their dump dirs as its servers start,
     and race them for the progress object: refuse it."""
     servers = f"s{p.servers.start}-s{p.servers.stop - 1}"
-    lock = HostLock(p.work / f".lock-{servers}")
-    try:
-        lock.acquire()
-    except HeldElsewhere as exc:
-        raise ExtractionError(
-            f"another process (pid {exc.holder}) is extracting {p.stage_dir.prefix} with servers {servers} on "
-            f"this host (lock {exc.path}); wait for it or stop it"
-        ) from exc
-    except OSError as exc:
-        raise ExtractionError(f"cannot create the extraction lock in {p.work}: {exc}") from exc
-    try:
-        yield
-    finally:
-        lock.release()
+    return held(
+        p.work / f".lock-{servers}",
+        ExtractionError,
+        f"extracting {p.stage_dir.prefix} with servers {servers} on this host",
+        f"the extraction lock in {p.work}",
+    )
 
 
 def _extract(

@@ -26,7 +26,6 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ from aerie.extract.config import ExtractConfig
 from aerie.extract.corpus_rows import open_split
 from aerie.extract.plan import check_server_quantization, dump_root
 from aerie.families import DEFAULT, family, family_of
-from aerie.hostlock import HeldElsewhere, HostLock
+from aerie.hostlock import held
 from aerie.manifest import StageDir, StageResult, load_manifest, stage_key
 from aerie.progress import ProgressFn
 from aerie.serving import ServerConfig
@@ -93,24 +92,16 @@ def run(
         return _train(cfg, ctx, shards, corpus, online, cache, work)
 
 
-@contextlib.contextmanager
-def _work_lock(work: Path) -> Iterator[None]:
+def _work_lock(work: Path) -> contextlib.AbstractContextManager[None]:
     """Two trainings of one key on this host would write one work folder's checkpoints and metrics and
     upload each other's steps: refuse the second. The lock sits beside the folder, which is removed
     when the training ends."""
-    lock = HostLock(work.parent / f".lock-{work.name}")
-    try:
-        lock.acquire()
-    except HeldElsewhere as exc:
-        raise TrainingError(
-            f"another process (pid {exc.holder}) is training into {work} (lock {exc.path}); wait for it or stop it"
-        ) from exc
-    except OSError as exc:
-        raise TrainingError(f"cannot create the training lock beside {work}: {exc}") from exc
-    try:
-        yield
-    finally:
-        lock.release()
+    return held(
+        work.parent / f".lock-{work.name}",
+        TrainingError,
+        f"training into {work}",
+        f"the training lock beside {work}",
+    )
 
 
 def _train(
